@@ -1,0 +1,1 @@
+"""Users, roles (viewer, operator, admin) and the permission every API view uses."""

@@ -1,0 +1,1 @@
+"""The operator dashboard: pages and the live websocket stream."""

@@ -1,0 +1,65 @@
+"""Live events for the dashboard: sent only from services, only after commit, with sequence numbers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import lru_cache
+from typing import Any
+
+import redis
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import transaction
+
+log = logging.getLogger("strata.dashboard")
+
+DASHBOARD_GROUP = "dashboard"
+SEQUENCE_KEY = "strata:dashboard:seq"
+
+# Every event type and the fields its payload carries; a test checks real events against this.
+EVENT_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "node.heartbeat": {
+        "name": str, "host": str, "address": str, "state": str, "last_seen": str,
+        "heartbeat_seconds": (int, float), "tiers": list,
+    },
+    "node.state": {"name": str, "state": str, "previous": str},
+}
+
+
+@lru_cache(maxsize=1)
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(settings.STRATA_REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+
+
+def event_validate(event: dict[str, Any]) -> None:
+    """Raise ValueError naming what is wrong with an event's envelope or payload."""
+    for key, kind in (("type", str), ("seq", int), ("ts", float), ("payload", dict)):
+        if not isinstance(event.get(key), kind):
+            raise ValueError(f"event field {key!r} must be {kind.__name__}, got {event.get(key)!r}")
+    schema = EVENT_SCHEMAS.get(event["type"])
+    if schema is None:
+        raise ValueError(f"unknown event type {event['type']!r}")
+    for field, kind in schema.items():
+        if field not in event["payload"]:
+            raise ValueError(f"{event['type']} payload lacks {field!r}")
+        if not isinstance(event["payload"][field], kind):
+            raise ValueError(f"{event['type']} payload field {field!r} has type {type(event['payload'][field]).__name__}")
+
+
+def _send(kind: str, payload: dict[str, Any]) -> None:
+    try:
+        seq = int(_redis().incr(SEQUENCE_KEY))
+        event = {"type": kind, "seq": seq, "ts": time.time(), "payload": payload}
+        async_to_sync(get_channel_layer().group_send)(DASHBOARD_GROUP, {"type": "dashboard.event", "event": event})
+    except (redis.RedisError, OSError) as exc:
+        # The stream is lossy by design: the page re-reads the REST snapshot and catches up.
+        log.warning("dashboard event %s not sent: %s", kind, exc)
+
+
+def send_event_on_commit(*, kind: str, payload: dict[str, Any]) -> None:
+    """Queue a dashboard event to go out once the current transaction commits (at once outside one)."""
+    if kind not in EVENT_SCHEMAS:
+        raise ValueError(f"unknown event type {kind!r}")
+    transaction.on_commit(lambda: _send(kind, payload))

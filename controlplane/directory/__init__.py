@@ -1,0 +1,1 @@
+"""The directory: nodes and, per block, its fingerprint, placements and lifecycle."""

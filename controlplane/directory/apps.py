@@ -1,0 +1,9 @@
+"""App config of the directory."""
+
+from django.apps import AppConfig
+
+
+class DirectoryConfig(AppConfig):
+    name = "controlplane.directory"
+    label = "directory"
+    verbose_name = "Block directory"

@@ -1,0 +1,129 @@
+"""`make demo`: services, migrations, the admin account, then daphne, two node workers, the control
+worker and beat under one supervisor. Ctrl-C or `make stop` ends every process it started."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from controlplane.runtime.embedded import services_start, services_stop
+from controlplane.runtime.environment import REPO_ROOT, ConfigurationError, load_environment
+
+NODES = ("gpu-0", "gpu-1")
+
+
+def _pid_file(var: Path) -> Path:
+    return var / "demo.pid"
+
+
+def _manage(*args: str, env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, str(REPO_ROOT / "manage.py"), *args], env=env, check=True, cwd=REPO_ROOT)
+
+
+def _procfile(port: int) -> list[tuple[str, str]]:
+    python = shlex.quote(sys.executable)
+    celery = f"{python} -m celery -A controlplane.celery_app"
+    processes = [("web", f"{python} -m daphne -b 127.0.0.1 -p {port} controlplane.asgi:application")]
+    processes += [(name, f"{python} manage.py strata_node --name {name}") for name in NODES]
+    processes += [
+        ("control", f"{celery} worker -Q control -n control@%h --pool threads --concurrency 2 "
+                    "--without-gossip --without-mingle --loglevel WARNING"),
+        ("beat", f"{celery} beat --loglevel WARNING --pidfile="),
+    ]
+    return processes
+
+
+def run(port: int) -> int:
+    from honcho.manager import Manager
+
+    env_vars = dict(os.environ)
+    env_vars.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings.dev")
+    env = load_environment(env_vars)
+    pid_file = _pid_file(env.var_dir)
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            print(f"the demo is already running (pid {pid_file.read_text().strip()}); `make stop` ends it")
+            return 1
+        except (OSError, ValueError):
+            pid_file.unlink()
+    for line in services_start(env):
+        print(line)
+    metrics_dir = env.var_dir / "prometheus"
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
+    env_vars["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    env_vars["PYTHONUNBUFFERED"] = "1"
+    _manage("migrate", "--noinput", "-v", "0", env=env_vars)
+    _manage("collectstatic", "--noinput", "-v", "0", env=env_vars)
+    _manage("strata_admin", env=env_vars)
+
+    pid_file.write_text(str(os.getpid()))
+    manager = Manager()
+    for name, command in _procfile(port):
+        manager.add_process(name, command, env=env_vars, cwd=str(REPO_ROOT))
+    base = f"http://127.0.0.1:{port}"
+    print(
+        f"\nStrata is starting:\n"
+        f"  dashboard  {base}/            (user admin; password above or in {env.var_dir / 'admin-password'})\n"
+        f"  API docs   {base}/api/docs/\n"
+        f"  nodes      {base}/api/v1/nodes/\n"
+        f"  admin      {base}/admin/\n"
+        f"  health     {base}/readyz   metrics {base}/metrics\n"
+        f"Ctrl-C (or `make stop` elsewhere) stops everything.\n",
+        flush=True,
+    )
+    try:
+        manager.loop()
+    finally:
+        pid_file.unlink(missing_ok=True)
+    return manager.returncode or 0
+
+
+def stop() -> int:
+    """End a running demo (its supervisor ends its children), then the embedded services."""
+    env = load_environment({k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}})
+    pid_file = _pid_file(env.var_dir)
+    if pid_file.exists():
+        try:
+            pid = int(pid_file.read_text())
+            os.kill(pid, signal.SIGTERM)
+            print(f"stopping the demo (pid {pid})")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                os.kill(pid, 0)
+                time.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+        pid_file.unlink(missing_ok=True)
+    for line in services_stop(env):
+        print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m controlplane.runtime.demo", description=__doc__)
+    parser.add_argument("action", choices=["run", "stop"])
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "stop":
+            return stop()
+        port_text = os.environ.get("STRATA_HTTP_PORT", "8000")
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ConfigurationError(f"STRATA_HTTP_PORT: expected a TCP port number, got {port_text!r}")
+        return run(int(port_text))
+    except ConfigurationError as exc:
+        print(f"strata: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Django REST framework and the OpenAPI schema."""
+
+from typing import Any
+
+
+def settings() -> dict[str, Any]:
+    return {
+        "REST_FRAMEWORK": {
+            "DEFAULT_AUTHENTICATION_CLASSES": [
+                # Token first: its WWW-Authenticate header makes "not logged in" a 401, not a 403.
+                "rest_framework.authentication.TokenAuthentication",
+                "rest_framework.authentication.SessionAuthentication",
+            ],
+            "DEFAULT_PERMISSION_CLASSES": ["controlplane.accounts.permissions.RolePermission"],
+            "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+            "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
+            "PAGE_SIZE": 100,
+            "DEFAULT_THROTTLE_CLASSES": [
+                "rest_framework.throttling.UserRateThrottle",
+                "rest_framework.throttling.AnonRateThrottle",
+            ],
+            "DEFAULT_THROTTLE_RATES": {"user": "100000/min", "anon": "60/min"},
+            "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer",
+                                         "rest_framework.renderers.BrowsableAPIRenderer"],
+        },
+        "SPECTACULAR_SETTINGS": {
+            "TITLE": "Strata control plane API",
+            "DESCRIPTION": "Tiered KV-cache block directory, nodes, policies and movements.",
+            "VERSION": "1.0.0",
+            "SERVE_INCLUDE_SCHEMA": False,
+            "SCHEMA_PATH_PREFIX": r"/api/v1",
+            "COMPONENT_SPLIT_REQUEST": True,
+        },
+    }

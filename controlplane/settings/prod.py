@@ -1,0 +1,26 @@
+"""Production settings: secrets from the environment, TLS-only cookies, HSTS."""
+
+import os
+
+from controlplane.settings import base
+from controlplane.settings.inherit import settings_of
+
+globals().update(settings_of(base))
+
+DEBUG = False
+if len(base.SECRET_KEY) < 50:
+    raise SystemExit("strata: STRATA_SECRET_KEY: production needs a random secret of at least 50 characters")
+SECRET_KEY = base.SECRET_KEY
+
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = os.environ.get("STRATA_SSL_REDIRECT", "true").lower() != "false"
+SECURE_HSTS_SECONDS = 31536000
+SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+SECURE_HSTS_PRELOAD = True
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SESSION_COOKIE_SECURE = True
+CSRF_COOKIE_SECURE = True
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+# Health and metrics are scraped over plain HTTP inside the cluster.
+SECURE_REDIRECT_EXEMPT = [r"^livez$", r"^readyz$", r"^metrics$"]

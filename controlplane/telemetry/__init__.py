@@ -1,0 +1,1 @@
+"""Telemetry: health endpoints, Prometheus metrics."""

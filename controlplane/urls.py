@@ -1,0 +1,26 @@
+"""URL routes of the control plane."""
+
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from controlplane.dashboard import views as dashboard_views
+from controlplane.telemetry import views as telemetry_views
+
+api_v1 = [
+    path("", include("controlplane.directory.api.urls")),
+]
+
+urlpatterns = [
+    path("", dashboard_views.live, name="dashboard-live"),
+    path("accounts/login/", auth_views.LoginView.as_view(template_name="registration/login.html"), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+    path("api/v1/", include(api_v1)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("livez", telemetry_views.livez, name="livez"),
+    path("readyz", telemetry_views.readyz, name="readyz"),
+    path("metrics", telemetry_views.metrics, name="metrics"),
+]

@@ -1,0 +1,114 @@
+"""Deployment files, checked statically (no Docker engine here), and production settings."""
+
+import importlib.util
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+
+
+def _command(service) -> list[str]:
+    command = service.get("command")
+    return shlex.split(command) if isinstance(command, str) else list(command or [])
+
+
+def _check_project_command(argv: list[str]) -> None:
+    """Every command of a Strata service must exist in this project."""
+    from django.core.management import get_commands
+
+    assert argv[0] == "python", argv
+    if argv[1] == "manage.py":
+        assert (REPO_ROOT / "manage.py").exists()
+        assert argv[2] in get_commands(), f"no management command {argv[2]!r}"
+        return
+    assert argv[1] == "-m", argv
+    module = argv[2]
+    assert importlib.util.find_spec(module) is not None, f"module {module} not installed"
+    if module == "daphne":
+        app_module, _, attribute = argv[-1].partition(":")
+        assert (REPO_ROOT / (app_module.replace(".", "/") + ".py")).exists()
+        assert attribute == "application"
+    elif module == "celery":
+        app_module = argv[argv.index("-A") + 1]
+        assert (REPO_ROOT / (app_module.replace(".", "/") + ".py")).exists()
+        assert argv[argv.index("-A") + 2] in {"worker", "beat"}
+
+
+def test_every_service_command_exists(compose):
+    services = compose["services"]
+    assert {"postgres", "redis", "web", "node-gpu-0", "beat"} <= set(services)
+    for name, service in services.items():
+        argv = _command(service)
+        if "build" in service:
+            _check_project_command(argv)
+        else:
+            assert service["image"].split(":")[0] in {"postgres", "redis"}, name
+            assert argv[0] in {"postgres", "redis-server"}, name
+
+
+def test_dockerfile_and_its_sources_exist(compose):
+    build = compose["services"]["web"]["build"]
+    dockerfile = REPO_ROOT / build["context"] / build["dockerfile"]
+    assert dockerfile.exists()
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (REPO_ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def test_data_services_are_durable_and_checked(compose):
+    services = compose["services"]
+    assert "--data-checksums" in services["postgres"]["environment"]["POSTGRES_INITDB_ARGS"]
+    assert "--appendonly" in _command(services["redis"])
+    for name in ("postgres", "redis", "web", "node-gpu-0"):
+        assert "healthcheck" in services[name], name
+    assert "pgdata" in compose["volumes"] and "redisdata" in compose["volumes"]
+    gpu = services["node-gpu-0"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+
+
+def test_production_settings_pass_check_deploy(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
+            "STRATA_SECRET_KEY": secrets.token_urlsafe(64),
+            "STRATA_ALLOWED_HOSTS": "strata.example.com",
+            "STRATA_VAR_DIR": str(tmp_path),
+        },
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"System check identified no issues", result.stdout + result.stderr)
+
+
+def test_production_refuses_a_weak_secret(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
+             "STRATA_SECRET_KEY": "short", "STRATA_VAR_DIR": str(tmp_path)},
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip() == "strata: STRATA_SECRET_KEY: production needs a random secret of at least 50 characters"
+
+
+def test_readme_documents_every_node_option():
+    from worker.dataplane.config import describe_options
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    missing = [row["variable"] for row in describe_options() if f"`{row['variable']}`" not in readme]
+    assert not missing, f"README lacks {missing}"

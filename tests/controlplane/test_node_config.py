@@ -1,0 +1,60 @@
+"""The node option table: precedence, sizes, and bad values named with their source."""
+
+from pathlib import Path
+
+import pytest
+
+from worker.dataplane.config import ConfigError, load_config, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("512MiB", 512 * 1024**2), ("2GB", 2 * 10**9), ("1048576", 1048576), (" 1.5 GiB", int(1.5 * 1024**3)), (0, 0)],
+)
+def test_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_precedence_flag_over_env_over_yaml_over_default(tmp_path):
+    config_file = tmp_path / "node.yaml"
+    config_file.write_text("host_bytes: 3GiB\ndisk_bytes: 5GiB\nnode_name: from-yaml\n")
+    config = load_config(
+        overrides={"node_name": "from-flag"},
+        environ={"STRATA_CONFIG_FILE": str(config_file), "STRATA_HOST_BYTES": "2GiB", "STRATA_NODE_NAME": "from-env"},
+    )
+    assert config.node_name == "from-flag"
+    assert config.host_bytes == 2 * 1024**3
+    assert config.disk_bytes == 5 * 1024**3
+    assert config.device_bytes == 256 * 1024**2
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"STRATA_HOST_BYTES": "lots"}, "STRATA_HOST_BYTES: expected a size"),
+        ({"STRATA_HEARTBEAT_SECONDS": "0"}, "STRATA_HEARTBEAT_SECONDS: must be greater than zero"),
+        ({"STRATA_NODE_NAME": "GPU 0"}, "STRATA_NODE_NAME: expected 1-63 lowercase"),
+        ({"STRATA_WORKER_CONCURRENCY": "x"}, "STRATA_WORKER_CONCURRENCY: invalid literal"),
+    ],
+)
+def test_bad_values_name_the_option(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(environ=environ)
+
+
+def test_bad_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(environ={"STRATA_CONFIG_FILE": str(path)})
+    path.write_text("host_byts: 1GiB\n")
+    with pytest.raises(ConfigError, match="unknown option"):
+        load_config(environ={"STRATA_CONFIG_FILE": str(path)})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(environ={"STRATA_CONFIG_FILE": str(tmp_path / "missing.yaml")})
+
+
+def test_disk_path_placeholders(monkeypatch):
+    monkeypatch.setenv("STRATA_VAR_DIR", "/srv/strata")
+    config = load_config(environ={"STRATA_NODE_NAME": "gpu-7"})
+    assert config.node_disk_path == Path("/srv/strata/nodes/gpu-7/disk")

@@ -1,0 +1,122 @@
+"""`make demo` end to end in a private var/ directory: embedded PostgreSQL and Redis, daphne, two node
+workers, beat; /readyz is 200, both nodes are listed to the admin; `stop` leaves no process behind."""
+
+import http.cookiejar
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _processes_of(var_dir: Path) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if process.pid == os.getpid():
+                continue
+            environ = process.environ()
+            cmdline = " ".join(process.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if environ.get("STRATA_VAR_DIR") == str(var_dir) or str(var_dir) in cmdline:
+            found.append(process)
+    return found
+
+
+class Session:
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.jar = http.cookiejar.CookieJar()
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar))
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with self.opener.open(self.base + path, timeout=10) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def login(self, username: str, password: str) -> None:
+        self.get("/accounts/login/")
+        token = next(c.value for c in self.jar if c.name == "csrftoken")
+        data = urllib.parse.urlencode({"username": username, "password": password, "csrfmiddlewaretoken": token})
+        request = urllib.request.Request(self.base + "/accounts/login/", data=data.encode(),
+                                         headers={"Referer": self.base + "/accounts/login/"})
+        with self.opener.open(request, timeout=10) as response:
+            assert response.status == 200
+        assert any(c.name == "sessionid" for c in self.jar), "login failed"
+
+
+def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path):
+    var_dir = tmp_path / "var"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+    env.update(STRATA_VAR_DIR=str(var_dir), STRATA_HTTP_PORT=str(port), PYTHONUNBUFFERED="1",
+               STRATA_HEARTBEAT_SECONDS="1")
+    log = open(tmp_path / "demo.log", "w+")
+    demo = subprocess.Popen([sys.executable, "-m", "controlplane.runtime.demo", "run"], cwd=REPO_ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        session = Session(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline and demo.poll() is None:
+            try:
+                status, _ = session.get("/readyz")
+            except OSError:
+                status = None
+            if status == 200:
+                break
+            time.sleep(0.5)
+        assert status == 200, f"readyz never 200 (last {status})"
+        password = (var_dir / "admin-password").read_text().strip()
+        session.login("admin", password)
+        names: set[str] = set()
+        while time.monotonic() < deadline and names != {"gpu-0", "gpu-1"}:
+            code, body = session.get("/api/v1/nodes/")
+            assert code == 200
+            names = {n["name"] for n in json.loads(body)["results"] if n["state"] == "up"}
+            time.sleep(0.5)
+        assert names == {"gpu-0", "gpu-1"}
+        assert session.get("/api/docs/")[0] == 200
+        assert session.get("/")[0] == 200
+        assert _processes_of(var_dir), "the demo's processes should be visible while it runs"
+
+        stop = subprocess.run([sys.executable, "-m", "controlplane.runtime.demo", "stop"], cwd=REPO_ROOT,
+                              env=env, capture_output=True, text=True, timeout=90)
+        assert stop.returncode == 0, stop.stderr
+        demo.wait(30)
+        left = []
+        for _ in range(50):
+            left = _processes_of(var_dir)
+            if not left:
+                break
+            time.sleep(0.2)
+        assert not left, [p.info["cmdline"] for p in left]
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+        for process in _processes_of(var_dir):
+            process.kill()
+        log.seek(0)
+        print(log.read()[-6000:])
+        log.close()

@@ -1,0 +1,1 @@
+"""Strata data plane: blocks, fingerprints, tiers and loading; free of Django and Celery."""

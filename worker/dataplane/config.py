@@ -1,0 +1,207 @@
+"""The node's typed option table: STRATA_* variables over an optional YAML file over defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the option."""
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+    "p": 1000**5, "pb": 1000**5, "pib": 1024**5, "pi": 1024**5,
+}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as '512MiB', '2 GB', '1048576'."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(f"expected a size such as 512MiB or 2GB, got {value!r}")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(value)
+
+
+def _parse_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _parse_str(value: Any) -> str:
+    return str(value)
+
+
+def _parse_path(value: Any) -> Path:
+    return Path(str(value)).expanduser()
+
+
+_NODE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+def _parse_node_name(value: Any) -> str:
+    text = str(value)
+    if not _NODE_NAME_RE.match(text):
+        raise ValueError(
+            f"expected 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit, got {text!r}"
+        )
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One row of the option table."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    description: str
+    check: Callable[[Any], str | None] | None = None
+
+    @property
+    def env_var(self) -> str:
+        return "STRATA_" + self.name.upper()
+
+
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else "must be greater than zero"
+
+
+def _non_negative(value: Any) -> str | None:
+    return None if value >= 0 else "cannot be negative"
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("node_name", _parse_node_name, "gpu-0", "Name of this node; its Celery queue is node.<name>."),
+    Option("node_address", _parse_str, "", "Address other nodes and the control plane reach this node at (host:port)."),
+    Option("heartbeat_seconds", _parse_float, 5.0, "Seconds between node heartbeats; 3 missed make the node stale.", _positive),
+    Option("device_bytes", parse_size, 256 * 1024**2, "L1 device pool capacity (GPU memory, CPU memory where no GPU).", _non_negative),
+    Option("host_bytes", parse_size, 1024**3, "L2 DRAM pool capacity (POSIX shared memory on the node).", _non_negative),
+    Option("disk_bytes", parse_size, 4 * 1024**3, "L2 NVMe tier capacity.", _non_negative),
+    Option("disk_path", _parse_path, Path("{var}/nodes/{node}/disk"), "Directory of the NVMe tier; {node} is replaced by the node name, {var} by STRATA_VAR_DIR (default ./var)."),
+    Option("remote_bytes", parse_size, 16 * 1024**3, "L3 remote tier capacity accounted to this deployment.", _non_negative),
+    Option("remote_url", _parse_str, "", "L3 store: redis:// or unix:// URL of a Redis/Valkey, or a directory path of a shared filesystem mount. Empty: REDIS_URL."),
+    Option("remote_prefix", _parse_str, "strata", "Key prefix of this deployment in the remote tier."),
+    Option("worker_concurrency", _parse_int, 4, "Threads executing this node's Celery tasks.", _positive),
+)
+
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """Validated node options. Build with `load_config`."""
+
+    node_name: str
+    node_address: str
+    heartbeat_seconds: float
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    disk_path: Path
+    remote_bytes: int
+    remote_url: str
+    remote_prefix: str
+    worker_concurrency: int
+
+    @property
+    def node_disk_path(self) -> Path:
+        var = os.environ.get("STRATA_VAR_DIR") or "var"
+        return Path(str(self.disk_path).replace("{node}", self.node_name).replace("{var}", var))
+
+
+def load_config(
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    yaml_path: str | Path | None = None,
+) -> NodeConfig:
+    """Options by precedence: explicit overrides (command-line flags) > STRATA_* variables >
+    the YAML file (STRATA_CONFIG_FILE or `yaml_path`) > defaults. Raises ConfigError naming the
+    option and the source of the bad value."""
+    environ = os.environ if environ is None else environ
+    yaml_path = yaml_path or environ.get("STRATA_CONFIG_FILE") or None
+    from_yaml: dict[str, Any] = {}
+    if yaml_path:
+        try:
+            loaded = yaml.safe_load(Path(yaml_path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"STRATA_CONFIG_FILE: cannot read {yaml_path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"STRATA_CONFIG_FILE: {yaml_path} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"STRATA_CONFIG_FILE: {yaml_path} must hold a mapping of option names")
+        unknown = sorted(set(loaded) - set(_BY_NAME))
+        if unknown:
+            raise ConfigError(f"STRATA_CONFIG_FILE: unknown option(s) {', '.join(unknown)} in {yaml_path}")
+        from_yaml = loaded
+    unknown = sorted(set(overrides or {}) - set(_BY_NAME))
+    if unknown:
+        raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
+
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        if overrides and overrides.get(option.name) is not None:
+            raw, source = overrides[option.name], f"--{option.name.replace('_', '-')}"
+        elif option.env_var in environ:
+            raw, source = environ[option.env_var], option.env_var
+        elif option.name in from_yaml:
+            raw, source = from_yaml[option.name], f"{option.name} in {yaml_path}"
+        else:
+            values[option.name] = option.default
+            continue
+        try:
+            value = option.parse(raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
+        if option.check is not None and (problem := option.check(value)):
+            raise ConfigError(f"{source}: {problem}, got {raw!r}")
+        values[option.name] = value
+    return NodeConfig(**values)
+
+
+def describe_options() -> list[dict[str, str]]:
+    """The option table as rows (for the README and `strata_node --help`)."""
+    return [
+        {"variable": o.env_var, "default": str(o.default), "description": o.description}
+        for o in OPTIONS
+    ]

@@ -1,0 +1,156 @@
+"""The node runtime: a Celery worker on queue node.<name> and the heartbeat that reports its tiers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, bootsteps
+
+from worker.dataplane.config import NodeConfig
+
+log = logging.getLogger("strata.node")
+
+VERSION = "0.1.0"
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    if path.exists():
+        for entry in os.scandir(path):
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+class NodeRuntime:
+    """What a node knows about itself: its options and the current use of its tiers."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.host = socket.gethostname()
+
+    def prepare(self) -> None:
+        """Create the node's local tier directories; fail loudly if they cannot exist."""
+        disk = self.config.node_disk_path
+        disk.mkdir(parents=True, exist_ok=True)
+        if not os.access(disk, os.W_OK):
+            raise PermissionError(f"disk tier directory {disk} is not writable")
+        free = shutil.disk_usage(disk).free + _dir_bytes(disk)
+        if free < self.config.disk_bytes:
+            log.warning(
+                "disk tier %s: capacity %d bytes configured but only %d bytes free on its filesystem",
+                disk, self.config.disk_bytes, free,
+            )
+
+    def tier_reports(self) -> list[dict[str, Any]]:
+        """Capacity and use per tier, as plain data for the heartbeat service."""
+        c = self.config
+        return [
+            {"tier": "device", "capacity_bytes": c.device_bytes, "used_bytes": 0},
+            {"tier": "host", "capacity_bytes": c.host_bytes, "used_bytes": 0},
+            {"tier": "disk", "capacity_bytes": c.disk_bytes,
+             "used_bytes": min(_dir_bytes(c.node_disk_path), c.disk_bytes) if c.disk_bytes else 0},
+            {"tier": "remote", "capacity_bytes": c.remote_bytes, "used_bytes": 0},
+        ]
+
+    def heartbeat(self) -> None:
+        """Report this node to the directory (one transaction)."""
+        from controlplane.directory.services import TierReport, node_heartbeat
+
+        node_heartbeat(
+            name=self.config.node_name,
+            host=self.host,
+            address=self.config.node_address,
+            pid=os.getpid(),
+            version=VERSION,
+            heartbeat_seconds=self.config.heartbeat_seconds,
+            tiers=[TierReport(**report) for report in self.tier_reports()],
+        )
+
+    def shutdown(self) -> None:
+        from controlplane.directory.services import node_mark_down
+
+        node_mark_down(name=self.config.node_name)
+
+
+class HeartbeatStep(bootsteps.StartStopStep):
+    """Runs the heartbeat inside the worker: a node is `up` only while its worker is."""
+
+    requires = {"celery.worker.components:Pool"}
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.runtime: NodeRuntime = parent.app.strata_runtime
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        from django.db import close_old_connections
+
+        failures = 0
+        while not self.stop_event.is_set():
+            try:
+                close_old_connections()
+                self.runtime.heartbeat()
+                if failures:
+                    log.info("heartbeat delivered again after %d failure(s)", failures)
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - a failed beat is retried at the next interval
+                failures += 1
+                if failures == 1 or failures % 12 == 0:
+                    log.warning("heartbeat failed (%d in a row): %s", failures, exc)
+            self.stop_event.wait(self.runtime.config.heartbeat_seconds)
+
+    def start(self, parent: Any) -> None:
+        name = self.runtime.config.node_name
+        log.info(
+            "node %s: heartbeat every %.1fs on queue node.%s", name, self.runtime.config.heartbeat_seconds, name
+        )
+        self.thread = threading.Thread(target=self._loop, name=f"heartbeat-{name}", daemon=True)
+        self.thread.start()
+
+    def stop(self, parent: Any) -> None:
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+            self.thread = None
+            try:
+                from django.db import close_old_connections
+
+                close_old_connections()
+                self.runtime.shutdown()
+                log.info("node %s: marked down", self.runtime.config.node_name)
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway; the stale sweep will notice
+                log.warning("could not mark the node down: %s", exc)
+
+
+def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
+    """Start the node's Celery worker in this process and block until it stops."""
+    runtime = NodeRuntime(config)
+    runtime.prepare()
+    app.strata_runtime = runtime  # type: ignore[attr-defined]
+    app.steps["worker"].add(HeartbeatStep)
+    queue = f"node.{config.node_name}"
+    log.info(
+        "node %s starting: queue %s, device %d B, host %d B, disk %d B at %s, remote %d B",
+        config.node_name, queue, config.device_bytes, config.host_bytes, config.disk_bytes,
+        config.node_disk_path, config.remote_bytes,
+    )
+    worker = app.Worker(
+        hostname=f"{config.node_name}@{runtime.host}",
+        queues=[queue],
+        pool="threads",
+        concurrency=config.worker_concurrency,
+        loglevel=loglevel,
+        without_gossip=True,
+        without_mingle=True,
+        without_heartbeat=True,
+    )
+    worker.start()
+    return int(worker.exitcode or 0)
