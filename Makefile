@@ -4,7 +4,6 @@ PYTHON_BIN ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export DJANGO_SETTINGS_MODULE ?= controlplane.settings.dev
 
 .PHONY: setup demo test test-fast bench lint stop clean
 
@@ -25,7 +24,7 @@ stop:
 
 test: setup
 	$(PY) -m controlplane.runtime.embedded start
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ds=controlplane.settings.test
 
 bench: setup
 	$(PY) -m controlplane.runtime.embedded start
