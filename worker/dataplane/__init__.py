@@ -1,1 +1,1 @@
-"""Strata data plane: blocks, fingerprints, tiers and loading; free of Django and Celery."""
+"""Strata's data plane: block layout, fingerprints, checksums and the tiered block store (no Django, no Celery)."""

@@ -1,0 +1,1 @@
+"""Strata's benchmarks: `python -m benchmarks [suite ...]` runs the suites in benchmarks/suites/."""

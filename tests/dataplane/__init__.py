@@ -1,0 +1,1 @@
+"""Tests of worker.dataplane (Django-free): real files, real Redis, real processes."""

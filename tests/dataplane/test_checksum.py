@@ -1,0 +1,97 @@
+"""Checksums and the copy+verify engine agree with plain xxh3-128."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import xxhash
+from dataplane_support import SMALL, key, layout_of, make_block
+
+from worker.dataplane.buffers import aligned_empty, host_view
+from worker.dataplane.checksum import (
+    BlockChecksum,
+    ChecksumEngine,
+    Span,
+    block_checksum,
+    layer_checksum,
+    layer_prefix,
+)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "sizes", [[1], [4096] * 3, [700_001, 3, 2 * 1024 * 1024 + 17], [1024 * 1024] * 9]
+)
+def test_engine_copy_and_hash_match_xxh3(threads: int, sizes: list[int]) -> None:
+    src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    spans, offset = [], 0
+    for i, n in enumerate(sizes):
+        spans.append(
+            Span(
+                src=src.data_ptr() + offset,
+                nbytes=n,
+                prefix=b"p%d" % i,
+                dst=dst.data_ptr() + offset,
+            )
+        )
+        offset += n
+    with ChecksumEngine(threads=threads, chunk_bytes=256 * 1024) as engine:
+        digests = engine.run(spans)
+        assert torch.equal(src, dst)
+        view, offset = host_view(src), 0
+        for i, n in enumerate(sizes):
+            assert (
+                digests[i]
+                == xxhash.xxh3_128(b"p%d" % i + bytes(view[offset : offset + n])).digest()
+            )
+            offset += n
+        # hash only, in place
+        hashed = engine.run([Span(src=s.src, nbytes=s.nbytes, prefix=s.prefix) for s in spans])
+        assert hashed == digests
+        # copy only
+        other = torch.zeros_like(src)
+        engine.run(
+            [
+                Span(src=s.src, nbytes=s.nbytes, dst=other.data_ptr() + (s.dst - dst.data_ptr()))
+                for s in spans
+            ],
+            digest=False,
+        )
+        assert torch.equal(other, src)
+
+
+def test_block_checksum_chains_the_layer_checksums(engine: ChecksumEngine) -> None:
+    layout = layout_of(SMALL)
+    block = make_block(layout, seed=1)
+    k = key(1)
+    checksum = engine.checksum(k, block, layout)
+    assert isinstance(checksum, BlockChecksum)
+    view = host_view(block)
+    layers = [
+        layer_checksum(k, i, view[i * layout.layer_bytes : (i + 1) * layout.layer_bytes])
+        for i in range(layout.layers)
+    ]
+    assert list(checksum.layers) == layers
+    assert (
+        checksum.block
+        == block_checksum(k, layers)
+        == xxhash.xxh3_128(k.bytes + b"".join(layers)).digest()
+    )
+    assert checksum.consistent(k) and not checksum.consistent(key(2))
+    assert BlockChecksum.unpack(checksum.pack(), layers=layout.layers) == checksum
+    # Layer checksums depend on the key and on the layer's position.
+    assert layer_prefix(k, 1) != layer_prefix(k, 2)
+    assert (
+        layer_checksum(k, 0, b"x") != layer_checksum(key(2), 0, b"x") != layer_checksum(k, 1, b"x")
+    )
+
+
+def test_checksum_of_a_layer_range(engine: ChecksumEngine) -> None:
+    layout = layout_of(SMALL)
+    block = make_block(layout, seed=2)
+    whole = engine.checksum(key(3), block, layout)
+    offset, nbytes = layout.span(range(2, 5))
+    part = aligned_empty(nbytes)
+    part.copy_(block[offset : offset + nbytes])
+    assert engine.checksum(key(3), part, layout, first_layer=2) == list(whole.layers[2:5])

@@ -1,0 +1,171 @@
+"""The host pool is shared by processes: they see each other's blocks and never read torn bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from dataplane_support import key, layout_of
+
+from worker.dataplane.errors import BlockCorrupt, BlockMissing, TierFull
+
+REPO = Path(__file__).resolve().parents[2]
+LAYOUT = layout_of(
+    {"layers": 4, "kv_heads": 2, "head_dim": 64, "block_tokens": 128}, "float16"
+)  # 128 KiB blocks
+
+
+def pattern(n: int) -> torch.Tensor:
+    """Bytes that differ at every position between blocks n and n+1..n+15 (blocks that can
+    share the pool at one time), so a mix of two of them never passes for either."""
+    base = torch.arange(LAYOUT.block_bytes, dtype=torch.int64)
+    return ((base * 7 + (n % 16) * 13) % 251).to(torch.uint8)
+
+
+def _run_child(body: str, pool: str) -> subprocess.Popen:
+    script = textwrap.dedent(f"""
+        import os, sys, time, uuid, torch
+        sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from dataplane_support import key, layout_of
+        from worker.dataplane.tiers.host import HostTier
+        from test_host_shared import LAYOUT, pattern
+        tier = HostTier(layout=LAYOUT, capacity_bytes=0, pool_name={pool!r})
+    """) + textwrap.dedent(body)
+    return subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(child: subprocess.Popen, timeout: float = 120) -> str:
+    out, err = child.communicate(timeout=timeout)
+    assert child.returncode == 0, err
+    return out
+
+
+def test_a_second_process_sees_and_adds_blocks(open_tier, shm_name) -> None:
+    tier = open_tier("host", LAYOUT, blocks=4)
+    tier.put(key(1), pattern(1))
+    child = _run_child(
+        """
+        out = LAYOUT.empty()
+        tier.get(key(1), out)
+        assert torch.equal(out, pattern(1))
+        tier.put(key(2), pattern(2))
+        tier.close()
+        print("ok")
+    """,
+        shm_name,
+    )
+    assert _finish(child).strip() == "ok"
+    out = LAYOUT.empty()
+    tier.get(key(2), out)
+    assert torch.equal(out, pattern(2))
+    assert tier.usage().blocks == 2
+
+
+def test_reader_racing_an_overwriting_evicting_writer_never_sees_torn_bytes(
+    open_tier, shm_name
+) -> None:
+    """The child cycles blocks through 4 slots (put, overwrite, delete) as fast as it can for a
+    few seconds; this process reads recent keys meanwhile, whole and by layers. Every read is a
+    miss or exactly the right bytes: never torn, never reported corrupt."""
+    tier = open_tier(
+        "host", LAYOUT, blocks=4
+    )  # an overwrite holds a second slot until it publishes
+    child = _run_child(
+        """
+        patterns = [pattern(n) for n in range(16)]
+        print("start", flush=True)
+        i, deadline = 0, time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            tier.put(key(i), patterns[i % 16])
+            if i % 5 == 0:
+                tier.put(key(i), patterns[i % 16])   # overwrite: a new slot, then the old one is freed
+            if i >= 2:
+                tier.delete(key(i - 2))              # evict, so slots are reused for other blocks
+            i += 1
+        tier.close()
+        print(i, flush=True)
+    """,
+        shm_name,
+    )
+    assert child.stdout.readline().strip() == "start"
+    expected = {n: pattern(n) for n in range(16)}
+    out = LAYOUT.empty()
+    layer_out = LAYOUT.empty(layers=2)
+    served = misses = 0
+    candidates: list = []
+    i = 0
+    while child.poll() is None:
+        i += 1
+        if i % 8 == 0 or not candidates:
+            candidates = tier.keys()
+            if not candidates:
+                continue
+        k = candidates[i % len(candidates)]
+        want = expected[(k.int - key(0).int) % 16]
+        try:
+            if i % 3:
+                tier.get(k, out)
+                assert torch.equal(out, want), f"torn read of {k}"
+            else:
+                tier.get_layers([k], range(1, 3), [layer_out])[0].result(timeout=30)
+                assert torch.equal(layer_out, want[LAYOUT.layer_bytes : 3 * LAYOUT.layer_bytes]), (
+                    f"torn layers of {k}"
+                )
+            served += 1
+        except BlockMissing:
+            misses += 1
+        except BlockCorrupt as exc:  # would mean the seqlock let a racing write through
+            pytest.fail(f"a race was reported as corruption: {exc}")
+    writes = int(_finish(child).strip())
+    stats = tier.counters.snapshot()
+    assert stats.get("host.corrupt", 0) == 0
+    # The race must really have happened (on a loaded 2-core box the counts vary a lot).
+    assert writes >= 100 and served >= 20 and misses >= 1, (writes, served, misses, stats)
+
+
+def test_slots_of_a_crashed_writer_are_reclaimed(open_tier, shm_name) -> None:
+    tier = open_tier("host", LAYOUT, blocks=2)
+    child = _run_child(
+        """
+        tier._allocate(key(7))   # take a slot as if writing, then die without publishing
+        os._exit(0)
+    """,
+        shm_name,
+    )
+    child.wait(timeout=60)
+    assert tier.usage().pending_bytes == LAYOUT.block_bytes
+    tier.put(key(1), pattern(1))
+    tier.put(key(2), pattern(2))  # needs the dead writer's slot
+    assert tier.usage().blocks == 2 and tier.usage().pending_bytes == 0
+    with pytest.raises(TierFull):
+        tier.put(key(3), pattern(3))
+    out = LAYOUT.empty()
+    tier.get(key(2), out)
+    assert torch.equal(out, pattern(2))
+
+
+def test_full_pool_refuses_and_keeps_what_it_has(open_tier) -> None:
+    tier = open_tier("host", LAYOUT, blocks=2)
+    tier.put(key(1), pattern(1))
+    tier.put(key(2), pattern(2))
+    with pytest.raises(TierFull):
+        tier.put(key(3), pattern(3))
+    assert tier.counters.get("host.full") == 1
+    assert not tier.contains(key(3))
+    usage = tier.usage()
+    assert usage.blocks == 2 and usage.pending_bytes == 0 and usage.free_bytes == 0
+    tier.delete(key(1))
+    tier.put(key(3), pattern(3))
+
+
+def test_a_pool_of_another_layout_is_refused(open_tier, shm_name) -> None:
+    open_tier("host", LAYOUT, blocks=2)
+    other = layout_of({"layers": 4, "kv_heads": 2, "head_dim": 32, "block_tokens": 128}, "float16")
+    with pytest.raises(ValueError, match="another layout"):
+        open_tier("host", other, blocks=2)

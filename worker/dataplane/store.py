@@ -1,0 +1,349 @@
+"""TieredStore: put, get, locate and delete KV blocks across the tiers of one node, plus its factory.
+
+The store holds no policy: which tier a block goes to is the caller's choice (the control plane
+plans movements). Reads look in the tiers fastest first; a miss, a corrupt copy or an
+unavailable tier in one tier falls through to the next that may hold the block, and only when
+every candidate fails does the caller see BlockMissing (and recompute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from worker.dataplane.checksum import BlockChecksum, ChecksumEngine
+from worker.dataplane.config import ConfigError, NodeConfig
+from worker.dataplane.counters import Counters
+from worker.dataplane.errors import MISSES, BlockMissing, TierUnavailable
+from worker.dataplane.hashing import model_key
+from worker.dataplane.layout import BlockLayout, ModelProfile
+from worker.dataplane.tiers.base import (
+    TIER_NAMES,
+    PutResult,
+    ReadResult,
+    Tier,
+    TierUsage,
+    failed,
+)
+from worker.dataplane.tiers.device import DeviceTier
+from worker.dataplane.tiers.disk import DiskTier
+from worker.dataplane.tiers.host import HostTier
+from worker.dataplane.tiers.remote import RedisClient, RemoteTier, open_remote_tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GetResult:
+    """A whole block read by the store: which tier served it, and the buffer holding it."""
+
+    key: uuid.UUID
+    tier: str
+    data: torch.Tensor
+    checksum: BlockChecksum | None
+
+
+class TieredStore:
+    """The tiers of one node for one block layout, fastest first."""
+
+    def __init__(
+        self,
+        *,
+        layout: BlockLayout,
+        tiers: Sequence[Tier],
+        counters: Counters | None = None,
+        engine: ChecksumEngine | None = None,
+    ) -> None:
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        for tier in tiers:
+            if tier.layout != layout:
+                raise ValueError(f"tier {tier.name} holds blocks of another layout")
+        self.layout = layout
+        self.counters = counters if counters is not None else Counters()
+        self._tiers: dict[str, Tier] = {tier.name: tier for tier in tiers}
+        self._engine = engine
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._tiers)
+
+    def tier(self, name: str) -> Tier:
+        try:
+            return self._tiers[name]
+        except KeyError:
+            raise KeyError(
+                f"this store has no tier {name!r}; it has {', '.join(self._tiers)}"
+            ) from None
+
+    def _order(self, tiers: Sequence[str] | None) -> list[Tier]:
+        return [self.tier(name) for name in (tiers if tiers is not None else self.names)]
+
+    # -- writes ---------------------------------------------------------------------------
+    def put(
+        self,
+        key: uuid.UUID,
+        data: torch.Tensor,
+        *,
+        tier: str,
+        checksum: BlockChecksum | None = None,
+    ) -> PutResult:
+        """Store a whole block in one tier (see `Tier.put`)."""
+        return self.tier(tier).put(key, data, checksum=checksum)
+
+    def put_async(
+        self,
+        key: uuid.UUID,
+        data: torch.Tensor,
+        *,
+        tier: str,
+        checksum: BlockChecksum | None = None,
+    ) -> Future[PutResult]:
+        return self.tier(tier).put_async(key, data, checksum=checksum)
+
+    def copy(
+        self, key: uuid.UUID, *, source: str, target: str, buffer: torch.Tensor | None = None
+    ) -> PutResult:
+        """Copy a block between tiers: a verified read from `source`, then a put into `target`
+        carrying the checksum just verified (no second hash). The source keeps its copy."""
+        data = buffer if buffer is not None else self.layout.empty()
+        read = self.tier(source).get(key, data)
+        return self.tier(target).put(key, data, checksum=read.checksum)
+
+    # -- reads ----------------------------------------------------------------------------
+    def get(
+        self, key: uuid.UUID, *, out: torch.Tensor | None = None, tiers: Sequence[str] | None = None
+    ) -> GetResult:
+        """Read a whole block from the fastest tier that serves it intact; BlockMissing (with
+        each tier's error in `causes`) when none does."""
+        data = out if out is not None else self.layout.empty()
+        causes: list[Exception] = []
+        for tier in self._order(tiers):
+            try:
+                read = tier.get(key, data)
+            except MISSES as exc:
+                causes.append(exc)
+                continue
+            self.counters.add(f"store.hits.{tier.name}")
+            return GetResult(key=key, tier=tier.name, data=data, checksum=read.checksum)
+        self.counters.add("store.misses")
+        raise BlockMissing(key, causes=tuple(causes))
+
+    def get_layers(
+        self,
+        keys: Sequence[uuid.UUID],
+        *,
+        layers: int | range | slice,
+        outs: Sequence[torch.Tensor],
+        tiers: Sequence[str] | None = None,
+    ) -> list[Future[ReadResult]]:
+        """Read the same run of layers of many blocks, block i into `outs[i]`; one future per
+        block, resolving to the ReadResult of the tier that served it, or raising BlockMissing.
+
+        Blocks are grouped by the fastest local tier holding them and read in one batched call
+        per tier; the remote tier is asked (batched) for the rest. A block that fails in one tier
+        is retried alone in the next tier that may hold it. This is the building block of
+        layer-wise loading: request layer 0 of every hit block, then layer 1, and so on."""
+        selected = self.layout.layer_range(layers)
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
+        order = self._order(tiers)
+        local = [tier for tier in order if not isinstance(tier, RemoteTier)]
+        remote = [tier for tier in order if isinstance(tier, RemoteTier)]
+        results: list[Future[ReadResult]] = [Future() for _ in keys]
+        groups: dict[str, list[int]] = {}
+        candidates: list[list[Tier]] = []
+        for i, key in enumerate(keys):
+            found = [tier for tier in local if tier.contains(key)] + remote
+            candidates.append(found)
+            if not found:
+                self.counters.add("store.misses")
+                results[i].set_exception(BlockMissing(key))
+            else:
+                groups.setdefault(found[0].name, []).append(i)
+        for name, members in groups.items():
+            futures = self._tiers[name].get_layers(
+                [keys[i] for i in members], selected, [outs[i] for i in members]
+            )
+            for i, future in zip(members, futures, strict=True):
+                self._chain(future, results[i], keys[i], selected, outs[i], candidates[i], 0, [])
+        return results
+
+    def _chain(
+        self,
+        attempt: Future[ReadResult],
+        result: Future[ReadResult],
+        key: uuid.UUID,
+        layers: range,
+        out: torch.Tensor,
+        candidates: list[Tier],
+        index: int,
+        causes: list[Exception],
+    ) -> None:
+        def done(future: Future[ReadResult]) -> None:
+            error = future.exception()
+            if error is None:
+                self.counters.add(f"store.hits.{candidates[index].name}")
+                result.set_result(future.result())
+                return
+            if not isinstance(error, MISSES):
+                result.set_exception(error)
+                return
+            causes.append(error)
+            if index + 1 >= len(candidates):
+                self.counters.add("store.misses")
+                result.set_exception(BlockMissing(key, causes=tuple(causes)))
+                return
+            self.counters.add("store.fallbacks")
+            following = candidates[index + 1]
+            try:
+                retry = following.get_layers([key], layers, [out])[0]
+            except Exception as exc:  # a tier that cannot even start the read
+                retry = failed(exc)
+            self._chain(retry, result, key, layers, out, candidates, index + 1, causes)
+
+        attempt.add_done_callback(done)
+
+    # -- lookup and removal ---------------------------------------------------------------
+    def locate(
+        self, keys: Sequence[uuid.UUID], *, tiers: Sequence[str] | None = None
+    ) -> dict[uuid.UUID, tuple[str, ...]]:
+        """Which tiers hold each block (batched per tier; an unavailable tier holds nothing)."""
+        found: dict[uuid.UUID, list[str]] = {key: [] for key in keys}
+        for tier in self._order(tiers):
+            try:
+                present = tier.contains_many(list(keys))
+            except TierUnavailable:
+                continue
+            for key, here in zip(keys, present, strict=True):
+                if here:
+                    found[key].append(tier.name)
+        return {key: tuple(names) for key, names in found.items()}
+
+    def contains(self, key: uuid.UUID) -> tuple[str, ...]:
+        return self.locate([key])[key]
+
+    def delete(self, key: uuid.UUID, *, tier: str | None = None) -> tuple[str, ...]:
+        """Remove a block from one tier or from all; returns the tiers it was removed from."""
+        removed = []
+        for each in self._order([tier] if tier is not None else None):
+            if each.delete(key):
+                removed.append(each.name)
+        return tuple(removed)
+
+    # -- accounting -----------------------------------------------------------------------
+    def usage(self) -> dict[str, TierUsage]:
+        """Capacity accounting per tier (used = stored + pending bytes)."""
+        return {name: tier.usage() for name, tier in self._tiers.items()}
+
+    def stats(self) -> dict[str, int]:
+        """Every counter as a plain int: per-tier events (``host.corrupt``, ``remote.unavailable``,
+        ``disk.hits`` ...) and the store's (``store.hits.<tier>``, ``store.misses``)."""
+        merged = self.counters.snapshot()
+        for tier in self._tiers.values():
+            if tier.counters is not self.counters:
+                for name, value in tier.counters.snapshot().items():
+                    merged[name] = merged.get(name, 0) + value
+        return dict(sorted(merged.items()))
+
+    def close(self) -> None:
+        for tier in self._tiers.values():
+            tier.close()
+        if self._engine is not None:
+            self._engine.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_store(
+    config: NodeConfig,
+    *,
+    profile: ModelProfile,
+    environ: Mapping[str, str] | None = None,
+    remote_client: RedisClient | None = None,
+    device: torch.device | str | None = None,
+) -> TieredStore:
+    """The node's store for one model, from the node options: the tiers in `config.tiers`,
+    sized by `*_bytes`. The host pool is `<host_pool_name>-<model key>` in /dev/shm, shared by
+    every process of the node that builds the same store. Fails loudly: a tier that cannot
+    start (no remote URL, Redis not answering, /dev/shm too small) raises, it is never dropped."""
+    environ = os.environ if environ is None else environ
+    layout = profile.layout
+    counters = Counters()
+    engine = ChecksumEngine(threads=config.copy_threads or None)
+    built: list[Tier] = []
+    try:
+        for name in config.tiers:
+            if name not in TIER_NAMES:
+                raise ConfigError(f"tiers: unknown tier {name!r}")
+            if name == "device":
+                built.append(
+                    DeviceTier(
+                        layout=layout,
+                        capacity_bytes=config.device_bytes,
+                        device=device,
+                        counters=counters,
+                        engine=engine,
+                    )
+                )
+            elif name == "host":
+                built.append(
+                    HostTier(
+                        layout=layout,
+                        capacity_bytes=config.host_bytes,
+                        pool_name=f"{config.node_host_pool_name}-{model_key(profile).hex[:12]}",
+                        counters=counters,
+                        engine=engine,
+                    )
+                )
+            elif name == "disk":
+                built.append(
+                    DiskTier(
+                        layout=layout,
+                        capacity_bytes=config.disk_bytes,
+                        path=config.node_disk_path,
+                        counters=counters,
+                        engine=engine,
+                        io_threads=config.io_threads,
+                        direct_io=config.disk_direct_io,
+                    )
+                )
+            else:
+                url = config.remote_url or environ.get("REDIS_URL", "")
+                if not url and remote_client is None:
+                    raise ConfigError(
+                        "remote_url: the remote tier is enabled but neither STRATA_REMOTE_URL nor REDIS_URL is set"
+                    )
+                tier = open_remote_tier(
+                    url,
+                    layout=layout,
+                    capacity_bytes=config.remote_bytes,
+                    prefix=config.remote_prefix,
+                    counters=counters,
+                    engine=engine,
+                    io_threads=config.io_threads,
+                    cluster=config.remote_cluster,
+                    timeout_s=config.remote_timeout_seconds,
+                    client=remote_client,
+                )
+                built.append(tier)
+                if isinstance(tier, RemoteTier):
+                    tier.ping()
+    except BaseException:
+        for tier in built:
+            tier.close()
+        engine.close()
+        raise
+    log.info("tiered store for %s: %s", profile.model_id, ", ".join(t.name for t in built))
+    return TieredStore(layout=layout, tiers=built, counters=counters, engine=engine)

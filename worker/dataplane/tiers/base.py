@@ -1,0 +1,235 @@
+"""The interface every storage tier implements: put, get a block or a layer range, contains,
+delete, usage, close. Reads return futures (concurrent.futures) so layer-wise loading overlaps."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+from worker.dataplane.buffers import tensor_bytes
+from worker.dataplane.checksum import BlockChecksum, ChecksumEngine
+from worker.dataplane.counters import Counters
+from worker.dataplane.errors import BlockCorrupt
+from worker.dataplane.layout import BlockLayout
+
+T = TypeVar("T")
+
+TIER_NAMES = ("device", "host", "disk", "remote")
+"""Every tier kind, fastest first: the order the store looks in."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TierUsage:
+    """Capacity accounting of a tier: used = stored bytes + pending (reserved, being written)."""
+
+    tier: str
+    capacity_bytes: int
+    stored_bytes: int
+    pending_bytes: int
+    blocks: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.stored_bytes + self.pending_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.used_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PutResult:
+    key: uuid.UUID
+    tier: str
+    nbytes: int
+    checksum: BlockChecksum | None
+    """None only for the device tier when no checksum was handed in (L1 is not verified)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadResult:
+    key: uuid.UUID
+    tier: str
+    layers: range
+    nbytes: int
+    checksum: BlockChecksum | None = None
+    """The block's stored checksum, just verified, on whole-block reads (None on layer reads and
+    from the device tier when none was handed in); pass it on when copying the block down."""
+
+
+def resolved(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
+
+
+def failed(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future
+
+
+class Tier(abc.ABC):
+    """One storage medium of a node holding blocks of one layout, addressed by 16-byte keys.
+
+    Every read below L1 is verified against the block's checksum: a mismatch is never served,
+    the bad copy is removed, counted as ``<tier>.corrupt`` and raised as BlockCorrupt."""
+
+    name: str
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        layout: BlockLayout,
+        counters: Counters | None = None,
+        engine: ChecksumEngine | None = None,
+        io_threads: int = 1,
+    ) -> None:
+        self.name = name
+        self.layout = layout
+        self.counters = counters if counters is not None else Counters()
+        self._owns_engine = engine is None
+        self.engine = engine if engine is not None else ChecksumEngine()
+        self._executor = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix=f"strata-{name}")
+        self._closed = False
+
+    # -- writes ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def put(
+        self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None
+    ) -> PutResult:
+        """Store a whole block (`layout.block_bytes`, contiguous) under `key`, replacing any
+        block stored under it. Either the whole block becomes readable or nothing changes:
+        TierFull (no room) and TierUnavailable leave no partial block or reservation behind.
+        A given `checksum` is trusted and stored (blocks moving down a tier keep theirs);
+        otherwise it is computed from `data`."""
+
+    def put_async(
+        self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None
+    ) -> Future[PutResult]:
+        """`put` on the tier's I/O threads; `data` must stay untouched until the future is done."""
+        return self._submit(self.put, key, data, checksum=checksum)
+
+    def put_many(
+        self,
+        items: Sequence[tuple[uuid.UUID, torch.Tensor]],
+        *,
+        checksums: Sequence[BlockChecksum | None] | None = None,
+    ) -> list[Future[PutResult]]:
+        """Start storing many blocks (e.g. a request's write-back); one future per block, each
+        succeeding or failing on its own (TierFull for the blocks that did not fit). Tiers whose
+        medium gains from batching (group commit, one parallel copy) override this."""
+        checksums = list(checksums) if checksums is not None else [None] * len(items)
+        if len(checksums) != len(items):
+            raise ValueError(f"{len(items)} blocks but {len(checksums)} checksums")
+        return [
+            self.put_async(key, data, checksum=checksum)
+            for (key, data), checksum in zip(items, checksums, strict=True)
+        ]
+
+    # -- reads ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get(self, key: uuid.UUID, out: torch.Tensor) -> ReadResult:
+        """Read the whole block into `out` (block_bytes, contiguous, CPU or CUDA) and verify it.
+        Raises BlockMissing, BlockCorrupt or TierUnavailable; `out` then holds no valid block."""
+
+    def get_async(self, key: uuid.UUID, out: torch.Tensor) -> Future[ReadResult]:
+        """`get` on the tier's I/O threads."""
+        return self._submit(self.get, key, out)
+
+    @abc.abstractmethod
+    def get_layers(
+        self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
+    ) -> list[Future[ReadResult]]:
+        """Start reading the same run of layers of many blocks, block i into `outs[i]` (exactly
+        len(layers) * layer_bytes, contiguous). Returns one future per block, in order, each
+        resolving to a ReadResult or raising BlockMissing, BlockCorrupt or TierUnavailable.
+        The call itself does not wait for the medium."""
+
+    def get_many(
+        self, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]
+    ) -> list[Future[ReadResult]]:
+        """Whole blocks of many keys, batched like `get_layers` (it is `get_layers` of every layer)."""
+        return self.get_layers(keys, slice(None), outs)
+
+    @abc.abstractmethod
+    def contains(self, key: uuid.UUID) -> bool:
+        """True when a complete block is stored under `key` (not yet verified)."""
+
+    def contains_many(self, keys: Sequence[uuid.UUID]) -> list[bool]:
+        """`contains` for many keys; tiers with round trips batch them."""
+        return [self.contains(key) for key in keys]
+
+    @abc.abstractmethod
+    def delete(self, key: uuid.UUID) -> bool:
+        """Remove the block; True when something was removed. Readers in flight either finish
+        with the old bytes intact or see a miss, never a mix."""
+
+    @abc.abstractmethod
+    def usage(self) -> TierUsage:
+        """Capacity and current use (stored + pending bytes)."""
+
+    def close(self) -> None:
+        """Wait for in-flight work and release the tier's resources; the bytes stay stored."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        if self._owns_engine:
+            self.engine.close()
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers for implementations ------------------------------------------------------
+    def _submit(self, fn: Callable[..., T], *args: object, **kwargs: object) -> Future[T]:
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def _block_bytes(self, data: torch.Tensor) -> torch.Tensor:
+        flat = tensor_bytes(data)
+        if flat.numel() != self.layout.block_bytes:
+            raise ValueError(
+                f"a block of this layout is {self.layout.block_bytes} bytes, got {flat.numel()}"
+            )
+        return flat
+
+    def _layer_outs(
+        self, layers: range, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
+        want = len(layers) * self.layout.layer_bytes
+        flats = [tensor_bytes(out) for out in outs]
+        for flat in flats:
+            if flat.numel() != want:
+                raise ValueError(
+                    f"{len(layers)} layers are {want} bytes, a destination holds {flat.numel()}"
+                )
+        return flats
+
+    def _corrupt(self, key: uuid.UUID, reason: str) -> BlockCorrupt:
+        """Count and quarantine (remove) a copy that failed verification; returns the error."""
+        self.counters.add(f"{self.name}.corrupt")
+        try:
+            if self.delete(key):
+                self.counters.add(f"{self.name}.quarantined")
+        except Exception:  # the read already failed; removal is best effort
+            self.counters.add(f"{self.name}.quarantine_failed")
+        return BlockCorrupt(key, tier=self.name, reason=reason)
+
+    def _verify(
+        self, key: uuid.UUID, layers: range, got: Sequence[bytes], want: Sequence[bytes]
+    ) -> None:
+        for layer, g, w in zip(layers, got, want, strict=True):
+            if g != w:
+                raise self._corrupt(key, f"layer {layer} checksum mismatch")

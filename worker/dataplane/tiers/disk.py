@@ -1,0 +1,747 @@
+"""L2 disk tier: one file per block in a local (NVMe) directory, written atomically, read at layer offsets.
+
+A block file is ``[header, a multiple of 4 KiB][block bytes, padded to 4 KiB]``; the header holds
+the key, the layout, the block and per-layer checksums and a hash of itself. A block is written
+to a temporary name, fdatasync'ed and renamed, so no partial block is ever visible under its
+final name. Reads are one ``preadv`` of the header and the data straight into the destination
+tensor (no bounce copy), or of just the requested layers at their fixed offset.
+
+I/O is O_DIRECT by default (large, aligned, page-cache free, the speed of the device); where the
+filesystem refuses it, the tier logs that once and uses buffered I/O followed by
+``posix_fadvise(DONTNEED)`` so blocks do not crowd the page cache. A request whose buffer or
+range is not 4 KiB-aligned also takes the buffered path. Where CUDA and kvikio are present,
+reads into GPU tensors go through kvikio's CuFile (GPUDirect Storage where available).
+
+Capacity is shared by every process using the directory through a small ledger file
+(``.strata-ledger``: stored bytes, pending bytes, blocks) updated under an exclusive flock; a
+temporary file's name carries the writer's pid and reservation, so opening the tier reconciles
+the ledger with the directory and removes what crashed writers left behind.
+
+The same class serves as the `remote` tier on a shared filesystem mount (CephFS, NFS, Lustre,
+3FS): see `worker.dataplane.tiers.remote.open_remote_tier`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import struct
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import xxhash
+
+from worker.dataplane.buffers import (
+    DIRECT_IO_ALIGNMENT,
+    aligned_empty,
+    cuda_available,
+    host_view,
+    is_aligned,
+    round_up,
+)
+from worker.dataplane.checksum import (
+    CHECKSUM_BYTES,
+    BlockChecksum,
+    ChecksumEngine,
+    Span,
+    layer_prefix,
+)
+from worker.dataplane.counters import Counters
+from worker.dataplane.errors import BlockMissing, TierFull
+from worker.dataplane.layout import DTYPE_CODES, BlockLayout
+from worker.dataplane.tiers.base import PutResult, ReadResult, Tier, TierUsage
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"STRATADK"
+VERSION = 1
+_FIXED = struct.Struct(
+    "<8sHHIQQI16s16s"
+)  # magic, version, flags, layers, layer_bytes, data_bytes, dtype, key, checksum
+_HEADER_HASH_BYTES = 8
+LEDGER_NAME = ".strata-ledger"
+_LEDGER = struct.Struct("<QQQ")  # stored bytes, pending bytes, blocks
+HEADER_CACHE_ENTRIES = 16384
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _kvikio() -> Any | None:
+    """kvikio's module where CUDA and kvikio are both present, else None."""
+    if not cuda_available():
+        return None
+    try:
+        import kvikio  # noqa: PLC0415 - optional GPU extra, imported only where it can work
+    except ImportError:
+        return None
+    return kvikio
+
+
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    key: uuid.UUID
+    checksum: BlockChecksum
+    layers: int
+    layer_bytes: int
+    data_bytes: int
+    dtype_code: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """A block written to its temporary file, waiting to be synced and renamed."""
+
+    key: uuid.UUID
+    tmp: Path
+    fd: int
+    checksum: BlockChecksum
+    io: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stamp:
+    """Identity of one file version: a rename or rewrite changes it."""
+
+    inode: int
+    size: int
+    mtime_ns: int
+
+
+class _Ledger:
+    """Stored/pending bytes and block count of a directory, shared by processes via flock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[list[int]]:
+        """Yields [stored, pending, blocks]; changes are written back on exit."""
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                raw = os.pread(self._fd, _LEDGER.size, 0)
+                state = list(_LEDGER.unpack(raw)) if len(raw) == _LEDGER.size else [0, 0, 0]
+                before = list(state)
+                yield state
+                if state != before:
+                    os.pwrite(self._fd, _LEDGER.pack(*(max(0, v) for v in state)), 0)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class DiskTier(Tier):
+    """Blocks as files under `path/<2 hex>/<key hex>.blk`, `capacity_bytes` of them in all."""
+
+    def __init__(
+        self,
+        *,
+        layout: BlockLayout,
+        capacity_bytes: int,
+        path: str | Path,
+        counters: Counters | None = None,
+        engine: ChecksumEngine | None = None,
+        io_threads: int = 2,
+        direct_io: bool = True,
+        name: str = "disk",
+    ) -> None:
+        super().__init__(
+            name=name, layout=layout, counters=counters, engine=engine, io_threads=io_threads
+        )
+        self.root = Path(path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.header_bytes = round_up(
+            _FIXED.size + CHECKSUM_BYTES * layout.layers + _HEADER_HASH_BYTES, DIRECT_IO_ALIGNMENT
+        )
+        self.file_bytes = self.header_bytes + round_up(layout.block_bytes, DIRECT_IO_ALIGNMENT)
+        self.direct_io = direct_io and self._direct_io_works()
+        if direct_io and not self.direct_io:
+            log.warning(
+                "%s tier: the filesystem at %s refuses O_DIRECT; using buffered I/O with posix_fadvise(DONTNEED)",
+                name,
+                self.root,
+            )
+        self._kvikio = _kvikio()
+        self._local = threading.local()
+        self._headers: collections.OrderedDict[uuid.UUID, tuple[_Stamp, _Header]] = (
+            collections.OrderedDict()
+        )
+        self._headers_lock = threading.Lock()
+        self._ledger = _Ledger(self.root / LEDGER_NAME)
+        self._dirs: set[Path] = set()
+        self.reconcile()
+
+    # -- files and the ledger -------------------------------------------------------------
+    def _direct_io_works(self) -> bool:
+        probe = self.root / f".strata-probe-{os.getpid()}-{secrets.token_hex(4)}"
+        buffer = aligned_empty(DIRECT_IO_ALIGNMENT)
+        buffer.zero_()
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return False
+            raise
+        try:
+            os.pwritev(fd, [host_view(buffer)], 0)
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return False
+            raise
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+
+    def path_of(self, key: uuid.UUID) -> Path:
+        return self.root / key.hex[:2] / f"{key.hex}.blk"
+
+    def reconcile(self) -> TierUsage:
+        """Recount the ledger from the directory, removing temporary files of dead writers."""
+        with self._ledger.locked() as state:
+            stored = pending = blocks = 0
+            for sub in os.scandir(self.root):
+                if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                    continue
+                for entry in os.scandir(sub.path):
+                    if entry.name.endswith(".blk"):
+                        stored += entry.stat(follow_symlinks=False).st_size
+                        blocks += 1
+                    elif entry.name.endswith(".tmp"):
+                        reserved = self._live_reservation(entry.name)
+                        if reserved is None:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(entry.path)
+                        else:
+                            pending += reserved
+            state[:] = [stored, pending, blocks]
+        return self.usage()
+
+    @staticmethod
+    def _live_reservation(name: str) -> int | None:
+        # .<key hex>.<pid>.<token>.<reserved bytes>.tmp
+        parts = name.split(".")
+        try:
+            pid, reserved = int(parts[2]), int(parts[4])
+        except (IndexError, ValueError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return reserved
+
+    def keys(self) -> list[uuid.UUID]:
+        """Keys of every block file (a snapshot, for the reconciler)."""
+        found = []
+        for sub in os.scandir(self.root):
+            if sub.is_dir(follow_symlinks=False) and len(sub.name) == 2:
+                for entry in os.scandir(sub.path):
+                    if entry.name.endswith(".blk"):
+                        with contextlib.suppress(ValueError):
+                            found.append(uuid.UUID(hex=entry.name[:-4]))
+        return found
+
+    # -- header ---------------------------------------------------------------------------
+    def _pack_header(self, key: uuid.UUID, checksum: BlockChecksum) -> bytes:
+        layout = self.layout
+        fixed = _FIXED.pack(
+            MAGIC,
+            VERSION,
+            0,
+            layout.layers,
+            layout.layer_bytes,
+            layout.block_bytes,
+            DTYPE_CODES[layout.dtype],
+            key.bytes,
+            checksum.block,
+        )
+        body = fixed + b"".join(checksum.layers)
+        return body + xxhash.xxh3_64(body).digest()
+
+    def _parse_header(self, key: uuid.UUID, raw: memoryview) -> _Header:
+        layout = self.layout
+        body_len = _FIXED.size + CHECKSUM_BYTES * layout.layers
+        body = bytes(raw[:body_len])
+        if len(body) < _FIXED.size:
+            raise self._corrupt(key, "header is truncated")
+        (
+            magic,
+            version,
+            _flags,
+            layers,
+            layer_bytes,
+            data_bytes,
+            dtype_code,
+            key_bytes,
+            block_sum,
+        ) = _FIXED.unpack_from(body)
+        if magic != MAGIC or version != VERSION:
+            raise self._corrupt(key, "not a strata block file")
+        if xxhash.xxh3_64(body).digest() != bytes(raw[body_len : body_len + _HEADER_HASH_BYTES]):
+            raise self._corrupt(key, "header checksum mismatch")
+        if key_bytes != key.bytes:
+            raise self._corrupt(key, f"file holds block {uuid.UUID(bytes=key_bytes)}")
+        if (layers, layer_bytes, data_bytes, dtype_code) != (
+            layout.layers,
+            layout.layer_bytes,
+            layout.block_bytes,
+            DTYPE_CODES[layout.dtype],
+        ):
+            raise self._corrupt(key, "file holds a block of another layout")
+        sums = body[_FIXED.size :]
+        checksum = BlockChecksum(
+            block=block_sum,
+            layers=tuple(sums[i : i + CHECKSUM_BYTES] for i in range(0, len(sums), CHECKSUM_BYTES)),
+        )
+        if not checksum.consistent(key):
+            raise self._corrupt(key, "block checksum does not match its layer checksums")
+        return _Header(
+            key=key,
+            checksum=checksum,
+            layers=layers,
+            layer_bytes=layer_bytes,
+            data_bytes=data_bytes,
+            dtype_code=dtype_code,
+        )
+
+    def _remember(self, key: uuid.UUID, stamp: _Stamp, header: _Header) -> None:
+        with self._headers_lock:
+            self._headers[key] = (stamp, header)
+            self._headers.move_to_end(key)
+            while len(self._headers) > HEADER_CACHE_ENTRIES:
+                self._headers.popitem(last=False)
+
+    def _recall(self, key: uuid.UUID, stamp: _Stamp) -> _Header | None:
+        with self._headers_lock:
+            cached = self._headers.get(key)
+        return cached[1] if cached is not None and cached[0] == stamp else None
+
+    def _forget(self, key: uuid.UUID) -> None:
+        with self._headers_lock:
+            self._headers.pop(key, None)
+
+    # -- per-thread buffers ---------------------------------------------------------------
+    def _header_buffer(self) -> torch.Tensor:
+        buffer = getattr(self._local, "header", None)
+        if buffer is None:
+            buffer = self._local.header = aligned_empty(self.header_bytes)
+        return buffer
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """An aligned (pinned under CUDA) host buffer for I/O of GPU tensors, per I/O thread."""
+        buffer = getattr(self._local, "staging", None)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._local.staging = aligned_empty(
+                round_up(nbytes, DIRECT_IO_ALIGNMENT), pin=True
+            )
+        return buffer[:nbytes]
+
+    # -- raw I/O --------------------------------------------------------------------------
+    @staticmethod
+    def _pread_exact(fd: int, views: list[memoryview], offset: int) -> int:
+        """preadv until every view is full or the file ends; returns the bytes read."""
+        want = sum(len(v) for v in views)
+        done = 0
+        while done < want:
+            n = os.preadv(fd, _advance(views, done), offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    @staticmethod
+    def _pwrite_exact(fd: int, views: list[memoryview], offset: int) -> None:
+        want = sum(len(v) for v in views)
+        done = 0
+        while done < want:
+            done += os.pwritev(fd, _advance(views, done), offset + done)
+
+    def _open_for_read(self, key: uuid.UUID, *, direct: bool) -> tuple[int, _Stamp]:
+        try:
+            fd = os.open(self.path_of(key), os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            self.counters.add(f"{self.name}.misses")
+            raise BlockMissing(key, tier=self.name) from None
+        st = os.fstat(fd)
+        return fd, _Stamp(inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns)
+
+    # -- Tier -----------------------------------------------------------------------------
+    def put(
+        self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None
+    ) -> PutResult:
+        result = self._commit([self._stage(key, data, checksum)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def put_many(
+        self,
+        items: Sequence[tuple[uuid.UUID, torch.Tensor]],
+        *,
+        checksums: Sequence[BlockChecksum | None] | None = None,
+    ) -> list[Future[PutResult]]:
+        """Group commit: every block is written to its temporary file on the I/O threads, then
+        all are fdatasync'ed (the first sync commits the journal for all of them, so the rest
+        cost little) and renamed. Same guarantees as `put`, per block."""
+        checksums = list(checksums) if checksums is not None else [None] * len(items)
+        if len(checksums) != len(items):
+            raise ValueError(f"{len(items)} blocks but {len(checksums)} checksums")
+        futures: list[Future[PutResult]] = [Future() for _ in items]
+        if not items:
+            return futures
+        staged: list[_Staged | BaseException | None] = [None] * len(items)
+        remaining = [len(items)]
+        lock = threading.Lock()
+
+        def stage(i: int) -> None:
+            try:
+                staged[i] = self._stage(items[i][0], items[i][1], checksums[i])
+            except BaseException as exc:
+                staged[i] = exc
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:  # the last block staged commits the batch, on this I/O thread
+                ready = [(j, entry) for j, entry in enumerate(staged) if isinstance(entry, _Staged)]
+                results = self._commit([entry for _, entry in ready])
+                outcome: dict[int, PutResult | BaseException] = dict(
+                    zip([j for j, _ in ready], results, strict=True)
+                )
+                for j, entry in enumerate(staged):
+                    result = outcome.get(j, entry)
+                    if isinstance(result, BaseException):
+                        futures[j].set_exception(result)
+                    else:
+                        futures[j].set_result(cast(PutResult, result))
+
+        for i in range(len(items)):
+            self._submit(stage, i)
+        return futures
+
+    def _stage(self, key: uuid.UUID, data: torch.Tensor, checksum: BlockChecksum | None) -> _Staged:
+        """Write a block to a new temporary file (reserved in the ledger); not yet synced."""
+        src = self._block_bytes(data)
+        layout = self.layout
+        use_kvikio = False
+        if src.device.type != "cpu":
+            if checksum is not None and self._kvikio is not None:
+                use_kvikio = True  # GPU memory straight to the file; nothing to hash on the host
+            else:
+                staging = self._staging(layout.block_bytes)
+                staging.copy_(src)
+                src = staging
+        if checksum is None:
+            computed = self.engine.checksum(key, src, layout)
+            assert isinstance(computed, BlockChecksum)
+            checksum = computed
+        elif len(checksum.layers) != layout.layers:
+            raise ValueError(
+                f"checksum has {len(checksum.layers)} layers, the layout {layout.layers}"
+            )
+        header = self._header_buffer()
+        packed = self._pack_header(key, checksum)
+        header_view = host_view(header)
+        header_view[: len(packed)] = packed
+        header_view[len(packed) :] = bytes(self.header_bytes - len(packed))
+
+        final = self.path_of(key)
+        tmp = (
+            final.parent / f".{key.hex}.{os.getpid()}.{secrets.token_hex(4)}.{self.file_bytes}.tmp"
+        )
+        direct = (
+            self.direct_io and not use_kvikio and is_aligned(src.data_ptr(), layout.block_bytes)
+        )
+        fd = self._reserve_and_create(tmp, direct=direct)
+        try:
+            if use_kvikio:
+                self._kvikio_write(fd, tmp, header, src)
+            else:
+                self._pwrite_exact(fd, [header_view, host_view(src)], 0)
+                if layout.block_bytes != self.file_bytes - self.header_bytes:
+                    os.ftruncate(
+                        fd, self.file_bytes
+                    )  # pad, so O_DIRECT reads of the tail stay aligned
+        except BaseException as exc:
+            os.close(fd)
+            self._abandon(tmp)
+            raise self._full_or(exc, tmp) from exc
+        return _Staged(
+            key=key,
+            tmp=tmp,
+            fd=fd,
+            checksum=checksum,
+            io="kvikio" if use_kvikio else "direct" if direct else "buffered",
+        )
+
+    def _full_or(self, exc: BaseException, tmp: Path) -> BaseException:
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+            self.counters.add(f"{self.name}.full")
+            return TierFull(
+                self.name, needed=self.file_bytes, detail=f"{exc.strerror} writing {tmp.name}"
+            )
+        return exc
+
+    def _commit(self, staged: Sequence[_Staged]) -> list[PutResult | BaseException]:
+        """fdatasync every staged file, then rename them into place under one ledger lock."""
+        layout = self.layout
+        results: list[PutResult | BaseException] = []
+        synced: list[tuple[_Staged, _Stamp]] = []
+        for entry in staged:
+            try:
+                os.fdatasync(entry.fd)
+                if entry.io == "buffered":
+                    os.posix_fadvise(entry.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                st = os.fstat(entry.fd)
+            except BaseException as exc:
+                os.close(entry.fd)
+                self._abandon(entry.tmp)
+                results.append(self._full_or(exc, entry.tmp))
+                continue
+            os.close(entry.fd)
+            synced.append(
+                (entry, _Stamp(inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns))
+            )
+            results.append(
+                PutResult(
+                    key=entry.key,
+                    tier=self.name,
+                    nbytes=layout.block_bytes,
+                    checksum=entry.checksum,
+                )
+            )
+        if synced:
+            with self._ledger.locked() as state:
+                for entry, _stamp in synced:
+                    try:
+                        old = os.stat(self.path_of(entry.key)).st_size
+                    except FileNotFoundError:
+                        old = None
+                    os.replace(entry.tmp, self.path_of(entry.key))
+                    state[1] -= self.file_bytes
+                    state[0] += self.file_bytes - (old or 0)
+                    state[2] += 0 if old is not None else 1
+        for entry, stamp in synced:
+            self._remember(
+                entry.key,
+                stamp,
+                _Header(
+                    key=entry.key,
+                    checksum=entry.checksum,
+                    layers=layout.layers,
+                    layer_bytes=layout.layer_bytes,
+                    data_bytes=layout.block_bytes,
+                    dtype_code=DTYPE_CODES[layout.dtype],
+                ),
+            )
+            self.counters.add(f"{self.name}.io_{entry.io}")
+            self.counters.add(f"{self.name}.puts")
+            self.counters.add(f"{self.name}.bytes_written", layout.block_bytes)
+        return results
+
+    def _reserve_and_create(self, tmp: Path, *, direct: bool) -> int:
+        with self._ledger.locked() as state:
+            used = state[0] + state[1]
+            if used + self.file_bytes > self.capacity_bytes:
+                self.counters.add(f"{self.name}.full")
+                raise TierFull(
+                    self.name, needed=self.file_bytes, free=max(0, self.capacity_bytes - used)
+                )
+            try:
+                if tmp.parent not in self._dirs:
+                    tmp.parent.mkdir(exist_ok=True)
+                    self._dirs.add(tmp.parent)
+                # Created under the ledger lock, so a reconcile never misses a live reservation.
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
+                try:
+                    fd = os.open(tmp, flags, 0o644)
+                except FileNotFoundError:  # someone removed the fan-out directory meanwhile
+                    tmp.parent.mkdir(exist_ok=True)
+                    fd = os.open(tmp, flags, 0o644)
+            except OSError as exc:
+                if exc.errno in _FULL_ERRNOS:
+                    self.counters.add(f"{self.name}.full")
+                    raise TierFull(
+                        self.name, needed=self.file_bytes, detail=exc.strerror or ""
+                    ) from exc
+                raise
+            state[1] += self.file_bytes
+            return fd
+
+    def _abandon(self, tmp: Path) -> None:
+        with self._ledger.locked() as state:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            state[1] -= self.file_bytes
+
+    def _kvikio_write(self, fd: int, tmp: Path, header: torch.Tensor, src: torch.Tensor) -> None:
+        os.pwrite(fd, host_view(header), 0)
+        with self._kvikio.CuFile(tmp, "r+") as cufile:
+            cufile.pwrite(src, self.layout.block_bytes, self.header_bytes).get()
+        os.ftruncate(fd, self.file_bytes)
+
+    def get(self, key: uuid.UUID, out: torch.Tensor) -> ReadResult:
+        dst = self._block_bytes(out)
+        return self._read(key, range(self.layout.layers), dst)
+
+    def get_layers(
+        self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
+    ) -> list[Future[ReadResult]]:
+        selected = self.layout.layer_range(layers)
+        dsts = self._layer_outs(selected, keys, outs)
+        return [
+            self._submit(self._read, key, selected, dst)
+            for key, dst in zip(keys, dsts, strict=True)
+        ]
+
+    def _read(self, key: uuid.UUID, layers: range, dst: torch.Tensor) -> ReadResult:
+        layout = self.layout
+        offset, nbytes = layout.span(layers)
+        whole = len(layers) == layout.layers
+        on_gpu = dst.device.type != "cpu"
+        host_dst = dst if not on_gpu else self._staging(nbytes)
+        file_offset = self.header_bytes + offset
+        direct = self.direct_io and is_aligned(host_dst.data_ptr(), nbytes, file_offset)
+        fd, stamp = self._open_for_read(key, direct=direct)
+        try:
+            if stamp.size < self.file_bytes:
+                raise self._corrupt(
+                    key, f"file is {stamp.size} bytes, a block file is {self.file_bytes}"
+                )
+            header = self._recall(key, stamp)
+            if on_gpu and self._kvikio is not None:
+                if header is None:
+                    header = self._read_header(fd, key)
+                with self._kvikio.CuFile(self.path_of(key), "r") as cufile:
+                    got = cufile.pread(dst, nbytes, file_offset).get()
+                if got != nbytes:
+                    raise self._corrupt(key, f"short read of {got} bytes")
+                host_dst.copy_(dst)  # verification needs the bytes on the host
+            elif whole and header is None:
+                # One syscall for header and data: the common whole-block read.
+                hdr = self._header_buffer()
+                got = self._pread_exact(fd, [host_view(hdr), host_view(host_dst)], 0)
+                if got != self.header_bytes + nbytes:
+                    raise self._corrupt(key, f"short read of {got} bytes")
+                header = self._parse_header(key, host_view(hdr))
+            else:
+                if header is None:
+                    header = self._read_header(fd, key)
+                got = self._pread_exact(fd, [host_view(host_dst)], file_offset)
+                if got != nbytes:
+                    raise self._corrupt(key, f"short read of {got} bytes")
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            kind = (
+                "kvikio"
+                if on_gpu and self._kvikio is not None
+                else "direct"
+                if direct
+                else "buffered"
+            )
+            self.counters.add(f"{self.name}.io_{kind}")
+        finally:
+            os.close(fd)
+        base = host_dst.data_ptr()
+        spans = [
+            Span(
+                src=base + j * layout.layer_bytes,
+                nbytes=layout.layer_bytes,
+                prefix=layer_prefix(key, layer),
+            )
+            for j, layer in enumerate(layers)
+        ]
+        got_sums = self.engine.run(spans)
+        self._verify(key, layers, got_sums, header.checksum.layers[layers.start : layers.stop])
+        self._remember(key, stamp, header)
+        if on_gpu and self._kvikio is None:
+            dst.copy_(host_dst)
+        self.counters.add(f"{self.name}.hits")
+        self.counters.add(f"{self.name}.bytes_read", nbytes)
+        return ReadResult(
+            key=key,
+            tier=self.name,
+            layers=layers,
+            nbytes=nbytes,
+            checksum=header.checksum if whole else None,
+        )
+
+    def _read_header(self, fd: int, key: uuid.UUID) -> _Header:
+        hdr = self._header_buffer()
+        got = self._pread_exact(fd, [host_view(hdr)], 0)
+        if got != self.header_bytes:
+            raise self._corrupt(key, f"short header read of {got} bytes")
+        return self._parse_header(key, host_view(hdr))
+
+    def checksum(self, key: uuid.UUID) -> BlockChecksum:
+        """The stored checksum of a block (from its header; the data is not read)."""
+        fd, stamp = self._open_for_read(key, direct=self.direct_io)
+        try:
+            header = self._recall(key, stamp) or self._read_header(fd, key)
+        finally:
+            os.close(fd)
+        return header.checksum
+
+    def contains(self, key: uuid.UUID) -> bool:
+        return self.path_of(key).exists()
+
+    def delete(self, key: uuid.UUID) -> bool:
+        self._forget(key)
+        with self._ledger.locked() as state:
+            path = self.path_of(key)
+            try:
+                size = os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+            state[0] -= size
+            state[2] -= 1
+            return True
+
+    def usage(self) -> TierUsage:
+        with self._ledger.locked() as state:
+            stored, pending, blocks = state
+        return TierUsage(
+            tier=self.name,
+            capacity_bytes=self.capacity_bytes,
+            stored_bytes=stored,
+            pending_bytes=pending,
+            blocks=blocks,
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        self._ledger.close()
+
+
+def _advance(views: list[memoryview], skip: int) -> list[memoryview]:
+    """The views with the first `skip` bytes dropped (after a short read or write)."""
+    if skip == 0:
+        return views
+    out = []
+    for view in views:
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        out.append(view[skip:])
+        skip = 0
+    return out
