@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench lint stop clean
+.PHONY: setup demo test bench bench-scale lint stop clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON_BIN) >/dev/null || { echo "Strata needs Python 3.11 ($(PYTHON_BIN) not found)"; exit 1; }
@@ -29,6 +29,10 @@ test: setup
 bench: setup
 	$(PY) -m controlplane.runtime.embedded start
 	$(PY) -m benchmarks
+
+bench-scale: setup  # the directory at 10M blocks (the full-size run is 1M)
+	$(PY) -m controlplane.runtime.embedded start
+	$(PY) -m benchmarks directory --scale 10
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -25,6 +25,9 @@ EVENT_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "heartbeat_seconds": (int, float), "tiers": list,
     },
     "node.state": {"name": str, "state": str, "previous": str},
+    # One per registration batch (never per block), and one per purge.
+    "blocks.registered": {"blocks": int, "new": int, "placements": int, "source": str},
+    "blocks.purged": {"namespace": str, "model": str, "blocks": int, "placements": int},
 }
 
 

@@ -19,3 +19,48 @@ class NodeState(models.TextChoices):
     UP = "up", "Up"
     STALE = "stale", "Stale (missed heartbeats)"
     DOWN = "down", "Down (shut down cleanly)"
+
+
+class PlacementState(models.TextChoices):
+    """Lifecycle of one copy of a block in one tier: only READY copies are ever served."""
+
+    PENDING = "pending", "Pending (bytes being written)"
+    READY = "ready", "Ready (bytes verified, servable)"
+    CORRUPT = "corrupt", "Corrupt (failed verification, quarantined)"
+    DELETING = "deleting", "Deleting (bytes being freed)"
+
+
+class Dtype(models.TextChoices):
+    """KV dtypes the data plane stores (worker.dataplane.layout)."""
+
+    FLOAT32 = "float32", "float32"
+    FLOAT16 = "float16", "float16"
+    BFLOAT16 = "bfloat16", "bfloat16"
+
+
+class BlockOrdering(models.TextChoices):
+    """Orderings of the block list; each maps to a unique column tuple so cursors are stable."""
+
+    NEWEST = "-created_at", "Newest first"
+    OLDEST = "created_at", "Oldest first"
+    HOTTEST = "-access_count", "Most accessed first"
+    COLDEST = "access_count", "Least accessed first"
+    RECENT = "-last_access_at", "Most recently accessed first"
+    IDLE = "last_access_at", "Least recently accessed first"
+
+
+# Creation order is id order (ids come from one sequence at insert), so age needs no index of its own.
+BLOCK_ORDERING_COLUMNS: dict[str, tuple[str, ...]] = {
+    BlockOrdering.NEWEST: ("-id",),
+    BlockOrdering.OLDEST: ("id",),
+    BlockOrdering.HOTTEST: ("-access_count", "-id"),
+    BlockOrdering.COLDEST: ("access_count", "id"),
+    BlockOrdering.RECENT: ("-last_access_at", "-id"),
+    BlockOrdering.IDLE: ("last_access_at", "id"),
+}
+
+DEFAULT_PRIORITY = "default"
+"""Priority class of a block until the policies app says otherwise."""
+
+MAX_BATCH = 4096
+"""Most keys (or blocks) one lookup or registration may carry."""

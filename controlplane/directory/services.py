@@ -1,17 +1,35 @@
-"""Directory writes: node heartbeats and node state changes."""
+"""Directory writes: node heartbeats and states; namespaces, model profiles, block registration,
+placement lifecycle (epoch-guarded), access counts and purges."""
 
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timedelta
+import json
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from controlplane.dashboard.events import send_event_on_commit
-from controlplane.directory.choices import NodeState, Tier
-from controlplane.directory.models import Node, NodeTier
+from controlplane.directory import queries
+from controlplane.directory.choices import NodeState, PlacementState, Tier
+from controlplane.directory.errors import (
+    DirectoryError,
+    InUse,
+    InvalidTransition,
+    PlacementNotFound,
+    StaleEpoch,
+    UnknownModel,
+    UnknownNamespace,
+    UnknownNode,
+)
+from controlplane.directory.models import Block, ModelProfile, Namespace, Node, NodeTier, Placement
+from controlplane.directory.selectors import sql_cursor
+from worker.dataplane.directory import BlockRegistration, BlockTouch, PlacementChange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,3 +141,373 @@ def node_mark_down(*, name: str) -> bool:
     node.save(update_fields=["state"])
     send_event_on_commit(kind="node.state", payload={"name": name, "state": NodeState.DOWN, "previous": previous})
     return True
+
+
+# -- namespaces ------------------------------------------------------------------------------------
+
+@transaction.atomic
+def namespace_create(*, name: str, shared: bool = False, description: str = "") -> Namespace:
+    """A new namespace with a fresh random salt."""
+    if Namespace.objects.filter(name=name).exists():
+        raise DirectoryError(f"name: a namespace named {name!r} exists", field="name")
+    return Namespace.objects.create(name=name, shared=shared, description=description)
+
+
+@transaction.atomic
+def namespace_update(*, namespace: Namespace, shared: bool | None = None, description: str | None = None) -> Namespace:
+    """Change whether other namespaces may match this one's blocks, or its description (never the salt:
+    that would orphan every block in it)."""
+    if shared is not None:
+        namespace.shared = shared
+    if description is not None:
+        namespace.description = description
+    namespace.save(update_fields=["shared", "description"])
+    return namespace
+
+
+@transaction.atomic
+def namespace_delete(*, namespace: Namespace) -> None:
+    """Delete an empty namespace; one that still has blocks must be purged first."""
+    if Block.objects.filter(namespace=namespace).exists():
+        raise InUse(f"namespace: {namespace.name!r} still has blocks; purge them first", field="namespace")
+    namespace.delete()
+
+
+# -- model profiles --------------------------------------------------------------------------------
+
+def modelprofile_key(
+    *, model_id: str, layers: int, kv_heads: int, head_dim: int, dtype: str, block_tokens: int,
+    revision: str, rope_theta: float, rope_scaling: str,
+) -> tuple[uuid.UUID, dict[str, Any]]:
+    """The data plane's model key of a layout and the layout as the data plane canonicalises it."""
+    # Imported here: the data plane's layout module pulls in torch, which the control plane
+    # needs only when a profile is created.
+    from worker.dataplane.hashing import model_key
+    from worker.dataplane.layout import ModelProfile as LayoutProfile
+
+    profile = LayoutProfile(model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                            block_tokens=block_tokens, revision=revision, rope_theta=rope_theta,
+                            rope_scaling=rope_scaling)
+    return model_key(profile), dataclasses.asdict(profile)
+
+
+_LAYOUT_FIELDS = ("model_id", "layers", "kv_heads", "head_dim", "block_tokens", "revision", "rope_theta")
+
+
+@transaction.atomic
+def modelprofile_create(
+    *,
+    name: str,
+    model_id: str,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str = "bfloat16",
+    block_tokens: int = 256,
+    revision: str = "main",
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | str | None = None,
+) -> ModelProfile:
+    """A model profile and its model key; a second profile of the very same layout is refused."""
+    if isinstance(rope_scaling, dict):
+        rope_scaling = json.dumps(rope_scaling, sort_keys=True, separators=(",", ":")) if rope_scaling else ""
+    try:
+        key, layout = modelprofile_key(model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                                       dtype=dtype, block_tokens=block_tokens, revision=revision,
+                                       rope_theta=rope_theta, rope_scaling=rope_scaling or "")
+    except ValueError as exc:
+        # The data plane's messages start with the field they are about ("layers must be ...")
+        # or mention the dtype; keep the field so the API can name it.
+        text = str(exc)
+        field = text.split(" ", 1)[0] if text.split(" ", 1)[0] in _LAYOUT_FIELDS else "dtype"
+        raise DirectoryError(f"{field}: {text}", field=field) from exc
+    existing = ModelProfile.objects.filter(model_key=key).first()
+    if existing is not None:
+        raise DirectoryError(f"model_key: profile {existing.name!r} has the same layout (model key {key})",
+                             field="model_key")
+    if ModelProfile.objects.filter(name=name).exists():
+        raise DirectoryError(f"name: a model profile named {name!r} exists", field="name")
+    return ModelProfile.objects.create(name=name, model_key=key, **layout)
+
+
+@transaction.atomic
+def modelprofile_delete(*, profile: ModelProfile) -> None:
+    """Delete a profile no block refers to."""
+    if Block.objects.filter(model=profile).exists():
+        raise InUse(f"model: {profile.name!r} still has blocks; purge them first", field="model")
+    profile.delete()
+
+
+# -- blocks ----------------------------------------------------------------------------------------
+
+@transaction.atomic
+def blocks_register(*, registrations: Sequence[BlockRegistration], source: str = "api",
+                    now: datetime | None = None) -> queries.RegisterCounts:
+    """Record blocks and one READY copy of each, all or nothing: a batch naming an unknown
+    namespace, model or node writes nothing. Idempotent, and safe when two processes register the
+    same blocks at once (an upsert in key order; an identical copy is left untouched)."""
+    if not registrations:
+        return queries.RegisterCounts(blocks=0, placements=0)
+    now = now or timezone.now()
+    with sql_cursor() as cursor:
+        scope = queries.resolve(cursor, namespaces=[r.namespace for r in registrations],
+                                model_keys=[r.model_key for r in registrations],
+                                nodes=[r.node for r in registrations if r.node])
+        rows, rejected = queries.registration_rows(scope, registrations)
+        if rejected:
+            raise rejected[0][1]
+        counts = queries.register(cursor, rows=rows, now=now)
+    blocks_registered_announce(blocks=len(registrations), new=counts.blocks, placements=counts.placements,
+                               source=source)
+    return counts
+
+
+def blocks_registered_announce(*, blocks: int, new: int, placements: int, source: str) -> None:
+    """One dashboard event per batch (never per block): how many blocks a batch carried and how
+    many of them, and of their copies, were new."""
+    send_event_on_commit(kind="blocks.registered",
+                         payload={"blocks": blocks, "new": new, "placements": placements, "source": source})
+
+
+@transaction.atomic
+def blocks_touch(*, touches: Sequence[BlockTouch]) -> int:
+    """Add accesses to blocks (summed per block, the latest time kept); unknown keys are ignored.
+    Returns the number of blocks updated."""
+    rows = [
+        queries.TouchRow(namespace=t.namespace, model_key=t.model_key, prefix_key=t.prefix_key, hits=t.hits,
+                         at=datetime.fromtimestamp(t.at, tz=UTC))
+        for t in touches
+    ]
+    with sql_cursor() as cursor:
+        return queries.touch(cursor, rows=rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class PurgeCounts:
+    blocks: int
+    placements: int
+
+
+@transaction.atomic
+def blocks_purge(*, namespace: str, model: str | None = None) -> PurgeCounts:
+    """Forget every block of a namespace (and model profile, when named) with its copies. The bytes
+    left on nodes have no placement any more: the reconciler collects them."""
+    ns = Namespace.objects.filter(name=namespace).first()
+    if ns is None:
+        raise UnknownNamespace(f"namespace: no namespace named {namespace!r}")
+    profile = None
+    if model is not None:
+        profile = ModelProfile.objects.filter(name=model).first()
+        if profile is None:
+            raise UnknownModel(f"model: no model profile named {model!r}")
+    where = "b.namespace_id = %s" + (" AND b.model_id = %s" if profile else "")
+    params = [ns.id] + ([profile.id] if profile else [])
+    # Set-based deletes: the ORM's cascade would load every row into Python first.
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {queries.PLACEMENT_TABLE} p USING {queries.BLOCK_TABLE} b "
+                       f"WHERE p.block_id = b.id AND {where}", params)
+        placements = cursor.rowcount
+        cursor.execute(f"DELETE FROM {queries.BLOCK_TABLE} b WHERE {where}", params)
+        blocks = cursor.rowcount
+    send_event_on_commit(kind="blocks.purged", payload={"namespace": namespace, "model": model or "",
+                                                        "blocks": blocks, "placements": placements})
+    return PurgeCounts(blocks=blocks, placements=placements)
+
+
+# -- placements ------------------------------------------------------------------------------------
+
+def _node_for(tier: str, node: str | None) -> Node | None:
+    if tier not in Tier.values:
+        raise DirectoryError(f"tier: unknown tier {tier!r}; expected one of {', '.join(Tier.values)}", field="tier")
+    if tier == Tier.REMOTE:
+        if node:
+            raise DirectoryError("node: a remote placement belongs to no node", field="node")
+        return None
+    if not node:
+        raise DirectoryError(f"node: a {tier} placement needs the node that holds it", field="node")
+    found = Node.objects.filter(name=node).first()
+    if found is None:
+        raise UnknownNode(f"node: no node named {node!r}")
+    return found
+
+
+def _locked(placement_id: int, epoch: int | None, allowed: Sequence[str], change: str) -> Placement:
+    placement = Placement.objects.select_for_update().filter(id=placement_id).first()
+    if placement is None:
+        raise PlacementNotFound(f"placement: no placement {placement_id}")
+    _check(placement, epoch, allowed, change)
+    return placement
+
+
+def _check(placement: Placement, epoch: int | None, allowed: Sequence[str], change: str) -> None:
+    if epoch is not None and placement.epoch != epoch:
+        raise StaleEpoch(placement_id=placement.id, expected=epoch, actual=placement.epoch)
+    if placement.state not in allowed:
+        raise InvalidTransition(f"state: placement {placement.id} is {placement.state}; {change} needs "
+                                f"{' or '.join(allowed)}")
+
+
+def _advance(placement: Placement, state: str, now: datetime, **fields: Any) -> Placement:
+    placement.state = state
+    placement.epoch += 1
+    placement.updated_at = now
+    for name, value in fields.items():
+        setattr(placement, name, value)
+    placement.save(update_fields=["state", "epoch", "updated_at", *fields])
+    return placement
+
+
+@transaction.atomic
+def placement_create_pending(
+    *, block_id: int, tier: str, node: str | None, size_bytes: int, locator: str = "", offset: int = 0,
+    now: datetime | None = None,
+) -> Placement:
+    """Reserve a copy of a block in a tier before its bytes are written (a movement's target).
+    A previous corrupt or deleting copy in the same place is reused with a new epoch."""
+    if size_bytes < 0 or offset < 0:
+        raise DirectoryError("size_bytes: cannot be negative" if size_bytes < 0 else "offset: cannot be negative",
+                             field="size_bytes" if size_bytes < 0 else "offset")
+    node_row = _node_for(tier, node)
+    if not Block.objects.filter(id=block_id).exists():
+        raise DirectoryError(f"block: no block {block_id}", field="block")
+    now = now or timezone.now()
+    placement = (Placement.objects.select_for_update()
+                 .filter(block_id=block_id, tier=tier, node=node_row).first())
+    if placement is None:
+        try:
+            with transaction.atomic():
+                return Placement.objects.create(block_id=block_id, tier=tier, node=node_row, locator=locator,
+                                                offset=offset, size_bytes=size_bytes, checksum="",
+                                                state=PlacementState.PENDING, epoch=1, updated_at=now)
+        except IntegrityError:
+            # Another process reserved the same copy between our read and our insert.
+            placement = Placement.objects.select_for_update().get(block_id=block_id, tier=tier, node=node_row)
+    _check(placement, None, [PlacementState.CORRUPT, PlacementState.DELETING], "a new pending copy")
+    return _advance(placement, PlacementState.PENDING, now, locator=locator, offset=offset,
+                    size_bytes=size_bytes, checksum="")
+
+
+@transaction.atomic
+def placement_mark_ready(*, placement_id: int, epoch: int, checksum: str, size_bytes: int | None = None,
+                         now: datetime | None = None) -> Placement:
+    """A pending copy whose bytes are written and verified becomes servable."""
+    _check_checksum(checksum)
+    placement = _locked(placement_id, epoch, [PlacementState.PENDING], "mark ready")
+    fields: dict[str, Any] = {"checksum": checksum}
+    if size_bytes is not None:
+        fields["size_bytes"] = size_bytes
+    return _advance(placement, PlacementState.READY, now or timezone.now(), **fields)
+
+
+@transaction.atomic
+def placement_flip(*, source_id: int, source_epoch: int, target_id: int, target_epoch: int, checksum: str,
+                   now: datetime | None = None) -> tuple[Placement, Placement]:
+    """The end of a move, in one transaction: the written target becomes READY and the source
+    DELETING. Both epochs must be the ones the mover read; otherwise nothing changes (StaleEpoch)."""
+    if source_id == target_id:
+        raise DirectoryError("target_id: the target must differ from the source", field="target_id")
+    _check_checksum(checksum)
+    # Lock in id order so two flips over the same pair cannot deadlock.
+    locked = {p.id: p for p in Placement.objects.select_for_update().filter(id__in=[source_id, target_id]).order_by("id")}
+    for ident in (source_id, target_id):
+        if ident not in locked:
+            raise PlacementNotFound(f"placement: no placement {ident}")
+    source, target = locked[source_id], locked[target_id]
+    if source.block_id != target.block_id:
+        raise DirectoryError("target_id: source and target are copies of different blocks", field="target_id")
+    _check(source, source_epoch, [PlacementState.READY], "flip (source)")
+    _check(target, target_epoch, [PlacementState.PENDING], "flip (target)")
+    now = now or timezone.now()
+    target = _advance(target, PlacementState.READY, now, checksum=checksum)
+    source = _advance(source, PlacementState.DELETING, now)
+    return source, target
+
+
+@transaction.atomic
+def placement_mark_corrupt(*, placement_id: int, epoch: int | None = None, now: datetime | None = None) -> Placement:
+    """A copy that failed verification is quarantined: never served again. Without `epoch` the
+    mark applies whatever happened since (a bad checksum is a fact, not a race)."""
+    placement = _locked(placement_id, epoch,
+                        [PlacementState.PENDING, PlacementState.READY, PlacementState.DELETING], "mark corrupt")
+    return _advance(placement, PlacementState.CORRUPT, now or timezone.now())
+
+
+@transaction.atomic
+def placement_mark_deleting(*, placement_id: int, epoch: int, now: datetime | None = None) -> Placement:
+    """A copy about to be freed stops being served first."""
+    placement = _locked(placement_id, epoch,
+                        [PlacementState.PENDING, PlacementState.READY, PlacementState.CORRUPT], "mark deleting")
+    return _advance(placement, PlacementState.DELETING, now or timezone.now())
+
+
+@transaction.atomic
+def placement_delete(*, placement_id: int, epoch: int) -> None:
+    """Forget a copy whose bytes are freed (it must be DELETING or CORRUPT at `epoch`)."""
+    placement = _locked(placement_id, epoch, [PlacementState.DELETING, PlacementState.CORRUPT], "delete")
+    placement.delete()
+
+
+@transaction.atomic
+def placements_change(*, changes: Sequence[PlacementChange], now: datetime | None = None) -> int:
+    """Apply by-key changes in order (consecutive changes of one kind in one statement); changes
+    whose copy is missing or whose epoch moved on are skipped. Returns how many copies changed."""
+    now = now or timezone.now()
+    changed = 0
+    with sql_cursor() as cursor:
+        for action, run in _runs(changes):
+            rows = [queries.ChangeRow(namespace=c.namespace, model_key=c.model_key, prefix_key=c.prefix_key,
+                                      tier=c.tier, node=c.node, expected_epoch=c.expected_epoch) for c in run]
+            changed += queries.placements_change(cursor, rows=rows, action=action, now=now)
+    return changed
+
+
+def _runs(changes: Sequence[PlacementChange]) -> list[tuple[str, list[PlacementChange]]]:
+    runs: list[tuple[str, list[PlacementChange]]] = []
+    for change in changes:
+        if runs and runs[-1][0] == change.action:
+            runs[-1][1].append(change)
+        else:
+            runs.append((change.action, [change]))
+    return runs
+
+
+def _check_checksum(checksum: str) -> None:
+    if checksum and (len(checksum) != 32 or any(c not in "0123456789abcdef" for c in checksum)):
+        raise DirectoryError("checksum: expected 32 lower-case hex characters (xxh3-128)", field="checksum")
+
+
+# -- what a node needs before it serves ------------------------------------------------------------
+
+@transaction.atomic
+def namespace_ensure(*, name: str) -> Namespace:
+    """The namespace `name`, created (with a fresh salt) if it does not exist yet."""
+    namespace = Namespace.objects.filter(name=name).first()
+    if namespace is not None:
+        return namespace
+    try:
+        with transaction.atomic():
+            return Namespace.objects.create(name=name)
+    except IntegrityError:  # another node created it a moment ago
+        return Namespace.objects.get(name=name)
+
+
+@transaction.atomic
+def modelprofile_ensure(*, profile: Any) -> ModelProfile:
+    """The model profile of a data-plane profile (worker.dataplane.layout.ModelProfile), created
+    under a name derived from the model and its key when no profile has that layout yet."""
+    key, layout = modelprofile_key(
+        model_id=profile.model_id, layers=profile.layers, kv_heads=profile.kv_heads, head_dim=profile.head_dim,
+        dtype=profile.dtype, block_tokens=profile.block_tokens, revision=profile.revision,
+        rope_theta=profile.rope_theta, rope_scaling=profile.rope_scaling,
+    )
+    existing = ModelProfile.objects.filter(model_key=key).first()
+    if existing is not None:
+        return existing
+    from django.utils.text import slugify
+
+    name = f"{(slugify(profile.model_id) or 'model')[:54]}-{key.hex[:8]}"
+    try:
+        with transaction.atomic():
+            return ModelProfile.objects.create(name=name, model_key=key, **layout)
+    except IntegrityError:
+        return ModelProfile.objects.get(model_key=key)

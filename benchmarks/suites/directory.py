@@ -1,0 +1,518 @@
+"""Suite `directory`: batched hit detection and registration against a directory of 1M blocks
+(10M with ``--scale 10``, as ``make bench-scale`` runs it).
+
+The suite creates its own database (``strata_bench_directory_<pid>``) on the configured PostgreSQL
+server (the embedded one unless DATABASE_URL says otherwise), migrates it, seeds it with COPY
+(secondary indexes dropped during the load and rebuilt after, as one would restore a dump), then
+measures in a child process whose Django points at that database:
+
+* ``lookup64`` / ``lookup1024``: the ``blocks_lookup`` selector (one SQL round trip on Django's
+  connection) for a prompt of 64 (1024) prefix keys: the first three quarters are blocks of one
+  registered chain, the rest misses. Chains are picked uniformly at random over the whole table.
+* ``node_lookup64``: the same through the node's Directory client (its own connection,
+  server-side binding, prepared statement).
+* ``rest_lookup64``: ``POST /api/v1/blocks/lookup/`` through a real daphne server (ASGI, token
+  auth, role check, throttling, JSON) over a keep-alive HTTP connection, with the project's
+  settings (a new database connection per request); ``rest_pooled_lookup64`` the same with
+  Django's connection pool (needs psycopg_pool), to show what the per-request connection costs.
+* ``register``: the ``blocks_register`` service, 4096 new blocks (with one copy each) per call;
+  ``writebehind``: the same blocks through the Directory client, enqueue to durable.
+
+The database is dropped at the end (``STRATA_BENCH_KEEP_DB=1`` keeps it). EXPLAIN (ANALYZE,
+BUFFERS) of a 64-key lookup and of a touch batch at full size goes to the log and the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+DESCRIPTION = "directory hit detection (service, node client, REST) and registration at 1M blocks (--scale 10: 10M)"
+
+FULL_BLOCKS = 1_000_000
+CHAIN = 64
+"""Blocks per seeded chain (a 16K-token prompt of 256-token blocks)."""
+NAMESPACES = 8
+MODELS = 2
+BENCH_DB_PREFIX = "strata_bench_directory"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+TARGETS = {
+    "directory.lookup64_p99_ms": "target <= 2 ms at 10M blocks",
+    "directory.rest_lookup64_p99_ms": "target <= 15 ms at 10M blocks",
+    "directory.register_blocks_per_s": "target >= 50K blocks/s",
+}
+
+
+# -- the harness side ------------------------------------------------------------------------------
+
+def run(ctx: Any) -> list[Any]:
+    from benchmarks.harness import Row
+    from controlplane.runtime.environment import load_environment
+
+    blocks = max(CHAIN * 64, int(FULL_BLOCKS * ctx.scale) // CHAIN * CHAIN)
+    database = load_environment().database
+    server = {"host": database.host or None, "port": database.port or None, "user": database.user or "postgres",
+              "password": database.password or None, **database.options}
+    server = {k: v for k, v in server.items() if v is not None}
+    spec = {"blocks": blocks, "repeats": ctx.repeats, "scale": ctx.scale, "scratch": str(ctx.scratch)}
+    # One database per run, so two runs at once (two engineers, one server) never drop each other's.
+    name = f"{BENCH_DB_PREFIX}_{os.getpid()}"
+    ctx.params.update(blocks=blocks, database=name)
+    rows: list[Row] = []
+    with _bench_database(server, name) as url:
+        env = {
+            **os.environ,
+            "DATABASE_URL": url,
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
+            "STRATA_SECRET_KEY": secrets.token_urlsafe(60),
+            "STRATA_SSL_REDIRECT": "false",
+            "STRATA_LOG_LEVEL": "WARNING",
+            "PYTHONUNBUFFERED": "1",
+        }
+        child = subprocess.Popen([sys.executable, "-m", "benchmarks.suites.directory", json.dumps(spec)],
+                                 cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None
+        for line in child.stdout:
+            if not line.startswith("{"):
+                ctx.log(line.rstrip())
+                continue
+            message = json.loads(line)
+            if "plan" in message:
+                ctx.plan(message["plan"])
+            elif "step" in message:
+                ctx.step(message["step"])
+            elif "log" in message:
+                ctx.log(message["log"])
+            elif "param" in message:
+                ctx.params.update(message["param"])
+            elif "row" in message:
+                row = message["row"]
+                rows.append(Row(name=row["name"], value=row["value"], unit=row["unit"],
+                                note=TARGETS.get(row["name"], ""), params=row.get("params", {})))
+        if child.wait() != 0:
+            raise RuntimeError(f"the directory benchmark process failed (exit {child.returncode})")
+    return rows
+
+
+@contextlib.contextmanager
+def _bench_database(server: dict[str, Any], name: str) -> Iterator[str]:
+    """A fresh database for the benchmark on the configured server; yields its DATABASE_URL."""
+    import psycopg
+
+    with psycopg.connect(dbname="postgres", autocommit=True, **server) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.execute(f'CREATE DATABASE "{name}"')
+    user = quote(server.get("user", "postgres"), safe="")
+    password = quote(server.get("password", ""), safe="")
+    auth = f"{user}:{password}@" if password else f"{user}@"
+    host = server.get("host", "")
+    if host.startswith("/"):
+        url = f"postgresql://{auth}/{name}?host={quote(host, safe='/')}"
+    else:
+        url = f"postgresql://{auth}{host or '127.0.0.1'}:{server.get('port', 5432)}/{name}"
+    try:
+        yield url
+    finally:
+        if os.environ.get("STRATA_BENCH_KEEP_DB") != "1":
+            with psycopg.connect(dbname="postgres", autocommit=True, **server) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# -- the child process (Django configured for the bench database) --------------------------------
+
+def _emit(**message: Any) -> None:
+    print(json.dumps(message), flush=True)
+
+
+def _row(name: str, value: float, unit: str, **params: Any) -> None:
+    _emit(row={"name": name, "value": round(value, 4), "unit": unit, "params": params})
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(pct / 100 * (len(ordered) - 1))))]
+
+
+class World:
+    """The seeded directory: which chain is where, and the keys to ask for."""
+
+    def __init__(self, blocks: int, seed: int = 20261129) -> None:
+        import numpy as np
+
+        self.blocks = blocks
+        self.chains = blocks // CHAIN
+        rng = np.random.default_rng(seed)
+        self.prefix = rng.bytes(16 * blocks)
+        self.content = rng.bytes(16 * blocks)
+        self.rng = rng
+        self.namespace_names = [f"bench-{i}" for i in range(NAMESPACES)]
+        self.model_keys: list[uuid.UUID] = []
+        self.namespace_ids: list[int] = []
+        self.model_ids: list[int] = []
+        self.node_ids: dict[str, int] = {}
+
+    def chain_scope(self, chain: int) -> tuple[int, int]:
+        """(namespace index, model index) of a chain."""
+        return chain % NAMESPACES, (chain // NAMESPACES) % MODELS
+
+    def prefix_key(self, block: int) -> uuid.UUID:
+        return uuid.UUID(bytes=self.prefix[16 * block:16 * block + 16])
+
+    def prompt(self, chains: int) -> tuple[str, uuid.UUID, list[uuid.UUID]]:
+        """Keys of a prompt spanning `chains` chains of one namespace and model: three quarters
+        registered blocks, then misses."""
+        first = int(self.rng.integers(0, self.chains - NAMESPACES * MODELS * chains))
+        picked = [first + i * NAMESPACES * MODELS for i in range(chains)]
+        keys = [self.prefix_key(c * CHAIN + b) for c in picked for b in range(CHAIN)]
+        hits = len(keys) * 3 // 4
+        keys = keys[:hits] + [uuid.uuid4() for _ in range(len(keys) - hits)]
+        ns, model = self.chain_scope(first)
+        return self.namespace_names[ns], self.model_keys[model], keys
+
+
+def _scope(world: World) -> None:
+    from controlplane.directory.services import (
+        TierReport,
+        modelprofile_create,
+        namespace_create,
+        node_heartbeat,
+    )
+
+    for name in world.namespace_names:
+        world.namespace_ids.append(namespace_create(name=name).id)
+    for i in range(MODELS):
+        profile = modelprofile_create(name=f"bench-model-{i}", model_id=f"bench/llama-{i}", layers=32, kv_heads=8,
+                                      head_dim=128, dtype="bfloat16", block_tokens=256)
+        world.model_keys.append(profile.model_key)
+        world.model_ids.append(profile.id)
+    for name in ("gpu-0", "gpu-1"):
+        node = node_heartbeat(name=name, host="bench", heartbeat_seconds=3600.0,
+                              tiers=[TierReport(tier="host", capacity_bytes=1 << 40, used_bytes=0)])
+        world.node_ids[name] = node.id
+
+
+def _secondary(conn: Any, table: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """Unique and foreign-key constraints, and plain indexes, of a table (not its primary key)."""
+    constraints = conn.execute(
+        "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+        "WHERE conrelid = %s::regclass AND contype IN ('u', 'f')", (table,)).fetchall()
+    indexes = conn.execute(
+        "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index i "
+        "WHERE i.indrelid = %s::regclass AND NOT i.indisprimary "
+        "AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)", (table,)).fetchall()
+    return [(name, definition) for name, definition in constraints], [row[0] for row in indexes]
+
+
+def _seed(world: World, connect: Callable[[], Any]) -> float:
+    """COPY the blocks and their copies in; returns the seconds it took (indexes rebuilt included)."""
+    started = time.perf_counter()
+    conn = connect()
+    conn.autocommit = True
+    saved = {}
+    for table in ("directory_placement", "directory_block"):
+        constraints, indexes = _secondary(conn, table)
+        saved[table] = (constraints, indexes)
+        for name, _ in constraints:
+            conn.execute(f'ALTER TABLE {table} DROP CONSTRAINT "{name}"')
+        for definition in indexes:
+            name = definition.split(" INDEX ", 1)[1].split(" ON ", 1)[0]
+            conn.execute(f"DROP INDEX {name}")
+    tiers = [("host", world.node_ids["gpu-0"]), ("disk", world.node_ids["gpu-0"]), ("remote", None),
+             ("host", world.node_ids["gpu-1"])]
+    base = time.time() - 86400 * 30
+    chunk = 100_000
+    access = world.rng.zipf(1.6, size=world.blocks) % 10_000
+    prefix_hex, content_hex = world.prefix.hex(), world.content.hex()
+    placement_id = 0
+    with conn.cursor() as cur:
+        with cur.copy("COPY directory_block (id, namespace_id, model_id, prefix_key, content_key, position, "
+                      "token_count, size_bytes, priority, created_at, last_access_at, access_count) FROM STDIN") as copy:
+            for start in range(0, world.blocks, chunk):
+                lines = []
+                for i in range(start, min(start + chunk, world.blocks)):
+                    ns, model = world.chain_scope(i // CHAIN)
+                    created = base + i * 0.001
+                    lines.append(f"{i + 1}\t{world.namespace_ids[ns]}\t{world.model_ids[model]}\t"
+                                 f"{prefix_hex[32 * i:32 * i + 32]}\t{content_hex[32 * i:32 * i + 32]}\t"
+                                 f"{(i % CHAIN) * 256}\t256\t33554432\tdefault\t{_ts(created)}\t"
+                                 f"{_ts(created + 60)}\t{access[i]}\n")
+                copy.write("".join(lines))
+        with cur.copy("COPY directory_placement (id, block_id, tier, node_id, locator, \"offset\", size_bytes, "
+                      "checksum, state, epoch, updated_at) FROM STDIN") as copy:
+            for start in range(0, world.blocks, chunk):
+                lines = []
+                for i in range(start, min(start + chunk, world.blocks)):
+                    copies = [tiers[i % 4]]
+                    if i % 10 == 0 and i % 4 != 2:
+                        copies.append(("remote", None))
+                    for tier, node in copies:
+                        placement_id += 1
+                        lines.append(f"{placement_id}\t{i + 1}\t{tier}\t{node if node else chr(92) + 'N'}\t\t0\t"
+                                     f"33554432\t{prefix_hex[32 * i:32 * i + 32]}\tready\t1\t{_ts(base)}\n")
+                copy.write("".join(lines))
+    conn.execute("SET maintenance_work_mem = '512MB'")
+    for table in ("directory_block", "directory_placement"):
+        constraints, indexes = saved[table]
+        for name, definition in constraints:
+            conn.execute(f'ALTER TABLE {table} ADD CONSTRAINT "{name}" {definition}')
+        for definition in indexes:
+            conn.execute(definition)
+        conn.execute(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))")
+        conn.execute(f"VACUUM (ANALYZE) {table}")
+    conn.close()
+    return time.perf_counter() - started
+
+
+def _ts(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{int(seconds * 1e6) % 1_000_000:06d}+00"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+POOLED_SETTINGS = '''"""Benchmark only: the production settings with a database connection pool (Django 5.1+)."""
+from controlplane.settings import prod
+from controlplane.settings.inherit import settings_of
+
+globals().update(settings_of(prod))
+_default = prod.DATABASES["default"]
+DATABASES = {"default": {**_default, "CONN_MAX_AGE": 0,
+                         "OPTIONS": {**_default["OPTIONS"], "pool": {"min_size": 2, "max_size": 8}}}}
+'''
+
+
+def _pool_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("psycopg_pool") is not None
+
+
+@contextlib.contextmanager
+def _daphne(*, pooled: bool, scratch: Path) -> Iterator[int]:
+    """A daphne serving the control plane: with the project's settings (under ASGI every request
+    opens a new database connection: Django's persistent connections are per thread, and each
+    request runs in a thread of its own) or, to show what that costs, with a connection pool."""
+    port = _free_port()
+    env = dict(os.environ)
+    if pooled:
+        (scratch / "strata_bench_settings.py").write_text(POOLED_SETTINGS)
+        env["PYTHONPATH"] = os.pathsep.join([str(scratch), str(REPO_ROOT), env.get("PYTHONPATH", "")])
+        env["DJANGO_SETTINGS_MODULE"] = "strata_bench_settings"
+    server = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                               "controlplane.asgi:application"], cwd=REPO_ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"daphne exited: {server.stderr.read() if server.stderr else ''}")
+            with contextlib.suppress(OSError):
+                probe = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                probe.request("GET", "/livez")
+                if probe.getresponse().status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("daphne did not answer /livez within 60 s")
+            time.sleep(0.2)
+        yield port
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _engine_token() -> str:
+    from django.contrib.auth.models import Group, User
+    from rest_framework.authtoken.models import Token
+
+    user = User.objects.create_user(username="bench-engine", password=secrets.token_urlsafe(16))
+    user.groups.add(Group.objects.get_or_create(name="operator")[0])
+    return Token.objects.create(user=user).key
+
+
+def _explain(world: World) -> None:
+    from django.db import connection, transaction
+    from django.utils import timezone
+
+    from controlplane.directory import queries
+
+    namespace, model_key, keys = world.prompt(1)
+    with connection.cursor() as cursor:
+        plan = queries.explain(cursor, queries.LOOKUP_SQL, queries.lookup_params(
+            namespace=namespace, model_key=model_key, node="gpu-0", prefix_keys=keys, content_keys=[]))
+        with transaction.atomic():
+            rows = [queries.TouchRow(namespace=namespace, model_key=model_key, prefix_key=key, hits=1,
+                                     at=timezone.now()) for key in keys]
+            touch = queries.explain(cursor, queries.TOUCH_SQL, queries.touch_params(rows))
+            transaction.set_rollback(True)
+    for name, text in (("lookup64", plan), ("touch64", touch)):
+        _emit(log=f"EXPLAIN (ANALYZE, BUFFERS) {name} at {world.blocks} blocks:\n{text}")
+        _emit(param={f"explain_{name}": text})
+        if "Seq Scan on directory_block" in text or "Seq Scan on directory_placement" in text:
+            _emit(log=f"WARNING: {name} plan has a sequential scan")
+
+
+def child(spec: dict[str, Any]) -> None:
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from controlplane.directory.selectors import blocks_lookup
+    from controlplane.directory.services import blocks_register
+    from worker.dataplane.directory import BlockRegistration
+    from worker.directory import DirectoryOptions, DjangoDirectory, django_connect
+
+    repeats = spec["repeats"]
+    small = spec["scale"] < 0.1
+    n64, n1024, nrest, batches = (300, 40, 200, 8) if small else (2000, 200, 1000, 40)
+    _emit(plan=4 + 4 * repeats)
+    call_command("migrate", verbosity=0, interactive=False)
+    _emit(step="migrated")
+    world = World(spec["blocks"])
+    _scope(world)
+    seconds = _seed(world, django_connect())
+    _row("directory.seed_blocks_per_s", world.blocks / seconds, "blocks/s", blocks=world.blocks)
+    _emit(step=f"seeded {world.blocks} blocks in {seconds:.0f}s")
+    token = _engine_token()
+    node = DjangoDirectory(options=DirectoryOptions(), announce=lambda **_: None, source="bench")
+    for _ in range(200):  # warm the plan caches and a share of the buffers
+        ns, mk, keys = world.prompt(1)
+        blocks_lookup(namespace=ns, model_key=mk, node="gpu-0", prefix_keys=keys)
+        node.lookup(keys=keys, node="gpu-0", namespace=ns, model_key=mk)
+    _emit(step="warmed up")
+
+    results: dict[str, list[float]] = {}
+
+    def record(name: str, value: float) -> None:
+        results.setdefault(name, []).append(value)
+
+    hit_blocks = []
+    headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
+
+    def rest_round(conn: http.client.HTTPConnection, name: str) -> None:
+        lat = []
+        for _ in range(nrest):
+            ns, mk, keys = world.prompt(1)
+            body = json.dumps({"namespace": ns, "model_key": str(mk), "node": "gpu-0",
+                               "prefix_keys": [str(k) for k in keys]})
+            began = time.perf_counter()
+            conn.request("POST", "/api/v1/blocks/lookup/", body=body, headers=headers)
+            response = conn.getresponse()
+            payload = response.read()
+            lat.append(time.perf_counter() - began)
+            if response.status != 200:
+                raise RuntimeError(f"REST lookup answered {response.status}: {payload[:300]!r}")
+        record(f"{name}_p50", _percentile(lat, 50) * 1e3)
+        record(f"{name}_p99", _percentile(lat, 99) * 1e3)
+
+    scratch = Path(spec["scratch"])
+    pooled = _pool_available()
+    with contextlib.ExitStack() as servers:
+        http_conn = http.client.HTTPConnection(
+            "127.0.0.1", servers.enter_context(_daphne(pooled=False, scratch=scratch)), timeout=30)
+        pooled_conn = http.client.HTTPConnection(
+            "127.0.0.1", servers.enter_context(_daphne(pooled=True, scratch=scratch)), timeout=30) if pooled else None
+        for repeat in range(repeats):
+            lat = []
+            for _ in range(n64):
+                ns, mk, keys = world.prompt(1)
+                began = time.perf_counter()
+                found = blocks_lookup(namespace=ns, model_key=mk, node="gpu-0", prefix_keys=keys)
+                lat.append(time.perf_counter() - began)
+                hit_blocks.append(found.hits)
+            record("lookup64_p50", _percentile(lat, 50) * 1e3)
+            record("lookup64_p99", _percentile(lat, 99) * 1e3)
+            _emit(step=f"lookup64 round {repeat + 1}")
+            lat = []
+            for _ in range(n64):
+                ns, mk, keys = world.prompt(1)
+                began = time.perf_counter()
+                node.lookup(keys=keys, node="gpu-0", namespace=ns, model_key=mk)
+                lat.append(time.perf_counter() - began)
+            record("node_lookup64_p50", _percentile(lat, 50) * 1e3)
+            record("node_lookup64_p99", _percentile(lat, 99) * 1e3)
+            lat = []
+            for _ in range(n1024):
+                ns, mk, keys = world.prompt(16)
+                began = time.perf_counter()
+                blocks_lookup(namespace=ns, model_key=mk, node="gpu-0", prefix_keys=keys)
+                lat.append(time.perf_counter() - began)
+            record("lookup1024_p50", _percentile(lat, 50) * 1e3)
+            record("lookup1024_p99", _percentile(lat, 99) * 1e3)
+            _emit(step=f"lookup1024 round {repeat + 1}")
+            rest_round(http_conn, "rest_lookup64")
+            if pooled_conn is not None:
+                rest_round(pooled_conn, "rest_pooled_lookup64")
+            _emit(step=f"REST lookup round {repeat + 1}")
+            # Registration of new blocks, 4096 (with one copy each) per call.
+            ns_index = repeat % NAMESPACES
+            regs_batches = [[BlockRegistration(
+                namespace=world.namespace_names[ns_index], model_key=world.model_keys[0], prefix_key=uuid.uuid4(),
+                content_key=uuid.uuid4(), position=256 * (i % CHAIN), tokens=256, tier="host", node="gpu-0",
+                nbytes=33554432, checksum=secrets.token_hex(16)) for i in range(4096)] for _ in range(batches)]
+            began = time.perf_counter()
+            for regs in regs_batches:
+                blocks_register(registrations=regs, source="bench")
+            record("register", batches * 4096 / (time.perf_counter() - began))
+            regs = [BlockRegistration(
+                namespace=world.namespace_names[ns_index], model_key=world.model_keys[1], prefix_key=uuid.uuid4(),
+                content_key=uuid.uuid4(), position=256 * (i % CHAIN), tokens=256, tier="host", node="gpu-0",
+                nbytes=33554432) for i in range(batches * 4096)]
+            began = time.perf_counter()
+            for start in range(0, len(regs), CHAIN):
+                node.register(blocks=regs[start:start + CHAIN])
+            if not node.flush(timeout=600):
+                raise RuntimeError(f"write-behind did not drain: {node.stats()}")
+            record("writebehind", len(regs) / (time.perf_counter() - began))
+            _emit(step=f"registration round {repeat + 1}")
+    node.close()
+    if not any(hit_blocks):
+        raise RuntimeError("no lookup found anything: the seed or the lookup is broken")
+    median = {name: statistics.median(values) for name, values in results.items()}
+    params = {"blocks": world.blocks, "repeats": repeats}
+    _row("directory.lookup64_p50_ms", median["lookup64_p50"], "ms", samples=n64, **params)
+    _row("directory.lookup64_p99_ms", median["lookup64_p99"], "ms", samples=n64, **params)
+    _row("directory.lookup1024_p99_ms", median["lookup1024_p99"], "ms", samples=n1024, **params)
+    _row("directory.lookup1024_p50_ms", median["lookup1024_p50"], "ms", samples=n1024, **params)
+    _row("directory.node_lookup64_p50_ms", median["node_lookup64_p50"], "ms", samples=n64, **params)
+    _row("directory.node_lookup64_p99_ms", median["node_lookup64_p99"], "ms", samples=n64, **params)
+    _row("directory.rest_lookup64_p50_ms", median["rest_lookup64_p50"], "ms", samples=nrest, server="daphne",
+         **params)
+    _row("directory.rest_lookup64_p99_ms", median["rest_lookup64_p99"], "ms", samples=nrest, server="daphne",
+         **params)
+    if pooled:
+        _row("directory.rest_pooled_lookup64_p50_ms", median["rest_pooled_lookup64_p50"], "ms",
+             samples=nrest, server="daphne", db_pool="psycopg_pool 2..8", **params)
+        _row("directory.rest_pooled_lookup64_p99_ms", median["rest_pooled_lookup64_p99"], "ms",
+             samples=nrest, server="daphne", db_pool="psycopg_pool 2..8", **params)
+    else:
+        _emit(log="psycopg_pool is not installed: no pooled REST rows")
+    _row("directory.register_blocks_per_s", median["register"], "blocks/s", batch=4096, batches=batches, **params)
+    _row("directory.writebehind_blocks_per_s", median["writebehind"], "blocks/s", **params)
+    _row("directory.lookup64_hit_blocks_mean", statistics.fmean(hit_blocks), "blocks", **params)
+    _explain(world)
+    _emit(step="explained")
+
+
+if __name__ == "__main__":
+    child(json.loads(sys.argv[1]))

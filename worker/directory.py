@@ -1,0 +1,508 @@
+"""The node's directory client: synchronous batched lookups, write-behind registrations, placement
+changes and touches, over its own PostgreSQL connections (the control plane's SQL, no ORM).
+
+Lookups run on a per-thread reader connection with a short statement timeout; after a failure the
+client answers DirectoryUnavailable at once for a short while, so engines recompute instead of
+queueing behind a dead database. Every write goes to one background writer thread: registrations
+and placement changes are kept in order and retried until the database takes them; touches are
+summed per block and dropped (counted) when they cannot be written.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from controlplane.directory import queries
+from worker.dataplane.directory import (
+    BlockRegistration,
+    BlockTouch,
+    DirectoryStats,
+    DirectoryUnavailable,
+    LookupResult,
+    PlacementChange,
+)
+
+log = logging.getLogger("strata.directory")
+
+Connect = Callable[[], psycopg.Connection[Any]]
+
+# Errors after which the same batch may succeed later (connection lost, server restarting,
+# timeouts, deadlocks, serialization failures); anything else is a property of the data.
+_TRANSIENT = (psycopg.OperationalError, psycopg.InterfaceError)
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectoryOptions:
+    """Timing and sizes of the directory client."""
+
+    flush_interval_s: float = 0.1
+    """Longest a write waits before its batch goes out."""
+    batch_size: int = 2000
+    """A batch goes out as soon as this many writes wait."""
+    capacity: int = 200_000
+    """Writes held before the client counts itself over capacity (registrations are still kept)."""
+    touch_capacity: int = 100_000
+    """Distinct blocks with pending touches; touches of further blocks are dropped."""
+    lookup_timeout_ms: int = 250
+    """Statement timeout of lookups: past it the engine is better off recomputing."""
+    write_timeout_ms: int = 30_000
+    connect_timeout_s: int = 2
+    """libpq's minimum; a refused connection fails at once anyway."""
+    unavailable_s: float = 0.5
+    """After a failed lookup connection, answer DirectoryUnavailable without trying for this long."""
+    retry_initial_s: float = 0.05
+    retry_max_s: float = 2.0
+    announce_every_s: float = 1.0
+    """Least time between two dashboard events about registered blocks."""
+    unknown_grace_s: float = 60.0
+    """How long a registration naming a namespace, model or node the directory does not know yet
+    is kept and retried (a node's engine may write blocks before its first heartbeat registers
+    the node) before it is rejected for good."""
+    unknown_retry_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("flush_interval_s", "unavailable_s", "retry_initial_s", "retry_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be greater than zero")
+        for name in ("batch_size", "capacity", "touch_capacity", "lookup_timeout_ms", "write_timeout_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1")
+
+
+def django_connect(alias: str = "default", *, connect_timeout_s: int = 2) -> Connect:
+    """A connection factory for the database Django is configured with (the node runs inside Django)."""
+    from django.conf import settings
+
+    params = settings.DATABASES[alias]
+    options = dict(params.get("OPTIONS") or {})
+    options.pop("server_side_binding", None)
+    options.pop("pool", None)
+    options.pop("isolation_level", None)
+    options.pop("assume_role", None)
+    options["connect_timeout"] = connect_timeout_s
+    kwargs = {"dbname": params["NAME"], "user": params.get("USER") or None, "password": params.get("PASSWORD") or None,
+              "host": params.get("HOST") or None, "port": params.get("PORT") or None, **options}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+
+    def connect() -> psycopg.Connection[Any]:
+        return psycopg.connect(**kwargs)
+
+    return connect
+
+
+@dataclasses.dataclass
+class _Touch:
+    hits: int
+    at: float
+    count: int
+
+
+class DjangoDirectory:
+    """The data plane's Directory backed by the control plane's PostgreSQL."""
+
+    def __init__(self, *, connect: Connect | None = None, options: DirectoryOptions | None = None,
+                 announce: Callable[..., None] | None = None, source: str = "node") -> None:
+        self.options = options or DirectoryOptions()
+        self._connect_raw = connect or django_connect(connect_timeout_s=self.options.connect_timeout_s)
+        self._announce = announce if announce is not None else _announce_event
+        self._source = source
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._done = threading.Condition(self._lock)
+        self._writes: collections.deque[tuple[str, Any]] = collections.deque()
+        self._touches: dict[tuple[str, uuid.UUID, uuid.UUID], _Touch] = {}
+        self._accepted = 0  # writes ever accepted; with _settled they tell flush() when it is done
+        self._settled = 0
+        self._touch_epoch = 0
+        self._touch_settled = 0
+        self._flush_now = False
+        self._stopping = False
+        self._failing = 0
+        self._counts = collections.Counter[str]()
+        self._readers = threading.local()
+        self._reader_conns: list[psycopg.Connection[Any]] = []
+        self._unavailable_until = 0.0
+        self._salts: dict[str, bytes] = {}
+        self._writer: psycopg.Connection[Any] | None = None
+        self._unannounced = collections.Counter[str]()
+        self._announced_at = 0.0
+        self._parked: list[tuple[str, Any]] = []
+        self._parked_at = 0.0
+        self._unknown_since: dict[int, float] = {}
+        self._thread = threading.Thread(target=self._run, name="strata-directory-writer", daemon=True)
+        self._thread.start()
+
+    # -- reads ---------------------------------------------------------------------------------
+    def lookup(self, *, keys: Sequence[uuid.UUID], node: str | None, namespace: str | None = None,
+               model_key: uuid.UUID | None = None, content_keys: Sequence[uuid.UUID] = ()) -> LookupResult:
+        with self._lock:
+            self._counts["lookups"] += 1
+        answer = self._read(lambda cur: queries.lookup(cur, namespace=namespace, model_key=model_key, node=node,
+                                                       prefix_keys=keys, content_keys=content_keys))
+        return queries.lookup_result(answer, prefix_keys=keys, content_keys=content_keys)
+
+    def namespace_salt(self, namespace: str) -> bytes:
+        salt = self._salts.get(namespace)
+        if salt is None:
+            salt = self._read(lambda cur: queries.namespace_salt(cur, name=namespace))
+            self._salts[namespace] = salt
+        return salt
+
+    def _read(self, query: Callable[[psycopg.Cursor[Any]], Any]) -> Any:
+        if time.monotonic() < self._unavailable_until:
+            self._lookup_failed()
+            raise DirectoryUnavailable("the directory database was unreachable a moment ago")
+        for attempt in (1, 2):
+            conn, fresh = self._reader()
+            try:
+                with conn.cursor() as cur:
+                    return query(cur)
+            except _TRANSIENT as exc:
+                if isinstance(exc, psycopg.errors.QueryCanceled):
+                    # The statement timed out; the connection itself is fine.
+                    self._lookup_failed()
+                    raise DirectoryUnavailable(f"lookup took over {self.options.lookup_timeout_ms} ms") from exc
+                self._drop_reader(conn)
+                # A connection that served before may just be stale (the server restarted):
+                # one fresh attempt, then give up quickly.
+                if fresh or attempt == 2:
+                    self._mark_unavailable()
+                    raise DirectoryUnavailable(f"directory database unreachable: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _reader(self) -> tuple[psycopg.Connection[Any], bool]:
+        conn = getattr(self._readers, "conn", None)
+        if conn is not None and not conn.closed:
+            return conn, False
+        try:
+            conn = self._open(timeout_ms=self.options.lookup_timeout_ms)
+        except _TRANSIENT as exc:
+            self._mark_unavailable()
+            raise DirectoryUnavailable(f"directory database unreachable: {exc}") from exc
+        self._readers.conn = conn
+        with self._lock:
+            self._reader_conns.append(conn)
+        return conn, True
+
+    def _drop_reader(self, conn: psycopg.Connection[Any]) -> None:
+        conn.close()
+        self._readers.conn = None
+        with self._lock:
+            if conn in self._reader_conns:
+                self._reader_conns.remove(conn)
+
+    def _mark_unavailable(self) -> None:
+        self._unavailable_until = time.monotonic() + self.options.unavailable_s
+        self._lookup_failed()
+
+    def _lookup_failed(self) -> None:
+        with self._lock:
+            self._counts["lookup_failures"] += 1
+
+    def _open(self, *, timeout_ms: int) -> psycopg.Connection[Any]:
+        conn = self._connect_raw()
+        try:
+            conn.autocommit = True
+            conn.execute("SELECT set_config('statement_timeout', %s, false), "
+                         "set_config('application_name', 'strata-directory', false)", (str(timeout_ms),))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    # -- writes (never wait) ---------------------------------------------------------------------
+    def register(self, *, blocks: Sequence[BlockRegistration]) -> None:
+        self._enqueue("register", [BlockRegistration.coerce(b) for b in blocks])
+
+    def change_placements(self, *, changes: Sequence[PlacementChange]) -> None:
+        self._enqueue("change", list(changes))
+
+    def _enqueue(self, kind: str, items: list[Any]) -> None:
+        if not items:
+            return
+        with self._lock:
+            over = len(self._writes) + len(items) - self.options.capacity
+            if over > 0:
+                # Kept all the same: dropping a registration would leave bytes the directory
+                # never learns of. The count says the writer cannot keep up.
+                if self._counts["over_capacity"] == 0:
+                    log.warning("directory write queue over capacity (%d): the database is not keeping up",
+                                self.options.capacity)
+                self._counts["over_capacity"] += min(over, len(items))
+            was_idle = not self._writes
+            self._writes.extend((kind, item) for item in items)
+            self._accepted += len(items)
+            self._counts["queued"] += len(items)
+            if was_idle or len(self._writes) >= self.options.batch_size:
+                self._wake.notify()
+
+    def touch(self, *, touches: Sequence[BlockTouch]) -> None:
+        with self._lock:
+            if touches and not self._touches:
+                self._wake.notify()
+            for t in touches:
+                self._counts["queued"] += 1
+                key = (t.namespace, t.model_key, t.prefix_key)
+                pending = self._touches.get(key)
+                if pending is not None:
+                    pending.hits += t.hits
+                    pending.at = max(pending.at, t.at)
+                    pending.count += 1
+                elif len(self._touches) < self.options.touch_capacity:
+                    self._touches[key] = _Touch(hits=t.hits, at=t.at, count=1)
+                else:
+                    self._counts["dropped_touches"] += 1
+            self._touch_epoch += 1
+
+    # -- control ---------------------------------------------------------------------------------
+    def flush(self, *, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            target, touch_target = self._accepted, self._touch_epoch
+            self._flush_now = True
+            self._wake.notify()
+            while self._settled < target or self._touch_settled < touch_target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._done.wait(remaining)
+            return True
+
+    def stats(self) -> DirectoryStats:
+        with self._lock:
+            c = self._counts
+            return DirectoryStats(
+                queued=c["queued"], pending=len(self._writes), flushed=c["flushed"], flushes=c["flushes"],
+                retried=c["retried"], failed_flushes=c["failed_flushes"], dropped_touches=c["dropped_touches"],
+                rejected=c["rejected"], refused_changes=c["refused_changes"], over_capacity=c["over_capacity"],
+                lookups=c["lookups"], lookup_failures=c["lookup_failures"], deferred=len(self._parked),
+            )
+
+    def close(self, *, timeout: float = 5.0) -> None:
+        self.flush(timeout=timeout)
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=timeout)
+        with self._lock:
+            readers, self._reader_conns = self._reader_conns, []
+            left = len(self._writes)
+        for conn in readers:
+            conn.close()
+        if left:
+            log.warning("directory client closed with %d writes not written", left)
+
+    def __enter__(self) -> DjangoDirectory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the writer thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = self.options.retry_initial_s
+        while True:
+            with self._lock:
+                if self._parked and time.monotonic() - self._parked_at >= self.options.unknown_retry_s:
+                    self._writes.extend(self._parked)
+                    self._accepted += len(self._parked)
+                    self._parked = []
+                if not (self._stopping or self._flush_now or self._writes or self._touches):
+                    # Idle: sleep until something arrives, parked writes are due, or registered
+                    # blocks wait to be announced.
+                    waits = [self.options.unknown_retry_s] if self._parked else []
+                    waits += [self.options.announce_every_s] if self._unannounced["blocks"] else []
+                    self._wake.wait(min(waits) if waits else None)
+                deadline = time.monotonic() + self.options.flush_interval_s
+                while not (self._stopping or self._flush_now or len(self._writes) >= self.options.batch_size):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._wake.wait(remaining)
+                if self._stopping:
+                    self._reset_writer()
+                    return
+                self._flush_now = False
+                batch = list(itertools.islice(self._writes, self.options.batch_size))
+                touches, self._touches = self._touches, {}
+                touch_epoch = self._touch_epoch
+            ok = self._write_batch(batch) if batch else True
+            if ok:
+                backoff = self.options.retry_initial_s
+                self._write_touches(touches)
+            else:
+                self._drop_touches(touches)
+            with self._lock:
+                self._touch_settled = touch_epoch
+                self._done.notify_all()
+            if not ok:
+                # Back off before the next attempt; only close() cuts the wait short (new writes
+                # arriving during an outage must not turn the retry loop into a busy one).
+                retry_at = time.monotonic() + backoff
+                with self._lock:
+                    while not self._stopping and (remaining := retry_at - time.monotonic()) > 0:
+                        self._wake.wait(remaining)
+                backoff = min(backoff * 2, self.options.retry_max_s)
+            self._maybe_announce()
+
+    def _writer_conn(self) -> psycopg.Connection[Any]:
+        if self._writer is None or self._writer.closed:
+            self._writer = self._open(timeout_ms=self.options.write_timeout_ms)
+        return self._writer
+
+    def _reset_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+
+    def _write_batch(self, batch: list[tuple[str, Any]]) -> bool:
+        """Write a batch in one transaction; a batch the database refuses for its content is split
+        until the offending writes are found and rejected. False: try again later."""
+        unknown: list[BlockRegistration] = []
+        try:
+            counts, unknown = self._apply(batch)
+        except _TRANSIENT as exc:
+            self._reset_writer()
+            with self._lock:
+                self._counts["failed_flushes"] += 1
+                self._counts["retried"] += len(batch)
+                self._failing += 1
+                failing = self._failing
+            if failing == 1 or failing % 20 == 0:
+                log.warning("directory write of %d items failed (%d in a row), will retry: %s", len(batch),
+                            failing, exc)
+            return False
+        except psycopg.Error as exc:
+            if len(batch) == 1:
+                log.error("directory refused %s: %s", batch[0][1], exc)
+                counts = collections.Counter(rejected=1)
+            else:
+                half = len(batch) // 2
+                return self._write_batch(batch[:half]) and self._write_batch(batch[half:])
+        with self._lock:
+            if self._failing:
+                log.info("directory writes go through again after %d failed attempts", self._failing)
+                self._failing = 0
+            for _ in range(len(batch)):
+                self._writes.popleft()
+            self._settled += len(batch)
+            self._counts["flushes"] += 1
+            self._counts.update(counts)
+            self._park(unknown)
+            self._done.notify_all()
+        return True
+
+    def _park(self, unknown: list[BlockRegistration]) -> None:
+        """Keep registrations that name what the directory does not know yet, for a while (call
+        with the lock held); parked writes count as settled, so flush() does not wait on them."""
+        now = time.monotonic()
+        for reg in unknown:
+            since = self._unknown_since.setdefault(id(reg), now)
+            if now - since < self.options.unknown_grace_s:
+                if not self._parked:
+                    self._parked_at = now
+                self._parked.append(("register", reg))
+            else:
+                del self._unknown_since[id(reg)]
+                self._counts["rejected"] += 1
+                log.warning("registration of %s rejected: its namespace, model or node is still unknown after "
+                            "%.0f s", reg.prefix_key, self.options.unknown_grace_s)
+
+    def _apply(self, batch: list[tuple[str, Any]]) -> tuple[collections.Counter[str], list[BlockRegistration]]:
+        """Write a batch in one transaction; returns the counts and the registrations that name an
+        unknown namespace, model or node (not written)."""
+        counts = collections.Counter[str]()
+        unknown: list[BlockRegistration] = []
+        now = datetime.now(tz=UTC)
+        conn = self._writer_conn()
+        with conn.transaction(), conn.cursor() as cur:
+            for kind, run in _runs(batch):
+                if kind == "register":
+                    scope = queries.resolve(cur, namespaces=[r.namespace for r in run],
+                                            model_keys=[r.model_key for r in run],
+                                            nodes=[r.node for r in run if r.node])
+                    rows, rejected = queries.registration_rows(scope, run)
+                    unknown.extend(run[index] for index, _ in rejected)
+                    written = queries.register(cur, rows=rows, now=now)
+                    counts.update(flushed=len(rows), registered=len(rows), new_blocks=written.blocks,
+                                  new_placements=written.placements)
+                else:
+                    for action, changes in _actions(run):
+                        rows_ = [queries.ChangeRow(namespace=c.namespace, model_key=c.model_key,
+                                                   prefix_key=c.prefix_key, tier=c.tier, node=c.node,
+                                                   expected_epoch=c.expected_epoch) for c in changes]
+                        changed = queries.placements_change(cur, rows=rows_, action=action, now=now)
+                        counts.update(flushed=len(changes), refused_changes=max(len(changes) - changed, 0))
+        with self._lock:
+            self._unannounced.update(blocks=counts["registered"], new=counts["new_blocks"],
+                                     placements=counts["new_placements"])
+            parked = {id(reg) for reg in unknown}
+            for reg in (r for kind, run in _runs(batch) if kind == "register" for r in run):
+                if id(reg) not in parked:
+                    self._unknown_since.pop(id(reg), None)
+        for name in ("registered", "new_blocks", "new_placements"):
+            del counts[name]
+        return counts, unknown
+
+    def _write_touches(self, touches: dict[tuple[str, uuid.UUID, uuid.UUID], _Touch]) -> None:
+        if not touches:
+            return
+        rows = [queries.TouchRow(namespace=ns, model_key=mk, prefix_key=pk, hits=t.hits,
+                                 at=datetime.fromtimestamp(t.at, tz=UTC))
+                for (ns, mk, pk), t in touches.items()]
+        try:
+            with self._writer_conn().cursor() as cur:
+                queries.touch(cur, rows=rows)
+        except psycopg.Error as exc:
+            if isinstance(exc, _TRANSIENT):
+                self._reset_writer()
+            log.warning("dropped %d touches: %s", len(rows), exc)
+            self._drop_touches(touches)
+            return
+        with self._lock:
+            self._counts["flushed"] += sum(t.count for t in touches.values())
+
+    def _drop_touches(self, touches: dict[tuple[str, uuid.UUID, uuid.UUID], _Touch]) -> None:
+        if touches:
+            with self._lock:
+                self._counts["dropped_touches"] += sum(t.count for t in touches.values())
+
+    def _maybe_announce(self) -> None:
+        if time.monotonic() - self._announced_at < self.options.announce_every_s:
+            return
+        with self._lock:
+            pending, self._unannounced = self._unannounced, collections.Counter()
+        if not pending["blocks"]:
+            return
+        self._announced_at = time.monotonic()
+        try:
+            self._announce(blocks=pending["blocks"], new=pending["new"], placements=pending["placements"],
+                           source=self._source)
+        except Exception as exc:  # noqa: BLE001 - the dashboard stream is lossy by design
+            log.warning("could not announce registered blocks: %s", exc)
+
+
+def _announce_event(**payload: Any) -> None:
+    from controlplane.directory.services import blocks_registered_announce
+
+    blocks_registered_announce(**payload)
+
+
+def _runs(batch: list[tuple[str, Any]]) -> list[tuple[str, list[Any]]]:
+    """Consecutive writes of one kind, in order: a change never overtakes a registration queued before it."""
+    return [(kind, [item for _, item in group]) for kind, group in itertools.groupby(batch, key=lambda w: w[0])]
+
+
+def _actions(changes: list[PlacementChange]) -> list[tuple[str, list[PlacementChange]]]:
+    return [(action, list(group)) for action, group in itertools.groupby(changes, key=lambda c: c.action)]
