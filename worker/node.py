@@ -29,11 +29,66 @@ def _dir_bytes(path: Path) -> int:
 
 
 class NodeRuntime:
-    """What a node knows about itself: its options and the current use of its tiers."""
+    """What a node knows about itself: its options, its engine (when it serves a model) and the
+    current use of its tiers."""
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.host = socket.gethostname()
+        self.store: Any = None
+        self.engine: Any = None
+        self.server: Any = None
+        self.directory: Any = None
+
+    def start_engine(self) -> None:
+        """Load the model, open the node's tiers and the directory, and serve the OpenAI API."""
+        config = self.config
+        if not config.model:
+            return
+        from controlplane.directory.services import modelprofile_ensure, namespace_ensure
+        from worker.dataplane.engine.engine import Engine, EngineOptions
+        from worker.dataplane.engine.models import load_model
+        from worker.dataplane.engine.server import NodeServer
+        from worker.dataplane.layout import ModelProfile
+        from worker.dataplane.store import build_store
+        from worker.directory import DjangoDirectory
+
+        model = load_model(config.model, dtype=config.model_dtype or None)
+        profile = ModelProfile(
+            model_id=model.name, layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
+            dtype=str(model.dtype).removeprefix("torch."), block_tokens=config.block_tokens,
+            revision=model.revision, rope_theta=model.rope_theta,
+        )
+        modelprofile_ensure(profile=profile)
+        namespace_ensure(name="default")
+        for namespace in set(config.api_keys.values()):
+            namespace_ensure(name=namespace)
+        from django.conf import settings
+
+        # With no STRATA_REMOTE_URL, L3 lives in the deployment's Redis (its own logical database).
+        environ = {**os.environ, "REDIS_URL": settings.ENV.redis.url_for_db(settings.ENV.redis.db + 3)}
+        self.store = build_store(config, profile=profile, environ=environ)
+        self.directory = DjangoDirectory()
+        self.engine = Engine(model=model, store=self.store, node=config.node_name, directory=self.directory,
+                             options=EngineOptions(block_tokens=config.block_tokens,
+                                                   write_back_tier="host" if "host" in self.store.names
+                                                   else self.store.names[-1]))
+        self.server = NodeServer(engine=self.engine, host=config.serve_host, port=config.serve_port,
+                                 node=config.node_name, api_keys=config.api_keys).start()
+
+    def stop_engine(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.directory is not None:
+            self.directory.close()
+        if self.store is not None:
+            self.store.close()
+
+    @property
+    def address(self) -> str:
+        if self.server is not None:
+            return self.config.node_address or self.server.address
+        return self.config.node_address
 
     def prepare(self) -> None:
         """Create the node's local tier directories; fail loudly if they cannot exist."""
@@ -50,6 +105,11 @@ class NodeRuntime:
 
     def tier_reports(self) -> list[dict[str, Any]]:
         """Capacity and use per tier, as plain data for the heartbeat service."""
+        if self.store is not None:
+            reports = []
+            for name, usage in self.store.usage().items():
+                reports.append({"tier": name, "capacity_bytes": usage.capacity_bytes, "used_bytes": usage.used_bytes})
+            return reports
         c = self.config
         return [
             {"tier": "device", "capacity_bytes": c.device_bytes, "used_bytes": 0},
@@ -66,7 +126,7 @@ class NodeRuntime:
         node_heartbeat(
             name=self.config.node_name,
             host=self.host,
-            address=self.config.node_address,
+            address=self.address,
             pid=os.getpid(),
             version=VERSION,
             heartbeat_seconds=self.config.heartbeat_seconds,
@@ -134,6 +194,7 @@ def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
     """Start the node's Celery worker in this process and block until it stops."""
     runtime = NodeRuntime(config)
     runtime.prepare()
+    runtime.start_engine()
     app.strata_runtime = runtime  # type: ignore[attr-defined]
     app.steps["worker"].add(HeartbeatStep)
     queue = f"node.{config.node_name}"
@@ -152,5 +213,8 @@ def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
         without_mingle=True,
         without_heartbeat=True,
     )
-    worker.start()
+    try:
+        worker.start()
+    finally:
+        runtime.stop_engine()
     return int(worker.exitcode or 0)

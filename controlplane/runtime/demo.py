@@ -4,6 +4,7 @@ worker and beat under one supervisor. Ctrl-C or `make stop` ends every process i
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shlex
 import shutil
@@ -27,11 +28,17 @@ def _manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, str(REPO_ROOT / "manage.py"), *args], env=env, check=True, cwd=REPO_ROOT)
 
 
-def _procfile(port: int) -> list[tuple[str, str]]:
+def _procfile(port: int, model: str, first_node_port: int) -> list[tuple[str, str]]:
     python = shlex.quote(sys.executable)
     celery = f"{python} -m celery -A controlplane.celery_app"
     processes = [("web", f"{python} -m daphne -b 127.0.0.1 -p {port} controlplane.asgi:application")]
-    processes += [(name, f"{python} manage.py strata_node --name {name}") for name in NODES]
+    node_urls = []
+    for index, name in enumerate(NODES):
+        serve = f" --model {shlex.quote(model)} --serve-port {first_node_port + index}" if model else ""
+        processes.append((name, f"{python} manage.py strata_node --name {name}{serve}"))
+        node_urls.append(f"--node http://127.0.0.1:{first_node_port + index}")
+    if model:
+        processes.append(("workload", f"{python} -m worker.workload {' '.join(node_urls)}"))
     processes += [
         ("control", f"{celery} worker -Q control -n control@%h --pool threads --concurrency 2 "
                     "--without-gossip --without-mingle --loglevel WARNING"),
@@ -40,7 +47,7 @@ def _procfile(port: int) -> list[tuple[str, str]]:
     return processes
 
 
-def run(port: int) -> int:
+def run(port: int, model: str) -> int:
     from honcho.manager import Manager
 
     env_vars = dict(os.environ)
@@ -61,13 +68,19 @@ def run(port: int) -> int:
     metrics_dir.mkdir(parents=True)
     env_vars["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     env_vars["PYTHONUNBUFFERED"] = "1"
+    # One shared-memory pool per node of this demo (its var/ directory), not per machine.
+    digest = hashlib.sha256(str(env.var_dir).encode()).hexdigest()[:8]
+    env_vars.setdefault("STRATA_HOST_POOL_NAME", f"strata-{digest}-{{node}}")
+    env_vars.setdefault("STRATA_HOST_BYTES", "512MiB")
     _manage("migrate", "--noinput", "-v", "0", env=env_vars)
     _manage("collectstatic", "--noinput", "-v", "0", env=env_vars)
     _manage("strata_admin", env=env_vars)
+    _manage("strata_namespace", "default", "acme", "globex", env=env_vars)
 
     pid_file.write_text(str(os.getpid()))
     manager = Manager()
-    for name, command in _procfile(port):
+    first_node_port = int(os.environ.get("STRATA_DEMO_NODE_PORT", "9100"))
+    for name, command in _procfile(port, model, first_node_port):
         manager.add_process(name, command, env=env_vars, cwd=str(REPO_ROOT))
     base = f"http://127.0.0.1:{port}"
     print(
@@ -77,7 +90,10 @@ def run(port: int) -> int:
         f"  nodes      {base}/api/v1/nodes/\n"
         f"  admin      {base}/admin/\n"
         f"  health     {base}/readyz   metrics {base}/metrics\n"
-        f"Ctrl-C (or `make stop` elsewhere) stops everything.\n",
+        + (f"  node APIs  http://127.0.0.1:{first_node_port}/v1 and http://127.0.0.1:{first_node_port + 1}/v1"
+           f" (OpenAI-compatible, model {model}; a workload driver sends chats and document questions)\n"
+           if model else "")
+        + "Ctrl-C (or `make stop` elsewhere) stops everything.\n",
         flush=True,
     )
     try:
@@ -119,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         port_text = os.environ.get("STRATA_HTTP_PORT", "8000")
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise ConfigurationError(f"STRATA_HTTP_PORT: expected a TCP port number, got {port_text!r}")
-        return run(int(port_text))
+        return run(int(port_text), os.environ.get("STRATA_DEMO_MODEL", "bench"))
     except ConfigurationError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2

@@ -89,11 +89,18 @@ class EmbeddedPostgres:
         return subprocess.run(args, text=True, capture_output=True, user=entry.pw_uid, group=entry.pw_gid,
                               extra_groups=[], cwd="/")
 
+    def _reachable(self, user: str | None) -> None:
+        # Another tool (pytest resets its temp root to 0700) may have closed a parent since start.
+        if user:
+            _ensure_traversable(self.root)
+
     def running(self) -> bool:
         if not (self.data / "PG_VERSION").exists():
             return False
+        user = _system_user()
+        self._reachable(user)
         # pg_ctl refuses to run as root, even for status.
-        result = self._run([_pg_bin("pg_ctl"), "-D", str(self.data), "status"], _system_user())
+        result = self._run([_pg_bin("pg_ctl"), "-D", str(self.data), "status"], user)
         return result.returncode == 0
 
     def start(self) -> str:
@@ -146,6 +153,7 @@ class EmbeddedPostgres:
         if not self.running():
             return "not running"
         user = _system_user()
+        self._reachable(user)
         result = self._run([_pg_bin("pg_ctl"), "-D", str(self.data), "-w", "-t", "60", "-m", "fast", "stop"], user)
         if result.returncode != 0:
             raise RuntimeError(f"PostgreSQL did not stop: {result.stderr.strip()}")

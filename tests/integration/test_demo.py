@@ -4,10 +4,11 @@ workers, beat; /readyz is 200, both nodes are listed to the admin; `stop` leaves
 import http.cookiejar
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -17,14 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.support import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _processes_of(var_dir: Path) -> list[psutil.Process]:
@@ -66,11 +64,23 @@ class Session:
         assert any(c.name == "sessionid" for c in self.jar), "login failed"
 
 
-def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path):
-    var_dir = tmp_path / "var"
-    port = _free_port()
+@pytest.fixture
+def var_dir():
+    # Not under pytest's temp root: pytest closes that to 0700 again whenever a session starts, and
+    # the embedded PostgreSQL runs as its own system user.
+    path = Path(tempfile.mkdtemp(prefix="strata-demo-test-"))
+    yield path / "var"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
+    port = free_port()
+    node_port = free_port()
+    while node_port + 1 == port:
+        node_port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
-    env.update(STRATA_VAR_DIR=str(var_dir), STRATA_HTTP_PORT=str(port), PYTHONUNBUFFERED="1",
+    env.update(STRATA_VAR_DIR=str(var_dir), STRATA_HTTP_PORT=str(port), PYTHONUNBUFFERED="1", STRATA_DEMO_MODEL="tiny",
+               STRATA_DEMO_NODE_PORT=str(node_port),
                STRATA_HEARTBEAT_SECONDS="1")
     log = open(tmp_path / "demo.log", "w+")
     demo = subprocess.Popen([sys.executable, "-m", "controlplane.runtime.demo", "run"], cwd=REPO_ROOT, env=env,
@@ -100,6 +110,17 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path):
         assert session.get("/api/docs/")[0] == 200
         assert session.get("/")[0] == 200
         assert _processes_of(var_dir), "the demo's processes should be visible while it runs"
+        # The workload driver keeps the node servers busy: requests show up in a node's timeline.
+        node_api = Session(f"http://127.0.0.1:{node_port}")
+        served = []
+        while time.monotonic() < deadline and not served:
+            try:
+                code, body = node_api.get("/v1/strata/requests")
+                served = json.loads(body)["requests"] if code == 200 else []
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert served, "no request reached the first node"
 
         stop = subprocess.run([sys.executable, "-m", "controlplane.runtime.demo", "stop"], cwd=REPO_ROOT,
                               env=env, capture_output=True, text=True, timeout=90)
@@ -111,7 +132,7 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path):
             if not left:
                 break
             time.sleep(0.2)
-        assert not left, [p.info["cmdline"] for p in left]
+        assert not left, (stop.stdout, [p.info["cmdline"] for p in left])
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)

@@ -14,19 +14,11 @@ import pytest
 from controlplane.directory.choices import NodeState
 from controlplane.directory.models import Node
 from controlplane.directory.services import nodes_mark_stale
+from tests.support import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture

@@ -76,6 +76,37 @@ def _parse_path(value: Any) -> Path:
 _NODE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 
+TIER_ORDER = ("device", "host", "disk", "remote")
+
+
+class TierList(tuple):
+    """Tier names in lookup order (fastest first); prints as the comma list it is read from."""
+
+    def __str__(self) -> str:
+        return ",".join(self)
+
+
+def _parse_tiers(value: Any) -> TierList:
+    names = [part.strip().lower() for part in (value.split(",") if isinstance(value, str) else value)]
+    names = [name for name in names if name]
+    unknown = sorted(set(names) - set(TIER_ORDER))
+    if unknown:
+        raise ValueError(f"unknown tier(s) {', '.join(unknown)}; expected any of {', '.join(TIER_ORDER)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a tier is listed twice in {value!r}")
+    return TierList(sorted(names, key=TIER_ORDER.index))
+
+
+_POOL_NAME_RE = re.compile(r"^[A-Za-z0-9{][A-Za-z0-9_.{}-]{0,120}$")
+
+
+def _parse_pool_name(value: Any) -> str:
+    text = str(value)
+    if not _POOL_NAME_RE.match(text):
+        raise ValueError(f"expected letters, digits, '.', '_', '-' and {{node}}, got {text!r}")
+    return text
+
+
 def _parse_node_name(value: Any) -> str:
     text = str(value)
     if not _NODE_NAME_RE.match(text):
@@ -83,6 +114,26 @@ def _parse_node_name(value: Any) -> str:
             f"expected 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit, got {text!r}"
         )
     return text
+
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def _parse_api_keys(value: Any) -> dict[str, str]:
+    if isinstance(value, dict):
+        pairs = [(str(k), str(v)) for k, v in value.items()]
+    else:
+        text = str(value).strip()
+        pairs = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, namespace = item.partition("=")
+            if not sep or not key or not namespace:
+                raise ValueError(f"expected key=namespace pairs separated by commas, got {item!r}")
+            pairs.append((key, namespace))
+    for _key, namespace in pairs:
+        if not _NAMESPACE_RE.match(namespace):
+            raise ValueError(f"namespace {namespace!r} of a key must be 1-63 letters, digits, '.', '_' or '-'")
+    return dict(pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +171,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("remote_url", _parse_str, "", "L3 store: redis:// or unix:// URL of a Redis/Valkey, or a directory path of a shared filesystem mount. Empty: REDIS_URL."),
     Option("remote_prefix", _parse_str, "strata", "Key prefix of this deployment in the remote tier."),
     Option("worker_concurrency", _parse_int, 4, "Threads executing this node's Celery tasks.", _positive),
+    Option("tiers", _parse_tiers, TierList(TIER_ORDER), "Tiers this node stores blocks in (comma-separated; looked up fastest first): device, host, disk, remote."),
+    Option("host_pool_name", _parse_pool_name, "strata-{node}", "Name of the node's shared-memory DRAM pool in /dev/shm ({node} = node name); one pool per model, suffixed with its model key."),
+    Option("disk_direct_io", _parse_bool, True, "Use O_DIRECT for the disk tier where the filesystem allows it (else buffered I/O with posix_fadvise DONTNEED)."),
+    Option("io_threads", _parse_int, 2, "I/O threads of each disk and remote tier (outstanding reads and writes per tier).", _positive),
+    Option("copy_threads", _parse_int, 0, "Threads that copy and checksum blocks in memory; 0 = min(4, CPU count).", _non_negative),
+    Option("remote_cluster", _parse_bool, False, "remote_url points at a Redis Cluster (redis-py RedisCluster)."),
+    Option("remote_timeout_seconds", _parse_float, 2.0, "Socket timeout of the remote tier; past it the tier is unavailable and callers recompute.", _positive),
+    Option("model", _parse_str, "", "Model the node's engine serves: a preset (tiny, small, bench, ...) or a local checkpoint directory. Empty: no engine."),
+    Option("model_dtype", _parse_str, "", "Model dtype (float32, bfloat16, float16); empty: the preset's or checkpoint's own."),
+    Option("block_tokens", _parse_int, 256, "Tokens per KV block.", _positive),
+    Option("serve_host", _parse_str, "127.0.0.1", "Interface the node's OpenAI-compatible server listens on."),
+    Option("serve_port", _parse_int, 9100, "Port of the node's OpenAI-compatible server (with a model).", _non_negative),
+    Option("api_keys", _parse_api_keys, {}, "API keys of the node server as key=namespace pairs, comma-separated; empty: no key needed, namespace from X-Strata-Namespace."),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -140,11 +204,28 @@ class NodeConfig:
     remote_url: str
     remote_prefix: str
     worker_concurrency: int
+    tiers: TierList = TierList(TIER_ORDER)
+    host_pool_name: str = "strata-{node}"
+    disk_direct_io: bool = True
+    io_threads: int = 2
+    copy_threads: int = 0
+    remote_cluster: bool = False
+    remote_timeout_seconds: float = 2.0
+    model: str = ""
+    model_dtype: str = ""
+    block_tokens: int = 256
+    serve_host: str = "127.0.0.1"
+    serve_port: int = 9100
+    api_keys: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def node_disk_path(self) -> Path:
         var = os.environ.get("STRATA_VAR_DIR") or "var"
         return Path(str(self.disk_path).replace("{node}", self.node_name).replace("{var}", var))
+
+    @property
+    def node_host_pool_name(self) -> str:
+        return self.host_pool_name.replace("{node}", self.node_name)
 
 
 def load_config(

@@ -1,0 +1,35 @@
+"""Suite `engine`: TTFT of a long prompt with a hit from each tier vs cold prefill and the medium's
+floor (layer-wise loading on and off, and a case built so that loading takes as long as computing),
+then the seeds' serving workloads - multi-turn chat and long-document QA - under four setups.
+
+Sizes at scale 1: an 8192+100-token prompt on the `bench` model (hidden 1024, 8 layers, bf16; 10K
+does not fit the time a 2-core machine gives a benchmark); the workloads on the `small` model
+(hidden 256, 4 layers, fp32) so that the no-cache runs finish in minutes: multi-turn chat with 4
+clients and 60 requests over a 1024-token shared system prompt, long-document QA with 4 clients,
+4 documents of 8192 tokens asked 3 questions each in shuffled order, 32-token answers.
+"""
+
+from __future__ import annotations
+
+from benchmarks.engine_workloads import long_doc_suite, multi_turn_suite, ttft_suite
+from benchmarks.harness import Context, Row
+from controlplane.runtime.environment import load_environment
+
+DESCRIPTION = "TTFT per tier vs cold and vs the floor; multi-turn chat and long-doc QA vs no cache"
+
+
+def run(ctx: Context) -> list[Row]:
+    redis_url = load_environment().redis.url_for_db(7)
+    scale = min(ctx.scale, 1.0)
+    prompt_tokens = max(1024, int(8192 * scale)) + 100
+    ctx.params.update(prompt_tokens=prompt_tokens, ttft_model="bench", workload_model="small")
+    ctx.plan(3)
+    measures = ttft_suite(redis_url=redis_url, prompt_tokens=prompt_tokens, progress=ctx.log)
+    ctx.step("ttft done")
+    measures += multi_turn_suite(redis_url=redis_url, requests=max(8, int(60 * scale)),
+                                 system_tokens=max(256, int(1024 * scale)), progress=ctx.log)
+    ctx.step("multi-turn done")
+    measures += long_doc_suite(redis_url=redis_url, documents=4 if scale >= 0.5 else 2,
+                               doc_tokens=max(1024, int(8192 * scale)), progress=ctx.log)
+    ctx.step("long-doc done")
+    return [Row(name=m.name, value=m.value, unit=m.unit, baseline=m.baseline, note=m.note) for m in measures]

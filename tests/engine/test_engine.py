@@ -1,0 +1,200 @@
+"""Cache-aware generation: a hit from any tier gives exactly the tokens of a cold run."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from tests.engine.conftest import BLOCK_TOKENS, engine_for
+
+TIERS = ["device", "host", "disk", "remote"]
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, 259) for _ in range(length - 1)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_hit_from_each_tier_is_exact(models, make_store, tier, dtype):
+    model = models("tiny", dtype)
+    store = make_store(model, (tier,))
+    engine = engine_for(model, store)
+    prompt = prompt_of(203, seed=1)
+    cold = engine.generate(prompt, max_tokens=12, use_cache=False)
+    first = engine.generate(prompt, max_tokens=12)
+    assert first.trace.cached_tokens == 0 and first.trace.written_blocks == (203 + 11) // BLOCK_TOKENS
+    warm = engine.generate(prompt, max_tokens=12)
+    assert warm.trace.hit_blocks_by_tier == {tier: 203 // BLOCK_TOKENS}
+    assert warm.trace.cached_tokens == (203 // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert warm.output_ids == cold.output_ids == first.output_ids
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(warm.first_logits, cold.first_logits, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen2", "tiny-mistral"])
+def test_other_families_through_the_same_path(models, make_store, family):
+    model = models(family)
+    engine = engine_for(model, make_store(model, ("host",)))
+    prompt = prompt_of(100, seed=2)
+    cold = engine.generate(prompt, max_tokens=8, use_cache=False)
+    engine.generate(prompt, max_tokens=8)
+    warm = engine.generate(prompt, max_tokens=8)
+    assert warm.trace.cached_tokens == 96 and warm.output_ids == cold.output_ids
+
+
+def test_layerwise_and_load_then_compute_agree(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("disk",)))
+    prompt = prompt_of(160, seed=3)
+    engine.generate(prompt, max_tokens=4)
+    layerwise = engine.generate(prompt, max_tokens=6, layerwise=True)
+    upfront = engine.generate(prompt, max_tokens=6, layerwise=False)
+    assert layerwise.output_ids == upfront.output_ids
+    assert layerwise.trace.layerwise and not upfront.trace.layerwise
+    assert len(layerwise.trace.layer_stall_s) == model.layers
+    assert len(layerwise.trace.layer_loaded_at_s) == model.layers
+
+
+def test_whole_prompt_cached_still_computes_the_last_token(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    prompt = prompt_of(4 * BLOCK_TOKENS, seed=4)
+    cold = engine.generate(prompt, max_tokens=5, use_cache=False)
+    engine.generate(prompt, max_tokens=5)
+    warm = engine.generate(prompt, max_tokens=5)
+    assert warm.trace.cached_tokens == 4 * BLOCK_TOKENS - 1
+    assert warm.output_ids == cold.output_ids
+
+
+def test_multi_turn_reuses_the_previous_turn(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    turn1 = prompt_of(90, seed=5)
+    reply = engine.generate(turn1, max_tokens=20).output_ids
+    turn2 = turn1 + reply + prompt_of(40, seed=6)[1:]
+    second = engine.generate(turn2, max_tokens=5)
+    # Everything of turn 1 and its reply that fills whole blocks is reused.
+    assert second.trace.cached_tokens == ((90 + 19) // BLOCK_TOKENS) * BLOCK_TOKENS
+    cold = engine.generate(turn2, max_tokens=5, use_cache=False)
+    torch.testing.assert_close(second.first_logits, cold.first_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_namespaces_never_share_blocks(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    prompt = prompt_of(120, seed=7)
+    engine.generate(prompt, max_tokens=3, namespace="tenant-a")
+    other = engine.generate(prompt, max_tokens=3, namespace="tenant-b")
+    same = engine.generate(prompt, max_tokens=3, namespace="tenant-a")
+    assert other.trace.cached_tokens == 0
+    assert same.trace.cached_tokens == 112
+
+
+def test_concurrent_requests_do_not_interfere(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    prompts = [prompt_of(70 + 13 * i, seed=10 + i) for i in range(6)]
+    expected = [engine.generate(p, max_tokens=8, use_cache=False).output_ids for p in prompts]
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = engine.generate(prompts[i], max_tokens=8).output_ids
+
+    threads = [threading.Thread(target=run, args=(i % 6,)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [results[i] for i in range(6)] == expected
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_block_in_the_middle_is_recomputed_and_counted(models, make_store, damage):
+    model = models("tiny")
+    store = make_store(model, ("disk",))
+    engine = engine_for(model, store)
+    prompt = prompt_of(130, seed=20)
+    cold = engine.generate(prompt, max_tokens=8, use_cache=False)
+    engine.generate(prompt, max_tokens=8)
+    victim = engine.fingerprinter("default").blocks(prompt)[3].prefix_key
+    disk = store.tier("disk")
+    path = disk.path_of(victim)
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        with open(path, "r+b") as handle:
+            handle.truncate(path.stat().st_size // 2)
+    else:
+        path.unlink()
+    warm = engine.generate(prompt, max_tokens=8)
+    assert warm.output_ids == cold.output_ids
+    assert warm.trace.cached_tokens == 3 * BLOCK_TOKENS
+    if damage != "delete":
+        assert warm.trace.load_failures == 1
+        assert engine.counters.get("load_failures") == 1
+        assert store.stats().get("disk.corrupt", 0) == 1
+    # The bad copy was quarantined and the block written back again: the next run hits it all.
+    again = engine.generate(prompt, max_tokens=8)
+    assert again.trace.cached_tokens == (130 // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert again.output_ids == cold.output_ids
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt_ids": [], "max_tokens": 3}, "prompt: at least one token"),
+        ({"prompt_ids": [1, 2], "max_tokens": 0}, "max_tokens: must be at least 1"),
+        ({"prompt_ids": [5] * 4090, "max_tokens": 10}, "exceed the model's context of 4096"),
+    ],
+)
+def test_bad_requests_are_refused(models, make_store, kwargs, message):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    with pytest.raises(ValueError, match=message):
+        engine.generate(kwargs.pop("prompt_ids"), **kwargs)
+
+
+def test_load_or_recompute_follows_the_measured_speeds(models, make_store):
+    model = models("tiny")
+    store = make_store(model, ("disk",))
+    engine = engine_for(model, store, decide=True)
+    prompt = prompt_of(150, seed=30)
+    cold = engine.generate(prompt, max_tokens=4)
+    assert cold.trace.decision == "no-hit"
+    assert engine.prefill_speed.value is not None  # measured on the cold prefill
+    first_hit = engine.generate(prompt, max_tokens=4)
+    assert first_hit.trace.decision == "load"  # no speed known for the tier yet: try it and measure
+    assert engine.tier_speed["disk"].value is not None
+    # A tier measured far slower than computing the same tokens: recompute, same output.
+    engine.tier_speed["disk"].value = 1.0  # bytes per second
+    slow = engine.generate(prompt, max_tokens=4)
+    assert slow.trace.decision == "recompute" and slow.trace.cached_tokens == 0
+    assert slow.output_ids == cold.output_ids
+    engine.tier_speed["disk"].value = 1e15
+    fast = engine.generate(prompt, max_tokens=4)
+    assert fast.trace.decision == "load" and fast.trace.cached_tokens == 144
+    counts = engine.counters.snapshot()
+    assert counts["decision.recompute"] == 1 and counts["decision.load"] == 2
+
+
+def test_device_pool_keeps_the_most_recent_blocks_within_capacity(models, make_store):
+    model = models("tiny")
+    store = make_store(model, ("device", "host"), blocks=4)
+    engine = engine_for(model, store, write_back_tier="host", keep_in_device=True)
+    first, second = prompt_of(5 * BLOCK_TOKENS + 3, seed=40), prompt_of(3 * BLOCK_TOKENS + 3, seed=41)
+    engine.generate(first, max_tokens=1)
+    assert store.tier("device").usage().blocks == 4 and engine.counters.get("device.evicted") == 1
+    engine.generate(second, max_tokens=1)
+    assert store.tier("device").usage().blocks == 4
+    again = engine.generate(second, max_tokens=1)
+    # The most recent prompt's blocks are served from the device pool, the rest from host.
+    assert again.trace.hit_blocks_by_tier == {"device": 3}
+    older = engine.generate(first, max_tokens=1)
+    assert older.trace.hit_blocks_by_tier.get("host", 0) >= 4

@@ -1,0 +1,162 @@
+"""The node server driven by the official `openai` package, streaming included, and its refusals."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.engine.conftest import engine_for
+from worker.dataplane.engine.server import NodeServer
+
+
+@pytest.fixture
+def server(models, make_store) -> Iterator[NodeServer]:
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("device", "host")), write_back_tier="host", keep_in_device=True)
+    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="test-node").start()
+    yield node
+    node.stop()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 8
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completion_then_cached_completion(client):
+    first = client.completions.create(model="tiny", prompt=LONG, max_tokens=6)
+    assert first.usage.prompt_tokens == len(LONG.encode()) + 1
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model="tiny", prompt=LONG, max_tokens=6)
+    assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens // 16) * 16
+    assert second.choices[0].text == first.choices[0].text
+    assert second.choices[0].finish_reason in {"length", "stop"}
+
+
+def test_streaming_completion_matches_the_plain_one(client):
+    plain = client.completions.create(model="tiny", prompt=LONG, max_tokens=10)
+    stream = client.completions.create(model="tiny", prompt=LONG, max_tokens=10, stream=True,
+                                       stream_options={"include_usage": True})
+    text, usage = "", None
+    for event in stream:
+        if event.choices:
+            text += event.choices[0].text
+        if event.usage:
+            usage = event.usage
+    assert text == plain.choices[0].text
+    assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_plain_and_streaming(client):
+    messages = [{"role": "system", "content": "You answer briefly. " * 5},
+                {"role": "user", "content": "What is a KV cache?"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    assert plain.choices[0].message.role == "assistant"
+    parts = [chunk.choices[0].delta.content or "" for chunk in
+             client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True)
+             if chunk.choices]
+    assert "".join(parts) == plain.choices[0].message.content
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_namespace_header_isolates_tenants(client):
+    prompt = "tenant isolation " * 10
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_headers={"X-Strata-Namespace": "a"})
+    b = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_headers={"X-Strata-Namespace": "b"})
+    a = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_headers={"X-Strata-Namespace": "a"})
+    assert b.usage.prompt_tokens_details.cached_tokens == 0
+    assert a.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_api_keys_choose_the_namespace(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="keyed", api_keys={"k-a": "tenant-a"}).start()
+    try:
+        good = openai.OpenAI(base_url=f"http://{node.address}/v1", api_key="k-a", max_retries=0)
+        good.completions.create(model="tiny", prompt="hello " * 10, max_tokens=2)
+        bad = openai.OpenAI(base_url=f"http://{node.address}/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="unknown API key"):
+            bad.completions.create(model="tiny", prompt="hello", max_tokens=2)
+        with pytest.raises(openai.PermissionDeniedError, match="belongs to namespace 'tenant-a'"):
+            good.completions.create(model="tiny", prompt="hello", max_tokens=2,
+                                    extra_headers={"X-Strata-Namespace": "tenant-b"})
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"model": "gpt-9"}, openai.NotFoundError, "model 'gpt-9' is not served here"),
+        ({"max_tokens": -1}, openai.BadRequestError, "max_tokens must be at least 1"),
+        ({"prompt": "x" * 5000}, openai.BadRequestError, "exceeds the model's context of 4096"),
+        ({"temperature": 5}, openai.BadRequestError, "temperature must be between 0.0 and 2.0"),
+        ({"prompt": [1, 2, 99999]}, openai.BadRequestError, "token ids must lie in 0..511"),
+        ({"stop": [""]}, openai.BadRequestError, "stop must be"),
+    ],
+)
+def test_bad_requests_name_the_problem(client, kwargs, error, message):
+    request = {"model": "tiny", "prompt": "hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(error, match=message):
+        client.completions.create(**request)
+
+
+def _raw(server, body: bytes, path="/v1/completions") -> tuple[int, dict]:
+    host, port = server.address.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    payload = json.loads(response.read())
+    connection.close()
+    return response.status, payload
+
+
+def test_bad_json_and_unknown_routes(server):
+    status, body = _raw(server, b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = _raw(server, b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body = _raw(server, b"{}", path="/v1/embeddings")
+    assert status == 404
+
+
+def test_stop_strings_end_the_answer(client):
+    plain = client.completions.create(model="tiny", prompt=LONG, max_tokens=20)
+    text = plain.choices[0].text
+    assert len(text) >= 4, "the fixed-seed model produces enough text to cut"
+    stop = text[2:4]
+    cut = client.completions.create(model="tiny", prompt=LONG, max_tokens=20, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_metrics_and_request_timeline(client, server):
+    client.completions.create(model="tiny", prompt=LONG, max_tokens=3)
+    client.completions.create(model="tiny", prompt=LONG, max_tokens=3)
+    host, port = server.address.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("GET", "/metrics")
+    text = connection.getresponse().read().decode()
+    assert 'strata_hit_tokens_total{node="test-node"}' in text
+    assert "strata_layer_stall_seconds_bucket" in text
+    assert 'strata_tier_used_bytes{node="test-node",tier="host"}' in text
+    connection.request("GET", "/v1/strata/requests")
+    timeline = json.loads(connection.getresponse().read())
+    latest = timeline["requests"][0]
+    assert latest["cached_tokens"] > 0 and len(latest["layer_stall_s"]) == 2
+    connection.close()

@@ -1,0 +1,1 @@
+"""The inference engine: transformers models with cache-aware prefill and layer-wise loading."""

@@ -1,0 +1,169 @@
+"""Model presets with random weights (no download) and local checkpoints, loaded through transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+from worker.dataplane.engine.tokenizer import ByteTokenizer
+
+log = logging.getLogger("strata.engine")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    family: str  # llama, qwen2, mistral
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset("llama", 64, 2, 4, 2, 128, 512, 4096, "float32"),
+    "tiny-qwen2": Preset("qwen2", 64, 2, 4, 2, 128, 512, 4096, "float32"),
+    "tiny-mistral": Preset("mistral", 64, 2, 4, 2, 128, 512, 4096, "float32"),
+    "small": Preset("llama", 256, 4, 8, 2, 688, 4096, 16384, "float32"),
+    "bench": Preset("llama", 1024, 8, 16, 4, 2816, 32000, 16384, "bfloat16"),
+}
+_CONFIGS: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to serve, with what the KV cache of every block of it looks like."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: Any
+    dtype: torch.dtype
+    device: torch.device
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_context: int
+    rope_theta: float
+    revision: str
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    def encode(self, text: str) -> list[int]:
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return self.tokenizer.encode(text)
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return self.tokenizer.apply_chat_template(messages)
+        if getattr(self.tokenizer, "chat_template", None):
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids))
+
+
+def _rope_theta(config: PretrainedConfig) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        params = getattr(config, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", 10000.0) if isinstance(params, dict) else 10000.0
+    return float(theta)
+
+
+def _describe(name: str, model: PreTrainedModel, tokenizer: Any, device: torch.device, revision: str) -> LoadedModel:
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return LoadedModel(
+        name=name, model=model, tokenizer=tokenizer, dtype=next(model.parameters()).dtype, device=device,
+        layers=config.num_hidden_layers, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim, max_context=config.max_position_embeddings, rope_theta=_rope_theta(config),
+        revision=revision,
+    )
+
+
+def preset_config(name: str, *, dtype: str | None = None) -> PretrainedConfig:
+    if name not in PRESETS:
+        raise ValueError(f"model: unknown preset {name!r}; presets are {', '.join(sorted(PRESETS))}, or give a local path")
+    preset = PRESETS[name]
+    return _CONFIGS[preset.family](
+        hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        intermediate_size=preset.intermediate_size,
+        vocab_size=preset.vocab_size,
+        max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        dtype=dtype or preset.dtype,
+        attn_implementation="sdpa",
+    )
+
+
+def load_model(
+    spec: str, *, dtype: str | None = None, device: str | torch.device | None = None, seed: int = 0
+) -> LoadedModel:
+    """A preset name (random weights from `seed`, byte tokenizer) or a local checkpoint directory."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
+    path = Path(spec)
+    if spec in PRESETS:
+        config = preset_config(spec, dtype=dtype)
+        torch_dtype = DTYPES[dtype or PRESETS[spec].dtype]
+        generator_state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        finally:
+            torch.random.set_rng_state(generator_state)
+        tokenizer: Any = ByteTokenizer(config.vocab_size)
+        revision = f"random-seed-{seed}"
+    elif path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model: {spec} is a directory without config.json; not a checkpoint")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=DTYPES[dtype] if dtype else "auto"
+        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):
+            log.warning("model %s has no tokenizer files; using the byte tokenizer", spec)
+            tokenizer = ByteTokenizer(model.config.vocab_size)
+        revision = str(getattr(model.config, "_commit_hash", None) or path.resolve())
+    else:
+        raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local directory")
+    model.to(device)
+    model.eval()
+    name = spec if spec in PRESETS else path.name
+    loaded = _describe(name, model, tokenizer, device, revision)
+    log.info(
+        "model %s loaded: %d layers, %d kv heads x %d, %s on %s", name, loaded.layers, loaded.kv_heads,
+        loaded.head_dim, str(loaded.dtype).removeprefix("torch."), device,
+    )
+    return loaded

@@ -1,0 +1,159 @@
+"""A workload driver for the demo: multi-turn chats and long-document questions against node servers.
+
+    python -m worker.workload --node http://127.0.0.1:9100 --node http://127.0.0.1:9101
+
+It speaks the OpenAI HTTP API, so it works against any node; it paces itself so a small machine
+stays responsive, and logs one line per request (TTFT, cached tokens) so an operator sees reuse."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+log = logging.getLogger("strata.workload")
+
+WORDS = ("cache tier block layer token prefix memory bandwidth latency request model attention key value "
+         "policy node shard replica storage eviction hotness fragment document clause contract answer").split()
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+class Client:
+    def __init__(self, base: str, *, timeout: float = 600.0) -> None:
+        self.base = base.rstrip("/")
+        self.timeout = timeout
+        self.model = self._model()
+
+    def _model(self) -> str:
+        with urllib.request.urlopen(self.base + "/v1/models", timeout=30) as response:
+            return str(json.loads(response.read())["data"][0]["id"])
+
+    def chat(self, messages: list[dict[str, str]], *, max_tokens: int, namespace: str) -> tuple[str, dict, float]:
+        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        request = urllib.request.Request(self.base + "/v1/chat/completions", data=body, headers={
+            "Content-Type": "application/json", "X-Strata-Namespace": namespace})
+        sent = time.perf_counter()
+        first = None
+        text, usage = "", {}
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            for line in response:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices", []):
+                    piece = choice.get("delta", {}).get("content")
+                    if piece is not None:
+                        if first is None and choice.get("delta", {}).get("role") is None:
+                            first = time.perf_counter()
+                        text += piece
+        return text, usage, (first or time.perf_counter()) - sent
+
+
+def conversations(rng: random.Random, system_words: int) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """Endless multi-turn chats (4 turns each) that share one system prompt per tenant."""
+    systems = {ns: "You are the support assistant of " + ns + ". " + _text(random.Random(ns), system_words)
+               for ns in ("acme", "globex")}
+    while True:
+        namespace = rng.choice(list(systems))
+        messages = [{"role": "system", "content": systems[namespace]}]
+        for _ in range(4):
+            messages.append({"role": "user", "content": _text(rng, 40) + "?"})
+            yield namespace, messages
+
+
+def documents(rng: random.Random, doc_words: int, count: int = 3) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """Endless questions about a few long documents, in shuffled order."""
+    docs = [_text(random.Random(f"doc-{i}"), doc_words) for i in range(count)]
+    while True:
+        doc = rng.choice(docs)
+        yield "acme", [{"role": "user", "content": "Document:\n" + doc + "\nQuestion: " + _text(rng, 12) + "?"}]
+
+
+def drive(client: Client, stream: Iterator[tuple[str, list[dict[str, str]]]], *, kind: str, pause: float,
+          max_tokens: int, stop: threading.Event, limit: int | None) -> int:
+    done = 0
+    for namespace, messages in stream:
+        if stop.is_set() or (limit is not None and done >= limit):
+            break
+        try:
+            text, usage, ttft = client.chat(messages, max_tokens=max_tokens, namespace=namespace)
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            log.warning("%s request to %s refused (%s): %s; retrying in 5 s", kind, client.base, exc.code, detail)
+            stop.wait(5)
+            continue
+        except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+            log.warning("%s request to %s failed: %s; retrying in 5 s", kind, client.base, exc)
+            stop.wait(5)
+            continue
+        if messages[-1]["role"] == "user" and kind == "chat":
+            messages.append({"role": "assistant", "content": text})
+        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        log.info("%-5s %s ns=%-6s prompt=%5d cached=%5d ttft=%6.0f ms", kind, client.base.rsplit(":", 1)[-1],
+                 namespace, usage.get("prompt_tokens", 0), cached, ttft * 1000)
+        done += 1
+        stop.wait(pause)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.workload", description=__doc__.splitlines()[0])
+    parser.add_argument("--node", action="append", required=True, help="base URL of a node server (repeat)")
+    parser.add_argument("--pause", type=float, default=2.0, help="seconds between a client's requests")
+    parser.add_argument("--doc-words", type=int, default=300, help="words per long document")
+    parser.add_argument("--system-words", type=int, default=120, help="words in each tenant's system prompt")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=None, help="stop after this many requests per client")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    clients = []
+    deadline = time.monotonic() + 300
+    for url in args.node:
+        while True:
+            try:
+                clients.append(Client(url))
+                break
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    log.error("node %s did not answer within 5 minutes", url)
+                    return 1
+                stop.wait(2)
+    log.info("driving %d node(s): multi-turn chat and long-document QA", len(clients))
+    threads = []
+    for index, client in enumerate(clients):
+        rng = random.Random(index)
+        threads.append(threading.Thread(target=drive, daemon=True, kwargs=dict(
+            client=client, stream=conversations(rng, args.system_words), kind="chat", pause=args.pause,
+            max_tokens=args.max_tokens, stop=stop, limit=args.requests)))
+        threads.append(threading.Thread(target=drive, daemon=True, kwargs=dict(
+            client=client, stream=documents(random.Random(100 + index), args.doc_words), kind="doc",
+            pause=args.pause * 2, max_tokens=args.max_tokens, stop=stop, limit=args.requests)))
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)
+    except KeyboardInterrupt:
+        stop.set()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
