@@ -87,7 +87,7 @@ def _tier_read_seconds(tier: Tier, keys: list[uuid.UUID], layout: BlockLayout) -
     return best
 
 
-def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 100, model_name: str = "bench",
+def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 32, model_name: str = "bench",
                progress: Callable[[str], None] = print) -> list[Measure]:
     """TTFT of one long prompt: cold, then a hit from each tier with layer-wise loading on and off."""
     model = load_model(model_name)
@@ -96,7 +96,7 @@ def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 100, model_name: s
     full_blocks = prompt_tokens // BLOCK_TOKENS
     rows: list[Measure] = []
     with tempfile.TemporaryDirectory(prefix="strata-bench-") as work, \
-            _tiers(model, blocks=full_blocks + 2, redis_url=redis_url, workdir=Path(work)) as tiers:
+            _tiers(model, blocks=full_blocks + 64, redis_url=redis_url, workdir=Path(work)) as tiers:
         options = EngineOptions(block_tokens=BLOCK_TOKENS, write_back_tier="host", keep_in_device=False, decide=False)
         writer = Engine(model=model, store=TieredStore(layout=layout, tiers=[tiers["host"]]), options=options)
         progress(f"engine: cold prefill of {prompt_tokens} tokens ({model_name} model)")
@@ -144,29 +144,30 @@ def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 100, model_name: s
 def _balanced_case(model: LoadedModel, tiers: dict[str, Tier], layout: BlockLayout, options: EngineOptions,
                    progress: Callable[[str], None]) -> list[Measure]:
     """Layer-wise against load-then-compute where loading the prefix takes about as long as
-    computing the suffix: the case pipelining is for. The suffix length is calibrated here."""
-    prefix_blocks = 16
+    computing the suffix: the case pipelining is for. The suffix length is calibrated here from
+    the measured load time of the prefix and the measured compute time per suffix token."""
+    prefix_blocks = 32
     prefix = _prompt(prefix_blocks * BLOCK_TOKENS, seed=7)
-    disk = tiers["disk"]
-    writer = Engine(model=model, store=TieredStore(layout=layout, tiers=[disk]),
+    engine = Engine(model=model, store=TieredStore(layout=layout, tiers=[tiers["disk"]]),
                     options=dataclasses.replace(options, write_back_tier="disk"))
-    writer.generate(prefix + [5], max_tokens=1)
-    engine = writer
-    # Calibrate: load time of the prefix vs compute time per suffix token.
-    probe = engine.generate(prefix + _prompt(257, seed=8)[1:], max_tokens=1, layerwise=False)
-    per_token = probe.trace.prefill_s / 256
-    suffix_tokens = max(16, int(probe.trace.load_s / per_token))
-    progress(f"engine: balanced case, load {probe.trace.load_s * 1000:.0f} ms vs {suffix_tokens}-token suffix")
+    engine.generate(prefix + [5], max_tokens=1)
+    probes = [engine.generate(prefix + _prompt(65, seed=8 + i)[1:], max_tokens=1, layerwise=False) for i in range(3)]
+    assert all(p.trace.cached_tokens == prefix_blocks * BLOCK_TOKENS for p in probes), "the prefix must be a hit"
+    load_s = statistics.median(p.trace.load_s for p in probes)
+    per_token = statistics.median(p.trace.prefill_s for p in probes) / 64
+    suffix_tokens = max(1, round(load_s / per_token))
+    progress(f"engine: balanced case, load {load_s * 1000:.0f} ms vs {suffix_tokens}-token suffix")
     prompt = prefix + _prompt(suffix_tokens + 1, seed=9)[1:]
-    upfront = statistics.median(engine.generate(prompt, max_tokens=1, layerwise=False, use_cache=True).trace.ttft_s
-                                for _ in range(3))
-    layerwise = statistics.median(engine.generate(prompt, max_tokens=1, layerwise=True).trace.ttft_s for _ in range(3))
+    upfront, layerwise = [], []
+    for _ in range(5):  # interleaved, so drift hits both alike
+        upfront.append(engine.generate(prompt, max_tokens=1, layerwise=False).trace.ttft_s)
+        layerwise.append(engine.generate(prompt, max_tokens=1, layerwise=True).trace.ttft_s)
     return [
-        Measure("engine.balanced_load_then_compute_s", upfront, "s",
-                note=f"{prefix_blocks} blocks from disk + {suffix_tokens}-token suffix"),
-        Measure("engine.balanced_layerwise_s", layerwise, "s"),
-        Measure("engine.balanced_layerwise_vs_upfront", layerwise / upfront, "x",
-                baseline="engine.balanced_load_then_compute_s"),
+        Measure("engine.balanced_load_then_compute_s", statistics.median(upfront), "s",
+                note=f"{prefix_blocks} blocks from disk ({load_s * 1000:.0f} ms) + {suffix_tokens}-token suffix"),
+        Measure("engine.balanced_layerwise_s", statistics.median(layerwise), "s"),
+        Measure("engine.balanced_layerwise_vs_upfront", statistics.median(layerwise) / statistics.median(upfront),
+                "x", baseline="engine.balanced_load_then_compute_s"),
     ]
 
 
@@ -293,8 +294,8 @@ def multi_turn_suite(*, redis_url: str, clients: int = 4, requests: int = 60, mo
             progress(f"multi-turn: {config} ({conversations} conversations x {turns} turns, {clients} clients)")
             engine = _engine_for(config, model, tiers, device_blocks)
             outcomes, wall = _drive(engine, config, [session(i) for i in range(conversations)], clients)
-            rows += _summary("multiturn", config, outcomes, wall)
-    return rows + _ratios("multiturn", rows)
+            rows += _summary(f"multiturn.c{clients}", config, outcomes, wall)
+    return rows + _ratios(f"multiturn.c{clients}", rows)
 
 
 def long_doc_suite(*, redis_url: str, clients: int = 4, documents: int = 4, questions: int = 3,

@@ -2,10 +2,10 @@
 floor (layer-wise loading on and off, and a case built so that loading takes as long as computing),
 then the seeds' serving workloads - multi-turn chat and long-document QA - under four setups.
 
-Sizes at scale 1: an 8192+100-token prompt on the `bench` model (hidden 1024, 8 layers, bf16; 10K
+Sizes at scale 1: an 8192+32-token prompt (an 8K document and a short question) on the `bench` model (hidden 1024, 8 layers, bf16; 10K
 does not fit the time a 2-core machine gives a benchmark); the workloads on the `small` model
 (hidden 256, 4 layers, fp32) so that the no-cache runs finish in minutes: multi-turn chat with 4
-clients and 60 requests over a 1024-token shared system prompt, long-document QA with 4 clients,
+and with 8 clients, 60 requests each time, over a 2048-token shared system prompt (96-token user turns), long-document QA with 4 clients,
 4 documents of 8192 tokens asked 3 questions each in shuffled order, 32-token answers.
 """
 
@@ -21,14 +21,15 @@ DESCRIPTION = "TTFT per tier vs cold and vs the floor; multi-turn chat and long-
 def run(ctx: Context) -> list[Row]:
     redis_url = load_environment().redis.url_for_db(7)
     scale = min(ctx.scale, 1.0)
-    prompt_tokens = max(1024, int(8192 * scale)) + 100
+    prompt_tokens = max(1024, int(8192 * scale)) + 32
     ctx.params.update(prompt_tokens=prompt_tokens, ttft_model="bench", workload_model="small")
-    ctx.plan(3)
+    ctx.plan(4)
     measures = ttft_suite(redis_url=redis_url, prompt_tokens=prompt_tokens, progress=ctx.log)
     ctx.step("ttft done")
-    measures += multi_turn_suite(redis_url=redis_url, requests=max(8, int(60 * scale)),
-                                 system_tokens=max(256, int(1024 * scale)), progress=ctx.log)
-    ctx.step("multi-turn done")
+    for clients in (4, 8):
+        measures += multi_turn_suite(redis_url=redis_url, clients=clients, requests=max(8, int(60 * scale)),
+                                     system_tokens=max(256, int(2048 * scale)), user_tokens=96, progress=ctx.log)
+        ctx.step(f"multi-turn with {clients} clients done")
     measures += long_doc_suite(redis_url=redis_url, documents=4 if scale >= 0.5 else 2,
                                doc_tokens=max(1024, int(8192 * scale)), progress=ctx.log)
     ctx.step("long-doc done")
