@@ -194,7 +194,11 @@ def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
     """Start the node's Celery worker in this process and block until it stops."""
     runtime = NodeRuntime(config)
     runtime.prepare()
-    runtime.start_engine()
+    try:
+        runtime.start_engine()
+    except ValueError as exc:  # a bad model, dtype or tier option: say which, then stop
+        runtime.stop_engine()
+        raise SystemExit(f"strata_node: {exc}") from None
     app.strata_runtime = runtime  # type: ignore[attr-defined]
     app.steps["worker"].add(HeartbeatStep)
     queue = f"node.{config.node_name}"

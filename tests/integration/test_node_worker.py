@@ -84,3 +84,10 @@ def test_bad_node_option_stops_with_a_message(subprocess_env, python):
     )
     assert result.returncode == 2
     assert "STRATA_HEARTBEAT_SECONDS: must be greater than zero" in result.stderr
+    result = subprocess.run(
+        [python, "manage.py", "strata_node", "--name", "gpu-0", "--model", "no-such-model"],
+        cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "strata_node: model: 'no-such-model' is neither a preset")
