@@ -24,6 +24,20 @@ def _pid_file(var: Path) -> Path:
     return var / "demo.pid"
 
 
+def _pool_prefix(var: Path) -> str:
+    """Shared-memory pools of this demo's nodes are named after its var/ directory."""
+    return "strata-" + hashlib.sha256(str(var).encode()).hexdigest()[:8]
+
+
+def _remove_pools(var: Path) -> list[str]:
+    """The nodes' DRAM pools are a cache in /dev/shm; once the demo is down they only hold memory."""
+    removed = []
+    for pool in sorted(Path("/dev/shm").glob(_pool_prefix(var) + "-*")):
+        pool.unlink(missing_ok=True)
+        removed.append(pool.name)
+    return removed
+
+
 def _manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, str(REPO_ROOT / "manage.py"), *args], env=env, check=True, cwd=REPO_ROOT)
 
@@ -69,8 +83,7 @@ def run(port: int, model: str) -> int:
     env_vars["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     env_vars["PYTHONUNBUFFERED"] = "1"
     # One shared-memory pool per node of this demo (its var/ directory), not per machine.
-    digest = hashlib.sha256(str(env.var_dir).encode()).hexdigest()[:8]
-    env_vars.setdefault("STRATA_HOST_POOL_NAME", f"strata-{digest}-{{node}}")
+    env_vars.setdefault("STRATA_HOST_POOL_NAME", f"{_pool_prefix(env.var_dir)}-{{node}}")
     env_vars.setdefault("STRATA_HOST_BYTES", "512MiB")
     _manage("migrate", "--noinput", "-v", "0", env=env_vars)
     _manage("collectstatic", "--noinput", "-v", "0", env=env_vars)
@@ -122,6 +135,9 @@ def stop() -> int:
         pid_file.unlink(missing_ok=True)
     for line in services_stop(env):
         print(line)
+    removed = _remove_pools(env.var_dir)
+    if removed:
+        print(f"host-tier pools removed from /dev/shm: {', '.join(removed)}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """`make demo` end to end in a private var/ directory: embedded PostgreSQL and Redis, daphne, two node
 workers, beat; /readyz is 200, both nodes are listed to the admin; `stop` leaves no process behind."""
 
+import hashlib
 import http.cookiejar
 import json
 import os
@@ -79,6 +80,7 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
     while node_port + 1 == port:
         node_port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+    pools = "strata-" + hashlib.sha256(str(var_dir.resolve()).encode()).hexdigest()[:8]
     env.update(STRATA_VAR_DIR=str(var_dir), STRATA_HTTP_PORT=str(port), PYTHONUNBUFFERED="1", STRATA_DEMO_MODEL="tiny",
                STRATA_DEMO_NODE_PORT=str(node_port),
                STRATA_HEARTBEAT_SECONDS="1")
@@ -133,11 +135,16 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
                 break
             time.sleep(0.2)
         assert not left, (stop.stdout, [p.info["cmdline"] for p in left])
+        # The nodes' shared-memory pools go with the demo: nothing is left holding memory.
+        assert "host-tier pools removed from /dev/shm" in stop.stdout
+        assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(pools)]
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
         for process in _processes_of(var_dir):
             process.kill()
+        for pool in Path("/dev/shm").glob(pools + "-*"):
+            pool.unlink(missing_ok=True)
         log.seek(0)
         print(log.read()[-6000:])
         log.close()
