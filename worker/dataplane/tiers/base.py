@@ -195,6 +195,34 @@ class Tier(abc.ABC):
     def _submit(self, fn: Callable[..., T], *args: object, **kwargs: object) -> Future[T]:
         return self._executor.submit(fn, *args, **kwargs)
 
+    def _read_async(
+        self,
+        read: Callable[[list[uuid.UUID], range, list[torch.Tensor]], Sequence[ReadResult | BaseException]],
+        keys: Sequence[uuid.UUID],
+        layers: int | range | slice,
+        outs: Sequence[torch.Tensor],
+    ) -> list[Future[ReadResult]]:
+        """`get_layers` for tiers that read a whole batch in one call: `read` returns one
+        ReadResult or error per key; it runs on the tier's I/O thread, one future per block."""
+        selected = self.layout.layer_range(layers)
+        dsts = self._layer_outs(selected, keys, outs)
+        futures: list[Future[ReadResult]] = [Future() for _ in keys]
+
+        def run() -> None:
+            try:
+                results: Sequence[ReadResult | BaseException] = read(list(keys), selected, dsts)
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting future
+                results = [exc] * len(keys)
+            for future, result in zip(futures, results, strict=True):
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+        if keys:
+            self._submit(run)
+        return futures
+
     def _block_bytes(self, data: torch.Tensor) -> torch.Tensor:
         flat = tensor_bytes(data)
         if flat.numel() != self.layout.block_bytes:

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import xxhash
 
 from worker.dataplane.buffers import (
     DIRECT_IO_ALIGNMENT,
@@ -51,7 +50,6 @@ from worker.dataplane.buffers import (
     round_up,
 )
 from worker.dataplane.checksum import (
-    CHECKSUM_BYTES,
     BlockChecksum,
     ChecksumEngine,
     Span,
@@ -61,15 +59,11 @@ from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockMissing, TierFull
 from worker.dataplane.layout import DTYPE_CODES, BlockLayout
 from worker.dataplane.tiers.base import PutResult, ReadResult, Tier, TierUsage
+from worker.dataplane.tiers.header import HeaderInvalid, header_length, pack_header, parse_header
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"STRATADK"
-VERSION = 1
-_FIXED = struct.Struct(
-    "<8sHHIQQI16s16s"
-)  # magic, version, flags, layers, layer_bytes, data_bytes, dtype, key, checksum
-_HEADER_HASH_BYTES = 8
 LEDGER_NAME = ".strata-ledger"
 _LEDGER = struct.Struct("<QQQ")  # stored bytes, pending bytes, blocks
 HEADER_CACHE_ENTRIES = 16384
@@ -166,7 +160,7 @@ class DiskTier(Tier):
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.header_bytes = round_up(
-            _FIXED.size + CHECKSUM_BYTES * layout.layers + _HEADER_HASH_BYTES, DIRECT_IO_ALIGNMENT
+            header_length(layout), DIRECT_IO_ALIGNMENT
         )
         self.file_bytes = self.header_bytes + round_up(layout.block_bytes, DIRECT_IO_ALIGNMENT)
         self.direct_io = direct_io and self._direct_io_works()
@@ -261,65 +255,21 @@ class DiskTier(Tier):
 
     # -- header ---------------------------------------------------------------------------
     def _pack_header(self, key: uuid.UUID, checksum: BlockChecksum) -> bytes:
-        layout = self.layout
-        fixed = _FIXED.pack(
-            MAGIC,
-            VERSION,
-            0,
-            layout.layers,
-            layout.layer_bytes,
-            layout.block_bytes,
-            DTYPE_CODES[layout.dtype],
-            key.bytes,
-            checksum.block,
-        )
-        body = fixed + b"".join(checksum.layers)
-        return body + xxhash.xxh3_64(body).digest()
+        return pack_header(magic=MAGIC, layout=self.layout, key=key, checksum=checksum)
 
     def _parse_header(self, key: uuid.UUID, raw: memoryview) -> _Header:
         layout = self.layout
-        body_len = _FIXED.size + CHECKSUM_BYTES * layout.layers
-        body = bytes(raw[:body_len])
-        if len(body) < _FIXED.size:
-            raise self._corrupt(key, "header is truncated")
-        (
-            magic,
-            version,
-            _flags,
-            layers,
-            layer_bytes,
-            data_bytes,
-            dtype_code,
-            key_bytes,
-            block_sum,
-        ) = _FIXED.unpack_from(body)
-        if magic != MAGIC or version != VERSION:
-            raise self._corrupt(key, "not a strata block file")
-        if xxhash.xxh3_64(body).digest() != bytes(raw[body_len : body_len + _HEADER_HASH_BYTES]):
-            raise self._corrupt(key, "header checksum mismatch")
-        if key_bytes != key.bytes:
-            raise self._corrupt(key, f"file holds block {uuid.UUID(bytes=key_bytes)}")
-        if (layers, layer_bytes, data_bytes, dtype_code) != (
-            layout.layers,
-            layout.layer_bytes,
-            layout.block_bytes,
-            DTYPE_CODES[layout.dtype],
-        ):
-            raise self._corrupt(key, "file holds a block of another layout")
-        sums = body[_FIXED.size :]
-        checksum = BlockChecksum(
-            block=block_sum,
-            layers=tuple(sums[i : i + CHECKSUM_BYTES] for i in range(0, len(sums), CHECKSUM_BYTES)),
-        )
-        if not checksum.consistent(key):
-            raise self._corrupt(key, "block checksum does not match its layer checksums")
+        try:
+            checksum = parse_header(magic=MAGIC, layout=layout, key=key, raw=raw, holder="file")
+        except HeaderInvalid as exc:
+            raise self._corrupt(key, str(exc)) from None
         return _Header(
             key=key,
             checksum=checksum,
-            layers=layers,
-            layer_bytes=layer_bytes,
-            data_bytes=data_bytes,
-            dtype_code=dtype_code,
+            layers=layout.layers,
+            layer_bytes=layout.layer_bytes,
+            data_bytes=layout.block_bytes,
+            dtype_code=DTYPE_CODES[layout.dtype],
         )
 
     def _remember(self, key: uuid.UUID, stamp: _Stamp, header: _Header) -> None:

@@ -483,23 +483,7 @@ class HostTier(Tier):
     def get_layers(
         self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
     ) -> list[Future[ReadResult]]:
-        selected = self.layout.layer_range(layers)
-        dsts = self._layer_outs(selected, keys, outs)
-        futures: list[Future[ReadResult]] = [Future() for _ in keys]
-
-        def run() -> None:
-            try:
-                results = self._read(list(keys), selected, dsts)
-            except BaseException as exc:
-                results = [exc] * len(keys)
-            for future, result in zip(futures, results, strict=True):
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-
-        self._submit(run)
-        return futures
+        return self._read_async(self._read, keys, layers, outs)
 
     def _find(self, key: uuid.UUID) -> int | None:
         slot = self._lookup.get(key)

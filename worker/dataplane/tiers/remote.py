@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import struct
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -37,11 +36,9 @@ import redis.cluster
 import redis.exceptions
 import redis.retry
 import torch
-import xxhash
 
 from worker.dataplane.buffers import aligned_empty, buffer_address, host_view, round_up
 from worker.dataplane.checksum import (
-    CHECKSUM_BYTES,
     BlockChecksum,
     ChecksumEngine,
     Span,
@@ -49,16 +46,14 @@ from worker.dataplane.checksum import (
 )
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
-from worker.dataplane.layout import DTYPE_CODES, BlockLayout
+from worker.dataplane.layout import BlockLayout
 from worker.dataplane.tiers.base import PutResult, ReadResult, Tier, TierUsage
 from worker.dataplane.tiers.disk import DiskTier
+from worker.dataplane.tiers.header import HeaderInvalid, header_length, pack_header, parse_header
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"STRATARM"
-VERSION = 1
-_FIXED = struct.Struct("<8sHHIQQI16s16s")
-_HEADER_HASH_BYTES = 8
 READ_CHUNK_BYTES = 2 * 1024 * 1024
 PIPELINE_BYTES = 2 * 1024 * 1024
 """Reads go as GETRANGEs of whole layers of at most READ_CHUNK_BYTES, pipelined at most
@@ -122,7 +117,7 @@ class RemoteTier(Tier):
         self.prefix = prefix
         self.capacity_bytes = capacity_bytes
         self.header_bytes = round_up(
-            _FIXED.size + CHECKSUM_BYTES * layout.layers + _HEADER_HASH_BYTES, 64
+            header_length(layout), 64
         )
         self.value_bytes = self.header_bytes + layout.block_bytes
         self._usage_key = f"{prefix}:usage"
@@ -150,59 +145,16 @@ class RemoteTier(Tier):
 
     # -- header ---------------------------------------------------------------------------
     def _pack_header(self, key: uuid.UUID, checksum: BlockChecksum) -> bytes:
-        layout = self.layout
-        body = _FIXED.pack(
-            MAGIC,
-            VERSION,
-            0,
-            layout.layers,
-            layout.layer_bytes,
-            layout.block_bytes,
-            DTYPE_CODES[layout.dtype],
-            key.bytes,
-            checksum.block,
-        ) + b"".join(checksum.layers)
-        header = body + xxhash.xxh3_64(body).digest()
+        header = pack_header(magic=MAGIC, layout=self.layout, key=key, checksum=checksum)
         return header + bytes(self.header_bytes - len(header))
 
     def _parse_header(self, key: uuid.UUID, raw: bytes) -> BlockChecksum:
-        layout = self.layout
-        body_len = _FIXED.size + CHECKSUM_BYTES * layout.layers
-        if len(raw) < body_len + _HEADER_HASH_BYTES:
+        if len(raw) < header_length(self.layout):
             raise self._corrupt(key, f"value header is truncated ({len(raw)} bytes)")
-        body = raw[:body_len]
-        (
-            magic,
-            version,
-            _flags,
-            layers,
-            layer_bytes,
-            data_bytes,
-            dtype_code,
-            key_bytes,
-            block_sum,
-        ) = _FIXED.unpack_from(body)
-        if magic != MAGIC or version != VERSION:
-            raise self._corrupt(key, "not a strata block value")
-        if xxhash.xxh3_64(body).digest() != raw[body_len : body_len + _HEADER_HASH_BYTES]:
-            raise self._corrupt(key, "header checksum mismatch")
-        if key_bytes != key.bytes:
-            raise self._corrupt(key, f"value holds block {uuid.UUID(bytes=key_bytes)}")
-        if (layers, layer_bytes, data_bytes, dtype_code) != (
-            layout.layers,
-            layout.layer_bytes,
-            layout.block_bytes,
-            DTYPE_CODES[layout.dtype],
-        ):
-            raise self._corrupt(key, "value holds a block of another layout")
-        sums = body[_FIXED.size :]
-        checksum = BlockChecksum(
-            block=block_sum,
-            layers=tuple(sums[i : i + CHECKSUM_BYTES] for i in range(0, len(sums), CHECKSUM_BYTES)),
-        )
-        if not checksum.consistent(key):
-            raise self._corrupt(key, "block checksum does not match its layer checksums")
-        return checksum
+        try:
+            return parse_header(magic=MAGIC, layout=self.layout, key=key, raw=raw, holder="value")
+        except HeaderInvalid as exc:
+            raise self._corrupt(key, str(exc)) from None
 
     # -- writes ---------------------------------------------------------------------------
     def put(
@@ -343,24 +295,7 @@ class RemoteTier(Tier):
     def get_layers(
         self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
     ) -> list[Future[ReadResult]]:
-        selected = self.layout.layer_range(layers)
-        dsts = self._layer_outs(selected, keys, outs)
-        futures: list[Future[ReadResult]] = [Future() for _ in keys]
-
-        def run() -> None:
-            try:
-                results = self._read_batch(list(keys), selected, dsts)
-            except BaseException as exc:
-                results = [exc] * len(keys)
-            for future, result in zip(futures, results, strict=True):
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-
-        if keys:
-            self._submit(run)
-        return futures
+        return self._read_async(self._read_batch, keys, layers, outs)
 
     def _read_batch(
         self, keys: list[uuid.UUID], layers: range, dsts: list[torch.Tensor]
