@@ -13,8 +13,8 @@ measures in a child process whose Django points at that database:
   server-side binding, prepared statement).
 * ``rest_lookup64``: ``POST /api/v1/blocks/lookup/`` through a real daphne server (ASGI, token
   auth, role check, throttling, JSON) over a keep-alive HTTP connection, with the project's
-  settings (a new database connection per request); ``rest_pooled_lookup64`` the same with
-  Django's connection pool (needs psycopg_pool), to show what the per-request connection costs.
+  production settings (a pool of database connections); ``rest_unpooled_lookup64`` the same with
+  ``STRATA_DB_POOL_MAX=0`` (a new database connection per request), to show what the pool saves.
 * ``register``: the ``blocks_register`` service, 4096 new blocks (with one copy each) per call;
   ``writebehind``: the same blocks through the Directory client, enqueue to durable.
 
@@ -63,7 +63,8 @@ def run(ctx: Any) -> list[Any]:
     from benchmarks.harness import Row
     from controlplane.runtime.environment import load_environment
 
-    blocks = max(CHAIN * 64, int(FULL_BLOCKS * ctx.scale) // CHAIN * CHAIN)
+    # At least twice the chains a 16-chain prompt spans across every namespace and model.
+    blocks = max(CHAIN * NAMESPACES * MODELS * 32, int(FULL_BLOCKS * ctx.scale) // CHAIN * CHAIN)
     database = load_environment().database
     server = {"host": database.host or None, "port": database.port or None, "user": database.user or "postgres",
               "password": database.password or None, **database.options}
@@ -287,34 +288,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-POOLED_SETTINGS = '''"""Benchmark only: the production settings with a database connection pool (Django 5.1+)."""
-from controlplane.settings import prod
-from controlplane.settings.inherit import settings_of
-
-globals().update(settings_of(prod))
-_default = prod.DATABASES["default"]
-DATABASES = {"default": {**_default, "CONN_MAX_AGE": 0,
-                         "OPTIONS": {**_default["OPTIONS"], "pool": {"min_size": 2, "max_size": 8}}}}
-'''
-
-
-def _pool_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("psycopg_pool") is not None
-
-
 @contextlib.contextmanager
-def _daphne(*, pooled: bool, scratch: Path) -> Iterator[int]:
-    """A daphne serving the control plane: with the project's settings (under ASGI every request
-    opens a new database connection: Django's persistent connections are per thread, and each
-    request runs in a thread of its own) or, to show what that costs, with a connection pool."""
+def _daphne(*, pooled: bool) -> Iterator[int]:
+    """A daphne serving the control plane with the production settings: with their connection
+    pool, or without it (under ASGI each request then opens a new database connection)."""
     port = _free_port()
-    env = dict(os.environ)
-    if pooled:
-        (scratch / "strata_bench_settings.py").write_text(POOLED_SETTINGS)
-        env["PYTHONPATH"] = os.pathsep.join([str(scratch), str(REPO_ROOT), env.get("PYTHONPATH", "")])
-        env["DJANGO_SETTINGS_MODULE"] = "strata_bench_settings"
+    env = {**os.environ, "STRATA_DB_POOL_MAX": os.environ.get("STRATA_DB_POOL_MAX", "8") if pooled else "0"}
     server = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
                                "controlplane.asgi:application"], cwd=REPO_ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -425,13 +404,11 @@ def child(spec: dict[str, Any]) -> None:
         record(f"{name}_p50", _percentile(lat, 50) * 1e3)
         record(f"{name}_p99", _percentile(lat, 99) * 1e3)
 
-    scratch = Path(spec["scratch"])
-    pooled = _pool_available()
     with contextlib.ExitStack() as servers:
         http_conn = http.client.HTTPConnection(
-            "127.0.0.1", servers.enter_context(_daphne(pooled=False, scratch=scratch)), timeout=30)
-        pooled_conn = http.client.HTTPConnection(
-            "127.0.0.1", servers.enter_context(_daphne(pooled=True, scratch=scratch)), timeout=30) if pooled else None
+            "127.0.0.1", servers.enter_context(_daphne(pooled=True)), timeout=30)
+        unpooled_conn = http.client.HTTPConnection(
+            "127.0.0.1", servers.enter_context(_daphne(pooled=False)), timeout=30)
         for repeat in range(repeats):
             lat = []
             for _ in range(n64):
@@ -461,8 +438,7 @@ def child(spec: dict[str, Any]) -> None:
             record("lookup1024_p99", _percentile(lat, 99) * 1e3)
             _emit(step=f"lookup1024 round {repeat + 1}")
             rest_round(http_conn, "rest_lookup64")
-            if pooled_conn is not None:
-                rest_round(pooled_conn, "rest_pooled_lookup64")
+            rest_round(unpooled_conn, "rest_unpooled_lookup64")
             _emit(step=f"REST lookup round {repeat + 1}")
             # Registration of new blocks, 4096 (with one copy each) per call.
             ns_index = repeat % NAMESPACES
@@ -496,17 +472,10 @@ def child(spec: dict[str, Any]) -> None:
     _row("directory.lookup1024_p50_ms", median["lookup1024_p50"], "ms", samples=n1024, **params)
     _row("directory.node_lookup64_p50_ms", median["node_lookup64_p50"], "ms", samples=n64, **params)
     _row("directory.node_lookup64_p99_ms", median["node_lookup64_p99"], "ms", samples=n64, **params)
-    _row("directory.rest_lookup64_p50_ms", median["rest_lookup64_p50"], "ms", samples=nrest, server="daphne",
-         **params)
-    _row("directory.rest_lookup64_p99_ms", median["rest_lookup64_p99"], "ms", samples=nrest, server="daphne",
-         **params)
-    if pooled:
-        _row("directory.rest_pooled_lookup64_p50_ms", median["rest_pooled_lookup64_p50"], "ms",
-             samples=nrest, server="daphne", db_pool="psycopg_pool 2..8", **params)
-        _row("directory.rest_pooled_lookup64_p99_ms", median["rest_pooled_lookup64_p99"], "ms",
-             samples=nrest, server="daphne", db_pool="psycopg_pool 2..8", **params)
-    else:
-        _emit(log="psycopg_pool is not installed: no pooled REST rows")
+    for variant, pool in (("rest", "psycopg_pool 2..8"), ("rest_unpooled", "none")):
+        for pct in ("p50", "p99"):
+            _row(f"directory.{variant}_lookup64_{pct}_ms", median[f"{variant}_lookup64_{pct}"], "ms",
+                 samples=nrest, server="daphne", db_pool=pool, **params)
     _row("directory.register_blocks_per_s", median["register"], "blocks/s", batch=4096, batches=batches, **params)
     _row("directory.writebehind_blocks_per_s", median["writebehind"], "blocks/s", **params)
     _row("directory.lookup64_hit_blocks_mean", statistics.fmean(hit_blocks), "blocks", **params)

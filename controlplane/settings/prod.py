@@ -24,3 +24,17 @@ SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 # Health and metrics are scraped over plain HTTP inside the cluster.
 SECURE_REDIRECT_EXEMPT = [r"^livez$", r"^readyz$", r"^metrics$"]
+
+# Under ASGI every request runs in a thread of its own, so Django's persistent connections never
+# outlive a request and each one paid for a new PostgreSQL backend. A pool keeps connections open
+# across requests (`make bench`: REST lookup of 64 keys, p50 19.6 ms -> 14.4 ms on 2 cores).
+# STRATA_DB_POOL_MAX=0 turns it off (e.g. behind PgBouncer in transaction mode).
+_POOL_MAX = os.environ.get("STRATA_DB_POOL_MAX", "8")
+if not _POOL_MAX.isdigit():
+    raise SystemExit(f"strata: STRATA_DB_POOL_MAX: expected a whole number of connections (0 = no pool), got {_POOL_MAX!r}")
+if int(_POOL_MAX) > 0:
+    _default = base.DATABASES["default"]
+    DATABASES = {"default": {**_default, "CONN_MAX_AGE": 0, "OPTIONS": {
+        **_default.get("OPTIONS", {}),
+        "pool": {"min_size": min(2, int(_POOL_MAX)), "max_size": int(_POOL_MAX), "timeout": 10},
+    }}}
