@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-scale lint stop clean
+.PHONY: setup chromium demo test bench bench-scale lint stop clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON_BIN) >/dev/null || { echo "Strata needs Python 3.11 ($(PYTHON_BIN) not found)"; exit 1; }
@@ -14,7 +14,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-setup: $(STAMP)
+# The dashboard's npm packages, exactly as the lockfile says (Django serves them; no CDN).
+NODE_STAMP := frontend/node_modules/.installed
+$(NODE_STAMP): frontend/package.json frontend/package-lock.json
+	@command -v npm >/dev/null || { echo "The dashboard needs Node.js 20+ and npm (npm not found)"; exit 1; }
+	npm ci --prefix frontend --no-audit --no-fund --loglevel=error
+	@touch $(NODE_STAMP)
+
+# Debian's Chromium for the browser tests (Playwright drives it; its own browser download is not used).
+CHROMIUM := /usr/bin/chromium
+chromium:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "installing Chromium for the browser tests"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
+	else echo "the browser tests need $(CHROMIUM): run 'sudo apt-get install -y chromium' (make setup does it as root)"; fi
+
+setup: $(STAMP) $(NODE_STAMP) chromium
 
 demo: setup
 	$(PY) -m controlplane.runtime.demo run
@@ -30,9 +47,9 @@ bench: setup
 	$(PY) -m controlplane.runtime.embedded start
 	$(PY) -m benchmarks
 
-bench-scale: setup  # the directory at 10M blocks (the full-size run is 1M)
+bench-scale: setup  # the directory and the movement planner at 10M blocks (the full-size run is 1M)
 	$(PY) -m controlplane.runtime.embedded start
-	$(PY) -m benchmarks directory --scale 10
+	$(PY) -m benchmarks directory movements --scale 10
 
 lint: setup
 	$(VENV)/bin/ruff check .

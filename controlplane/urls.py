@@ -10,10 +10,18 @@ from controlplane.telemetry import views as telemetry_views
 
 api_v1 = [
     path("", include("controlplane.directory.api.urls")),
+    path("", include("controlplane.policies.api.urls")),
+    path("", include("controlplane.movements.api.urls")),
+    path("", include("controlplane.dashboard.api.urls")),
 ]
 
 urlpatterns = [
-    path("", dashboard_views.live, name="dashboard-live"),
+    path("", dashboard_views.overview, name="dashboard-overview-page"),
+    path("nodes/", dashboard_views.nodes, name="dashboard-nodes"),
+    path("blocks/", dashboard_views.blocks, name="dashboard-blocks"),
+    path("requests/", dashboard_views.requests, name="dashboard-requests-page"),
+    path("policies/", dashboard_views.policies, name="dashboard-policies"),
+    path("movements/", dashboard_views.movements, name="dashboard-movements"),
     path("accounts/login/", auth_views.LoginView.as_view(template_name="registration/login.html"), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
@@ -23,4 +31,5 @@ urlpatterns = [
     path("livez", telemetry_views.livez, name="livez"),
     path("readyz", telemetry_views.readyz, name="readyz"),
     path("metrics", telemetry_views.metrics, name="metrics"),
+    path("metrics/nodes", telemetry_views.prometheus_nodes, name="metrics-nodes"),
 ]

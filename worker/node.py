@@ -39,6 +39,9 @@ class NodeRuntime:
         self.engine: Any = None
         self.server: Any = None
         self.directory: Any = None
+        self.policy_version = 0
+        self.policy_classes: list[Any] = []
+        self._policy_lock = threading.Lock()
 
     def start_engine(self) -> None:
         """Load the model, open the node's tiers and the directory, and serve the OpenAI API."""
@@ -75,6 +78,34 @@ class NodeRuntime:
                                                    else self.store.names[-1]))
         self.server = NodeServer(engine=self.engine, host=config.serve_host, port=config.serve_port,
                                  node=config.node_name, api_keys=config.api_keys).start()
+
+    def apply_policies(self, *, version: int, classes: list[dict[str, Any]]) -> bool:
+        """Hold the engine's device working set to the classes of policy `version`. An older
+        version than the one in force is ignored (messages may arrive late or twice)."""
+        from worker.dataplane.engine.working_set import ClassShare
+
+        shares = [ClassShare.from_dict(item) for item in classes]  # a bad payload raises, naming the field
+        with self._policy_lock:
+            if version < self.policy_version:
+                log.info("policy version %d ignored: version %d is already in force", version, self.policy_version)
+                return False
+            self.policy_version = version
+            self.policy_classes = shares
+            if self.engine is not None:
+                self.engine.working_set.set_shares(shares, version=version)
+        return True
+
+    def policies_refresh(self) -> None:
+        """Read the policies in force and apply them if they changed (at start, and at each
+        heartbeat, so a node that missed a message catches up within one interval)."""
+        import dataclasses
+
+        from controlplane.policies.snapshot import policies_snapshot
+
+        snapshot = policies_snapshot()
+        if snapshot.version != self.policy_version:
+            self.apply_policies(version=snapshot.version,
+                                classes=[dataclasses.asdict(spec) for spec in snapshot.classes])
 
     def stop_engine(self) -> None:
         if self.server is not None:
@@ -131,6 +162,7 @@ class NodeRuntime:
             version=VERSION,
             heartbeat_seconds=self.config.heartbeat_seconds,
             tiers=[TierReport(**report) for report in self.tier_reports()],
+            group=self.config.node_group,
         )
 
     def shutdown(self) -> None:
@@ -158,6 +190,10 @@ class HeartbeatStep(bootsteps.StartStopStep):
             try:
                 close_old_connections()
                 self.runtime.heartbeat()
+                try:
+                    self.runtime.policies_refresh()
+                except Exception as exc:  # noqa: BLE001 - the shares in force stay until the next beat
+                    log.warning("could not read the policies in force: %s", exc)
                 if failures:
                     log.info("heartbeat delivered again after %d failure(s)", failures)
                 failures = 0

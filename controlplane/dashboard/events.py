@@ -13,6 +13,8 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 
+from controlplane.telemetry.metrics import DASHBOARD_EVENTS, DASHBOARD_EVENTS_LOST
+
 log = logging.getLogger("strata.dashboard")
 
 DASHBOARD_GROUP = "dashboard"
@@ -28,6 +30,14 @@ EVENT_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # One per registration batch (never per block), and one per purge.
     "blocks.registered": {"blocks": int, "new": int, "placements": int, "source": str},
     "blocks.purged": {"namespace": str, "model": str, "blocks": int, "placements": int},
+    # One per policy version (edit, mode switch, rollback); mode.switched also when the active mode changes.
+    "policy.changed": {"version": int, "action": str, "author": str, "comment": str, "mode": str},
+    "mode.switched": {"mode": str, "previous": str, "version": int, "author": str},
+    # One per plan, and per node at most one a second for the movements it finished (never per block).
+    "movement.planned": {"plan": str, "reason": str, "written": int, "moves": int, "evictions": int,
+                         "bytes": int, "policy_version": int, "mode": str},
+    "movement.finished": {"node": str, "done": int, "failed": int, "cancelled": int, "bytes": int,
+                          "routes": dict},
 }
 
 
@@ -51,13 +61,27 @@ def event_validate(event: dict[str, Any]) -> None:
             raise ValueError(f"{event['type']} payload field {field!r} has type {type(event['payload'][field]).__name__}")
 
 
+def sequence_key() -> str:
+    """The counter of the stream's sequence numbers: one per channel layer namespace, since the
+    numbers are only meaningful to the consumers of that layer's dashboard group."""
+    prefix = settings.CHANNEL_LAYERS["default"].get("CONFIG", {}).get("prefix", "asgi")
+    return SEQUENCE_KEY if prefix == "asgi" else f"{SEQUENCE_KEY}:{prefix}"
+
+
+def sequence_current() -> int:
+    """The number of the latest event sent (0 before the first); snapshots carry it."""
+    return int(_redis().get(sequence_key()) or 0)
+
+
 def _send(kind: str, payload: dict[str, Any]) -> None:
     try:
-        seq = int(_redis().incr(SEQUENCE_KEY))
+        seq = int(_redis().incr(sequence_key()))
         event = {"type": kind, "seq": seq, "ts": time.time(), "payload": payload}
         async_to_sync(get_channel_layer().group_send)(DASHBOARD_GROUP, {"type": "dashboard.event", "event": event})
+        DASHBOARD_EVENTS.labels(type=kind).inc()
     except (redis.RedisError, OSError) as exc:
         # The stream is lossy by design: the page re-reads the REST snapshot and catches up.
+        DASHBOARD_EVENTS_LOST.labels(type=kind).inc()
         log.warning("dashboard event %s not sent: %s", kind, exc)
 
 

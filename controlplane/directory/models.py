@@ -21,6 +21,8 @@ class Node(models.Model):
     name = models.SlugField(max_length=63, unique=True)
     host = models.CharField(max_length=255, help_text="Host name the node runs on.")
     address = models.CharField(max_length=255, blank=True, help_text="host:port of the node's engine server.")
+    group = models.SlugField(max_length=63, default="default", db_default="default",
+                             help_text="Node group: tier policies for this group override the fleet-wide ones.")
     state = models.CharField(max_length=8, choices=NodeState.choices, default=NodeState.UP)
     pid = models.PositiveIntegerField(null=True, blank=True)
     version = models.CharField(max_length=32, blank=True)

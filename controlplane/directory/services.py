@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -76,11 +77,15 @@ def node_heartbeat(
     version: str = "",
     heartbeat_seconds: float,
     tiers: list[TierReport],
+    group: str | None = None,
     now: datetime | None = None,
 ) -> Node:
-    """Record a heartbeat: upsert the node and its tiers, bring a stale node back up."""
+    """Record a heartbeat: upsert the node and its tiers, bring a stale node back up. `group` (the
+    node's group for tier policies) is kept as it was when not given; a new node starts in "default"."""
     if heartbeat_seconds <= 0:
         raise ValueError("heartbeat_seconds: must be greater than zero")
+    if group is not None and not re.fullmatch(r"[-a-zA-Z0-9_]{1,63}", group):
+        raise ValueError(f"group: expected 1-63 letters, digits, '-' or '_', got {group!r}")
     now = now or timezone.now()
     stale_after = now + timedelta(seconds=heartbeat_seconds * settings.STRATA_STALE_AFTER_MISSED)
     node = Node.objects.select_for_update().filter(name=name).first()
@@ -89,6 +94,8 @@ def node_heartbeat(
         node = Node(name=name, registered_at=now)
     node.host = host
     node.address = address
+    if group is not None:
+        node.group = group
     node.pid = pid
     node.version = version
     node.heartbeat_seconds = heartbeat_seconds

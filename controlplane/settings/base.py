@@ -37,6 +37,8 @@ INSTALLED_APPS = [
     "django_celery_beat",
     "controlplane.accounts",
     "controlplane.directory",
+    "controlplane.policies",
+    "controlplane.movements",
     "controlplane.telemetry",
     "controlplane.dashboard",
     "worker",
@@ -98,7 +100,11 @@ USE_TZ = True
 
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "static"
-STATICFILES_DIRS = [BASE_DIR / "frontend" / "static"]
+STATICFILES_DIRS = [
+    BASE_DIR / "frontend" / "static",
+    # The charting library, installed from npm with frontend/package-lock.json by `make setup`.
+    ("vendor/uplot", BASE_DIR / "frontend" / "node_modules" / "uplot" / "dist"),
+]
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},

@@ -30,5 +30,10 @@ def settings() -> dict[str, Any]:
             "SERVE_INCLUDE_SCHEMA": False,
             "SCHEMA_PATH_PREFIX": r"/api/v1",
             "COMPONENT_SPLIT_REQUEST": True,
+            # Two apps have a `kind` field: name their enums apart in the schema.
+            "ENUM_NAME_OVERRIDES": {
+                "ModeKindEnum": "controlplane.policies.choices.ModeKind",
+                "MovementKindEnum": "controlplane.movements.choices.MovementKind",
+            },
         },
     }

@@ -5,12 +5,23 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+from django.utils import timezone
 from prometheus_client import CollectorRegistry, Counter, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 READINESS_FAILURES = Counter(
     "strata_readiness_failures_total", "Readiness probes that found a dependency failing, per check.", ["check"]
+)
+DASHBOARD_EVENTS = Counter(
+    "strata_dashboard_events_total", "Live dashboard events sent to the channel layer, by type.", ["type"]
+)
+DASHBOARD_EVENTS_LOST = Counter(
+    "strata_dashboard_events_lost_total", "Live dashboard events that could not be sent (Redis unreachable).", ["type"]
+)
+NODE_FETCH_FAILURES = Counter(
+    "strata_node_fetch_failures_total",
+    "Times the control plane could not read a node's engine server (request timelines, cache counters).", ["node"]
 )
 
 
@@ -27,16 +38,41 @@ class DirectoryCollector(Collector):
         heartbeats = CounterMetricFamily(
             "strata_node_heartbeats", "Heartbeats recorded by the control plane, per node.", labels=["node"]
         )
+        age = GaugeMetricFamily("strata_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat.",
+                                labels=["node"])
+        available = GaugeMetricFamily("strata_tier_available", "1 when the node reports the tier usable, else 0.",
+                                      labels=["node", "tier"])
+        now = timezone.now()
         for node in nodes_list():
             up.add_metric([node.name, node.state], 1.0 if node.state == NodeState.UP else 0.0)
             heartbeats.add_metric([node.name], float(node.heartbeats))
+            age.add_metric([node.name], max(0.0, (now - node.last_seen).total_seconds()))
             for tier in node.tiers.all():
                 capacity.add_metric([node.name, tier.tier], float(tier.capacity_bytes))
                 used.add_metric([node.name, tier.tier], float(tier.used_bytes))
+                available.add_metric([node.name, tier.tier], 1.0 if tier.available else 0.0)
         yield up
         yield heartbeats
+        yield age
         yield capacity
         yield used
+        yield available
+
+
+class PolicyCollector(Collector):
+    """The policy version and the mode in force, so that Grafana can mark policy changes and mode
+    switches on every other panel."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from controlplane.policies.snapshot import policies_snapshot
+
+        snapshot = policies_snapshot()
+        version = GaugeMetricFamily("strata_policy_version", "Policy version in force.")
+        version.add_metric([], float(snapshot.version))
+        mode = GaugeMetricFamily("strata_mode_active", "1 for the mode in force (none: no mode).", labels=["mode"])
+        mode.add_metric([snapshot.mode or "none"], 1.0)
+        yield version
+        yield mode
 
 
 def render_metrics() -> bytes:
@@ -50,4 +86,8 @@ def render_metrics() -> bytes:
         for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001 - the default registry's collectors
             registry.register(collector)
     registry.register(DirectoryCollector())
+    registry.register(PolicyCollector())
+    from controlplane.movements.metrics import MovementsCollector  # noqa: PLC0415 - an app's models load late
+
+    registry.register(MovementsCollector())
     return generate_latest(registry)

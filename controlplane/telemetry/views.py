@@ -33,3 +33,15 @@ def readyz(request: HttpRequest) -> HttpResponse:
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
     return HttpResponse(render_metrics(), content_type=CONTENT_TYPE_LATEST)
+
+
+@never_cache
+@require_GET
+def prometheus_nodes(request: HttpRequest) -> HttpResponse:
+    """Prometheus HTTP service discovery: the engine server of every node that is not down, labelled
+    with its name, so a new node is scraped without editing prometheus.yml."""
+    from controlplane.directory.choices import NodeState
+    from controlplane.directory.models import Node
+
+    nodes = Node.objects.exclude(address="").exclude(state=NodeState.DOWN).order_by("name")
+    return JsonResponse([{"targets": [node.address], "labels": {"node": node.name}} for node in nodes], safe=False)

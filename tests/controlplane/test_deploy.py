@@ -1,6 +1,7 @@
 """Deployment files, checked statically (no Docker engine here), and production settings."""
 
 import importlib.util
+import json
 import re
 import secrets
 import shlex
@@ -53,6 +54,8 @@ def test_every_service_command_exists(compose):
         argv = _command(service)
         if "build" in service:
             _check_project_command(argv)
+        elif service.get("profiles") == ["observability"]:
+            assert service["image"].split(":")[0] in {"prom/prometheus", "grafana/grafana"}, name
         else:
             assert service["image"].split(":")[0] in {"postgres", "redis"}, name
             assert argv[0] in {"postgres", "redis-server"}, name
@@ -63,7 +66,7 @@ def test_dockerfile_and_its_sources_exist(compose):
     dockerfile = REPO_ROOT / build["context"] / build["dockerfile"]
     assert dockerfile.exists()
     for line in dockerfile.read_text().splitlines():
-        if line.startswith("COPY "):
+        if line.startswith("COPY ") and "--from=" not in line:  # --from copies out of an earlier stage
             for source in line.split()[1:-1]:
                 assert (REPO_ROOT / source).exists(), f"Dockerfile copies missing {source}"
 
@@ -112,3 +115,41 @@ def test_readme_documents_every_node_option():
     readme = (REPO_ROOT / "README.md").read_text()
     missing = [row["variable"] for row in describe_options() if f"`{row['variable']}`" not in readme]
     assert not missing, f"README lacks {missing}"
+
+
+def test_the_image_installs_the_dashboards_npm_packages_from_the_lockfile():
+    dockerfile = (REPO_ROOT / "deploy" / "Dockerfile").read_text()
+    assert "npm ci" in dockerfile and "frontend/package-lock.json" in dockerfile
+    assert "COPY --from=assets /frontend/node_modules frontend/node_modules" in dockerfile
+    lock = json.loads((REPO_ROOT / "frontend" / "package-lock.json").read_text())
+    package = json.loads((REPO_ROOT / "frontend" / "package.json").read_text())
+    for name, version in package["dependencies"].items():
+        assert lock["packages"][f"node_modules/{name}"]["version"] == version, f"{name} not pinned in the lockfile"
+
+
+def test_observability_profile_scrapes_the_control_plane_and_the_nodes(compose):
+    services = compose["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["profiles"] == ["observability"] and grafana["profiles"] == ["observability"]
+    mounts = {m.split(":")[0]: m.split(":")[1] for m in prometheus["volumes"] if m.startswith("./")}
+    assert mounts["./deploy/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+    assert f"--config.file={mounts['./deploy/prometheus.yml']}" in prometheus["command"]
+    for mount in grafana["volumes"]:
+        if mount.startswith("./"):
+            assert (REPO_ROOT / mount.split(":")[0]).exists(), mount
+    assert {"promdata", "grafanadata"} <= set(compose["volumes"])
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    web_port = services["web"]["command"][services["web"]["command"].index("-p") + 1]
+    assert jobs["strata-controlplane"]["static_configs"][0]["targets"] == [f"web:{web_port}"]
+    discovery = jobs["strata-nodes"]["http_sd_configs"][0]["url"]
+    assert discovery == f"http://web:{web_port}/metrics/nodes"
+    # The node's engine server listens where the control plane tells Prometheus to look.
+    node_env = services["node-gpu-0"]["environment"]
+    assert node_env["STRATA_NODE_ADDRESS"] == f"node-gpu-0:{node_env['STRATA_SERVE_PORT']}"
+    assert node_env["STRATA_SERVE_HOST"] == "0.0.0.0"
+    datasource = yaml.safe_load(
+        (REPO_ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    dashboard = json.loads((REPO_ROOT / "deploy" / "grafana" / "strata.json").read_text())
+    uids = {p["datasource"]["uid"] for p in dashboard["panels"] if "datasource" in p}
+    assert uids == {datasource["datasources"][0]["uid"]}

@@ -116,6 +116,16 @@ def _parse_node_name(value: Any) -> str:
     return text
 
 
+_NODE_GROUP_RE = re.compile(r"^[A-Za-z0-9_-]{1,63}$")
+
+
+def _parse_node_group(value: Any) -> str:
+    text = str(value)
+    if not _NODE_GROUP_RE.match(text):
+        raise ValueError(f"expected 1-63 letters, digits, '_' or '-', got {text!r}")
+    return text
+
+
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -161,6 +171,7 @@ def _non_negative(value: Any) -> str | None:
 
 OPTIONS: tuple[Option, ...] = (
     Option("node_name", _parse_node_name, "gpu-0", "Name of this node; its Celery queue is node.<name>."),
+    Option("node_group", _parse_node_group, "default", "Group of this node; tier policies for the group override the fleet-wide ones."),
     Option("node_address", _parse_str, "", "Address other nodes and the control plane reach this node at (host:port)."),
     Option("heartbeat_seconds", _parse_float, 5.0, "Seconds between node heartbeats; 3 missed make the node stale.", _positive),
     Option("device_bytes", parse_size, 256 * 1024**2, "L1 device pool capacity (GPU memory, CPU memory where no GPU).", _non_negative),
@@ -217,6 +228,7 @@ class NodeConfig:
     serve_host: str = "127.0.0.1"
     serve_port: int = 9100
     api_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    node_group: str = "default"
 
     @property
     def node_disk_path(self) -> Path:

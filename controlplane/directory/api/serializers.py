@@ -25,7 +25,7 @@ class NodeSerializer(serializers.ModelSerializer[Node]):
     class Meta:
         model = Node
         fields = [
-            "name", "host", "address", "state", "queue", "pid", "version", "heartbeat_seconds",
+            "name", "group", "host", "address", "state", "queue", "pid", "version", "heartbeat_seconds",
             "heartbeats", "registered_at", "last_seen", "stale_after", "tiers",
         ]
 

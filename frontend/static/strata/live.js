@@ -1,111 +1,113 @@
-// Live nodes table: load the REST snapshot, then apply websocket events; reconnect with backoff.
+// The live stream: load the REST snapshot, then apply the websocket's batches of events in sequence
+// order. A batch that is incomplete (the channel layer dropped something) or that does not follow
+// the last sequence number applied means a gap: reload the snapshot. Reconnect with backoff.
 (function () {
   "use strict";
-  const nodes = new Map();
-  const tbody = document.querySelector("#nodes tbody");
-  const stateEl = document.getElementById("stream-state");
-  const seqEl = document.getElementById("last-seq");
-  const eventsEl = document.getElementById("events");
-  let lastSeq = 0;
-  let backoff = 500;
+  const PING_EVERY_MS = 20000;
+  const BACKOFF_FIRST_MS = 500;
+  const BACKOFF_MAX_MS = 10000;
 
-  function human(bytes) {
-    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let value = bytes, i = 0;
-    while (value >= 1024 && i < units.length - 1) { value /= 1024; i += 1; }
-    return value.toFixed(value < 10 && i ? 1 : 0) + " " + units[i];
-  }
+  function live(handlers) {
+    const stateEl = document.getElementById("stream-state");
+    const seqEl = document.getElementById("last-seq");
+    const stream = { state: "connecting", lastSeq: 0, resyncs: 0, frames: 0 };
+    let backoff = BACKOFF_FIRST_MS;
+    let syncing = null;
+    let held = [];
+    let socket = null;
+    let pinger = null;
 
-  function tierCell(node, name) {
-    const td = document.createElement("td");
-    const tier = (node.tiers || []).find((t) => t.tier === name);
-    if (!tier) { td.textContent = "–"; return td; }
-    const pct = tier.capacity_bytes ? Math.min(100, (100 * tier.used_bytes) / tier.capacity_bytes) : 0;
-    const bar = document.createElement("span");
-    bar.className = "bar";
-    bar.setAttribute("role", "img");
-    bar.setAttribute("aria-label", name + " " + pct.toFixed(0) + "% used");
-    const fill = document.createElement("span");
-    fill.style.width = pct.toFixed(1) + "%";
-    bar.appendChild(fill);
-    td.appendChild(bar);
-    td.appendChild(document.createTextNode(human(tier.used_bytes) + " / " + human(tier.capacity_bytes)));
-    return td;
-  }
-
-  function render() {
-    tbody.replaceChildren();
-    [...nodes.values()].sort((a, b) => a.name.localeCompare(b.name)).forEach((node) => {
-      const tr = document.createElement("tr");
-      tr.dataset.node = node.name;
-      const name = document.createElement("th");
-      name.scope = "row";
-      name.textContent = node.name;
-      const state = document.createElement("td");
-      state.textContent = node.state;
-      state.className = "state-" + node.state;
-      state.dataset.field = "state";
-      const seen = document.createElement("td");
-      seen.textContent = new Date(node.last_seen).toLocaleTimeString();
-      seen.dataset.field = "last_seen";
-      tr.append(name, state, seen, tierCell(node, "device"), tierCell(node, "host"), tierCell(node, "disk"), tierCell(node, "remote"));
-      tbody.appendChild(tr);
-    });
-  }
-
-  function logEvent(event) {
-    const li = document.createElement("li");
-    li.textContent = "#" + event.seq + " " + event.type + " " + (event.payload.name || "");
-    eventsEl.prepend(li);
-    while (eventsEl.children.length > 20) eventsEl.lastChild.remove();
-  }
-
-  async function loadSnapshot() {
-    let url = "/api/v1/nodes/";
-    nodes.clear();
-    while (url) {
-      const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
-      if (!response.ok) throw new Error("snapshot " + response.status);
-      const page = await response.json();
-      page.results.forEach((node) => nodes.set(node.name, node));
-      url = page.next;
+    function show(state, text) {
+      stream.state = state;
+      document.body.dataset.streamState = state;
+      if (stateEl) {
+        stateEl.textContent = text || state;
+        stateEl.className = state === "live" ? "stream-live" : "";
+      }
     }
-    render();
-  }
 
-  function apply(event) {
-    if (typeof event.seq !== "number") return;
-    lastSeq = Math.max(lastSeq, event.seq);
-    seqEl.textContent = "#" + lastSeq;
-    if (event.type === "node.heartbeat") {
-      nodes.set(event.payload.name, event.payload);
-    } else if (event.type === "node.state") {
-      const node = nodes.get(event.payload.name);
-      if (node) node.state = event.payload.state;
+    function showSeq() {
+      document.body.dataset.lastSeq = String(stream.lastSeq);
+      if (seqEl) seqEl.textContent = "#" + stream.lastSeq;
     }
-    logEvent(event);
-    render();
+
+    async function resync(reason) {
+      if (syncing) return syncing;
+      stream.resyncs += 1;
+      show("syncing", "loading snapshot" + (reason ? " (" + reason + ")" : ""));
+      syncing = (async () => {
+        try {
+          const seq = await handlers.snapshot();
+          stream.lastSeq = Number(seq) || 0;
+          showSeq();
+          show("live", "live");
+        } catch (err) {
+          show("error", "snapshot failed: " + err.message + "; retrying");
+          setTimeout(() => resync("retry"), 2000);
+        } finally {
+          syncing = null;
+        }
+        const frames = held;
+        held = [];
+        frames.forEach(applyFrame);
+      })();
+      return syncing;
+    }
+
+    function applyFrame(frame) {
+      if (syncing) { held.push(frame); return; }
+      stream.frames += 1;
+      if (!frame.complete) { resync(frame.reason || "events were dropped"); return; }
+      if (frame.first > stream.lastSeq + 1) { resync("missed events " + (stream.lastSeq + 1) + "–" + (frame.first - 1)); return; }
+      let applied = 0;
+      (frame.events || []).forEach((event) => {
+        if (typeof event.seq !== "number" || event.seq <= stream.lastSeq) return;
+        try { handlers.apply(event); applied += 1; } catch (err) { console.error("event not applied", event, err); }
+      });
+      stream.lastSeq = Math.max(stream.lastSeq, frame.last);
+      showSeq();
+      if (applied && handlers.afterBatch) handlers.afterBatch();
+    }
+
+    function connect() {
+      const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+      socket = new WebSocket(scheme + location.host + "/ws/dashboard/");
+      show("connecting", "connecting…");
+      socket.onmessage = (message) => {
+        let frame;
+        try { frame = JSON.parse(message.data); } catch (err) { return; }
+        if (frame.type === "hello") {
+          backoff = BACKOFF_FIRST_MS;
+          resync("connected");
+        } else if (frame.type === "batch") {
+          applyFrame(frame);
+        } else if (frame.type === "error") {
+          console.warn("dashboard stream:", frame.error);
+        }
+      };
+      socket.onopen = () => {
+        clearInterval(pinger);
+        pinger = setInterval(() => { if (socket.readyState === WebSocket.OPEN) socket.send('{"type":"ping"}'); }, PING_EVERY_MS);
+      };
+      socket.onclose = (closed) => {
+        clearInterval(pinger);
+        if (closed.code === 4401 || closed.code === 4403) {
+          show("closed", "not allowed (" + closed.code + "); log in again");
+          return;
+        }
+        const wait = backoff + Math.random() * 250;
+        show("reconnecting", "reconnecting in " + (wait / 1000).toFixed(1) + " s");
+        setTimeout(connect, wait);
+        backoff = Math.min(backoff * 2, BACKOFF_MAX_MS);
+      };
+    }
+
+    stream.resync = resync;
+    stream.close = () => socket && socket.close();
+    window.Strata.stream = stream;
+    connect();
+    return stream;
   }
 
-  function connect() {
-    const scheme = location.protocol === "https:" ? "wss://" : "ws://";
-    const socket = new WebSocket(scheme + location.host + "/ws/dashboard/");
-    socket.onopen = async () => {
-      backoff = 500;
-      stateEl.textContent = "live";
-      try { await loadSnapshot(); } catch (err) { stateEl.textContent = "snapshot failed: " + err.message; }
-    };
-    socket.onmessage = (message) => {
-      const event = JSON.parse(message.data);
-      if (event.type === "hello" || event.type === "pong") return;
-      apply(event);
-    };
-    socket.onclose = () => {
-      stateEl.textContent = "reconnecting in " + (backoff / 1000).toFixed(1) + " s";
-      setTimeout(connect, backoff);
-      backoff = Math.min(backoff * 2, 10000);
-    };
-  }
-
-  connect();
+  window.Strata = Object.assign(window.Strata || {}, { live });
 })();

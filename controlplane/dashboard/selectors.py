@@ -1,0 +1,238 @@
+"""Dashboard reads: the overview snapshot, alerts, and what the nodes' engine servers report.
+
+The directory (PostgreSQL) is the truth for nodes, tiers and blocks. Request timelines and cache
+counters live in each node's engine process; the control plane fetches them from the node's
+address with a short timeout, so one slow or dead node never holds a page up."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.db.models import Count, Q
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.dashboard.events import sequence_current
+from controlplane.directory.choices import TIER_ORDER, NodeState, PlacementState
+from controlplane.directory.models import Block, Node, Placement
+from controlplane.directory.selectors import nodes_list
+from controlplane.directory.services import node_payload
+from controlplane.policies.snapshot import PolicySnapshot, policies_snapshot
+from controlplane.telemetry.metrics import NODE_FETCH_FAILURES
+
+log = logging.getLogger("strata.dashboard")
+
+NODE_FETCH_TIMEOUT_S = 1.5
+"""How long the control plane waits for one node's engine server before reporting it unreachable."""
+MAX_FETCH_BYTES = 4 * 1024 * 1024
+"""Largest answer read from a node (50 request traces of a deep model fit easily)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Alert:
+    """Something an operator should look at, in words."""
+
+    kind: str
+    severity: str
+    message: str
+    node: str = ""
+    tier: str = ""
+
+
+def _ordered_tiers(node: Node) -> list[Any]:
+    return sorted(node.tiers.all(), key=lambda t: TIER_ORDER.index(t.tier))
+
+
+def alerts_list(*, nodes: Iterable[Node], policy: PolicySnapshot) -> list[Alert]:
+    """Stale or down nodes, unavailable tiers, tiers above their high watermark, corrupt copies."""
+    alerts: list[Alert] = []
+    for node in nodes:
+        if node.state == NodeState.STALE:
+            age = (timezone.now() - node.last_seen).total_seconds()
+            alerts.append(Alert("stale-node", "critical", f"node {node.name} missed its heartbeats "
+                                f"(last seen {age:.0f} s ago)", node=node.name))
+        elif node.state == NodeState.DOWN:
+            alerts.append(Alert("node-down", "warning", f"node {node.name} shut down", node=node.name))
+        for tier in _ordered_tiers(node):
+            if not tier.available:
+                alerts.append(Alert("tier-unavailable", "critical",
+                                    f"tier {tier.tier} of node {node.name} is unavailable", node=node.name,
+                                    tier=tier.tier))
+                continue
+            if tier.capacity_bytes:
+                fill = tier.used_bytes / tier.capacity_bytes
+                high = policy.tier(tier.tier).high_watermark
+                if fill > high:
+                    alerts.append(Alert("watermark", "warning",
+                                        f"tier {tier.tier} of node {node.name} is {fill:.0%} full, above its "
+                                        f"high watermark of {high:.0%}", node=node.name, tier=tier.tier))
+    corrupt = (Placement.objects.filter(state=PlacementState.CORRUPT)
+               .values("node__name", "tier").annotate(copies=Count("id")).order_by("node__name", "tier"))
+    for row in corrupt:
+        where = f"node {row['node__name']}" if row["node__name"] else "the shared remote store"
+        alerts.append(Alert("corrupt-blocks", "critical",
+                            f"{row['copies']} corrupt cop{'y' if row['copies'] == 1 else 'ies'} quarantined in "
+                            f"tier {row['tier']} of {where}", node=row["node__name"] or "", tier=row["tier"]))
+    return alerts
+
+
+def overview_get() -> dict[str, Any]:
+    """Everything the overview and nodes pages show, with the event sequence number it is current at.
+
+    The sequence number is read before the database: every event numbered at or below it was
+    committed before the read, so its effect is in this snapshot; later events may or may not be,
+    and applying them again is harmless (each carries the full new state of what it names)."""
+    seq = sequence_current()
+    policy = policies_snapshot()
+    nodes = list(nodes_list())
+    totals: dict[str, dict[str, int]] = {str(t): {"capacity_bytes": 0, "used_bytes": 0, "nodes": 0} for t in TIER_ORDER}
+    for node in nodes:
+        for tier in node.tiers.all():
+            if node.state != NodeState.DOWN and tier.available:
+                totals[tier.tier]["capacity_bytes"] += tier.capacity_bytes
+                totals[tier.tier]["used_bytes"] += tier.used_bytes
+                totals[tier.tier]["nodes"] += 1
+    return {
+        "seq": seq,
+        "generated_at": timezone.now().isoformat(),
+        "mode": policy.mode,
+        "policy_version": policy.version,
+        "nodes": [{**node_payload(node), "heartbeats": node.heartbeats, "registered_at": node.registered_at.isoformat(),
+                   "version": node.version, "pid": node.pid} for node in nodes],
+        "tiers": [{"tier": tier, **totals[tier]} for tier in map(str, TIER_ORDER) if totals[tier]["nodes"]],
+        "watermarks": {str(tier): {"high": policy.tier(tier).high_watermark, "low": policy.tier(tier).low_watermark}
+                       for tier in TIER_ORDER},
+        "alerts": [dataclasses.asdict(alert) for alert in alerts_list(nodes=nodes, policy=policy)],
+    }
+
+
+# -- the nodes' engine servers ---------------------------------------------------------------------
+
+class NodeUnreachable(Exception):
+    """A node's engine server did not answer in time or answered something unreadable."""
+
+
+def _node_get(address: str, path: str) -> bytes:
+    url = f"http://{address}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=NODE_FETCH_TIMEOUT_S) as response:  # noqa: S310 - fixed scheme
+            return bytes(response.read(MAX_FETCH_BYTES))
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise NodeUnreachable(f"{url}: {reason}") from exc
+
+
+def _each_node(nodes: list[Node], fetch: Callable[[Node], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run `fetch` for every node with an engine server, at once; a failure becomes that node's error."""
+    serving = [node for node in nodes if node.address and node.state != NodeState.DOWN]
+
+    def one(node: Node) -> dict[str, Any]:
+        try:
+            return {"node": node.name, "error": "", **fetch(node)}
+        except NodeUnreachable as exc:
+            NODE_FETCH_FAILURES.labels(node=node.name).inc()
+            log.info("node %s did not answer the dashboard: %s", node.name, exc)
+            return {"node": node.name, "error": f"engine server unreachable: {exc}"}
+
+    if not serving:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(serving)), thread_name_prefix="dashboard-fetch") as pool:
+        return list(pool.map(one, serving))
+
+
+def _serving_nodes(node: str | None) -> list[Node]:
+    nodes = list(Node.objects.order_by("name"))
+    return [n for n in nodes if n.name == node] if node else nodes
+
+
+def requests_recent(*, node: str | None = None) -> dict[str, Any]:
+    """The latest request timelines of every serving node (or one), newest first, with per-node errors."""
+
+    def fetch(n: Node) -> dict[str, Any]:
+        try:
+            body = json.loads(_node_get(n.address, "/v1/strata/requests"))
+        except json.JSONDecodeError as exc:
+            raise NodeUnreachable(f"answer is not JSON ({exc})") from exc
+        return {"requests": [{**trace, "node": n.name} for trace in body.get("requests", [])]}
+
+    answers = _each_node(_serving_nodes(node), fetch)
+    merged = [trace for answer in answers for trace in answer.pop("requests", [])]
+    merged.sort(key=lambda t: t.get("started_at", 0.0), reverse=True)
+    return {"requests": merged, "nodes": answers, "summary": requests_summary(merged)}
+
+
+def requests_summary(traces: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tokens served from cache vs recomputed, and the prefill time the cache saved.
+
+    Saved time is estimated from the traces themselves: the measured prefill time per computed
+    token, times the tokens served from the cache, less the time spent loading them."""
+    prompt = sum(int(t.get("prompt_tokens", 0)) for t in traces)
+    cached = sum(int(t.get("cached_tokens", 0)) for t in traces)
+    computed = prompt - cached
+    prefill_s = sum(float(t.get("prefill_s", 0.0)) for t in traces)
+    load_s = sum(float(t.get("load_s", 0.0)) for t in traces)
+    per_token = prefill_s / computed if computed > 0 else None
+    saved = cached * per_token - load_s if per_token is not None else None
+    return {
+        "requests": len(traces), "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": computed,
+        "prefill_seconds_per_token": per_token, "load_seconds": load_s,
+        "saved_seconds": saved,
+    }
+
+
+def _families(text: str) -> dict[str, list[Any]]:
+    found: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(text):
+        found.setdefault(family.name, []).extend(family.samples)
+    return found
+
+
+def cache_stats(*, node: str | None = None) -> dict[str, Any]:
+    """Cumulative cache counters of every serving node, read from its /metrics: tokens looked up,
+    tokens served from cache and, split by the tier each hit block came from, hit tokens by tier."""
+
+    def fetch(n: Node) -> dict[str, Any]:
+        try:
+            families = _families(_node_get(n.address, "/metrics").decode())
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise NodeUnreachable(f"metrics unreadable ({exc})") from exc
+
+        def total(name: str) -> float:
+            return sum(s.value for s in families.get(name, []) if s.name == f"{name}_total")
+
+        lookup, hits = total("strata_lookup_tokens"), total("strata_hit_tokens")
+        blocks = {s.labels["tier"]: s.value for s in families.get("strata_hit_blocks", [])
+                  if s.name == "strata_hit_blocks_total"}
+        all_blocks = sum(blocks.values())
+        # Every hit is a whole block, so a tier's share of hit blocks is its share of hit tokens.
+        by_tier = {tier: hits * count / all_blocks for tier, count in blocks.items()} if all_blocks else {}
+        return {"lookup_tokens": lookup, "hit_tokens": hits, "hit_blocks_by_tier": blocks,
+                "hit_tokens_by_tier": by_tier}
+
+    answers = _each_node(_serving_nodes(node), fetch)
+    fleet_by_tier: dict[str, float] = {}
+    for answer in answers:
+        for tier, tokens in answer.get("hit_tokens_by_tier", {}).items():
+            fleet_by_tier[tier] = fleet_by_tier.get(tier, 0.0) + tokens
+    return {
+        "generated_at": timezone.now().isoformat(),
+        "nodes": answers,
+        "lookup_tokens": sum(a.get("lookup_tokens", 0.0) for a in answers),
+        "hit_tokens": sum(a.get("hit_tokens", 0.0) for a in answers),
+        "hit_tokens_by_tier": fleet_by_tier,
+    }
+
+
+def blocks_by_fingerprint(*, key: uuid.UUID, limit: int = 100) -> list[Block]:
+    """Blocks whose prefix key or content key is `key` (one content key may occur in many prompts
+    and namespaces; a prefix key in one per namespace and model). Both columns are indexed."""
+    return list(Block.objects.select_related("namespace", "model")
+                .filter(Q(prefix_key=key) | Q(content_key=key)).order_by("-id")[:limit])

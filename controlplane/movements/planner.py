@@ -1,0 +1,431 @@
+"""The movement planner: which copies leave which tier, and where they go, under the policies in force.
+
+For every node (and once for the shared remote tier) and every managed tier, the planner compares
+the tier's reported use (less what is already leaving it) with the policy's watermarks. Over the
+high watermark it picks victims until the tier would be back at its low watermark; with a TTL it
+also demotes every copy idle for longer. Victims are ordered: expired copies first, then copies
+used fewer than `min_accesses` times, then by priority class (lower weight goes first), then by
+the tier's eviction algorithm. A victim moves to the policy's demote tier, or else the next tier
+below that the node has with room; it is evicted when there is none, or when it is expired and was
+used fewer than `min_accesses` times.
+
+Each (node, tier) is one SQL statement: an index range scan of that tier's READY copies (the
+placement (node, tier, state) index), the blocks joined by primary key, ranked and cut by a
+running sum. Its cost grows with what the tier holds, never with the size of the directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from controlplane.directory.choices import NodeState, PlacementState, Tier
+from controlplane.directory.models import Namespace, Node, NodeTier
+from controlplane.directory.queries import BLOCK_TABLE, PLACEMENT_TABLE, ints, texts
+from controlplane.movements.choices import DEMOTION_ORDER, IN_FLIGHT, MovementKind, MovementReason
+from controlplane.movements.errors import MovementError
+from controlplane.policies.snapshot import (
+    ALGORITHMS,
+    PolicySnapshot,
+    TierPolicySpec,
+    policies_snapshot,
+)
+
+log = logging.getLogger("strata.movements")
+
+MOVEMENT_TABLE = "movements_movement"
+MAX_PER_TIER = 20_000
+"""Most victims one plan picks in one tier; a tier further over its watermark is planned again
+by the next run (the beat plans every few seconds)."""
+
+RECOMPUTE_CROSSOVER_TOKENS = 4096.0
+"""Context length at which a token's attention costs about as much as the rest of its layer: a
+block that deep in a prompt costs twice as much to recompute as one at the start."""
+
+_IN_FLIGHT_SQL = "(" + ",".join(f"'{s.value}'" for s in IN_FLIGHT) + ")"
+
+# Two sort keys per algorithm; lower goes first.
+_EPOCH = "extract(epoch from b.last_access_at)"
+ORDER_KEYS: dict[str, tuple[str, str]] = {
+    "lru": (_EPOCH, "b.id"),
+    "lfu": ("b.access_count", _EPOCH),
+    # S3-FIFO: copies never used again since they were written leave first, in the order they came
+    # (a FIFO); copies used again leave least recently used first.
+    "s3fifo": ("(b.access_count > 0)::int",
+               f"CASE WHEN b.access_count > 0 THEN {_EPOCH} ELSE extract(epoch from b.created_at) END"),
+    # Value of keeping a copy per byte: reuse likelihood (accesses, decaying with idle hours) times
+    # the cost of recomputing the block (its tokens, dearer deeper in a prompt) over its size.
+    "cost-aware": (
+        "((b.access_count + 1) / (1 + extract(epoch from (%(now)s - b.last_access_at)) / 3600.0))"
+        f" * (b.token_count * (1 + b.position / {RECOMPUTE_CROSSOVER_TOKENS}))"
+        " / greatest(p.size_bytes, 1)",
+        _EPOCH,
+    ),
+}
+
+
+def candidates_sql(*, algorithm: str, remote: bool) -> str:
+    """The victim query of one tier of one node (the shared remote tier when `remote`)."""
+    if algorithm not in ORDER_KEYS:
+        raise MovementError(f"algorithm: unknown eviction algorithm {algorithm!r}; expected one of "
+                            f"{', '.join(ALGORITHMS)}", field="algorithm")
+    first, second = ORDER_KEYS[algorithm]
+    where_node = "p.node_id IS NULL" if remote else "p.node_id = %(node_id)s"
+    order = "expired DESC, below_min DESC, weight, s1, s2, block_id"
+    return f"""
+WITH c AS (
+    SELECT p.id, p.epoch, p.size_bytes, p.block_id,
+           (%(ttl)s::float8 IS NOT NULL
+            AND b.last_access_at < %(now)s - make_interval(secs => %(ttl)s::float8)) AS expired,
+           b.access_count < %(min_accesses)s AS below_min,
+           COALESCE((%(class_weights)s::float8[])[array_position(%(class_names)s::text[], b.priority::text)],
+                    (%(ns_weights)s::float8[])[array_position(%(ns_ids)s::bigint[], b.namespace_id)],
+                    %(default_weight)s::float8) AS weight,
+           ({first})::float8 AS s1, ({second})::float8 AS s2
+    FROM {PLACEMENT_TABLE} p
+    -- LIMIT 1 keeps this a primary-key probe per copy: as a plain join the planner may hash the
+    -- whole block table, whose size has nothing to do with this tier.
+    CROSS JOIN LATERAL (SELECT * FROM {BLOCK_TABLE} WHERE id = p.block_id LIMIT 1) AS b
+    WHERE {where_node} AND p.tier = %(tier)s AND p.state = '{PlacementState.READY.value}'
+      AND NOT EXISTS (SELECT 1 FROM {MOVEMENT_TABLE} m
+                      WHERE m.block_id = p.block_id AND m.state IN {_IN_FLIGHT_SQL})
+), r AS (
+    SELECT c.*, sum(c.size_bytes) OVER (ORDER BY {order} ROWS UNBOUNDED PRECEDING) AS running
+    FROM c
+)
+SELECT id, epoch, size_bytes, block_id, expired, below_min
+FROM r
+WHERE expired OR running - size_bytes < %(needed)s
+ORDER BY {order}
+LIMIT %(limit)s
+"""
+
+
+def _floats(values: Iterable[float]) -> str:
+    return "{" + ",".join(repr(float(v)) for v in values) + "}"
+
+
+def candidates_params(*, snapshot: PolicySnapshot, spec: TierPolicySpec, node_id: int | None, tier: str,
+                      needed: int, now: datetime, namespaces: dict[int, str],
+                      limit: int = MAX_PER_TIER) -> dict[str, Any]:
+    """Parameters of `candidates_sql`. A block's class is the one its `priority` names, or else
+    its namespace's class; weights come from the snapshot."""
+    classes = [c for c in snapshot.classes if c.name != "default"]
+    default = snapshot.class_of_namespace("\0no namespace\0")
+    ns_ids = sorted(namespaces)
+    return {
+        "node_id": node_id,
+        "tier": tier,
+        "now": now,
+        "ttl": float(spec.ttl_seconds) if spec.ttl_seconds else None,
+        "min_accesses": int(spec.min_accesses or 0),
+        "class_names": texts(c.name for c in classes),
+        "class_weights": _floats(c.weight for c in classes),
+        "ns_ids": ints(ns_ids),
+        "ns_weights": _floats(snapshot.class_of_namespace(namespaces[i]).weight for i in ns_ids),
+        "default_weight": float(default.weight),
+        "needed": int(max(needed, 0)),
+        "limit": int(limit),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedMovement:
+    """One movement the planner chose (written as a Movement row unless it is a dry run)."""
+
+    block_id: int
+    kind: str
+    reason: str
+    src_placement_id: int
+    src_epoch: int
+    src_tier: str
+    src_node: str
+    dst_tier: str
+    dst_node: str
+    exec_node: str
+    bytes: int
+    detail: str = ""
+
+    @property
+    def route(self) -> str:
+        return f"{self.src_tier}->{self.dst_tier or 'evicted'}"
+
+
+@dataclasses.dataclass
+class TierLoad:
+    """One managed tier of one node (or the shared remote tier) as the planner sees it."""
+
+    node: str
+    node_id: int | None
+    tier: str
+    group: str
+    capacity: int
+    """As the node reported it; the policy may cap it (TierPolicySpec.effective_capacity_bytes)."""
+    used: int
+    leaving: int = 0
+    arriving: int = 0
+    planned_out: int = 0
+    planned_in: int = 0
+
+    @property
+    def effective_used(self) -> int:
+        return self.used - self.leaving - self.planned_out + self.arriving + self.planned_in
+
+    def room(self, spec: TierPolicySpec) -> int:
+        """Bytes this tier can take before it reaches its high watermark."""
+        return spec.high_water_bytes(self.capacity) - self.effective_used
+
+
+@dataclasses.dataclass
+class PlanResult:
+    """What a plan chose, and (unless a dry run) which Movement rows it wrote."""
+
+    policy_version: int
+    mode: str
+    dry_run: bool
+    plan_id: uuid.UUID
+    movements: list[PlannedMovement] = dataclasses.field(default_factory=list)
+    written: list[int] = dataclasses.field(default_factory=list)
+    """Ids of the Movement rows written (movements of blocks already in flight are skipped)."""
+    tiers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and bytes by kind and route, as the dry-run endpoint and the run action answer."""
+        by_route: dict[str, dict[str, int]] = {}
+        moves = evictions = bytes_moved = bytes_evicted = 0
+        for m in self.movements:
+            route = by_route.setdefault(m.route, {"blocks": 0, "bytes": 0})
+            route["blocks"] += 1
+            route["bytes"] += m.bytes
+            if m.kind == MovementKind.EVICT:
+                evictions += 1
+                bytes_evicted += m.bytes
+            else:
+                moves += 1
+                bytes_moved += m.bytes
+        return {
+            "plan": str(self.plan_id),
+            "policy_version": self.policy_version,
+            "mode": self.mode,
+            "dry_run": self.dry_run,
+            "moves": moves,
+            "evictions": evictions,
+            "bytes_moved": bytes_moved,
+            "bytes_evicted": bytes_evicted,
+            "by_route": dict(sorted(by_route.items())),
+            "written": len(self.written),
+            "tiers": self.tiers,
+        }
+
+
+def _node_group(node: Node) -> str:
+    return getattr(node, "group", "") or ""
+
+
+def _loads(nodes: Sequence[Node], *, include_remote: bool) -> tuple[dict[tuple[str, str], TierLoad], list[str]]:
+    """Managed tiers per node from their last heartbeat, plus the shared remote tier (its largest
+    reported capacity and use: every node sees the same store). Returns the loads and the nodes
+    that can execute remote work."""
+    loads: dict[tuple[str, str], TierLoad] = {}
+    remote_nodes: list[str] = []
+    remote_capacity = remote_used = 0
+    for node in nodes:
+        for t in node.tiers.all():
+            if not t.available or t.capacity_bytes <= 0 or t.tier not in DEMOTION_ORDER:
+                continue
+            if t.tier == Tier.REMOTE:
+                remote_nodes.append(node.name)
+                remote_capacity = max(remote_capacity, t.capacity_bytes)
+                remote_used = max(remote_used, t.used_bytes)
+                continue
+            loads[(node.name, t.tier)] = TierLoad(node=node.name, node_id=node.id, tier=t.tier,
+                                                   group=_node_group(node), capacity=t.capacity_bytes,
+                                                   used=t.used_bytes)
+    if remote_nodes and include_remote:
+        loads[("", Tier.REMOTE)] = TierLoad(node="", node_id=None, tier=Tier.REMOTE, group="",
+                                            capacity=remote_capacity, used=remote_used)
+    return loads, sorted(remote_nodes)
+
+
+def _in_flight(cursor: Any, loads: dict[tuple[str, str], TierLoad]) -> None:
+    """Bytes already leaving or arriving at each tier (movements not finished yet)."""
+    cursor.execute(f"SELECT src_node, src_tier, dst_node, dst_tier, sum(bytes) FROM {MOVEMENT_TABLE} "
+                   f"WHERE state IN {_IN_FLIGHT_SQL} GROUP BY 1, 2, 3, 4")
+    for src_node, src_tier, dst_node, dst_tier, total in cursor.fetchall():
+        source = loads.get((src_node, src_tier))
+        if source is not None:
+            source.leaving += int(total)
+        target = loads.get((dst_node, dst_tier)) if dst_tier else None
+        if target is not None:
+            target.arriving += int(total)
+
+
+def _next_tiers(load: TierLoad, loads: dict[tuple[str, str], TierLoad], spec: TierPolicySpec) -> list[TierLoad]:
+    """Tiers a victim of `load` may go to, in order of preference: the policy's demote tier, or
+    else every slower tier the node has, nearest first."""
+    below = DEMOTION_ORDER[DEMOTION_ORDER.index(load.tier) + 1:]
+    demote = getattr(spec, "demote_tier", "")
+    if demote:
+        below = tuple(t for t in below if t == demote)
+    found = []
+    for tier in below:
+        key = ("", tier) if tier == Tier.REMOTE else (load.node, tier)
+        if key in loads:
+            found.append(loads[key])
+    return found
+
+
+def _lock_tier(cursor: Any, load: TierLoad) -> None:
+    """Serialise planners of the same tier for the rest of the transaction: a second planner
+    waits, then sees the first one's movements as in flight and does not pick the same bytes."""
+    cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
+                   [0x5354524D, zlib.crc32(f"{load.node}/{load.tier}".encode()) & 0x7FFFFFFF])
+
+
+def plan(*, snapshot: PolicySnapshot | None = None, node: str | None = None, reason: str = MovementReason.SCHEDULE,
+         dry_run: bool = False, now: datetime | None = None, limit_per_tier: int = MAX_PER_TIER) -> PlanResult:
+    """Plan movements for every up node (or only `node`) under `snapshot` (the policies in force
+    when None). A dry run only answers what would move; otherwise Movement rows are written and
+    dispatched to the nodes' queues when the transaction commits."""
+    if reason not in MovementReason.values and not dry_run:  # a dry run's reason is never recorded
+        raise MovementError(f"reason: unknown reason {reason!r}; expected one of {', '.join(MovementReason.values)}",
+                            field="reason")
+    if snapshot is None:
+        snapshot = policies_snapshot()
+    now = now or timezone.now()
+    nodes_qs = Node.objects.filter(state=NodeState.UP).prefetch_related("tiers").order_by("name")
+    if node is not None:
+        if not Node.objects.filter(name=node).exists():
+            raise MovementError(f"node: no node named {node!r}", field="node")
+        # The shared remote tier's nodes are still needed to execute remote evictions.
+        nodes_qs = nodes_qs.filter(name=node)
+    nodes = list(nodes_qs)
+    result = PlanResult(policy_version=snapshot.version, mode=snapshot.mode, dry_run=dry_run, plan_id=uuid.uuid4())
+    loads, remote_nodes = _loads(nodes, include_remote=node is None)
+    if not loads:
+        return result
+    namespaces = dict(Namespace.objects.values_list("id", "name"))
+    with transaction.atomic(), connection.cursor() as cursor:
+        _in_flight(cursor, loads)
+        # Lowest tier first: what leaves a lower tier makes room for what arrives from above.
+        order = sorted(loads.values(), key=lambda t: (-DEMOTION_ORDER.index(t.tier), t.node))
+        remote_turn = 0
+        for load in order:
+            spec = snapshot.tier(load.tier, node_group=load.group)
+            capacity = spec.effective_capacity_bytes(load.capacity)
+            high, low = spec.high_water_bytes(load.capacity), spec.low_water_bytes(load.capacity)
+            over = load.effective_used > high
+            needed = load.effective_used - low if over else 0
+            report = {"node": load.node, "tier": load.tier, "capacity_bytes": capacity, "used_bytes": load.used,
+                      "in_flight_bytes": load.leaving, "high_bytes": high, "low_bytes": low,
+                      "algorithm": spec.algorithm, "over_high_watermark": over}
+            result.tiers.append(report)
+            if not over and not spec.ttl_seconds:
+                continue
+            if not dry_run:
+                _lock_tier(cursor, load)
+                if over:  # another planner may have finished planning this tier while we waited
+                    load.leaving = _leaving(cursor, load)
+                    needed = max(0, load.effective_used - low)
+            cursor.execute(candidates_sql(algorithm=spec.algorithm, remote=load.tier == Tier.REMOTE),
+                           candidates_params(snapshot=snapshot, spec=spec, node_id=load.node_id, tier=load.tier,
+                                             needed=needed, now=now, namespaces=namespaces, limit=limit_per_tier))
+            below = _next_tiers(load, loads, spec)
+            for placement_id, epoch, size, block_id, expired, below_min in cursor.fetchall():
+                why = MovementReason.TTL if expired else reason
+                target = None
+                if not (expired and below_min):
+                    target = next((t for t in below if t.room(snapshot.tier(t.tier, node_group=t.group)) >= size),
+                                  None)
+                if load.tier == Tier.REMOTE:
+                    exec_node = remote_nodes[remote_turn % len(remote_nodes)]
+                    remote_turn += 1
+                else:
+                    exec_node = load.node
+                load.planned_out += size
+                if target is None:
+                    detail = ("expired and used fewer than min_accesses times" if expired and below_min
+                              else "no tier below with room" if below else "no tier below")
+                    result.movements.append(PlannedMovement(
+                        block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,
+                        src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier="", dst_node="",
+                        exec_node=exec_node, bytes=size, detail=detail))
+                    continue
+                target.planned_in += size
+                result.movements.append(PlannedMovement(
+                    block_id=block_id, kind=MovementKind.MOVE, reason=why, src_placement_id=placement_id,
+                    src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier=target.tier,
+                    dst_node=target.node, exec_node=exec_node, bytes=size,
+                    detail="idle past the tier's TTL" if expired else f"{spec.algorithm} victim over the high watermark"))
+        if not dry_run and result.movements:
+            from controlplane.movements.services import movements_record
+
+            result.written = movements_record(plan_id=result.plan_id, movements=result.movements,
+                                              policy_version=snapshot.version, mode=snapshot.mode, now=now)
+    if result.movements:
+        counts: dict[str, int] = defaultdict(int)
+        for m in result.movements:
+            counts[m.route] += 1
+        log.info("plan %s (%s, policy version %d%s): %s%s", result.plan_id, reason, snapshot.version,
+                 f", mode {snapshot.mode}" if snapshot.mode else "",
+                 ", ".join(f"{n} {route}" for route, n in sorted(counts.items())),
+                 " (dry run)" if dry_run else f"; {len(result.written)} written")
+    return result
+
+
+def _leaving(cursor: Any, load: TierLoad) -> int:
+    cursor.execute(f"SELECT coalesce(sum(bytes), 0) FROM {MOVEMENT_TABLE} WHERE state IN {_IN_FLIGHT_SQL} "
+                   "AND src_node = %s AND src_tier = %s", [load.node, load.tier])
+    return int(cursor.fetchone()[0])
+
+
+def warm_plan(*, node: str, block_ids: Sequence[int] | None = None, namespace: str | None = None,
+              limit: int = 256, reason: str = MovementReason.SCHEDULE, snapshot: PolicySnapshot | None = None,
+              dry_run: bool = False, now: datetime | None = None) -> PlanResult:
+    """Bring remote copies up to `node`'s host tier ahead of a scheduled job: the named blocks, or
+    the most accessed remote blocks (of `namespace`) that the node has no local copy of, as far as
+    its host tier has room below the high watermark."""
+    from controlplane.movements.selectors import warm_candidates
+
+    if reason not in MovementReason.values:
+        raise MovementError(f"reason: unknown reason {reason!r}", field="reason")
+    if limit < 1:
+        raise MovementError("limit: must be at least 1", field="limit")
+    snapshot = snapshot or policies_snapshot()
+    now = now or timezone.now()
+    row = Node.objects.filter(name=node).first()
+    if row is None:
+        raise MovementError(f"node: no node named {node!r}", field="node")
+    host = NodeTier.objects.filter(node=row, tier=Tier.HOST, available=True).first()
+    if host is None or host.capacity_bytes <= 0:
+        raise MovementError(f"node: node {node!r} has no host tier to warm into", field="node")
+    spec = snapshot.tier(Tier.HOST, node_group=_node_group(row))
+    load = TierLoad(node=node, node_id=row.id, tier=Tier.HOST, group=_node_group(row), capacity=host.capacity_bytes,
+                    used=host.used_bytes)
+    result = PlanResult(policy_version=snapshot.version, mode=snapshot.mode, dry_run=dry_run, plan_id=uuid.uuid4())
+    with transaction.atomic(), connection.cursor() as cursor:
+        _in_flight(cursor, {(node, Tier.HOST): load})
+        for placement_id, epoch, size, block_id in warm_candidates(cursor, node_id=row.id, block_ids=block_ids,
+                                                                    namespace=namespace, limit=limit):
+            if load.room(spec) < size:
+                break
+            load.planned_in += size
+            result.movements.append(PlannedMovement(
+                block_id=block_id, kind=MovementKind.WARM, reason=reason, src_placement_id=placement_id,
+                src_epoch=epoch, src_tier=Tier.REMOTE, src_node="", dst_tier=Tier.HOST, dst_node=node,
+                exec_node=node, bytes=size, detail="warm ahead of use"))
+        if not dry_run and result.movements:
+            from controlplane.movements.services import movements_record
+
+            result.written = movements_record(plan_id=result.plan_id, movements=result.movements,
+                                              policy_version=snapshot.version, mode=snapshot.mode, now=now)
+    return result

@@ -1,0 +1,24 @@
+"""REST routes of the policies app (under /api/v1/)."""
+
+from django.urls import path
+from rest_framework.routers import SimpleRouter
+
+from controlplane.policies.api.views import (
+    ModeScheduleViewSet,
+    ModeViewSet,
+    PolicyDryRunView,
+    PolicyVersionViewSet,
+    PriorityClassViewSet,
+    TierPolicyViewSet,
+)
+
+router = SimpleRouter()
+router.register("priority-classes", PriorityClassViewSet, basename="priorityclass")
+router.register("tier-policies", TierPolicyViewSet, basename="tierpolicy")
+router.register("modes", ModeViewSet, basename="mode")
+router.register("mode-schedules", ModeScheduleViewSet, basename="modeschedule")
+router.register("policy-versions", PolicyVersionViewSet, basename="policyversion")
+urlpatterns = [
+    *router.urls,
+    path("policies/dry-run/", PolicyDryRunView.as_view(), name="policies-dry-run"),
+]

@@ -1,0 +1,25 @@
+"""Enumerations of the policies app."""
+
+from django.db import models
+
+
+class Algorithm(models.TextChoices):
+    """Eviction orders a tier policy can choose (which blocks leave a tier first)."""
+
+    LRU = "lru", "Least recently used"
+    LFU = "lfu", "Least frequently used"
+    S3FIFO = "s3fifo", "S3-FIFO (blocks seen once leave first)"
+    COST_AWARE = "cost-aware", "Cost-aware (bytes × recompute cost × reuse likelihood)"
+
+
+class ModeKind(models.TextChoices):
+    """What a mode is for; the three built-in load situations and the operator's own."""
+
+    CHAT_PEAK = "chat-peak", "Chat peak (protect the device tier for realtime traffic)"
+    LONG_DOC = "long-doc", "Long-document peak (grow the host tier)"
+    NIGHTLY_BATCH = "nightly-batch", "Nightly batch (move cold host blocks to remote)"
+    CUSTOM = "custom", "Custom"
+
+
+MODE_SWITCH_TASK = "policies.mode_switch"
+"""Celery task name a mode schedule's beat entry runs."""

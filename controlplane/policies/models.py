@@ -1,0 +1,147 @@
+"""Policies models: priority classes, tier policies, modes and their schedules, and the versions of it all.
+
+The field rules live in rules.py (shared with a mode's overrides); the constraints here repeat the
+simple ones so that no write that skips the services can store a policy the planner cannot use.
+"""
+
+from django.contrib.postgres.fields import ArrayField
+from django.db import models
+from django.db.models import Q
+
+from controlplane.directory.choices import Tier
+from controlplane.policies.choices import Algorithm, ModeKind
+
+
+class PriorityClass(models.Model):
+    """A class of blocks (by namespace) with a weight and a cap on the device tier.
+
+    `device_share` is the largest fraction of a node's device tier that blocks of the class may
+    hold; the shares of all classes add up to at most 1, so each class can always reach its own.
+    `weight` ranks classes when the planner must choose whose blocks leave a tier first (lower
+    leaves first). A namespace belongs to one class at most; namespaces in none belong to `default`."""
+
+    name = models.SlugField(max_length=63, unique=True)
+    weight = models.FloatField(default=1.0)
+    device_share = models.FloatField(default=1.0)
+    namespaces = ArrayField(models.SlugField(max_length=63), default=list, blank=True,
+                            help_text="Names of the namespaces whose blocks belong to this class.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name_plural = "priority classes"
+        constraints = [
+            models.CheckConstraint(condition=Q(weight__gt=0), name="priorityclass_weight_positive"),
+            models.CheckConstraint(condition=Q(device_share__gte=0) & Q(device_share__lte=1),
+                                   name="priorityclass_device_share_fraction"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class TierPolicy(models.Model):
+    """How full one tier may get and which blocks leave it first, fleet-wide (`node_group` empty)
+    or for the nodes of one group (which then wins over the fleet-wide one).
+
+    Effective capacity = min(capacity_bytes, the node's report) × capacity_fraction (capacity_bytes
+    empty: the report). Above high_watermark × that, the planner moves blocks out, in `algorithm`
+    order, blocks with fewer than `min_accesses` accesses first, until low_watermark × that is
+    reached; blocks idle longer than `ttl_seconds` leave at any fill level. They go to
+    `demote_tier` (empty: the next slower tier the node has)."""
+
+    tier = models.CharField(max_length=8, choices=Tier.choices)
+    node_group = models.CharField(max_length=63, blank=True, default="",
+                                  help_text="Empty: every node; otherwise the nodes of this group.")
+    capacity_bytes = models.PositiveBigIntegerField(null=True, blank=True,
+                                                    help_text="Cap on the tier; empty: what the node reports.")
+    capacity_fraction = models.FloatField(default=1.0,
+                                          help_text="Share of the capacity the cache may fill; the rest is headroom.")
+    high_watermark = models.FloatField(default=0.90)
+    low_watermark = models.FloatField(default=0.75)
+    algorithm = models.CharField(max_length=16, choices=Algorithm.choices, default=Algorithm.LRU)
+    ttl_seconds = models.PositiveIntegerField(null=True, blank=True,
+                                              help_text="Blocks idle this long leave the tier; empty: never by age.")
+    min_accesses = models.PositiveIntegerField(default=0)
+    demote_tier = models.CharField(max_length=8, choices=Tier.choices, blank=True, default="",
+                                   help_text="Where leaving blocks go; empty: the next slower tier.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["tier", "node_group"]
+        verbose_name_plural = "tier policies"
+        constraints = [
+            models.UniqueConstraint(fields=["tier", "node_group"], name="tierpolicy_tier_group_uniq"),
+            models.CheckConstraint(
+                condition=Q(low_watermark__gt=0) & Q(low_watermark__lt=models.F("high_watermark"))
+                & Q(high_watermark__lte=1),
+                name="tierpolicy_watermarks_ordered",
+            ),
+            models.CheckConstraint(condition=Q(capacity_fraction__gt=0) & Q(capacity_fraction__lte=1),
+                                   name="tierpolicy_capacity_fraction"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tier}@{self.node_group or 'fleet'}"
+
+
+class Mode(models.Model):
+    """A named set of overrides laid over the base policies while the mode is active (one at most).
+
+    `overrides` = {"tiers": [partial tier policies keyed by tier and node_group],
+                   "classes": [partial priority classes keyed by name]}; every field obeys the
+    rules of the policy it overrides (rules.overrides_parse)."""
+
+    name = models.SlugField(max_length=63, unique=True)
+    kind = models.CharField(max_length=16, choices=ModeKind.choices, default=ModeKind.CUSTOM)
+    description = models.CharField(max_length=255, blank=True)
+    overrides = models.JSONField(default=dict, blank=True)
+    active = models.BooleanField(default=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(fields=["active"], condition=Q(active=True), name="mode_one_active"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ModeSchedule(models.Model):
+    """Switch to a mode at the times of a cron expression ("m h dom mon dow", UTC), through a
+    django-celery-beat entry that this row owns (created, changed and deleted with it)."""
+
+    mode = models.ForeignKey(Mode, on_delete=models.CASCADE, related_name="schedules")
+    cron = models.CharField(max_length=128, help_text='Five fields, "minute hour day-of-month month day-of-week", UTC.')
+    enabled = models.BooleanField(default=True)
+    periodic_task = models.OneToOneField("django_celery_beat.PeriodicTask", on_delete=models.SET_NULL, null=True,
+                                         blank=True, related_name="+", editable=False)
+    author = models.CharField(max_length=150, blank=True, help_text="User name of the last change.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.mode_id} at {self.cron}"
+
+
+class PolicyVersion(models.Model):
+    """One state of all policies: written by every edit, mode switch and rollback. `number` grows
+    by one each time; `snapshot` holds classes, tier policies, modes and the active mode in full,
+    so a rollback can restore any version."""
+
+    number = models.PositiveIntegerField(unique=True)
+    snapshot = models.JSONField()
+    action = models.CharField(max_length=64, help_text="What changed, e.g. priority-class.update.")
+    author = models.CharField(max_length=150, blank=True, help_text="User name; empty for the system.")
+    comment = models.CharField(max_length=255, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-number"]
+
+    def __str__(self) -> str:
+        return f"v{self.number}"

@@ -1,0 +1,136 @@
+"""Policies reads: the policies in force (the planner's snapshot), the stored state, versions and their diffs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from django.db.models import Max, QuerySet
+
+from controlplane.policies import rules
+from controlplane.policies.models import (
+    Mode,
+    ModeSchedule,
+    PolicyVersion,
+    PriorityClass,
+    TierPolicy,
+)
+from controlplane.policies.snapshot import PolicySnapshot, PriorityClassSpec, TierPolicySpec
+
+
+def priorityclasses_list() -> QuerySet[PriorityClass]:
+    return PriorityClass.objects.all()
+
+
+def tierpolicies_list() -> QuerySet[TierPolicy]:
+    return TierPolicy.objects.all()
+
+
+def modes_list() -> QuerySet[Mode]:
+    return Mode.objects.all()
+
+
+def modeschedules_list() -> QuerySet[ModeSchedule]:
+    return ModeSchedule.objects.select_related("mode", "periodic_task")
+
+
+def policyversions_list() -> QuerySet[PolicyVersion]:
+    return PolicyVersion.objects.all()
+
+
+def policyversion_current() -> int:
+    """The number of the latest version (0 before the first)."""
+    return PolicyVersion.objects.aggregate(n=Max("number"))["n"] or 0
+
+
+def class_row_spec(row: PriorityClass) -> PriorityClassSpec:
+    return PriorityClassSpec(name=row.name, weight=row.weight, device_share=row.device_share,
+                             namespaces=tuple(sorted(row.namespaces)))
+
+
+def tier_row_spec(row: TierPolicy) -> TierPolicySpec:
+    return TierPolicySpec(
+        tier=row.tier, node_group=row.node_group, capacity_bytes=row.capacity_bytes,
+        high_watermark=row.high_watermark, low_watermark=row.low_watermark, algorithm=row.algorithm,
+        ttl_seconds=row.ttl_seconds, min_accesses=row.min_accesses, capacity_fraction=row.capacity_fraction,
+        demote_tier=row.demote_tier,
+    )
+
+
+def base_specs() -> tuple[tuple[PriorityClassSpec, ...], tuple[TierPolicySpec, ...]]:
+    """The stored classes and tier policies, without any mode."""
+    classes = tuple(class_row_spec(row) for row in PriorityClass.objects.order_by("name"))
+    tiers = rules.tiers_sorted(tier_row_spec(row) for row in TierPolicy.objects.all())
+    return classes, tiers
+
+
+def snapshot_current(*, overrides: Mapping[str, Any] | None = None) -> PolicySnapshot:
+    """The policies in force: the stored ones with the active mode's overrides laid over them, and
+    `overrides` (a dry-run's proposal, the same shape as a mode's) over that. A bad proposal raises
+    PolicyError naming the path of the field (overrides.tiers[0].low_watermark)."""
+    classes, tiers = base_specs()
+    mode = Mode.objects.filter(active=True).first()
+    if mode is not None:
+        classes, tiers = rules.overrides_apply(classes, tiers, rules.overrides_parse(mode.overrides),
+                                               prefix=f"modes.{mode.name}.overrides")
+    if overrides is not None:
+        classes, tiers = rules.overrides_apply(classes, tiers, rules.overrides_parse(overrides))
+    return PolicySnapshot(version=policyversion_current(), mode=mode.name if mode else "", classes=classes,
+                          tiers=tiers)
+
+
+# -- the stored state as JSON (what a version holds) -----------------------------------------------
+
+CLASS_FIELDS = ("name", "weight", "device_share", "namespaces")
+TIER_FIELDS = ("tier", "node_group", "capacity_bytes", "capacity_fraction", "high_watermark", "low_watermark",
+               "algorithm", "ttl_seconds", "min_accesses", "demote_tier")
+MODE_FIELDS = ("name", "kind", "description", "overrides")
+
+
+def policy_state() -> dict[str, Any]:
+    """Every class, tier policy and mode and the active mode, as the JSON a version stores."""
+    modes = list(Mode.objects.order_by("name"))
+    return {
+        "classes": [
+            {**{f: getattr(row, f) for f in CLASS_FIELDS}, "namespaces": sorted(row.namespaces)}
+            for row in PriorityClass.objects.order_by("name")
+        ],
+        "tiers": [
+            {f: getattr(row, f) for f in TIER_FIELDS}
+            for row in sorted(TierPolicy.objects.all(), key=lambda r: (rules.TIERS.index(r.tier), r.node_group))
+        ],
+        "modes": [{f: getattr(row, f) for f in MODE_FIELDS} for row in modes],
+        "active_mode": next((m.name for m in modes if m.active), ""),
+    }
+
+
+def _keyed(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        "classes": {c["name"]: c for c in state.get("classes", [])},
+        "tiers": {f"{t['tier']}@{t.get('node_group') or 'fleet'}": t for t in state.get("tiers", [])},
+        "modes": {m["name"]: m for m in state.get("modes", [])},
+    }
+
+
+def policy_state_diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Field-level differences between two stored states: one entry per added or removed object
+    and per changed field, with a path such as classes.batch.device_share or tiers.host@fleet.ttl_seconds."""
+    changes: list[dict[str, Any]] = []
+    old, new = _keyed(before), _keyed(after)
+    for section in ("classes", "tiers", "modes"):
+        for key in sorted(old[section].keys() | new[section].keys()):
+            a, b = old[section].get(key), new[section].get(key)
+            path = f"{section}.{key}"
+            if a is None:
+                changes.append({"path": path, "change": "added", "before": None, "after": b})
+            elif b is None:
+                changes.append({"path": path, "change": "removed", "before": a, "after": None})
+            else:
+                for field in sorted(a.keys() | b.keys()):
+                    if a.get(field) != b.get(field):
+                        changes.append({"path": f"{path}.{field}", "change": "changed",
+                                        "before": a.get(field), "after": b.get(field)})
+    if before.get("active_mode", "") != after.get("active_mode", ""):
+        changes.append({"path": "active_mode", "change": "changed", "before": before.get("active_mode", ""),
+                        "after": after.get("active_mode", "")})
+    return changes

@@ -1,0 +1,27 @@
+"""Control-plane Celery tasks of the policies app (queue `control`)."""
+
+import logging
+
+from celery import shared_task
+
+from controlplane.policies.choices import MODE_SWITCH_TASK
+from controlplane.policies.errors import PolicyError
+from controlplane.policies.services import mode_activate
+
+log = logging.getLogger("strata.policies")
+
+
+@shared_task(name=MODE_SWITCH_TASK, ignore_result=True)
+def mode_switch(name: str) -> int | None:
+    """Beat job of a mode schedule: switch to mode `name`. Returns the new policy version, or None
+    when the mode was already active or no longer exists (nothing to retry then)."""
+    try:
+        version = mode_activate(name=name, author="schedule", comment=f"scheduled switch to mode {name}")
+    except PolicyError as exc:
+        log.error("scheduled switch to mode %s not done: %s", name, exc)
+        return None
+    if version is None:
+        log.info("scheduled switch to mode %s: already active, nothing to do", name)
+        return None
+    log.info("scheduled switch to mode %s: policy version %d in force", name, version.number)
+    return version.number
