@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup chromium demo test bench bench-scale lint stop clean
+.PHONY: setup chromium demo test test-soak bench bench-scale lint stop clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON_BIN) >/dev/null || { echo "Strata needs Python 3.11 ($(PYTHON_BIN) not found)"; exit 1; }
@@ -42,6 +42,11 @@ stop:
 test: setup
 	$(PY) -m controlplane.runtime.embedded start
 	$(PY) -m pytest -q --ds=controlplane.settings.test
+
+# The bounded load test: 8 node workers moving blocks under faults (STRATA_SOAK_SECONDS, default 120).
+test-soak: setup
+	$(PY) -m controlplane.runtime.embedded start
+	$(PY) -m pytest -q -s -m soak --ds=controlplane.settings.test tests/movements/soak
 
 bench: setup
 	$(PY) -m controlplane.runtime.embedded start

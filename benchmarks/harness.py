@@ -96,6 +96,39 @@ class Context:
         self._log(message)
 
 
+def run_child(ctx: Context, module: str, spec: dict[str, Any], env: dict[str, str],
+              notes: dict[str, str] | None = None) -> list[Row]:
+    """Run `python -m module <spec as JSON>` (a suite that needs its own process, e.g. Django
+    configured for a scratch database) and turn the JSON lines it prints into progress and rows:
+    {"plan": n}, {"step": label}, {"log": text}, {"param": {...}}, {"row": {...}}; other lines are logged."""
+    import subprocess
+
+    rows: list[Row] = []
+    child = subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)], cwd=Path(__file__).resolve().parent.parent,
+                             env=env, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    for line in child.stdout:
+        if not line.startswith("{"):
+            ctx.log(line.rstrip())
+            continue
+        message = json.loads(line)
+        if "plan" in message:
+            ctx.plan(message["plan"])
+        elif "step" in message:
+            ctx.step(message["step"])
+        elif "log" in message:
+            ctx.log(message["log"])
+        elif "param" in message:
+            ctx.params.update(message["param"])
+        elif "row" in message:
+            row = dict(message["row"])
+            row.setdefault("note", (notes or {}).get(row["name"], ""))
+            rows.append(Row(**row))
+    if child.wait() != 0:
+        raise RuntimeError(f"the benchmark process {module} failed (exit {child.returncode})")
+    return rows
+
+
 def discover() -> list[str]:
     """Names of the suite modules in benchmarks/suites/, without importing them (a suite with
     heavy or broken imports must not stop the others)."""

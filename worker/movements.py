@@ -68,6 +68,11 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OperationalError, Interface
 
 _FENCED = (StaleEpoch, InvalidTransition, PlacementNotFound)
 
+WAVE_BYTES = 64 << 20
+"""Blocks of a batch are reserved, copied and flipped in waves of about this many bytes (at least
+one block): big enough that a wave's I/O covers the next wave's database work, small enough that
+the first wave's reservation and the last wave's flip, which nothing covers, stay short."""
+
 COPY_BUFFERS = 2
 """Block buffers a batch of copies cycles through: block n+1 is read from its source into one
 while block n is written from the other (a third, per verifying thread, holds read-backs)."""
@@ -220,6 +225,7 @@ class MovementExecutor:
         self._orphans_lock = threading.Lock()
         self._readers: ThreadPoolExecutor | None = None
         self._verifiers: ThreadPoolExecutor | None = None
+        self._movers: ThreadPoolExecutor | None = None
         if self.options.fault_point:
             log.warning("fault injection armed: movements on node %s will hold at %s (STRATA_FAULT_POINT)",
                         node, self.options.fault_point)
@@ -248,6 +254,12 @@ class MovementExecutor:
             self._readers = ThreadPoolExecutor(1, thread_name_prefix="strata-move-read")
             self._verifiers = ThreadPoolExecutor(1, thread_name_prefix="strata-move-verify")
         return self._readers, self._verifiers
+
+    def _mover(self) -> ThreadPoolExecutor:
+        """The thread running a wave's copy pipeline (it writes the targets), started on first use."""
+        if self._movers is None:
+            self._movers = ThreadPoolExecutor(1, thread_name_prefix="strata-move-write")
+        return self._movers
 
     def _finish(self, movement: Movement, state: str, *, started: float, detail: str = "", error: str = "",
                 nbytes: int | None = None) -> Outcome:
@@ -310,16 +322,47 @@ class MovementExecutor:
 
     # -- moves and warm-ups -------------------------------------------------------------------
     def _run_copies(self, kind: str, movement_ids: Sequence[int]) -> list[Outcome]:
-        """Moves and warm-ups of a batch with three database commits for the whole batch instead
-        of six per movement (each commit waits for PostgreSQL's WAL to reach its disk): one
-        starts every movement and reserves its target, one flips every verified copy, one frees
-        the sources and records the results. Between them the bytes flow through a pipeline
-        (`_transfer`). Each commit comes before the step it guards: a target is reserved before
-        its bytes are written, a flip is durable before its source is freed."""
+        """Moves and warm-ups of a batch, in waves of about WAVE_BYTES. Each wave costs three
+        database commits instead of six per movement (each commit waits for PostgreSQL's WAL to
+        reach its disk): one starts its movements and reserves their targets, one flips the
+        verified copies, one frees the sources and records the results. While one wave's bytes
+        flow through the copy pipeline (`_transfer`, on the mover thread), this thread reserves
+        the next wave and concludes the previous one, so the database work hides behind the
+        I/O. Each commit still comes before the step it guards: a target is reserved before its
+        bytes are written, a flip is durable before its source is freed."""
+        ids = list(dict.fromkeys(movement_ids))
+        per_wave = max(1, WAVE_BYTES // self.store.layout.block_bytes) if self.store is not None else len(ids)
         outcomes: dict[int, Outcome] = {}
+        copying: list[_Copy] = []
+        transfer: Future[None] | None = None
+        try:
+            for start in range(0, len(ids), per_wave):
+                jobs = self._start_wave(kind, ids[start:start + per_wave], outcomes)
+                if transfer is not None:
+                    transfer.result()
+                    transfer = None
+                copied, copying = copying, jobs
+                if jobs:
+                    self._fault("after-reserve", *(job.movement for job in jobs))
+                    transfer = self._mover().submit(self._transfer, jobs)
+                if copied:
+                    outcomes.update(self._conclude(copied))
+            if transfer is not None:
+                transfer.result()
+                transfer = None
+            if copying:
+                outcomes.update(self._conclude(copying))
+        finally:
+            if transfer is not None:  # leaving on an error: never with a copy still running
+                transfer.exception()
+        return [outcomes[ident] for ident in movement_ids]
+
+    def _start_wave(self, kind: str, ids: Sequence[int], outcomes: dict[int, Outcome]) -> list[_Copy]:
+        """One transaction: start each movement, check it against the directory and reserve its
+        target. Returns the copies to make; the other movements' outcomes go into `outcomes`."""
         jobs: list[_Copy] = []
         with transaction.atomic():
-            for ident in dict.fromkeys(movement_ids):
+            for ident in ids:
                 movement = movement_start(movement_id=ident, node=self.node)
                 if movement is None:
                     outcomes[ident] = Outcome(ident, "skipped", "already finished")
@@ -347,11 +390,7 @@ class MovementExecutor:
                         outcomes[ident] = prepared
                     else:
                         jobs.append(prepared)
-        if jobs:
-            self._fault("after-reserve", *(job.movement for job in jobs))
-            self._transfer(jobs)
-            outcomes.update(self._conclude(jobs))
-        return [outcomes[ident] for ident in movement_ids]
+        return jobs
 
     def _prepare(self, movement: Movement, *, free_source: bool, started: float) -> _Copy | Outcome:
         """Check a started movement against the directory and reserve its target: the copy to
@@ -486,6 +525,13 @@ class MovementExecutor:
             flipped, refused = self._flip(verified)
             for job, exc in refused:
                 movement = job.movement
+                if self._taken_over(job):
+                    # A newer attempt of this same movement (a retried or redelivered task running
+                    # meanwhile) owns the target now and records the result; this one steps aside.
+                    log.warning("movement %d: flip refused (%s); a newer attempt of this movement took its "
+                                "target over and finishes it", movement.id, exc)
+                    outcomes[movement.id] = Outcome(movement.id, "skipped", f"taken over by a newer attempt: {exc}")
+                    continue
                 if not job.free_source:
                     # Another attempt took the target over; it owns those bytes now.
                     outcomes[movement.id] = self._finish(movement, MovementState.CANCELLED, started=job.started,
@@ -501,6 +547,14 @@ class MovementExecutor:
         if transient is not None:
             raise transient
         return outcomes
+
+    @staticmethod
+    def _taken_over(job: _Copy) -> bool:
+        """True when a newer attempt reserved this attempt's target again (same row, a later
+        epoch, pending or already flipped by it)."""
+        current = Placement.objects.filter(id=job.target.id).only("state", "epoch").first()
+        return (current is not None and current.epoch > job.target.epoch
+                and current.state in (PlacementState.PENDING, PlacementState.READY))
 
     def _flip(self, jobs: Sequence[_Copy]) -> tuple[list[_Copy], list[tuple[_Copy, Exception]]]:
         """One transaction: every verified target READY (and, for moves, its source DELETING),

@@ -49,6 +49,7 @@ class NodeRuntime:
         if not config.model:
             return
         from controlplane.directory.services import modelprofile_ensure, namespace_ensure
+        from worker.dataplane.blend.options import BlendOptions
         from worker.dataplane.engine.engine import Engine, EngineOptions
         from worker.dataplane.engine.models import load_model
         from worker.dataplane.engine.server import NodeServer
@@ -75,7 +76,13 @@ class NodeRuntime:
         self.engine = Engine(model=model, store=self.store, node=config.node_name, directory=self.directory,
                              options=EngineOptions(block_tokens=config.block_tokens,
                                                    write_back_tier="host" if "host" in self.store.names
-                                                   else self.store.names[-1]))
+                                                   else self.store.names[-1],
+                                                   blend=BlendOptions.from_config(config)))
+        # The device shares of the policies in force, before the first request.
+        try:
+            self.policies_refresh()
+        except Exception as exc:  # noqa: BLE001 - serve anyway; the heartbeat reads them again
+            log.warning("could not read the policies in force at start: %s", exc)
         self.server = NodeServer(engine=self.engine, host=config.serve_host, port=config.serve_port,
                                  node=config.node_name, api_keys=config.api_keys).start()
 
@@ -110,6 +117,8 @@ class NodeRuntime:
     def stop_engine(self) -> None:
         if self.server is not None:
             self.server.stop()
+        if self.engine is not None:
+            self.engine.close()
         if self.directory is not None:
             self.directory.close()
         if self.store is not None:

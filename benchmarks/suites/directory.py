@@ -60,7 +60,7 @@ TARGETS = {
 # -- the harness side ------------------------------------------------------------------------------
 
 def run(ctx: Any) -> list[Any]:
-    from benchmarks.harness import Row
+    from benchmarks.harness import run_child
     from controlplane.runtime.environment import load_environment
 
     # At least twice the chains a 16-chain prompt spans across every namespace and model.
@@ -73,7 +73,6 @@ def run(ctx: Any) -> list[Any]:
     # One database per run, so two runs at once (two engineers, one server) never drop each other's.
     name = f"{BENCH_DB_PREFIX}_{os.getpid()}"
     ctx.params.update(blocks=blocks, database=name)
-    rows: list[Row] = []
     with _bench_database(server, name) as url:
         env = {
             **os.environ,
@@ -84,28 +83,7 @@ def run(ctx: Any) -> list[Any]:
             "STRATA_LOG_LEVEL": "WARNING",
             "PYTHONUNBUFFERED": "1",
         }
-        child = subprocess.Popen([sys.executable, "-m", "benchmarks.suites.directory", json.dumps(spec)],
-                                 cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
-        assert child.stdout is not None
-        for line in child.stdout:
-            if not line.startswith("{"):
-                ctx.log(line.rstrip())
-                continue
-            message = json.loads(line)
-            if "plan" in message:
-                ctx.plan(message["plan"])
-            elif "step" in message:
-                ctx.step(message["step"])
-            elif "log" in message:
-                ctx.log(message["log"])
-            elif "param" in message:
-                ctx.params.update(message["param"])
-            elif "row" in message:
-                row = message["row"]
-                rows.append(Row(name=row["name"], value=row["value"], unit=row["unit"],
-                                note=TARGETS.get(row["name"], ""), params=row.get("params", {})))
-        if child.wait() != 0:
-            raise RuntimeError(f"the directory benchmark process failed (exit {child.returncode})")
+        rows = run_child(ctx, "benchmarks.suites.directory", spec, env, notes=TARGETS)
     return rows
 
 

@@ -30,7 +30,6 @@ import json
 import mmap
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -46,7 +45,7 @@ ROUTES = (("host", "disk"), ("disk", "remote"), ("remote", "host"))
 
 
 def run(ctx: Any) -> list[Any]:
-    from benchmarks.harness import Row
+    from benchmarks.harness import run_child
     from benchmarks.suites.directory import _bench_database
     from controlplane.runtime.environment import load_environment
 
@@ -58,30 +57,10 @@ def run(ctx: Any) -> list[Any]:
             "blocks": max(20_000, int(FULL_BLOCKS * ctx.scale)), "move_bytes": max(64 << 20, int(FULL_MOVE_BYTES * ctx.scale))}
     name = f"strata_bench_movements_{os.getpid()}"
     ctx.params.update(database=name, blocks=spec["blocks"], move_bytes=spec["move_bytes"])
-    rows: list[Row] = []
     with _bench_database(server, name) as url:
         env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "controlplane.settings.test",
                "STRATA_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
-        child = subprocess.Popen([sys.executable, "-m", "benchmarks.suites.movements", json.dumps(spec)],
-                                 cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
-        assert child.stdout is not None
-        for line in child.stdout:
-            if not line.startswith("{"):
-                ctx.log(line.rstrip())
-                continue
-            message = json.loads(line)
-            if "plan" in message:
-                ctx.plan(message["plan"])
-            elif "step" in message:
-                ctx.step(message["step"])
-            elif "log" in message:
-                ctx.log(message["log"])
-            elif "param" in message:
-                ctx.params.update(message["param"])
-            elif "row" in message:
-                rows.append(Row(**message["row"]))
-        if child.wait() != 0:
-            raise RuntimeError(f"the movements benchmark process failed (exit {child.returncode})")
+        rows = run_child(ctx, "benchmarks.suites.movements", spec, env)
     return rows
 
 

@@ -90,7 +90,12 @@ WITH c AS (
            COALESCE((%(class_weights)s::float8[])[array_position(%(class_names)s::text[], b.priority::text)],
                     (%(ns_weights)s::float8[])[array_position(%(ns_ids)s::bigint[], b.namespace_id)],
                     %(default_weight)s::float8) AS weight,
-           ({first})::float8 AS s1, ({second})::float8 AS s2
+           ({first})::float8 AS s1, ({second})::float8 AS s2,
+           -- Tiers below that already hold a servable copy (this node's or the shared remote one):
+           -- such a victim needs no copy, only its eviction here.
+           ARRAY(SELECT q.tier::text FROM {PLACEMENT_TABLE} q
+                 WHERE q.block_id = p.block_id AND q.id <> p.id AND q.state = '{PlacementState.READY.value}'
+                   AND (q.node_id IS NULL OR q.node_id = p.node_id)) AS held_below
     FROM {PLACEMENT_TABLE} p
     -- LIMIT 1 keeps this a primary-key probe per copy: as a plain join the planner may hash the
     -- whole block table, whose size has nothing to do with this tier.
@@ -102,7 +107,7 @@ WITH c AS (
     SELECT c.*, sum(c.size_bytes) OVER (ORDER BY {order} ROWS UNBOUNDED PRECEDING) AS running
     FROM c
 )
-SELECT id, epoch, size_bytes, block_id, expired, below_min
+SELECT id, epoch, size_bytes, block_id, expired, below_min, held_below
 FROM r
 WHERE expired OR running - size_bytes < %(needed)s
 ORDER BY {order}
@@ -310,7 +315,8 @@ def plan(*, snapshot: PolicySnapshot | None = None, node: str | None = None, rea
         nodes_qs = nodes_qs.filter(name=node)
     nodes = list(nodes_qs)
     result = PlanResult(policy_version=snapshot.version, mode=snapshot.mode, dry_run=dry_run, plan_id=uuid.uuid4())
-    loads, remote_nodes = _loads(nodes, include_remote=node is None)
+    # The shared remote tier is always a destination; it is itself planned only in a fleet-wide plan.
+    loads, remote_nodes = _loads(nodes, include_remote=True)
     if not loads:
         return result
     namespaces = dict(Namespace.objects.values_list("id", "name"))
@@ -320,6 +326,8 @@ def plan(*, snapshot: PolicySnapshot | None = None, node: str | None = None, rea
         order = sorted(loads.values(), key=lambda t: (-DEMOTION_ORDER.index(t.tier), t.node))
         remote_turn = 0
         for load in order:
+            if load.tier == Tier.REMOTE and node is not None:
+                continue
             spec = snapshot.tier(load.tier, node_group=load.group)
             capacity = spec.effective_capacity_bytes(load.capacity)
             high, low = spec.high_water_bytes(load.capacity), spec.low_water_bytes(load.capacity)
@@ -340,9 +348,19 @@ def plan(*, snapshot: PolicySnapshot | None = None, node: str | None = None, rea
                            candidates_params(snapshot=snapshot, spec=spec, node_id=load.node_id, tier=load.tier,
                                              needed=needed, now=now, namespaces=namespaces, limit=limit_per_tier))
             below = _next_tiers(load, loads, spec)
-            for placement_id, epoch, size, block_id, expired, below_min in cursor.fetchall():
+            for placement_id, epoch, size, block_id, expired, below_min, held_below in cursor.fetchall():
                 why = MovementReason.TTL if expired else reason
                 target = None
+                already = next((t.tier for t in below if t.tier in held_below), None)
+                if already is not None:
+                    if load.tier == Tier.REMOTE:
+                        continue  # never the case: nothing is below remote
+                    load.planned_out += size
+                    result.movements.append(PlannedMovement(
+                        block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,
+                        src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier="", dst_node="",
+                        exec_node=load.node, bytes=size, detail=f"a copy is already held in {already}"))
+                    continue
                 if not (expired and below_min):
                     target = next((t for t in below if t.room(snapshot.tier(t.tier, node_group=t.group)) >= size),
                                   None)

@@ -112,8 +112,13 @@ def movements_dispatch(*, batches: dict[tuple[str, str], list[int]]) -> int:
                 continue
             sent.extend(chunk)
     if sent:
-        Movement.objects.filter(id__in=sent, state=MovementState.PLANNED).update(
-            state=MovementState.DISPATCHED, dispatched_at=timezone.now())
+        # A node may already be starting these (it locks a wave of them in one transaction): skip
+        # the rows it holds instead of waiting, or the two lock orders can deadlock. Those become
+        # running anyway; a wave that rolls back leaves them planned, which the sweep also re-sends.
+        with transaction.atomic():
+            free = list(Movement.objects.select_for_update(skip_locked=True)
+                        .filter(id__in=sent, state=MovementState.PLANNED).order_by("id").values_list("id", flat=True))
+            Movement.objects.filter(id__in=free).update(state=MovementState.DISPATCHED, dispatched_at=timezone.now())
     return len(sent)
 
 

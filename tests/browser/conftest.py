@@ -127,7 +127,7 @@ def _answers(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def system() -> Iterator[System]:
     from controlplane.runtime.environment import load_environment
 
@@ -190,13 +190,15 @@ def _token(system: System, username: str) -> str:
     return out.strip().split()[2]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def apis(system: System) -> dict[str, Api]:
     return {name: Api(system.base, _token(system, name)) for name in PASSWORDS}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    # Module scope: Playwright's sync API keeps an event loop running in this thread while it is
+    # open, and Django refuses database calls from a thread with a running loop (later tests).
     if not CHROMIUM.exists():
         pytest.fail(f"Chromium is not installed at {CHROMIUM}: run `make setup` (it installs Debian's chromium "
                     "package when it is missing), or `apt-get install -y chromium`.", pytrace=False)
@@ -231,7 +233,7 @@ def login(system: System, browser: Any) -> Iterator[Any]:
         context.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def screenshots() -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     return SCREENSHOTS

@@ -55,7 +55,7 @@ def test_the_dashboard_covers_what_operators_watch():
     queried = {name for _, expr in grafana_queries() for name in QUERIED.findall(expr)}
     assert {
         "strata_tier_used_bytes", "strata_tier_capacity_bytes", "strata_node_up",
-        "strata_lookup_tokens_total", "strata_hit_tokens_total", "strata_hit_blocks_total",
+        "strata_lookup_tokens_total", "strata_hit_tokens_total", "strata_hit_tier_tokens_total",
         "strata_load_seconds_bucket", "strata_layer_stall_seconds_bucket", "strata_ttft_seconds_bucket",
         "strata_blocks_moved_total", "strata_evictions_total", "strata_checksum_failures_total",
     } <= queried

@@ -42,12 +42,13 @@ class NodeProcesses:
 
     `env` is the child environment (DATABASE_URL, REDIS_URL of the test); the node's disk tier
     lives in `tmp_path/<name>/disk`, its host pool in a unique /dev/shm pool and its remote
-    blocks under a unique key prefix of `remote_url`."""
+    blocks under a key prefix of `remote_url` (unique, unless nodes share `remote_prefix`)."""
 
     def __init__(self, env: dict[str, str], python: str, tmp_path: Path, *, prefix: str = "mv",
                  settings_module: str = "tests.movements.fault_settings", tiers: str = "device,host,disk,remote",
                  disk_bytes: str = "64MiB", disk_path: Path | None = None, host_bytes: str = "16MiB",
-                 remote_url: str | None = None, concurrency: int | None = None) -> None:
+                 remote_url: str | None = None, remote_prefix: str | None = None,
+                 concurrency: int | None = None) -> None:
         self.name = f"{prefix}-{uuid.uuid4().hex[:6]}"
         self.tmp = tmp_path / self.name
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,7 @@ class NodeProcesses:
         self.env = {**env, "DJANGO_SETTINGS_MODULE": settings_module,
                     "STRATA_HOST_POOL_NAME": f"strata-test-{self.name}", "STRATA_BLOCK_TOKENS": "16",
                     "STRATA_HOST_BYTES": host_bytes, "STRATA_DEVICE_BYTES": "4MiB",
-                    "STRATA_TIERS": tiers, "STRATA_REMOTE_PREFIX": f"strata-test-{self.name}"}
+                    "STRATA_TIERS": tiers, "STRATA_REMOTE_PREFIX": remote_prefix or f"strata-test-{self.name}"}
         self.python = python
         self.started: list[tuple[subprocess.Popen, Path]] = []
         self.port = 0

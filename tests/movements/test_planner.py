@@ -263,3 +263,21 @@ def test_expiry_is_measured_from_the_plan_time(full_node, make_blocks):
     policy = snapshot(host_policy(ttl_seconds=3600))
     assert plan(snapshot=policy, dry_run=True, now=now).movements == []
     assert len(plan(snapshot=policy, dry_run=True, now=now + timedelta(hours=2)).movements) == 2
+
+
+def test_a_victim_already_held_below_is_evicted_not_copied_again(full_node, make_blocks, profile):
+    from controlplane.directory.services import blocks_register
+    from worker.dataplane.directory import BlockRegistration
+
+    blocks = make_blocks(10, ages=[50, 10, 90, 30, 70, 20, 80, 40, 60, 0])
+    idlest = blocks[2]
+    # The idlest block also has a servable copy on gpu-0's disk (e.g. warmed back up earlier).
+    blocks_register(registrations=[BlockRegistration(
+        namespace="tenant-a", model_key=profile.model_key, prefix_key=idlest.prefix_key,
+        content_key=idlest.content_key, position=0, tokens=idlest.token_count, tier="disk", node="gpu-0",
+        nbytes=B, checksum="0" * 32)])
+    result = plan(snapshot=snapshot(host_policy(algorithm="lru")), dry_run=True)
+    by_block = {m.block_id: m for m in result.movements}
+    assert by_block[idlest.id].kind == MovementKind.EVICT
+    assert by_block[idlest.id].detail == "a copy is already held in disk"
+    assert [m.kind for m in result.movements if m.block_id != idlest.id] == [MovementKind.MOVE] * 4

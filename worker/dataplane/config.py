@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from worker.dataplane.blend.options import parse_namespace_percents
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the option."""
@@ -169,6 +171,14 @@ def _non_negative(value: Any) -> str | None:
     return None if value >= 0 else "cannot be negative"
 
 
+def _percent(value: Any) -> str | None:
+    return None if 0 <= value <= 100 else "must be between 0 and 100 percent"
+
+
+def _fraction(value: Any) -> str | None:
+    return None if 0 <= value <= 1 else "must be between 0 and 1"
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("node_name", _parse_node_name, "gpu-0", "Name of this node; its Celery queue is node.<name>."),
     Option("node_group", _parse_node_group, "default", "Group of this node; tier policies for the group override the fleet-wide ones."),
@@ -195,6 +205,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("serve_host", _parse_str, "127.0.0.1", "Interface the node's OpenAI-compatible server listens on."),
     Option("serve_port", _parse_int, 9100, "Port of the node's OpenAI-compatible server (with a model).", _non_negative),
     Option("api_keys", _parse_api_keys, {}, "API keys of the node server as key=namespace pairs, comma-separated; empty: no key needed, namespace from X-Strata-Namespace."),
+    Option("blend", _parse_bool, False, "Reuse blocks found anywhere in a prompt (content match, RoPE re-alignment, selective recompute), not only the prefix."),
+    Option("blend_recompute_percent", _parse_float, 15.0, "r: percent of reused fragment tokens recomputed (those whose KV deviates most).", _percent),
+    Option("blend_namespace_percent", parse_namespace_percents, {}, "r per namespace as namespace=percent pairs, comma-separated (over blend_recompute_percent)."),
+    Option("blend_sample_rate", _parse_float, 0.05, "Share of blended requests also run with a full prefill in the background to measure agreement.", _fraction),
+    Option("blend_agreement_threshold", _parse_float, 0.9, "Below this share of agreeing samples r is raised for the namespace, then it falls back to prefix-only.", _fraction),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -229,6 +244,11 @@ class NodeConfig:
     serve_port: int = 9100
     api_keys: dict[str, str] = dataclasses.field(default_factory=dict)
     node_group: str = "default"
+    blend: bool = False
+    blend_recompute_percent: float = 15.0
+    blend_namespace_percent: dict[str, float] = dataclasses.field(default_factory=dict)
+    blend_sample_rate: float = 0.05
+    blend_agreement_threshold: float = 0.9
 
     @property
     def node_disk_path(self) -> Path:

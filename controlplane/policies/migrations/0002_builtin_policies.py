@@ -38,8 +38,10 @@ MODES = [
                    "classes": []}},
     {"name": "nightly-batch", "kind": "nightly-batch",
      "description": "Nightly batch: host blocks idle for 15 minutes move to the remote tier to free room.",
+     # min_accesses stays 0: an expired block used fewer times than that is evicted, not moved,
+     # and the night's job is to keep every block, only further away.
      "overrides": {"tiers": [{"tier": "host", "node_group": "", "high_watermark": 0.6, "low_watermark": 0.3,
-                              "ttl_seconds": 900, "min_accesses": 2, "demote_tier": "remote"}],
+                              "ttl_seconds": 900, "min_accesses": 0, "demote_tier": "remote"}],
                    "classes": []}},
 ]
 

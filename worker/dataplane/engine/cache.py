@@ -107,6 +107,15 @@ class StrataCache(Cache):
         ]
         super().__init__(layers=built)
 
+    def fill(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hand a layer its whole KV ([1, kv_heads, tokens, head_dim]) computed elsewhere (a fused
+        prefill), without copying it; decoding appends to it as usual."""
+        entry = self.layers[layer]
+        assert isinstance(entry, PrefixLayer)
+        entry.lazy_initialization(keys, values)
+        entry.keys, entry.values = keys, values
+        entry.prefix_len = 0
+
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of a layer as [1, kv_heads, tokens, head_dim] tensors."""
         entry = self.layers[layer]

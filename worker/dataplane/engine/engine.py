@@ -13,17 +13,32 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from worker.dataplane.blend.fusion import BlendPlan, blend_prefill
+from worker.dataplane.blend.matching import (
+    Fragment,
+    check_segments,
+    choose,
+    content_keys_at,
+    fragment_key,
+    segment_windows,
+)
+from worker.dataplane.blend.options import BlendOptions
+from worker.dataplane.blend.rope import rope_problem
+from worker.dataplane.blend.tuner import BLEND, BlendTuner
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import (
+    MAX_BATCH,
     BlockRegistration,
     BlockTouch,
     Directory,
     DirectoryUnavailable,
+    PlacementChange,
 )
 from worker.dataplane.engine.cache import LoadFailed, StrataCache
 from worker.dataplane.engine.loader import Hit, LayerLoader, PrefixBuffers
 from worker.dataplane.engine.models import LoadedModel
-from worker.dataplane.errors import MISSES, TierFull
+from worker.dataplane.engine.working_set import WorkingSet
+from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
 from worker.dataplane.layout import ModelProfile
 from worker.dataplane.store import TieredStore
@@ -55,6 +70,20 @@ class RequestTrace:
     layer_loaded_at_s: list[float] = dataclasses.field(default_factory=list)
     written_blocks: int = 0
     started_at: float = 0.0
+    prefix_tokens: int = 0
+    """Reused tokens of the leading run of prefix blocks (exact reuse)."""
+    fragment_tokens: int = 0
+    """Tokens of fragments reused from elsewhere in the prompt (re-aligned, partly recomputed)."""
+    recomputed_tokens: int = 0
+    """Fragment tokens recomputed by selective recompute."""
+    recompute_ratio: float = 0.0
+    """recomputed_tokens / fragment_tokens (0 without fragments)."""
+    fragment_blocks_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    blend: str = "off"
+    """off (not enabled or not asked), blend, prefix-only (fallen back for the namespace), or no-fragment."""
+    blend_percent: float = 0.0
+    """The namespace's r when the request ran."""
+    segments: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -66,6 +95,8 @@ class GenerationResult:
     trace: RequestTrace
     first_logits: torch.Tensor
     """Logits of the last prompt position (what chose the first output token)."""
+    cache: StrataCache | None = None
+    """The request's KV cache after decoding, when asked for with `keep_cache`."""
 
 
 class Sampler:
@@ -109,6 +140,10 @@ class EngineOptions:
     """Keep new and reused blocks in the device pool (LRU within its capacity)."""
     decide: bool = True
     """Choose per request between loading hits and recomputing them, from measured speeds."""
+    blend: BlendOptions = dataclasses.field(default_factory=BlendOptions)
+    """Fragment reuse beyond the prefix (off unless `blend.enabled`)."""
+    content_index_entries: int = 1 << 20
+    """Most content keys the node remembers for fragment matching (least recently used go first)."""
 
 
 class Engine:
@@ -152,10 +187,25 @@ class Engine:
         self._fingerprinters: dict[str, Fingerprinter] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._device_lru: collections.OrderedDict[uuid.UUID, None] = collections.OrderedDict()
+        # L1: the blocks kept in the device tier, each priority class within its share.
+        self.working_set = (WorkingSet(store.tier("device"), counters=self.counters)
+                            if "device" in store.names else None)
         self.tier_speed = {name: Throughput() for name in TIER_NAMES}
         self.prefill_speed = Throughput()
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
+        # content key -> (storage key, position it was computed at) of blocks this node stored.
+        self._content_index: collections.OrderedDict[uuid.UUID, tuple[uuid.UUID, int]] = collections.OrderedDict()
+        self.blend_options = self.options.blend
+        self.tuner: BlendTuner | None = None
+        if self.blend_options.enabled:
+            problem = rope_problem(model.model.model.rotary_emb)
+            if problem is not None:
+                raise ValueError(f"blend: fragments of model {model.name} cannot be re-aligned: {problem}")
+            if self.blend_options.check_layer >= model.layers and self.blend_options.selection == "deviation":
+                raise ValueError(f"blend: check_layer {self.blend_options.check_layer} is past the model's "
+                                 f"{model.layers} layers")
+            self.tuner = BlendTuner(options=self.blend_options, full_prefill=self.full_prefill_logits,
+                                    counters=self.counters, model=model.name)
 
     # -- public -------------------------------------------------------------------------------
     def generate(
@@ -170,11 +220,21 @@ class Engine:
         on_token: Callable[[int], bool] | None = None,
         temperature: float = 0.0,
         seed: int | None = None,
+        segments: Sequence[Sequence[int]] | None = None,
+        blend: bool | None = None,
+        write_back: bool = True,
+        keep_cache: bool = False,
     ) -> GenerationResult:
         """Generate up to `max_tokens` tokens after `prompt_ids`: greedy at temperature 0, else
-        sampled (reproducibly with `seed`). `on_token` sees each token and returns True to stop."""
+        sampled (reproducibly with `seed`). `on_token` sees each token and returns True to stop.
+
+        `segments` marks [start, end) token ranges of the prompt that are independent passages (as
+        RAG prompts are built): their blocks are stored aligned to them for later fragment reuse.
+        `blend` False turns fragment reuse off for this request (prefix reuse only). `write_back`
+        False reads the cache without adding to it (quality comparisons on a fixed cache)."""
         if not prompt_ids:
             raise ValueError("prompt: at least one token is needed")
+        marked = check_segments(segments, len(prompt_ids))
         if max_tokens < 1:
             raise ValueError(f"max_tokens: must be at least 1, got {max_tokens}")
         if temperature < 0:
@@ -188,13 +248,27 @@ class Engine:
             trace = RequestTrace(request_id=f"req-{next(self._ids)}", namespace=namespace,
                                  prompt_tokens=len(prompt_ids), started_at=time.time(),
                                  layerwise=self.options.layerwise if layerwise is None else layerwise)
+            trace.segments = len(marked)
             sampler = Sampler(temperature=temperature, seed=seed)
-            output, logits = self._generate(list(prompt_ids), max_tokens, namespace, use_cache, trace,
-                                            set(stop_ids), on_token, sampler)
+            use_blend = self.tuner is not None and blend is not False
+            output, logits, cache = self._generate(list(prompt_ids), max_tokens, namespace, use_cache, trace,
+                                                   set(stop_ids), on_token, sampler, marked, use_blend, write_back)
             self.traces.append(trace)
             if self.on_trace is not None:
                 self.on_trace(trace)
-            return GenerationResult(output_ids=output, trace=trace, first_logits=logits.float().cpu())
+            return GenerationResult(output_ids=output, trace=trace, first_logits=logits.float().cpu(),
+                                    cache=cache if keep_cache else None)
+
+    def full_prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Logits of the last position of a plain prefill (no cache), queued behind the requests."""
+        with self._lock, torch.inference_mode():
+            ids = torch.tensor([list(prompt)], device=self.model.device)
+            return self.model.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float().cpu()
+
+    def close(self) -> None:
+        """Stop the background quality checker."""
+        if self.tuner is not None:
+            self.tuner.close()
 
     def fingerprinter(self, namespace: str) -> Fingerprinter:
         if namespace not in self._fingerprinters:
@@ -205,8 +279,9 @@ class Engine:
 
     # -- the request path ---------------------------------------------------------------------
     def _generate(self, prompt: list[int], max_tokens: int, namespace: str, use_cache: bool, trace: RequestTrace,
-                  stop_ids: set[int], on_token: Callable[[int], bool] | None, sampler: Sampler
-                  ) -> tuple[list[int], torch.Tensor]:
+                  stop_ids: set[int], on_token: Callable[[int], bool] | None, sampler: Sampler,
+                  segments: list[tuple[int, int]], use_blend: bool, write_back: bool
+                  ) -> tuple[list[int], torch.Tensor, StrataCache]:
         start = time.perf_counter()
         fingerprints: list[BlockFingerprint] = []
         if use_cache:
@@ -221,21 +296,145 @@ class Engine:
         trace.lookup_s = time.perf_counter() - start
         self.counters.add("lookup_tokens", len(prompt))
         hits = self._decide(hits, len(prompt), trace)
+        fragments: list[Fragment] = []
+        percent = 0.0
+        if use_cache and use_blend:
+            assert self.tuner is not None
+            mode, percent = self.tuner.current(namespace)
+            trace.blend, trace.blend_percent = mode, percent
+            if mode == BLEND:
+                fragments = self._match_fragments(prompt, len(hits) * self.layout.block_tokens, namespace)
+                if not fragments:
+                    trace.blend = "no-fragment"
+            trace.lookup_s = time.perf_counter() - start
+        exact_until: int | None = None
         while True:
             try:
-                cache, logits = self._prefill(prompt, hits, trace)
+                if fragments:
+                    cache, logits = self._blend_prefill(prompt, hits, fragments, percent, trace)
+                    exact_until = fragments[0].start
+                else:
+                    cache, logits = self._prefill(prompt, hits, trace)
                 break
             except LoadFailed as failure:
                 # A vanished or corrupt block is a miss: recompute from it, never serve it.
                 trace.load_failures += 1
                 self.counters.add("load_failures")
-                self._forget(hits[failure.block_index])
-                hits = hits[: failure.block_index]
+                if failure.block_index < len(hits):
+                    self._forget(hits[failure.block_index], failure.cause, namespace)
+                    hits = hits[: failure.block_index]
+                if fragments:
+                    # A fragment (or the prefix under it) failed: serve this request with prefix reuse only.
+                    fragments = []
+                    trace.blend = "no-fragment"
         trace.ttft_s = time.perf_counter() - start
         output = self._decode(cache, logits, max_tokens, trace, stop_ids, on_token, sampler)
-        if use_cache:
-            self._write_back(prompt + output[:-1], hits, cache, namespace, trace)
-        return output, logits
+        if fragments and self.tuner is not None:
+            self.tuner.offer(namespace, prompt, logits, percent)
+        if use_cache and write_back:
+            self._write_back(prompt + output[:-1], hits, cache, namespace, trace, exact_until=exact_until,
+                             segments=segments if use_blend else [], fragments_too=use_blend)
+        return output, logits, cache
+
+    # -- fragments (blend) ----------------------------------------------------------------------
+    def _match_fragments(self, prompt: list[int], start: int, namespace: str) -> list[Fragment]:
+        """Block-sized windows after the prefix run whose content this node or the directory knows,
+        chosen without overlap (most blocks, fastest tiers). The last prompt token stays computed."""
+        size = self.layout.block_tokens
+        end = len(prompt) - 1
+        if end - start < size:
+            return []
+        fp = self.fingerprinter(namespace)
+        keys = content_keys_at(prompt, range(start, end - size + 1), ns_salt=fp.ns_salt, model_key=self.model_key,
+                               block_tokens=size)
+        candidates: dict[int, Fragment] = {}
+        known = {offset: self._content_index[key] for offset, key in keys.items() if key in self._content_index}
+        if known:
+            located = self.store.locate(list({stored for stored, _ in known.values()}))
+            for offset, (stored, position) in known.items():
+                if located.get(stored):
+                    candidates[offset] = Fragment(start=offset, tokens=size, key=stored, source_position=position,
+                                                  tier=located[stored][0])
+        rest = [offset for offset in keys if offset not in candidates]
+        if rest and self.directory is not None:
+            try:
+                for first in range(0, len(rest), MAX_BATCH):
+                    chunk = rest[first : first + MAX_BATCH]
+                    answer = self.directory.lookup(keys=[], node=self.node, namespace=namespace,
+                                                   model_key=self.model_key, content_keys=[keys[o] for o in chunk])
+                    for offset, location in zip(chunk, answer.content, strict=True):
+                        if location is not None and location.tier in self.store.names and location.tokens == size:
+                            candidates[offset] = Fragment(start=offset, tokens=size, key=location.prefix_key,
+                                                          source_position=location.position, tier=location.tier)
+            except Exception as exc:  # noqa: BLE001 - an outage of the directory means fewer fragments
+                log.warning("fragment lookup failed, matching this node's own blocks only: %s", exc)
+                self.counters.add("lookup_failures")
+        chosen = choose(candidates, start=start, end=end)
+        if len(chosen) < self.blend_options.min_fragment_blocks:
+            return []
+        return chosen
+
+    def _blend_prefill(self, prompt: list[int], hits: list[Hit], fragments: list[Fragment], percent: float,
+                       trace: RequestTrace) -> tuple[StrataCache, torch.Tensor]:
+        """Load the prefix and the fragments layer by layer and prefill with selective recompute."""
+        size = self.layout.block_tokens
+        prefix_len = len(hits) * size
+        loads = hits + [Hit(index=-1, key=f.key, tier=f.tier) for f in fragments]
+        with torch.inference_mode(False):
+            buffers = PrefixBuffers(layout=self.layout, blocks=len(loads), device=torch.device("cpu"))
+        loader = LayerLoader(store=self.store, hits=loads, buffers=buffers).start()
+        stalls = [0.0] * self.model.layers
+        device = self.model.device
+        count = len(hits)
+
+        def source(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            stalls[layer] = loader.gates[layer].wait()
+            typed = buffers.typed[layer]  # [blocks, 2, block_tokens, kv_heads, head_dim]
+            kv_shape = (-1, self.layout.kv_heads, self.layout.head_dim)
+            prefix_k = typed[:count, 0].reshape(kv_shape).permute(1, 0, 2).unsqueeze(0).to(device)
+            prefix_v = typed[:count, 1].reshape(kv_shape).permute(1, 0, 2).unsqueeze(0).to(device)
+            frag_k = typed[count:, 0].reshape(kv_shape).permute(1, 0, 2).unsqueeze(0).to(device)
+            frag_v = typed[count:, 1].reshape(kv_shape).permute(1, 0, 2).unsqueeze(0).to(device)
+            return prefix_k, prefix_v, frag_k, frag_v
+
+        if not trace.layerwise:
+            try:
+                loader.wait_all()
+            finally:
+                trace.load_s = time.perf_counter() - loader.started_at
+        plan = BlendPlan(prefix_len=prefix_len, fragments=fragments, recompute_ratio=percent / 100.0,
+                         selection=self.blend_options.selection, check_layer=self.blend_options.check_layer)
+        started = time.perf_counter()
+        try:
+            outcome = blend_prefill(self.model.model, prompt, plan, source, device=device)
+        except LoadFailed:
+            loader.cancel()
+            loader.join()
+            raise
+        trace.prefill_s = time.perf_counter() - started
+        loader.join()
+        fragment_tokens = sum(f.tokens for f in fragments)
+        trace.prefix_tokens = prefix_len
+        trace.fragment_tokens = fragment_tokens
+        trace.recomputed_tokens = outcome.recomputed_tokens
+        trace.recompute_ratio = outcome.recomputed_tokens / fragment_tokens if fragment_tokens else 0.0
+        trace.cached_tokens = prefix_len + outcome.reused_tokens
+        trace.hit_blocks_by_tier = dict(collections.Counter(h.tier for h in hits))
+        trace.fragment_blocks_by_tier = dict(collections.Counter(f.tier for f in fragments))
+        trace.layer_stall_s = stalls
+        trace.layer_loaded_at_s = [t.finished - loader.started_at for t in loader.timings]
+        if trace.layerwise:
+            trace.load_s = loader.finished_at - loader.started_at
+        self.counters.add("hit_tokens", trace.cached_tokens)
+        self.counters.add("blend.requests")
+        self.counters.add("reused_tokens.prefix", prefix_len)
+        self.counters.add("reused_tokens.fragment", fragment_tokens)
+        self.counters.add("blend.recomputed_tokens", outcome.recomputed_tokens)
+        for name, blocks in trace.hit_blocks_by_tier.items():
+            self.counters.add(f"hit_blocks.{name}", blocks)
+        for name, blocks in trace.fragment_blocks_by_tier.items():
+            self.counters.add(f"fragment_blocks.{name}", blocks)
+        return outcome.cache, outcome.logits
 
     def _lookup(self, fingerprints: Sequence[BlockFingerprint], namespace: str) -> list[Hit]:
         """The longest run of prompt blocks held somewhere: the node's own tiers first (in memory
@@ -334,6 +533,8 @@ class Engine:
         prefill_s = time.perf_counter() - started
         trace.prefill_s = prefill_s
         trace.cached_tokens = prefix_len
+        trace.prefix_tokens = prefix_len
+        self.counters.add("reused_tokens.prefix", prefix_len)
         trace.hit_blocks_by_tier = dict(collections.Counter(h.tier for h in hits))
         self.counters.add("hit_tokens", prefix_len)
         for name, count in trace.hit_blocks_by_tier.items():
@@ -382,57 +583,41 @@ class Engine:
         return output
 
     # -- write-back ---------------------------------------------------------------------------
-    def _write_back(self, tokens: list[int], hits: list[Hit], cache: StrataCache, namespace: str, trace: RequestTrace) -> None:
-        """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch."""
-        fingerprints = self.fingerprinter(namespace).blocks(tokens)
-        if not fingerprints:
-            return
+    def _write_back(self, tokens: list[int], hits: list[Hit], cache: StrataCache, namespace: str, trace: RequestTrace,
+                    *, exact_until: int | None = None, segments: Sequence[tuple[int, int]] = (),
+                    fragments_too: bool = False) -> None:
+        """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch.
+
+        Only blocks whose KV is exactly what a plain prefill computes (before `exact_until`, the
+        first fused fragment) are stored under their prefix keys. With fragment reuse on, blocks
+        aligned to the request's segments and the blocks after `exact_until` are also stored,
+        under fragment keys that only a content match can find."""
+        fp = self.fingerprinter(namespace)
+        fingerprints = fp.blocks(tokens)
+        size = self.layout.block_tokens
+        exact = len(tokens) if exact_until is None else exact_until
         hit_tiers = {h.key: h.tier for h in hits}
-        target = self.store.tier(self.options.write_back_tier)
         registrations: list[BlockRegistration] = []
         with torch.inference_mode(False):
             block = self.layout.empty()
-        views = self.layout.kv_views(block)
-        size = self.layout.block_tokens
-        for fp in fingerprints:
-            already = hit_tiers.get(fp.prefix_key)
-            if already == "device":
-                self._device_touch(fp.prefix_key)
-                continue
-            to_target = already is None and not target.contains(fp.prefix_key)
-            to_device = self.options.keep_in_device and target.name != "device" and "device" in self.store.names
-            if not to_target and not to_device:
-                continue
-            for layer, (k_dst, v_dst) in enumerate(views):
-                keys, values = cache.layer_kv(layer)
-                k_dst.copy_(keys[0, :, fp.start : fp.start + size].transpose(0, 1))
-                v_dst.copy_(values[0, :, fp.start : fp.start + size].transpose(0, 1))
-            if to_device:
-                self._device_put(fp.prefix_key, block)
-            if not to_target:
-                continue
-            if target.name == "device":
-                # L1 is the node's working set, not registered in the directory: LRU within capacity.
-                if self._device_put(fp.prefix_key, block):
-                    trace.written_blocks += 1
-                continue
-            try:
-                result = target.put(fp.prefix_key, block)
-            except TierFull as exc:
-                self.counters.add(f"write_back.{target.name}.full")
-                log.warning("write-back skipped: %s", exc)
-                continue
-            except MISSES as exc:
-                self.counters.add(f"write_back.{target.name}.failed")
-                log.warning("write-back failed: %s", exc)
-                continue
-            trace.written_blocks += 1
-            registrations.append(BlockRegistration(
-                namespace=namespace, model_key=self.model_key, prefix_key=fp.prefix_key,
-                content_key=fp.content_key, position=fp.start, tokens=size, tier=target.name,
-                node=None if target.name == "remote" else self.node, nbytes=self.layout.block_bytes,
-                checksum=result.checksum.hex if result.checksum else "",
-            ))
+        for print_ in fingerprints:
+            if print_.start + size > exact:
+                break
+            self._remember_content(print_.content_key, print_.prefix_key, print_.start)
+            self._store_block(print_.prefix_key, print_.content_key, print_.start, cache, block, namespace, trace,
+                              registrations, already=hit_tiers.get(print_.prefix_key))
+        if fragments_too:
+            offsets = segment_windows(segments, block_tokens=size, limit=len(tokens))
+            offsets += [p.start for p in fingerprints if p.start + size > exact]
+            content = content_keys_at(tokens, sorted(set(offsets)), ns_salt=fp.ns_salt, model_key=self.model_key,
+                                      block_tokens=size)
+            for offset, key in content.items():
+                if key in self._content_index:
+                    self._content_index.move_to_end(key)
+                    continue  # a copy of these tokens is kept already
+                stored = fragment_key(ns_salt=fp.ns_salt, model_key=self.model_key, content_key=key, position=offset)
+                if self._store_block(stored, key, offset, cache, block, namespace, trace, registrations, already=None):
+                    self._remember_content(key, stored, offset)
         if self.directory is not None:
             if registrations:
                 self.directory.register(blocks=registrations)
@@ -440,28 +625,78 @@ class Engine:
                 self.directory.touch(touches=[BlockTouch(namespace=namespace, model_key=self.model_key,
                                                          prefix_key=h.key) for h in hits])
 
-    def _device_put(self, key: uuid.UUID, block: torch.Tensor) -> bool:
-        """Keep a copy in the device pool, evicting its least recently used blocks to make room."""
-        device = self.store.tier("device")
-        if device.contains(key):
+    def _remember_content(self, content_key: uuid.UUID, stored: uuid.UUID, position: int) -> None:
+        self._content_index[content_key] = (stored, position)
+        self._content_index.move_to_end(content_key)
+        while len(self._content_index) > self.options.content_index_entries:
+            self._content_index.popitem(last=False)
+
+    def _store_block(self, key: uuid.UUID, content_key: uuid.UUID, start: int, cache: StrataCache, block: torch.Tensor,
+                     namespace: str, trace: RequestTrace, registrations: list[BlockRegistration], *,
+                     already: str | None) -> bool:
+        """Copy tokens [start, start + block) of every layer into `block` and keep it in the write-back
+        tier (registered) and the device pool; True if some tier holds it afterwards."""
+        size = self.layout.block_tokens
+        target = self.store.tier(self.options.write_back_tier)
+        if already == "device":
             self._device_touch(key)
-            return False
-        while True:
-            try:
-                device.put(key, block)
-                self._device_lru[key] = None
-                return True
-            except TierFull:
-                if not self._device_lru:
-                    return False
-                victim, _ = self._device_lru.popitem(last=False)
-                device.delete(victim)
-                self.counters.add("device.evicted")
+            return True
+        to_target = already is None and not target.contains(key)
+        to_device = self.options.keep_in_device and target.name != "device" and "device" in self.store.names
+        if not to_target and not to_device:
+            return True
+        for layer, (k_dst, v_dst) in enumerate(self.layout.kv_views(block)):
+            keys, values = cache.layer_kv(layer)
+            k_dst.copy_(keys[0, :, start : start + size].transpose(0, 1))
+            v_dst.copy_(values[0, :, start : start + size].transpose(0, 1))
+        if to_device:
+            self._device_put(key, block, namespace)
+        if not to_target:
+            return True
+        if target.name == "device":
+            # L1 is the node's working set, not registered in the directory: LRU within capacity.
+            if self._device_put(key, block, namespace):
+                trace.written_blocks += 1
+            return True
+        try:
+            result = target.put(key, block)
+        except TierFull as exc:
+            self.counters.add(f"write_back.{target.name}.full")
+            log.warning("write-back skipped: %s", exc)
+            return to_device
+        except MISSES as exc:
+            self.counters.add(f"write_back.{target.name}.failed")
+            log.warning("write-back failed: %s", exc)
+            return to_device
+        trace.written_blocks += 1
+        registrations.append(BlockRegistration(
+            namespace=namespace, model_key=self.model_key, prefix_key=key,
+            content_key=content_key, position=start, tokens=size, tier=target.name,
+            node=None if target.name == "remote" else self.node, nbytes=self.layout.block_bytes,
+            checksum=result.checksum.hex if result.checksum else "",
+        ))
+        return True
+
+    def _device_put(self, key: uuid.UUID, block: torch.Tensor, namespace: str) -> bool:
+        """Keep a copy in the device pool (the working set evicts least recently used blocks, and
+        holds the namespace's priority class to its share)."""
+        return self.working_set.put(key, block, namespace=namespace) if self.working_set is not None else False
 
     def _device_touch(self, key: uuid.UUID) -> None:
-        if key in self._device_lru:
-            self._device_lru.move_to_end(key)
+        if self.working_set is not None:
+            self.working_set.touch(key)
 
-    def _forget(self, hit: Hit) -> None:
-        if hit.tier == "device":
-            self._device_lru.pop(hit.key, None)
+    def _forget(self, hit: Hit, cause: BaseException, namespace: str) -> None:
+        """A hit that could not be loaded. A device copy leaves the working set; a copy that failed
+        its checksum (the tier has already dropped its bytes) is quarantined in the directory at
+        once, so no node is sent to it again before the reconciler runs."""
+        if hit.tier == "device" and self.working_set is not None:
+            self.working_set.forget(hit.key)
+        causes = getattr(cause, "causes", ()) or (cause,)
+        corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != "device"})
+        if corrupt and self.directory is not None:
+            self.directory.change_placements(changes=[
+                PlacementChange(namespace=namespace, model_key=self.model_key, prefix_key=hit.key, tier=tier,
+                                node=None if tier == "remote" else self.node, action="corrupt")
+                for tier in corrupt])
+            self.counters.add("quarantined", len(corrupt))

@@ -44,6 +44,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen2": Preset("qwen2", 64, 2, 4, 2, 128, 512, 4096, "float32"),
     "tiny-mistral": Preset("mistral", 64, 2, 4, 2, 128, 512, 4096, "float32"),
     "small": Preset("llama", 256, 4, 8, 2, 688, 4096, 16384, "float32"),
+    "small-deep": Preset("llama", 256, 16, 8, 2, 688, 4096, 16384, "float32"),
     "bench": Preset("llama", 1024, 8, 16, 4, 2816, 32000, 16384, "bfloat16"),
 }
 _CONFIGS: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}

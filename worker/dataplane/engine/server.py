@@ -103,12 +103,16 @@ class EngineMetrics:
         hits = CounterMetricFamily("strata_hit_tokens", "Prompt tokens served from the cache.", labels=["node"])
         hits.add_metric([self.node], counts.get("hit_tokens", 0))
         blocks = CounterMetricFamily("strata_hit_blocks", "Blocks served from the cache, by tier.", labels=["node", "tier"])
+        tier_tokens = CounterMetricFamily("strata_hit_tier_tokens", "Prompt tokens served from the cache, by the tier "
+                                          "that held them (every hit block is a full block).", labels=["node", "tier"])
         decisions = CounterMetricFamily("strata_load_decisions", "Load-or-recompute decisions.", labels=["node", "decision"])
         failures = CounterMetricFamily("strata_load_failures", "Loads that failed (block missing or corrupt) and were recomputed.", labels=["node"])
         failures.add_metric([self.node], counts.get("load_failures", 0))
         for name, value in counts.items():
             if name.startswith("hit_blocks."):
                 blocks.add_metric([self.node, name.removeprefix("hit_blocks.")], value)
+                tier_tokens.add_metric([self.node, name.removeprefix("hit_blocks.")],
+                                       value * self.engine.layout.block_tokens)
             elif name.startswith("decision."):
                 decisions.add_metric([self.node, name.removeprefix("decision.")], value)
         store = CounterMetricFamily("strata_store_events", "Tier events of the node's store (corrupt, quarantined, unavailable, ...).", labels=["node", "event"])
@@ -119,7 +123,42 @@ class EngineMetrics:
         for name, usage in self.engine.store.usage().items():
             used.add_metric([self.node, name], usage.used_bytes)
             capacity.add_metric([self.node, name], usage.capacity_bytes)
-        yield from (lookup, hits, blocks, decisions, failures, store, used, capacity)
+        yield from (lookup, hits, blocks, tier_tokens, decisions, failures, store, used, capacity)
+        yield from self._blend(counts)
+
+    def _blend(self, counts: Mapping[str, int]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Fragment reuse: reused tokens by kind, recomputed tokens, quality samples, current r per namespace."""
+        reused = CounterMetricFamily("strata_reused_tokens", "Prompt tokens whose KV came from the cache, by kind "
+                                     "(prefix: exact leading blocks; fragment: blocks matched elsewhere in the prompt).",
+                                     labels=["node", "kind"])
+        for kind in ("prefix", "fragment"):
+            reused.add_metric([self.node, kind], counts.get(f"reused_tokens.{kind}", 0))
+        recomputed = CounterMetricFamily("strata_blend_recomputed_tokens",
+                                         "Fragment tokens recomputed by selective recompute.", labels=["node"])
+        recomputed.add_metric([self.node], counts.get("blend.recomputed_tokens", 0))
+        requests = CounterMetricFamily("strata_blend_requests", "Requests prefilled with reused fragments.",
+                                       labels=["node"])
+        requests.add_metric([self.node], counts.get("blend.requests", 0))
+        samples = CounterMetricFamily("strata_blend_quality_samples", "Blended requests compared with a full prefill, "
+                                      "by result (agreed, disagreed, dropped when the checker was busy).",
+                                      labels=["node", "result"])
+        for result in ("agreed", "disagreed", "dropped"):
+            samples.add_metric([self.node, result], counts.get(f"blend.samples_{result}", 0))
+        changes = CounterMetricFamily("strata_blend_adjustments", "Auto-tune actions: r raised, or fallen back to "
+                                      "prefix-only reuse.", labels=["node", "action"])
+        changes.add_metric([self.node, "raised"], counts.get("blend.ratio_raised", 0))
+        changes.add_metric([self.node, "fallback"], counts.get("blend.fallbacks", 0))
+        ratio = GaugeMetricFamily("strata_blend_recompute_percent", "Current recompute ratio r per namespace "
+                                  "(percent of fragment tokens recomputed).", labels=["node", "model", "namespace"])
+        mode = GaugeMetricFamily("strata_blend_prefix_only", "1 where a namespace has fallen back to prefix-only reuse.",
+                                 labels=["node", "model", "namespace"])
+        tuner = self.engine.tuner
+        if tuner is not None:
+            for namespace, state in tuner.snapshot().items():
+                labels = [self.node, self.engine.model.name, namespace]
+                ratio.add_metric(labels, float(state["recompute_percent"]))  # type: ignore[arg-type]
+                mode.add_metric(labels, 1.0 if state["mode"] == "prefix-only" else 0.0)
+        yield from (reused, recomputed, requests, samples, changes, ratio, mode)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -183,6 +222,31 @@ class NodeServer:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{NAMESPACE_HEADER} must be 1-63 letters, digits, '-', '_' or '.'")
         return namespace
 
+    def blend_report(self) -> dict[str, Any]:
+        """Fragment reuse of this node: settings, counters, and the state of every namespace."""
+        engine = self.engine
+        counts = engine.counters.snapshot()
+        options = engine.blend_options
+        prefix = counts.get("reused_tokens.prefix", 0)
+        fragment = counts.get("reused_tokens.fragment", 0)
+        return {
+            "node": self.node, "model": engine.model.name, "enabled": engine.tuner is not None,
+            "settings": {"recompute_percent": options.recompute_percent,
+                         "namespace_percent": dict(options.namespace_percent), "selection": options.selection,
+                         "check_layer": options.check_layer, "sample_rate": options.sample_rate,
+                         "agreement_threshold": options.agreement_threshold, "max_kl": options.max_kl,
+                         "max_percent": options.max_percent},
+            "reused_tokens": {"prefix": prefix, "fragment": fragment},
+            "recomputed_tokens": counts.get("blend.recomputed_tokens", 0),
+            "recompute_ratio": counts.get("blend.recomputed_tokens", 0) / fragment if fragment else 0.0,
+            "requests": counts.get("blend.requests", 0),
+            "quality_samples": {result: counts.get(f"blend.samples_{result}", 0)
+                                for result in ("agreed", "disagreed", "dropped")},
+            "adjustments": {"raised": counts.get("blend.ratio_raised", 0),
+                            "fallback": counts.get("blend.fallbacks", 0)},
+            "namespaces": engine.tuner.snapshot() if engine.tuner is not None else {},
+        }
+
     def check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -237,6 +301,10 @@ class NodeServer:
         if body.get("n", 1) != 1:
             raise ApiError(HTTPStatus.BAD_REQUEST, "n must be 1 (one choice per request)", param="n")
         stops = _stop_field(body)
+        segments = body.get("segments")
+        blend = body.get("blend")
+        if blend is not None and not isinstance(blend, bool):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "blend must be true or false", param="blend")
         context = self.engine.model.max_context
         if len(prompt) + max_tokens > context:
             raise ApiError(HTTPStatus.BAD_REQUEST,
@@ -271,7 +339,7 @@ class NodeServer:
             result = self.engine.generate(
                 prompt, max_tokens=max_tokens, namespace=namespace, on_token=on_token,
                 stop_ids=[eos] if eos is not None and not body.get("ignore_eos") else [],
-                temperature=temperature, seed=seed,
+                temperature=temperature, seed=seed, segments=segments, blend=blend,
             )
         except ValueError as exc:
             # The engine names the field (e.g. "namespace: no namespace named 'x'").
@@ -292,7 +360,10 @@ class NodeServer:
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(result.output_ids),
                 "total_tokens": len(prompt) + len(result.output_ids),
-                "prompt_tokens_details": {"cached_tokens": result.trace.cached_tokens},
+                "prompt_tokens_details": {"cached_tokens": result.trace.cached_tokens,
+                                          "prefix_tokens": result.trace.prefix_tokens,
+                                          "fragment_tokens": result.trace.fragment_tokens,
+                                          "recomputed_tokens": result.trace.recomputed_tokens},
             },
             "trace": result.trace,
         }
@@ -329,6 +400,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path.startswith("/v1/strata/requests"):
             traces = [t.as_dict() for t in list(self.app.engine.traces)[-50:]]
             self._send_json(HTTPStatus.OK, {"node": self.app.node, "requests": traces[::-1]})
+        elif self.path == "/v1/strata/blend":
+            self._send_json(HTTPStatus.OK, self.app.blend_report())
         elif self.path == "/livez":
             self._send_json(HTTPStatus.OK, {"status": "ok"})
         else:

@@ -9,6 +9,9 @@ lives in the hash ``<prefix>:usage`` (fields ``bytes`` and ``blocks``), shared b
   extra copy of the block); a cluster that redirects falls back to an ordinary SET.
 * Batched layer reads are one pipeline: per block, a GETRANGE of the header and one of the
   layers; every byte returned is hashed while it is copied into the destination.
+* A whole-block read into host memory (a movement's source read or verification) is one GET
+  whose reply the socket writes straight into the header buffer and the destination
+  (``recv_into``); the layers are then hashed in place and verified.
 * Redis down (connection refused, timeout, loading, cluster down) raises TierUnavailable and is
   counted; redis-py reconnects on the next call, so the tier recovers when Redis returns.
 
@@ -77,6 +80,14 @@ _ACCOUNTING_ERRORS = (*UNAVAILABLE_ERRORS, redis.exceptions.OutOfMemoryError)
 """Quota bookkeeping that fails after the data operation is dropped: the data is what counts."""
 
 RedisClient = redis.Redis | redis.cluster.RedisCluster
+
+
+class _ValueLength(Exception):
+    """A GET reply whose length is not a block value's; the reply is left unread."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
 
 
 def redis_client(url: str, *, cluster: bool = False, timeout_s: float = 2.0) -> RedisClient:
@@ -287,10 +298,110 @@ class RemoteTier(Tier):
         return staging[: dst.numel()]
 
     def get(self, key: uuid.UUID, out: torch.Tensor) -> ReadResult:
-        result = self._read_batch([key], range(self.layout.layers), [self._block_bytes(out)])[0]
+        dst = self._block_bytes(out)
+        if dst.device.type == "cpu" and isinstance(self.client, redis.Redis):
+            return self._get_direct(key, dst)
+        result = self._read_batch([key], range(self.layout.layers), [dst])[0]
         if isinstance(result, BaseException):
             raise result
         return result
+
+    def _get_direct(self, key: uuid.UUID, dst: torch.Tensor) -> ReadResult:
+        """A whole block into host memory with one GET, received straight into place: redis-py's
+        parser would gather the reply in its buffer and copy it into a bytes object (measured on
+        a unix socket: 0.15-0.27 GB/s for a 32 MiB GET, 0.4 GB/s as 2 MiB GETRANGEs, 0.8-1.1
+        GB/s received into place). The bytes are hashed in place and verified before returning."""
+        layout = self.layout
+        header = getattr(self._local, "header", None)
+        if header is None:
+            header = self._local.header = bytearray(self.header_bytes)
+        with self._medium():
+            length = self._receive_value(self.key_name(key), memoryview(header), host_view(dst))
+        if length is None:
+            self.counters.add(f"{self.name}.misses")
+            raise BlockMissing(key, tier=self.name)
+        if length != self.value_bytes:
+            raise self._corrupt(key, f"value is {length} bytes, a block's is {self.value_bytes}")
+        checksum = self._parse_header(key, bytes(header))
+        lb, base = layout.layer_bytes, dst.data_ptr()
+        layers = range(layout.layers)
+        spans = [Span(src=base + j * lb, nbytes=lb, prefix=layer_prefix(key, j)) for j in layers]
+        self._verify(key, layers, self.engine.run(spans), checksum.layers)
+        self.counters.add(f"{self.name}.hits")
+        self.counters.add(f"{self.name}.bytes_read", layout.block_bytes)
+        return ReadResult(
+            key=key, tier=self.name, layers=layers, nbytes=layout.block_bytes, checksum=checksum
+        )
+
+    def _receive_value(self, name: bytes, header: memoryview, data: memoryview) -> int | None:
+        """GET `name` on a pooled connection, receiving a value of exactly header + data bytes
+        into them; returns the value's length (another length is left unread, the connection
+        dropped), None when the key does not exist. A broken connection is retried once."""
+        pool = self.client.connection_pool
+        for attempt in range(2):
+            connection = pool.get_connection()
+            try:
+                connection.send_command("GET", name)
+                return self._receive_bulk(connection, [header, data])
+            except _ValueLength as wrong:
+                connection.disconnect()
+                return wrong.length
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                connection.disconnect()
+                if attempt:
+                    raise  # a second failure on a fresh connection: the server is really gone
+            except BaseException:
+                connection.disconnect()
+                raise
+            finally:
+                pool.release(connection)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _receive_bulk(connection: Any, parts: list[memoryview]) -> int | None:
+        """Read one RESP bulk-string reply from the connection's socket into `parts`, in order."""
+        sock = connection._sock
+        if sock is None:
+            raise redis.exceptions.ConnectionError("the connection closed before the reply")
+
+        def recv_into(view: memoryview) -> int:
+            try:
+                n = sock.recv_into(view)
+            except TimeoutError as exc:
+                raise redis.exceptions.TimeoutError(f"Timeout reading from socket: {exc}") from exc
+            except OSError as exc:
+                raise redis.exceptions.ConnectionError(f"Error reading from socket: {exc}") from exc
+            if n == 0:
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+            return n
+
+        head = bytearray(64)
+        got = 0
+        while (end := head.find(b"\r\n", 0, got)) < 0:
+            if got == len(head):
+                raise redis.exceptions.InvalidResponse(f"reply line too long: {bytes(head[:20])!r}")
+            got += recv_into(memoryview(head)[got:])
+        kind, line = head[:1], bytes(head[1:end])
+        if kind == b"-":
+            raise connection._parser.parse_error(line.decode(errors="replace"))
+        if kind == b"_" or (kind == b"$" and line == b"-1"):
+            return None
+        if kind != b"$":
+            raise redis.exceptions.InvalidResponse(f"unexpected reply {bytes(head[:got])!r} to GET")
+        length = int(line)
+        if length != sum(len(part) for part in parts):
+            raise _ValueLength(length)
+        rest = memoryview(head)[end + 2 : got]
+        tail = bytearray(2)
+        for part in [*parts, memoryview(tail)]:
+            filled = min(len(rest), len(part))
+            part[:filled] = rest[:filled]
+            rest = rest[filled:]
+            while filled < len(part):
+                filled += recv_into(part[filled:])
+        if tail != b"\r\n":
+            raise redis.exceptions.InvalidResponse("a bulk reply did not end with CRLF")
+        return length
 
     def get_layers(
         self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]

@@ -1,0 +1,51 @@
+"""The trained fixture model: its accuracy and the cost of fragment reuse are what its quality.json documents."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import blend_model
+from tests.blend.conftest import FIXTURE_MODEL
+
+pytestmark = pytest.mark.skipif(not (FIXTURE_MODEL / "config.json").exists(),
+                                reason="the trained fixture model is missing (python -m benchmarks.blend_model train)")
+
+
+@pytest.fixture(scope="module")
+def documented() -> dict:
+    return json.loads((FIXTURE_MODEL / "quality.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def measured(documented) -> dict:
+    return blend_model.quality_report(FIXTURE_MODEL, **documented["arguments"])
+
+
+def test_the_fixture_is_small_and_in_safetensors():
+    weights = FIXTURE_MODEL / "model.safetensors"
+    assert weights.exists() and weights.stat().st_size < 8 * 1024 * 1024
+
+
+def test_accuracy_is_as_documented(documented, measured):
+    for variant, row in documented["report"].items():
+        # The same seeded questions on the same weights: equal up to floating-point ties (1 question).
+        assert measured[variant]["accuracy"] == pytest.approx(row["accuracy"], abs=1.01 / documented["arguments"]["questions"]), variant
+
+
+def test_the_model_has_learnt_the_task(measured):
+    assert measured["full"]["accuracy"] >= 0.9
+
+
+def test_prefix_only_reuse_is_exact(measured):
+    assert measured["prefix_only"]["accuracy"] == measured["full"]["accuracy"]
+    assert measured["prefix_only"]["kl"] < 1e-6
+
+
+def test_more_recompute_means_closer_to_full_prefill(measured):
+    kl = [measured[f"blend_r{p}"]["kl"] for p in (0, 5, 15, 30)]
+    assert kl[0] >= kl[-1]
+    # Every passage was seen before: nearly all of each prompt's passage tokens come from the cache.
+    passages = documented_passages = 8 * blend_model.PASSAGE_TOKENS
+    assert all(measured[f"blend_r{p}"]["reused_tokens"] >= 0.9 * passages for p in (0, 30)), documented_passages

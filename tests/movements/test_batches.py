@@ -1,0 +1,155 @@
+"""A batch of movements executed together against a real TieredStore and the real PostgreSQL:
+reserved, copied through the pipeline and flipped in waves, each movement still concluded on its
+own (a corrupt source fails only its own move, a stale one is only cancelled) and the bytes and
+invariants stay right."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+import worker.movements as glue
+from controlplane.directory.choices import PlacementState
+from controlplane.directory.models import Block, Placement
+from controlplane.directory.services import placement_mark_corrupt
+from controlplane.movements.choices import MovementKind, MovementState
+from controlplane.movements.invariants import invariants_check
+from controlplane.movements.models import Movement, MovementTally
+from controlplane.movements.planner import PlannedMovement
+from controlplane.movements.services import movements_record
+from tests.movements.conftest import BLOCK_BYTES, node_report, placements, random_block
+from worker.movements import MovementExecutor, MovementOptions
+
+B = BLOCK_BYTES
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def node(db):  # type: ignore[no-untyped-def]
+    return node_report("gpu-0", host=(16 * B, 0), disk=(16 * B, 0), remote=(16 * B, 0))
+
+
+@pytest.fixture
+def store(store_factory):  # type: ignore[no-untyped-def]
+    return store_factory()
+
+
+def _blocks(store, make_blocks, tier: str, count: int) -> list[tuple[Block, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    made = []
+    for seed in range(count):
+        key = uuid.uuid4()
+        data = random_block(store.layout, 100 + seed)
+        checksum = store.put(key, data, tier=tier).checksum.hex
+        [block] = make_blocks(1, tier=tier, node=None if tier == "remote" else "gpu-0", keys=[key],
+                              checksums=[checksum])
+        made.append((block, data.clone()))
+    return made
+
+
+def _record(blocks: list[Block], kind: str, dst_tier: str) -> list[int]:
+    planned = []
+    for block in blocks:
+        source = Placement.objects.get(block=block)
+        planned.append(PlannedMovement(
+            block_id=block.id, kind=kind, reason="manual", src_placement_id=source.id, src_epoch=source.epoch,
+            src_tier=source.tier, src_node=source.node.name if source.node else "", dst_tier=dst_tier,
+            dst_node="" if dst_tier == "remote" else "gpu-0", exec_node="gpu-0", bytes=source.size_bytes))
+    return movements_record(plan_id=uuid.uuid4(), movements=planned, policy_version=1, mode="",
+                            now=Placement.objects.first().updated_at)
+
+
+def _read(store, block: Block, tier: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    out = store.layout.empty()
+    store.tier(tier).get(block.prefix_key, out)
+    return out
+
+
+@pytest.mark.parametrize("verify", ["full", "header"])
+def test_a_batch_moves_in_waves_and_concludes_each_movement_on_its_own(node, store, make_blocks, monkeypatch,
+                                                                       verify):
+    monkeypatch.setattr(glue, "WAVE_BYTES", 2 * B)  # waves of two blocks: reserve, copy, flip overlap
+    made = _blocks(store, make_blocks, "disk", 7)
+    blocks = [block for block, _ in made]
+    ids = _record(blocks, MovementKind.MOVE, "remote")
+    corrupt, stale = blocks[2], blocks[5]
+    path = store.tier("disk").path_of(corrupt.prefix_key)
+    with open(path, "r+b") as f:  # one data byte of one source flipped on the medium
+        f.seek(os.path.getsize(path) - 100)
+        byte = f.read(1)
+        f.seek(os.path.getsize(path) - 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    placement_mark_corrupt(placement_id=Placement.objects.get(block=stale).id)  # changed since planning
+
+    outcomes = MovementExecutor(node="gpu-0", store=store, options=MovementOptions(verify=verify)).run("move", ids)
+
+    states = {o.movement_id: o.state for o in outcomes}
+    assert [o.movement_id for o in outcomes] == ids
+    for (block, original), ident in zip(made, ids, strict=True):
+        if block == corrupt:
+            assert states[ident] == MovementState.FAILED
+            assert "quarantined" in Movement.objects.get(id=ident).error
+            assert placements(block) == {("disk", "gpu-0"): PlacementState.CORRUPT}
+            assert store.contains(block.prefix_key) == ()
+        elif block == stale:
+            assert states[ident] == MovementState.CANCELLED
+            assert "changed since planning" in Movement.objects.get(id=ident).detail
+            assert placements(block) == {("disk", "gpu-0"): PlacementState.CORRUPT}
+        else:
+            assert states[ident] == MovementState.DONE
+            assert placements(block) == {("remote", ""): PlacementState.READY}
+            assert store.contains(block.prefix_key) == ("remote",)
+            assert torch.equal(_read(store, block, "remote"), original)
+            copy = Placement.objects.get(block=block)
+            assert copy.checksum == store.tier("remote").checksum(block.prefix_key).hex
+    done = MovementTally.objects.get(kind="move", result="done")
+    assert (done.blocks, done.bytes) == (5, 5 * B)
+    assert all(m.attempts == 1 and m.duration_s is not None for m in Movement.objects.filter(id__in=ids))
+    report = invariants_check(stores={"gpu-0": store})
+    assert report.ok, report.violations
+
+    # Delivered again (a duplicate message): every movement is finished, nothing changes.
+    again = MovementExecutor(node="gpu-0", store=store).run("move", ids)
+    assert {o.state for o in again} == {"skipped"}
+    assert placements(blocks[0]) == {("remote", ""): PlacementState.READY}
+
+
+def test_a_batch_of_warm_ups_keeps_the_remote_copies(node, store, make_blocks, monkeypatch):
+    monkeypatch.setattr(glue, "WAVE_BYTES", 3 * B)
+    made = _blocks(store, make_blocks, "remote", 5)
+    ids = _record([block for block, _ in made], MovementKind.WARM, "host")
+    outcomes = MovementExecutor(node="gpu-0", store=store).run("warm", ids + ids[:1])  # a duplicate id too
+    assert [o.state for o in outcomes] == [MovementState.DONE] * 6
+    for block, original in made:
+        assert placements(block) == {("remote", ""): PlacementState.READY, ("host", "gpu-0"): PlacementState.READY}
+        assert torch.equal(_read(store, block, "host"), original)
+    assert Movement.objects.filter(id__in=ids, attempts=1).count() == 5
+    assert invariants_check(stores={"gpu-0": store}).ok
+
+
+def test_an_attempt_whose_target_a_newer_attempt_took_over_steps_aside(node, store, make_blocks, monkeypatch):
+    """Two attempts of one movement at once (a retried task while the first still runs): the
+    older one's flip is refused and it neither drops the newer one's target nor records a result."""
+    from controlplane.directory.services import placement_create_pending, placement_mark_deleting
+
+    [(block, original)] = _blocks(store, make_blocks, "host", 1)
+    [ident] = _record([block], MovementKind.MOVE, "disk")
+    real_flip = glue.placement_flip
+    newer = {}
+
+    def flip_after_a_newer_attempt(**kwargs):  # type: ignore[no-untyped-def]
+        target = Placement.objects.get(id=kwargs["target_id"])
+        placement_mark_deleting(placement_id=target.id, epoch=target.epoch)
+        newer["target"] = placement_create_pending(block_id=block.id, tier="disk", node="gpu-0", size_bytes=B)
+        return real_flip(**kwargs)
+
+    monkeypatch.setattr(glue, "placement_flip", flip_after_a_newer_attempt)
+    [outcome] = MovementExecutor(node="gpu-0", store=store).run("move", [ident])
+    assert outcome.state == "skipped" and "taken over by a newer attempt" in outcome.detail
+    assert Movement.objects.get(id=ident).state == MovementState.RUNNING  # the newer attempt records it
+    target = Placement.objects.get(id=newer["target"].id)
+    assert (target.state, target.epoch) == (PlacementState.PENDING, newer["target"].epoch)
+    assert placements(block)[("host", "gpu-0")] == PlacementState.READY
+    assert torch.equal(_read(store, block, "host"), original)

@@ -1,0 +1,1 @@
+"""Fragment reuse beyond prefixes: content-key matching anywhere in a prompt, RoPE re-alignment, selective recompute."""

@@ -1,0 +1,184 @@
+"""Selective recompute (CacheBlend): prefill a prompt whose middle comes from cached fragments.
+
+Reused fragments were computed in another context, so their KV lacks the attention to what now
+precedes them. Recomputing everything would waste the cache; recomputing nothing lets those
+errors reach the answer. CacheBlend's middle way, done here layer by layer over the model's own
+modules:
+
+- layers before the check layer are computed for every token (the first layer's KV of a
+  fragment is exact once re-aligned, but its output feeds the deviation test);
+- at the check layer the fresh K/V of every reused token is compared with its re-aligned cached
+  K/V; the r% with the largest deviation are selected;
+- from there on only the new tokens and the selected ones are computed; every other reused
+  token keeps its cached (re-aligned) KV, which the computed tokens attend to.
+
+`chunk-start` selection (EPIC) picks the first r% tokens of every reused run instead and needs no
+check layer, so even the first layers skip the other reused tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.dataplane.blend.matching import Fragment
+from worker.dataplane.blend.rope import rotate, rotate_half, rotation
+from worker.dataplane.engine.cache import StrataCache
+
+LayerSource = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+"""Given a layer: the loaded prefix K, V `[1, kv_heads, prefix, head_dim]` and the fragments' K, V
+`[1, kv_heads, fragment tokens, head_dim]` as stored (not yet re-aligned), fragments in prompt order.
+It waits for that layer's load (the sync point) and raises LoadFailed if it failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlendPlan:
+    prefix_len: int
+    fragments: Sequence[Fragment]
+    """Sorted by start, inside [prefix_len, len(prompt) - 1)."""
+    recompute_ratio: float
+    """r as a fraction, 0..1."""
+    selection: str = "deviation"
+    check_layer: int = 1
+
+
+@dataclasses.dataclass
+class BlendOutcome:
+    cache: StrataCache
+    logits: torch.Tensor
+    """Logits of the last prompt position."""
+    reused_tokens: int
+    """Fragment tokens whose cached KV was kept (not recomputed)."""
+    recomputed_tokens: int
+    """Fragment tokens recomputed (selected by deviation or chunk start)."""
+    computed_tokens_per_layer: list[int]
+
+
+def _chunk_start_selection(plan: BlendPlan, rel_start: int) -> list[int]:
+    chosen: list[int] = []
+    for fragment in plan.fragments:
+        count = math.ceil(plan.recompute_ratio * fragment.tokens)
+        base = fragment.start - rel_start
+        chosen.extend(range(base, base + count))
+    return chosen
+
+
+def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: LayerSource,
+                  *, device: torch.device) -> BlendOutcome:
+    """Prefill `prompt` with the prefix and the fragments taken from `source`, recomputing r% of
+    the fragment tokens; returns the full KV of every layer (ready for decoding) and the logits."""
+    base = model.model
+    layers = base.layers
+    n = len(prompt)
+    P = plan.prefix_len
+    span = n - P
+    if span < 1:
+        raise ValueError("prompt: the last token must be computed")
+    reused = torch.zeros(span, dtype=torch.bool)
+    shift = torch.zeros(span, dtype=torch.long)
+    for fragment in plan.fragments:
+        if fragment.start < P or fragment.end > n - 1:
+            raise ValueError(f"fragment at {fragment.start}..{fragment.end} lies outside {P}..{n - 1}")
+        reused[fragment.start - P : fragment.end - P] = True
+        shift[fragment.start - P : fragment.end - P] = fragment.shift
+    reused_idx = reused.nonzero().squeeze(1)
+    fresh_idx = (~reused).nonzero().squeeze(1)
+    m = int(reused_idx.numel())
+    keep_count = min(m, math.ceil(plan.recompute_ratio * m - 1e-9))
+    check_layer: int | None = plan.check_layer
+    if plan.selection == "chunk-start" or keep_count >= m:
+        selected = reused_idx if keep_count >= m else torch.tensor(_chunk_start_selection(plan, P), dtype=torch.long)
+        computed = torch.sort(torch.cat([fresh_idx, selected])).values
+        check_layer = None
+        recomputed = int(selected.numel())
+    else:
+        computed = torch.arange(span)
+        recomputed = 0
+    reused_dev = reused_idx.to(device)
+    rotary = base.rotary_emb
+    # The shift of every reused token is the same at every layer: one cos/sin for all of them.
+    shift_angles = rotation(rotary, shift[reused_idx].to(device)) if m else None
+    ids = torch.tensor(prompt, device=device)
+    hidden = base.embed_tokens(ids[P:][computed.to(device)]).unsqueeze(0)
+    # New tokens get RoPE exactly as the model applies it (in its dtype), so r = 100% is a full prefill.
+    probe = torch.empty(0, dtype=hidden.dtype, device=device)
+    key_positions = torch.arange(n, device=device)
+    cache = StrataCache(layers=len(layers))
+    per_layer: list[int] = []
+    angles: tuple[torch.Tensor, torch.Tensor] | None = None  # of the computed positions; reset when they change
+    computed_dev = computed.to(device)
+    for li, layer in enumerate(layers):
+        prefix_k, prefix_v, frag_k, frag_v = source(li)
+        attn = layer.self_attn
+        head_dim = attn.head_dim
+        everything = int(computed_dev.numel()) == span
+        x = layer.input_layernorm(hidden)
+        c = x.shape[1]
+        q = attn.q_proj(x).view(1, c, -1, head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(1, c, -1, head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(1, c, -1, head_dim).transpose(1, 2)
+        positions = computed_dev + P
+        if angles is None:
+            cos, sin = rotary(probe, position_ids=positions.unsqueeze(0))
+            angles = (cos.unsqueeze(1), sin.unsqueeze(1))
+        cos, sin = angles
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        kv_heads = k.shape[1]
+        keys = torch.empty(1, kv_heads, span, head_dim, dtype=k.dtype, device=device)
+        values = torch.empty_like(keys)
+        if m:
+            assert shift_angles is not None
+            keys.index_copy_(2, reused_dev, rotate(frag_k, shift_angles).to(k.dtype))
+            values.index_copy_(2, reused_dev, frag_v.to(v.dtype))
+        if li == check_layer:
+            # Every token was computed so far: rows of q/k/v/hidden are relative positions 0..span-1.
+            deviation = ((k.index_select(2, reused_dev).float() - keys.index_select(2, reused_dev).float()) ** 2
+                         ).sum(dim=(0, 1, 3))
+            deviation += ((v.index_select(2, reused_dev).float() - values.index_select(2, reused_dev).float()) ** 2
+                          ).sum(dim=(0, 1, 3))
+            top = torch.topk(deviation, keep_count).indices.cpu() if keep_count else torch.empty(0, dtype=torch.long)
+            selected = reused_idx[top]
+            recomputed = int(selected.numel())
+            computed = torch.sort(torch.cat([fresh_idx, selected])).values
+            rows = computed.to(device)
+            hidden, q, k, v = hidden[:, rows], q[:, :, rows], k[:, :, rows], v[:, :, rows]
+            computed_dev = rows
+            positions = computed_dev + P
+            angles = None
+            everything = False
+        keys.index_copy_(2, computed_dev, k)
+        values.index_copy_(2, computed_dev, v)
+        full_k = torch.cat([prefix_k.to(k.dtype), keys], dim=2) if P else keys
+        full_v = torch.cat([prefix_v.to(v.dtype), values], dim=2) if P else values
+        gqa = q.shape[1] != kv_heads
+        if everything and (P == 0 or li == 0):
+            # Every position from P on is a query: a plain causal attention (the fast kernel). The
+            # prefix rows are added as queries too where they are cheap (layer 0: from embeddings).
+            if P:
+                px = layer.input_layernorm(base.embed_tokens(ids[:P]).unsqueeze(0))
+                pq = attn.q_proj(px).view(1, P, -1, head_dim).transpose(1, 2)
+                pcos, psin = rotary(probe, position_ids=key_positions[:P].unsqueeze(0))
+                pq = pq * pcos.unsqueeze(1) + rotate_half(pq) * psin.unsqueeze(1)
+                out = F.scaled_dot_product_attention(torch.cat([pq, q], dim=2), full_k, full_v, is_causal=True,
+                                                     scale=attn.scaling, enable_gqa=gqa)[:, :, P:]
+            else:
+                out = F.scaled_dot_product_attention(q, full_k, full_v, is_causal=True, scale=attn.scaling,
+                                                     enable_gqa=gqa)
+        else:
+            mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
+            out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=attn.scaling,
+                                                 enable_gqa=gqa)
+        out = attn.o_proj(out.transpose(1, 2).reshape(1, out.shape[2], -1))
+        hidden = hidden + out
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        cache.fill(li, full_k, full_v)
+        per_layer.append(int(hidden.shape[1]))
+    logits = model.lm_head(base.norm(hidden[:, -1:]))[0, -1]
+    return BlendOutcome(cache=cache, logits=logits, reused_tokens=m - recomputed, recomputed_tokens=recomputed,
+                        computed_tokens_per_layer=per_layer)

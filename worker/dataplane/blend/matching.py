@@ -1,0 +1,142 @@
+"""Finding reusable fragments anywhere in a prompt: a rolling content-key scan, then a non-overlapping choice.
+
+Every stored block carries a position-independent content key. A new prompt is scanned window
+by window (every token offset, block-sized windows); each window whose content key is known -
+in this node's own index or in the directory - is a candidate. The chosen fragments are the
+non-overlapping set that reuses the most blocks, the faster tiers winning ties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import uuid
+from collections.abc import Iterable, Sequence
+
+from worker.dataplane.blend.options import BlendError
+from worker.dataplane.hashing import encode_tokens
+
+_PERSON_FRAGMENT = b"strata/fragmnt/1"
+TIER_RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragment:
+    """A stored block whose tokens equal the prompt's tokens at [start, start + tokens)."""
+
+    start: int
+    """Where the window starts in the new prompt."""
+    tokens: int
+    key: uuid.UUID
+    """The key its bytes are stored under in the tiers."""
+    source_position: int
+    """Where its first token sat when its KV was computed (RoPE re-alignment shifts by the difference)."""
+    tier: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens
+
+    @property
+    def shift(self) -> int:
+        return self.start - self.source_position
+
+
+def content_keys_at(token_ids: Sequence[int], offsets: Iterable[int], *, ns_salt: bytes, model_key: uuid.UUID,
+                    block_tokens: int) -> dict[int, uuid.UUID]:
+    """The content key of the block-sized window at each offset: the same bytes as
+    `hashing.content_key` of those tokens, computed from one encoding of the prompt."""
+    from worker.dataplane.hashing import _content_key_raw  # noqa: PLC0415 - the one definition of the key
+
+    encoded = encode_tokens(token_ids)
+    model = model_key.bytes
+    width = 4 * block_tokens
+    keys = {}
+    for offset in offsets:
+        window = encoded[4 * offset : 4 * offset + width]
+        if len(window) == width:
+            keys[offset] = uuid.UUID(bytes=_content_key_raw(ns_salt, model, window))
+    return keys
+
+
+def fragment_key(*, ns_salt: bytes, model_key: uuid.UUID, content_key: uuid.UUID, position: int) -> uuid.UUID:
+    """The storage key of a fragment block: a block kept for content reuse only (aligned to a
+    segment, or computed after a blended part). Its own BLAKE2b personalisation keeps it apart
+    from chained prefix keys, so a prefix lookup can never be served fused bytes."""
+    h = hashlib.blake2b(digest_size=16, key=ns_salt, person=_PERSON_FRAGMENT)
+    h.update(model_key.bytes)
+    h.update(content_key.bytes)
+    h.update(position.to_bytes(8, "little"))
+    return uuid.UUID(bytes=h.digest())
+
+
+def choose(candidates: dict[int, Fragment], *, start: int, end: int) -> list[Fragment]:
+    """The non-overlapping candidates inside [start, end) that cover the most blocks; among
+    equal covers the one with the faster tiers (a dynamic programme over offsets, O(n))."""
+    if not candidates:
+        return []
+    # best[i]: (blocks, -tier cost) of the best choice within [i, end).
+    size = end - start + 1
+    best: list[tuple[int, int]] = [(0, 0)] * (size + 1)
+    take: list[bool] = [False] * (size + 1)
+    for i in range(end - 1, start - 1, -1):
+        skip = best[i + 1 - start]
+        chosen = skip
+        fragment = candidates.get(i)
+        if fragment is not None and fragment.end <= end:
+            after = best[fragment.end - start]
+            value = (after[0] + 1, after[1] - TIER_RANK.get(fragment.tier, 9))
+            if value > skip:
+                chosen = value
+                take[i - start] = True
+        best[i - start] = chosen
+    picked = []
+    i = start
+    while i < end:
+        if take[i - start]:
+            fragment = candidates[i]
+            picked.append(fragment)
+            i = fragment.end
+        else:
+            i += 1
+    return picked
+
+
+def check_segments(segments: object, prompt_tokens: int) -> list[tuple[int, int]]:
+    """A request's segment boundaries: [start, end) token offsets into the prompt, in order,
+    not overlapping. Raises BlendError naming the bad entry."""
+    if segments is None:
+        return []
+    if not isinstance(segments, list | tuple):
+        raise BlendError("segments", f"must be a list of [start, end] token offsets, got {type(segments).__name__}")
+    if len(segments) > prompt_tokens:
+        raise BlendError("segments", f"{len(segments)} segments for a prompt of {prompt_tokens} tokens")
+    result: list[tuple[int, int]] = []
+    previous_end = 0
+    for i, segment in enumerate(segments):
+        field = f"segments[{i}]"
+        if not isinstance(segment, list | tuple) or len(segment) != 2 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in segment):
+            raise BlendError(field, f"must be a pair of integers [start, end], got {segment!r}")
+        begin, finish = segment
+        if not 0 <= begin < finish <= prompt_tokens:
+            raise BlendError(field, f"[{begin}, {finish}] must satisfy 0 <= start < end <= {prompt_tokens} "
+                                    "(the prompt's length in tokens)")
+        if begin < previous_end:
+            raise BlendError(field, f"starts at {begin}, inside the previous segment (which ends at {previous_end}); "
+                                    "segments must be in order and must not overlap")
+        previous_end = finish
+        result.append((begin, finish))
+    return result
+
+
+def segment_windows(segments: Sequence[tuple[int, int]], *, block_tokens: int, limit: int) -> list[int]:
+    """Offsets of the whole blocks aligned to each segment's start (where a RAG client's
+    passages begin), ending at or before `limit`."""
+    offsets = []
+    for begin, finish in segments:
+        position = begin
+        while position + block_tokens <= min(finish, limit):
+            offsets.append(position)
+            position += block_tokens
+    return offsets
