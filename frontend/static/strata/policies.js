@@ -240,14 +240,15 @@
       const r = await S.api("/api/v1/policies/dry-run/", { method: "POST", body: proposal });
       if (form) S.clearFieldErrors(form);
       const routes = Object.entries(r.by_route || {});
-      out.replaceChildren(
+      out.replaceChildren(...[
         S.el("p", { class: "notice good", "data-field": "dry-run-summary" },
           "Would move " + S.number(r.moves) + " block(s), " + S.bytes(r.bytes_moved) + ", and evict " +
           S.number(r.evictions) + " block(s), " + S.bytes(r.bytes_evicted) + ". Nothing was moved."),
         routes.length ? S.el("table", { "aria-label": "Dry run by route" },
           S.el("thead", {}, S.el("tr", {}, S.el("th", { scope: "col" }, "Route"), S.el("th", { scope: "col", class: "num" }, "Blocks"), S.el("th", { scope: "col", class: "num" }, "Bytes"))),
           S.el("tbody", {}, ...routes.map(([route, v]) => S.el("tr", {}, S.el("td", {}, route),
-            S.el("td", { class: "num" }, S.number(typeof v === "object" ? v.blocks : v)), S.el("td", { class: "num" }, typeof v === "object" ? S.bytes(v.bytes) : "–"))))) : null);
+            S.el("td", { class: "num" }, S.number(typeof v === "object" ? v.blocks : v)), S.el("td", { class: "num" }, typeof v === "object" ? S.bytes(v.bytes) : "–"))))) : null,
+      ].filter(Boolean));
     } catch (err) {
       if (form) S.showFieldErrors(form, errorsByInput(err));
       out.replaceChildren(S.el("p", { class: "notice bad" }, "Dry run refused: " + err.message));
