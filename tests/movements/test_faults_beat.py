@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import uuid
 from collections import defaultdict
 
 import pytest
@@ -104,5 +105,85 @@ def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, su
             if planner.poll() is None:
                 planner.kill()
                 planner.wait(10)
+            out.close()  # type: ignore[attr-defined]
+        store.close()
+
+
+def test_two_beat_daemons_at_once_never_move_a_block_twice(node_factory, subprocess_env, python, tmp_path):
+    """The deployment mistake itself: two real `celery beat` processes on the same schedule (the
+    database scheduler), both sending the watermark job every second to a real control worker
+    that runs two plans at a time, while a real node executes the moves."""
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    queue = f"control-beat-test-{uuid.uuid4().hex[:8]}"  # this test's own control queue
+    every_second, _ = IntervalSchedule.objects.get_or_create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.exclude(task="movements.plan_watermarks").update(enabled=False)
+    PeriodicTask.objects.filter(task="movements.plan_watermarks").update(interval=every_second, queue=queue,
+                                                                        enabled=True)
+    drain = {"capacity_bytes": 1, "high_watermark": 0.9, "low_watermark": 0.5}
+    existing = TierPolicy.objects.filter(tier="host", node_group="").first()
+    if existing is None:
+        tierpolicy_create(tier="host", comment="drain host", **drain)
+    else:
+        tierpolicy_update(policy=existing, comment="drain host", **drain)
+    nodes = node_factory(tiers="device,host,disk")
+    process, _ = nodes.start()
+    nodes.wait_up(process)
+    store, profile = nodes.config_store()
+    celery = [python, "-m", "celery", "-A", "controlplane.celery_app"]
+    daemons: list[tuple[subprocess.Popen, object]] = []
+    try:
+        seeds = write_blocks(store, profile, nodes.name, 4)
+        commands = [celery + ["worker", "-Q", queue, "-n", f"{queue}@%h", "--pool", "threads", "--concurrency", "2",
+                              "--without-gossip", "--without-mingle", "--loglevel", "INFO"]]
+        commands += [celery + ["beat", "--loglevel", "INFO", f"--pidfile={tmp_path / f'beat-{i}.pid'}",
+                               "--max-interval", "1"] for i in range(2)]
+        beat_env = {**subprocess_env, "DJANGO_SETTINGS_MODULE": "tests.movements.beat_settings"}
+        for i, command in enumerate(commands):
+            out = open(tmp_path / f"daemon-{i}.log", "w+")
+            daemons.append((subprocess.Popen(command, cwd=REPO_ROOT, env=beat_env if i else subprocess_env,
+                                             stdout=out, stderr=subprocess.STDOUT), out))
+        seen_double: list[int] = []
+        deadline = time.monotonic() + PLANNER_SECONDS
+        batch = 0
+        while time.monotonic() < deadline:  # new blocks keep arriving while both beats send
+            batch += 1
+            seeds.update(write_blocks(store, profile, nodes.name, 2, seed=2000 + 10 * batch, wait_heartbeat=False))
+            for _ in range(5):
+                seen_double += _double_in_flight()
+                time.sleep(0.1)
+        for daemon, _ in daemons[1:]:  # stop sending; let the worker and the node finish
+            daemon.terminate()
+            daemon.wait(30)
+        wait_for(lambda: not Movement.objects.filter(state__in=IN_FLIGHT).exists(), timeout=90,
+                 what="the node to finish every planned move")
+        logs = []
+        for _, out in daemons:
+            out.seek(0)  # type: ignore[attr-defined]
+            logs.append(out.read())  # type: ignore[attr-defined]
+        sent = [log.count("Scheduler: Sending due task") for log in logs[1:]]
+        assert all(n >= 5 for n in sent), f"both beats sent the job repeatedly: {sent}"
+        assert logs[0].count("(watermark, policy version") >= 5, "the control worker planned what the beats sent"
+
+        assert seen_double == []
+        movements = list(Movement.objects.order_by("block_id", "started_at"))
+        assert len({m.plan for m in movements}) >= 2
+        by_block: dict[int, list[Movement]] = defaultdict(list)
+        for m in movements:
+            by_block[m.block_id].append(m)
+        for block_id, moves in by_block.items():
+            assert [m.state for m in moves] == [MovementState.DONE], (block_id, [(m.id, m.state, m.detail) for m in moves])
+        assert len(by_block) == len(seeds)
+        assert served_bytes_check(store, seeds) == {"served": len(seeds), "missed": 0}
+        reconcile_and_check({nodes.name: store}, tiers=("host", "disk"))
+    finally:
+        for daemon, out in daemons:
+            if daemon.poll() is None:
+                daemon.terminate()
+                try:
+                    daemon.wait(20)
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+                    daemon.wait(10)
             out.close()  # type: ignore[attr-defined]
         store.close()
