@@ -118,8 +118,9 @@ def test_two_beat_daemons_at_once_never_move_a_block_twice(node_factory, subproc
     queue = f"control-beat-test-{uuid.uuid4().hex[:8]}"  # this test's own control queue
     every_second, _ = IntervalSchedule.objects.get_or_create(every=1, period=IntervalSchedule.SECONDS)
     PeriodicTask.objects.exclude(task="movements.plan_watermarks").update(enabled=False)
-    PeriodicTask.objects.filter(task="movements.plan_watermarks").update(interval=every_second, queue=queue,
-                                                                        enabled=True)
+    # (Created when an earlier transactional test has flushed the rows the migration wrote.)
+    PeriodicTask.objects.update_or_create(name="movements: plan over watermark", defaults={
+        "task": "movements.plan_watermarks", "interval": every_second, "queue": queue, "enabled": True})
     drain = {"capacity_bytes": 1, "high_watermark": 0.9, "low_watermark": 0.5}
     existing = TierPolicy.objects.filter(tier="host", node_group="").first()
     if existing is None:
