@@ -270,3 +270,77 @@ def test_redis_cluster_client(redis_cluster, block_cache, engine) -> None:
         assert tier.delete(key(1)) and not tier.contains(key(1))
     finally:
         tier.close()
+
+
+def test_a_server_that_stalls_mid_value_times_out_instead_of_hanging(tmp_path, block_cache) -> None:
+    """A GET whose reply stops half way: the whole-value receive (blocking, with the timeout kept
+    by the kernel) gives up after the socket timeout, retries once on a fresh connection, then
+    reports the tier unavailable; the connection's own timeout is back for later commands."""
+    import socket  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from worker.dataplane.tiers.remote import redis_client  # noqa: PLC0415
+
+    path = Path(tempfile.mkdtemp(prefix="strata-stall-")) / "s.sock"  # unix paths are short
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(conn)
+            conn.recv(65536)  # the GET
+            # The length of a whole value, then only part of it, then silence.
+            conn.sendall(b"$%d\r\n" % tier.value_bytes + bytes(4096))
+
+    tier = RemoteTier(
+        layout=LAYOUT,
+        capacity_bytes=1 << 30,
+        client=redis_client(f"unix://{path}", timeout_s=0.5),
+        prefix="stall",
+    )
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TierUnavailable, match="Timeout"):
+            tier.get(key(1), LAYOUT.empty())
+        assert 0.9 < time.monotonic() - started < 5  # two attempts of 0.5 s each, no hang
+        assert len(accepted) == 2 and tier.counters.get("remote.unavailable") == 1
+    finally:
+        stop.set()
+        server.join(timeout=5)
+        for conn in accepted:
+            conn.close()
+        listener.close()
+        tier.close()
+
+
+def test_kernel_waits_restore_the_socket_as_found(redis_server, block_cache) -> None:
+    from worker.dataplane.tiers.remote import redis_client  # noqa: PLC0415
+
+    client = redis_client(redis_server.url, timeout_s=1.5)
+    tier = RemoteTier(layout=LAYOUT, capacity_bytes=1 << 30, client=client, prefix="restore")
+    try:
+        block = block_cache(LAYOUT, 3)
+        tier.put(key(1), block)
+        out = LAYOUT.empty()
+        tier.get(key(1), out)
+        assert torch.equal(out, block)
+        connection = client.connection_pool.get_connection()
+        try:
+            assert connection._sock.gettimeout() == 1.5  # non-blocking with a timeout again
+        finally:
+            client.connection_pool.release(connection)
+        assert client.strlen(tier.key_name(key(1))) == tier.value_bytes  # ordinary commands work on
+    finally:
+        tier.close()

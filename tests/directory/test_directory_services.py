@@ -14,6 +14,7 @@ from controlplane.directory.errors import (
     DirectoryError,
     InUse,
     InvalidTransition,
+    PlacementNotFound,
     StaleEpoch,
     UnknownNamespace,
     UnknownNode,
@@ -21,6 +22,7 @@ from controlplane.directory.errors import (
 from controlplane.directory.models import Block, ModelProfile, Namespace, Placement
 from controlplane.directory.selectors import blocks_lookup
 from controlplane.directory.services import (
+    PlacementFlip,
     blocks_purge,
     blocks_register,
     blocks_touch,
@@ -35,6 +37,7 @@ from controlplane.directory.services import (
     placement_mark_deleting,
     placement_mark_ready,
     placements_change,
+    placements_flip_many,
 )
 from worker.dataplane.directory import BlockRegistration, BlockTouch, PlacementChange
 from worker.dataplane.hashing import model_key as dataplane_model_key
@@ -196,6 +199,56 @@ def test_transitions_from_the_wrong_state_are_refused(registration):
     with pytest.raises(DirectoryError, match="different blocks"):
         placement_flip(source_id=ready.id, source_epoch=1, target_id=other.id, target_epoch=1, checksum=CHECKSUM)
 
+
+
+def test_flip_many_flips_moves_and_warms_and_refuses_stale_ones_alone(registration, django_assert_max_num_queries):
+    moved = _ready_copy(registration)
+    warmed = _ready_copy(registration, tier="remote", node=None)
+    stale = _ready_copy(registration)
+    targets = {p.id: placement_create_pending(block_id=p.block_id, tier=tier, node=node, size_bytes=1)
+               for p, tier, node in ((moved, "remote", None), (warmed, "host", "gpu-0"), (stale, "remote", None))}
+    placement_mark_corrupt(placement_id=stale.id)  # someone else changed this source: epoch 2
+    flips = [PlacementFlip(target_id=targets[moved.id].id, target_epoch=1, checksum=CHECKSUM,
+                           source_id=moved.id, source_epoch=1),
+             PlacementFlip(target_id=targets[warmed.id].id, target_epoch=1, checksum=CHECKSUM),
+             PlacementFlip(target_id=targets[stale.id].id, target_epoch=1, checksum=CHECKSUM,
+                           source_id=stale.id, source_epoch=1),
+             PlacementFlip(target_id=999_999, target_epoch=1, checksum=CHECKSUM)]
+    with django_assert_max_num_queries(4):  # savepoint, one locking read, one update, release
+        outcomes = placements_flip_many(flips=flips)
+    assert outcomes[:2] == [None, None]
+    assert isinstance(outcomes[2], StaleEpoch) and outcomes[2].field == "epoch"
+    assert isinstance(outcomes[3], PlacementNotFound) and "999999" in str(outcomes[3])
+    state = {p.id: (p.state, p.epoch, p.checksum) for p in Placement.objects.all()}
+    assert state[moved.id][:2] == ("deleting", 2)
+    assert state[targets[moved.id].id] == ("ready", 2, CHECKSUM)
+    assert state[warmed.id][:2] == ("ready", 1)  # a warm-up leaves its source alone
+    assert state[targets[warmed.id].id] == ("ready", 2, CHECKSUM)
+    assert state[stale.id][:2] == ("corrupt", 2)
+    assert state[targets[stale.id].id] == ("pending", 1, "")
+    # Within one call the flips see each other: flipping the same target again is refused.
+    [again] = placements_flip_many(flips=flips[1:2])
+    assert isinstance(again, StaleEpoch)
+
+
+def test_flip_many_refuses_malformed_input_naming_the_field_and_changes_nothing(registration):
+    source = _ready_copy(registration)
+    target = placement_create_pending(block_id=source.block_id, tier="remote", node=None, size_bytes=1)
+    good = PlacementFlip(target_id=target.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id, source_epoch=1)
+    for bad, field in ((PlacementFlip(target_id=target.id, target_epoch=1, checksum="XYZ"), "flips[1].checksum"),
+                       (PlacementFlip(target_id=source.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id,
+                                      source_epoch=1), "flips[1].target_id"),
+                       (PlacementFlip(target_id=target.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id),
+                        "flips[1].source_epoch")):
+        with pytest.raises(DirectoryError, match=field.replace("[", r"\[").replace("]", r"\]")) as info:
+            placements_flip_many(flips=[good, bad])
+        assert info.value.field == field
+    assert {(p.id, p.state, p.epoch) for p in Placement.objects.all()} == {
+        (source.id, "ready", 1), (target.id, "pending", 1)}
+    other = _ready_copy(registration, tier="remote", node=None)
+    [mismatch] = placements_flip_many(flips=[PlacementFlip(target_id=other.id, target_epoch=1, checksum=CHECKSUM,
+                                                           source_id=source.id, source_epoch=1)])
+    assert isinstance(mismatch, DirectoryError) and "different blocks" in str(mismatch)
 
 def test_a_corrupt_copy_can_be_rewritten(registration):
     copy = _ready_copy(registration)

@@ -136,16 +136,17 @@ def test_an_attempt_whose_target_a_newer_attempt_took_over_steps_aside(node, sto
 
     [(block, original)] = _blocks(store, make_blocks, "host", 1)
     [ident] = _record([block], MovementKind.MOVE, "disk")
-    real_flip = glue.placement_flip
+    real_flip = glue.placements_flip_many
     newer = {}
 
     def flip_after_a_newer_attempt(**kwargs):  # type: ignore[no-untyped-def]
-        target = Placement.objects.get(id=kwargs["target_id"])
+        [flip] = kwargs["flips"]
+        target = Placement.objects.get(id=flip.target_id)
         placement_mark_deleting(placement_id=target.id, epoch=target.epoch)
         newer["target"] = placement_create_pending(block_id=block.id, tier="disk", node="gpu-0", size_bytes=B)
         return real_flip(**kwargs)
 
-    monkeypatch.setattr(glue, "placement_flip", flip_after_a_newer_attempt)
+    monkeypatch.setattr(glue, "placements_flip_many", flip_after_a_newer_attempt)
     [outcome] = MovementExecutor(node="gpu-0", store=store).run("move", [ident])
     assert outcome.state == "skipped" and "taken over by a newer attempt" in outcome.detail
     assert Movement.objects.get(id=ident).state == MovementState.RUNNING  # the newer attempt records it
@@ -153,3 +154,14 @@ def test_an_attempt_whose_target_a_newer_attempt_took_over_steps_aside(node, sto
     assert (target.state, target.epoch) == (PlacementState.PENDING, newer["target"].epoch)
     assert placements(block)[("host", "gpu-0")] == PlacementState.READY
     assert torch.equal(_read(store, block, "host"), original)
+
+
+def test_waves_keep_the_order_and_make_the_unhidden_first_and_last_waves_one_block():
+    ids = list(range(10, 18))
+    assert glue._waves(ids, 2) == [[10], [11, 12], [13, 14], [15, 16], [17]]
+    assert glue._waves(ids, 3) == [[10], [11, 12, 13], [14, 15, 16], [17]]
+    assert glue._waves(ids[:4], 2) == [[10, 11], [12, 13]]  # two waves: each already overlaps the other
+    assert glue._waves(ids, 1) == [[i] for i in ids]
+    assert glue._waves([], 2) == []
+    for per_wave in range(1, 10):
+        assert [i for wave in glue._waves(ids, per_wave) for i in wave] == ids

@@ -170,13 +170,14 @@ def test_a_refused_flip_drops_its_target_and_serves_nothing(executor, store, sto
     m = movement(block, MovementKind.MOVE, "disk")
     import worker.movements as glue
 
-    real_flip = glue.placement_flip
+    real_flip = glue.placements_flip_many
 
     def flip_after_a_rival(**kwargs):  # type: ignore[no-untyped-def]
-        Placement.objects.filter(id=kwargs["source_id"]).update(epoch=kwargs["source_epoch"] + 5)
+        for flip in kwargs["flips"]:
+            Placement.objects.filter(id=flip.source_id).update(epoch=flip.source_epoch + 5)
         return real_flip(**kwargs)
 
-    monkeypatch.setattr(glue, "placement_flip", flip_after_a_rival)
+    monkeypatch.setattr(glue, "placements_flip_many", flip_after_a_rival)
     [outcome] = executor.run("move", [m.id])
     assert outcome.state == MovementState.CANCELLED and "flip refused" in outcome.detail
     assert placements(block) == {("host", "gpu-0"): PlacementState.READY}

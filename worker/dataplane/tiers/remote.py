@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+import ssl
+import struct
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -88,6 +91,36 @@ class _ValueLength(Exception):
     def __init__(self, length: int) -> None:
         super().__init__(length)
         self.length = length
+
+
+@contextlib.contextmanager
+def _kernel_waits(sock: socket.socket) -> Iterator[bool]:
+    """Let one recv/send call move a whole block while this thread does not hold the GIL.
+
+    A socket with a timeout is non-blocking underneath, so a 32 MiB value comes in a few hundred
+    recv calls (one per socket buffer, ~200 KiB on a unix socket), each of which takes the GIL
+    back; with another Python thread busy (a movement's database work) each handover can wait
+    a whole switch interval (measured: a 32 MiB GET took 21 ms alone and over a second beside a
+    busy thread; received this way, 0.26 s, most of it the hashing that follows). Inside this block the socket is blocking with the same timeout kept by the
+    kernel (SO_RCVTIMEO / SO_SNDTIMEO), so a receive with MSG_WAITALL or a sendall waits for all
+    of its bytes in one call, and a stalled server still times out. Yields False (nothing
+    changed) for TLS sockets, which take no flags, and sockets without a timeout."""
+    timeout = sock.gettimeout()
+    if isinstance(sock, ssl.SSLSocket) or not timeout:
+        yield False
+        return
+    limit = struct.pack("ll", int(timeout), int((timeout % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    sock.settimeout(None)
+    try:
+        yield True
+    finally:
+        sock.settimeout(timeout)
+        unset = struct.pack("ll", 0, 0)
+        with contextlib.suppress(OSError):  # a socket the server closed meanwhile
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, unset)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, unset)
 
 
 def redis_client(url: str, *, cluster: bool = False, timeout_s: float = 2.0) -> RedisClient:
@@ -274,7 +307,9 @@ class RemoteTier(Tier):
             pool = target.connection_pool
             connection = pool.get_connection()
             try:
-                connection.send_packed_command(command)
+                connection.connect()  # a no-op on a connected connection; the socket is needed below
+                with _kernel_waits(connection._sock):
+                    connection.send_packed_command(command, check_health=False)
                 connection.read_response()
                 return
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
@@ -364,10 +399,10 @@ class RemoteTier(Tier):
         if sock is None:
             raise redis.exceptions.ConnectionError("the connection closed before the reply")
 
-        def recv_into(view: memoryview) -> int:
+        def recv_into(view: memoryview, flags: int = 0) -> int:
             try:
-                n = sock.recv_into(view)
-            except TimeoutError as exc:
+                n = sock.recv_into(view, 0, flags)
+            except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO ran out
                 raise redis.exceptions.TimeoutError(f"Timeout reading from socket: {exc}") from exc
             except OSError as exc:
                 raise redis.exceptions.ConnectionError(f"Error reading from socket: {exc}") from exc
@@ -393,12 +428,15 @@ class RemoteTier(Tier):
             raise _ValueLength(length)
         rest = memoryview(head)[end + 2 : got]
         tail = bytearray(2)
-        for part in [*parts, memoryview(tail)]:
-            filled = min(len(rest), len(part))
-            part[:filled] = rest[:filled]
-            rest = rest[filled:]
-            while filled < len(part):
-                filled += recv_into(part[filled:])
+        # The reply's length is known now: each part can wait for all of its bytes at once.
+        with _kernel_waits(sock) as whole:
+            flags = socket.MSG_WAITALL if whole else 0
+            for part in [*parts, memoryview(tail)]:
+                filled = min(len(rest), len(part))
+                part[:filled] = rest[:filled]
+                rest = rest[filled:]
+                while filled < len(part):
+                    filled += recv_into(part[filled:], flags)
         if tail != b"\r\n":
             raise redis.exceptions.InvalidResponse("a bulk reply did not end with CRLF")
         return length
