@@ -91,7 +91,15 @@ def node_heartbeat(
     node = Node.objects.select_for_update().filter(name=name).first()
     previous = node.state if node else None
     if node is None:
-        node = Node(name=name, registered_at=now)
+        # Two processes of a new node may report at the same moment: one inserts, the other
+        # waits for that insert and then updates the row.
+        try:
+            with transaction.atomic():
+                node = Node.objects.create(name=name, registered_at=now, host=host, last_seen=now,
+                                           stale_after=stale_after, heartbeat_seconds=heartbeat_seconds)
+        except IntegrityError:
+            node = Node.objects.select_for_update().get(name=name)
+            previous = node.state
     node.host = host
     node.address = address
     if group is not None:
