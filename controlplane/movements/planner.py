@@ -352,9 +352,7 @@ def plan(*, snapshot: PolicySnapshot | None = None, node: str | None = None, rea
                 why = MovementReason.TTL if expired else reason
                 target = None
                 already = next((t.tier for t in below if t.tier in held_below), None)
-                if already is not None:
-                    if load.tier == Tier.REMOTE:
-                        continue  # never the case: nothing is below remote
+                if already is not None:  # (never for remote: nothing is below it)
                     load.planned_out += size
                     result.movements.append(PlannedMovement(
                         block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,

@@ -46,8 +46,9 @@ def _double_in_flight() -> list[int]:
         return [row[0] for row in cursor.fetchall()]
 
 
-def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, subprocess_env, python, tmp_path):
-    # Every block on the host tier is over this policy's capacity: each one leaves for disk.
+def _draining_node(node_factory):  # type: ignore[no-untyped-def]
+    """A real node whose every host block is over the host policy's capacity (so each one leaves
+    for disk), and this test's own view of its tiers."""
     drain = {"capacity_bytes": 1, "high_watermark": 0.9, "low_watermark": 0.5}
     existing = TierPolicy.objects.filter(tier="host", node_group="").first()
     if existing is None:
@@ -58,6 +59,34 @@ def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, su
     process, _ = nodes.start()
     nodes.wait_up(process)
     store, profile = nodes.config_store()
+    return nodes, store, profile
+
+
+def _feed(store, profile, nodes, seeds: dict, *, seconds: float, seed: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """New blocks keep arriving for `seconds` while the planners run; returns every block seen
+    with two movements in flight (checked every 0.1 s)."""
+    seen_double: list[int] = []
+    deadline = time.monotonic() + seconds
+    batch = 0
+    while time.monotonic() < deadline:
+        batch += 1
+        seeds.update(write_blocks(store, profile, nodes.name, 2, seed=seed + 10 * batch, wait_heartbeat=False))
+        for _ in range(5):
+            seen_double += _double_in_flight()
+            time.sleep(0.1)
+    return seen_double
+
+
+def _movements_by_block() -> tuple[list[Movement], dict[int, list[Movement]]]:
+    movements = list(Movement.objects.order_by("block_id", "started_at"))
+    by_block: dict[int, list[Movement]] = defaultdict(list)
+    for m in movements:
+        by_block[m.block_id].append(m)
+    return movements, by_block
+
+
+def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, subprocess_env, python, tmp_path):
+    nodes, store, profile = _draining_node(node_factory)
     planners: list[tuple[subprocess.Popen, object]] = []
     try:
         seeds = write_blocks(store, profile, nodes.name, 4)
@@ -65,15 +94,7 @@ def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, su
             out = open(tmp_path / f"planner-{i}.log", "w+")
             planners.append((subprocess.Popen([python, "manage.py", "shell", "-c", _PLANNER_LOOP], cwd=REPO_ROOT,
                                               env=subprocess_env, stdout=out, stderr=subprocess.STDOUT), out))
-        seen_double: list[int] = []
-        deadline = time.monotonic() + PLANNER_SECONDS - 4
-        batch = 0
-        while time.monotonic() < deadline:  # new blocks keep arriving while both planners run
-            batch += 1
-            seeds.update(write_blocks(store, profile, nodes.name, 2, seed=1000 + 10 * batch, wait_heartbeat=False))
-            for _ in range(5):
-                seen_double += _double_in_flight()
-                time.sleep(0.1)
+        seen_double = _feed(store, profile, nodes, seeds, seconds=PLANNER_SECONDS - 4, seed=1000)
         for planner, out in planners:
             assert planner.wait(PLANNER_SECONDS + 60) == 0
             out.seek(0)  # type: ignore[attr-defined]
@@ -84,11 +105,8 @@ def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, su
                  what="the node to finish every planned move")
 
         assert seen_double == []
-        movements = list(Movement.objects.order_by("block_id", "started_at"))
+        movements, by_block = _movements_by_block()
         assert len({m.plan for m in movements}) >= 2, "the planners wrote more than one plan"
-        by_block: dict[int, list[Movement]] = defaultdict(list)
-        for m in movements:
-            by_block[m.block_id].append(m)
         for block_id, moves in by_block.items():
             done = [m for m in moves if m.state == MovementState.DONE]
             assert len(done) == 1, (block_id, [(m.id, m.state, m.src_tier, m.detail) for m in moves])
@@ -121,16 +139,7 @@ def test_two_beat_daemons_at_once_never_move_a_block_twice(node_factory, subproc
     # (Created when an earlier transactional test has flushed the rows the migration wrote.)
     PeriodicTask.objects.update_or_create(name="movements: plan over watermark", defaults={
         "task": "movements.plan_watermarks", "interval": every_second, "queue": queue, "enabled": True})
-    drain = {"capacity_bytes": 1, "high_watermark": 0.9, "low_watermark": 0.5}
-    existing = TierPolicy.objects.filter(tier="host", node_group="").first()
-    if existing is None:
-        tierpolicy_create(tier="host", comment="drain host", **drain)
-    else:
-        tierpolicy_update(policy=existing, comment="drain host", **drain)
-    nodes = node_factory(tiers="device,host,disk")
-    process, _ = nodes.start()
-    nodes.wait_up(process)
-    store, profile = nodes.config_store()
+    nodes, store, profile = _draining_node(node_factory)
     celery = [python, "-m", "celery", "-A", "controlplane.celery_app"]
     daemons: list[tuple[subprocess.Popen, object]] = []
     try:
@@ -144,15 +153,7 @@ def test_two_beat_daemons_at_once_never_move_a_block_twice(node_factory, subproc
             out = open(tmp_path / f"daemon-{i}.log", "w+")
             daemons.append((subprocess.Popen(command, cwd=REPO_ROOT, env=beat_env if i else subprocess_env,
                                              stdout=out, stderr=subprocess.STDOUT), out))
-        seen_double: list[int] = []
-        deadline = time.monotonic() + PLANNER_SECONDS
-        batch = 0
-        while time.monotonic() < deadline:  # new blocks keep arriving while both beats send
-            batch += 1
-            seeds.update(write_blocks(store, profile, nodes.name, 2, seed=2000 + 10 * batch, wait_heartbeat=False))
-            for _ in range(5):
-                seen_double += _double_in_flight()
-                time.sleep(0.1)
+        seen_double = _feed(store, profile, nodes, seeds, seconds=PLANNER_SECONDS, seed=2000)
         for daemon, _ in daemons[1:]:  # stop sending; let the worker and the node finish
             daemon.terminate()
             daemon.wait(30)
@@ -167,11 +168,8 @@ def test_two_beat_daemons_at_once_never_move_a_block_twice(node_factory, subproc
         assert logs[0].count("(watermark, policy version") >= 5, "the control worker planned what the beats sent"
 
         assert seen_double == []
-        movements = list(Movement.objects.order_by("block_id", "started_at"))
+        movements, by_block = _movements_by_block()
         assert len({m.plan for m in movements}) >= 2
-        by_block: dict[int, list[Movement]] = defaultdict(list)
-        for m in movements:
-            by_block[m.block_id].append(m)
         for block_id, moves in by_block.items():
             assert [m.state for m in moves] == [MovementState.DONE], (block_id, [(m.id, m.state, m.detail) for m in moves])
         assert len(by_block) == len(seeds)
