@@ -5,9 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup chromium demo test test-soak bench bench-scale lint stop clean
+.PHONY: setup chromium native-deps demo test test-soak bench bench-scale lint stop clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml worker/dataplane/native/copyhash.c | native-deps
 	@command -v $(PYTHON_BIN) >/dev/null || { echo "Strata needs Python 3.11 ($(PYTHON_BIN) not found)"; exit 1; }
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
@@ -30,6 +30,16 @@ chromium:
 		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	else echo "the browser tests need $(CHROMIUM): run 'sudo apt-get install -y chromium' (make setup does it as root)"; fi
+
+# The C compiler and xxhash header the checksum engine's fused copy-and-hash is built with.
+XXHASH_H := /usr/include/xxhash.h
+native-deps:
+	@if [ -f $(XXHASH_H) ] && command -v cc >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "installing a C compiler and xxhash.h for the fused copy-and-hash"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev libxxhash-dev >/dev/null; \
+	else echo "verified copies will run slower: run 'sudo apt-get install -y gcc libxxhash-dev' and 'make setup' again"; fi
 
 setup: $(STAMP) $(NODE_STAMP) chromium
 

@@ -257,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress.console.print(f"[red]suite {name} cannot be loaded: {exc}")
                 continue
             task = progress.add_task("starting", total=None, suite=name)
+            if args.scratch:
+                Path(args.scratch).mkdir(parents=True, exist_ok=True)
             scratch = Path(tempfile.mkdtemp(prefix=f"strata-bench-{name}-", dir=args.scratch))
             context = Context(
                 scale=args.scale,

@@ -7,6 +7,7 @@ import torch
 import xxhash
 from dataplane_support import SMALL, key, layout_of, make_block
 
+from worker.dataplane import native
 from worker.dataplane.buffers import aligned_empty, host_view
 from worker.dataplane.checksum import (
     BlockChecksum,
@@ -18,11 +19,25 @@ from worker.dataplane.checksum import (
 )
 
 
+def test_the_fused_routine_is_built() -> None:
+    # `make setup` installs the compiler and header it needs; a silent fallback would make every
+    # verified copy slower without anyone noticing.
+    assert native.available(), "worker/dataplane/native/copyhash.c was not built"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(
-    "sizes", [[1], [4096] * 3, [700_001, 3, 2 * 1024 * 1024 + 17], [1024 * 1024] * 9]
+    "sizes",
+    [
+        [1],
+        [4096] * 3,
+        [700_001, 3, 2 * 1024 * 1024 + 17],  # misaligned spans above the streaming threshold
+        [1024 * 1024] * 9,
+        [0, 65_536 * 3 + 1, 255 * 1024],
+    ],
 )
-def test_engine_copy_and_hash_match_xxh3(threads: int, sizes: list[int]) -> None:
+def test_engine_copy_and_hash_match_xxh3(fused: bool, threads: int, sizes: list[int]) -> None:
     src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     spans, offset = [], 0
@@ -36,7 +51,7 @@ def test_engine_copy_and_hash_match_xxh3(threads: int, sizes: list[int]) -> None
             )
         )
         offset += n
-    with ChecksumEngine(threads=threads, chunk_bytes=256 * 1024) as engine:
+    with ChecksumEngine(threads=threads, chunk_bytes=256 * 1024, native=fused) as engine:
         digests = engine.run(spans)
         assert torch.equal(src, dst)
         view, offset = host_view(src), 0
@@ -95,3 +110,8 @@ def test_checksum_of_a_layer_range(engine: ChecksumEngine) -> None:
     part = aligned_empty(nbytes)
     part.copy_(block[offset : offset + nbytes])
     assert engine.checksum(key(3), part, layout, first_layer=2) == list(whole.layers[2:5])
+
+
+def test_native_copy_hash_refuses_mismatched_lists() -> None:
+    with pytest.raises(ValueError, match="one entry per span"):
+        native.copy_hash([1, 2], [None], [1, 1], [b"", b""], digest=True)

@@ -409,7 +409,7 @@ class HostTier(Tier):
             except TierFull as exc:
                 results[i] = exc
         try:
-            fused = len(slots) * layout.block_bytes >= PARALLEL_MIN_BYTES
+            fused = self.engine.native or len(slots) * layout.block_bytes >= PARALLEL_MIN_BYTES
             hashed: list[tuple[int, Span]] = []
             copies: list[Span] = []
             for i, slot in slots.items():
@@ -522,9 +522,10 @@ class HostTier(Tier):
             spans: list[Span] = []
             device_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            # Big batches: copy and hash chunk by chunk on the engine's threads. Small ones: one
-            # torch copy, then one hash in this thread (a thread hand-off would cost more).
-            fused = len(pending) * nbytes >= PARALLEL_MIN_BYTES
+            # Copy and hash chunk by chunk on the engine's threads (the fused routine does it in
+            # one pass at any size). Without it, small batches take one torch copy, then one
+            # hash in this thread (a thread hand-off would cost more).
+            fused = self.engine.native or len(pending) * nbytes >= PARALLEL_MIN_BYTES
             for i in pending:
                 key = keys[i]
                 slot = self._find(key)

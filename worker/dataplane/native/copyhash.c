@@ -1,0 +1,101 @@
+/* Fused copy and xxh3-128 of many memory spans in one call, without the Python interpreter.
+ *
+ * Each span is hashed chunk by chunk (after its prefix); where it has a destination, each chunk
+ * is copied right after it was hashed, from cache, with non-temporal stores for large spans.
+ * Memory then sees one read of the source and one write of the destination, as a plain large
+ * memcpy does, instead of the three passes (read, read-for-ownership, write) of copying first
+ * and hashing the copy. Loaded with ctypes, so the interpreter lock is released for the call.
+ *
+ * Digests are the canonical (big-endian) XXH3 128-bit form, byte for byte what Python's
+ * xxhash.xxh3_128(prefix + data).digest() returns. */
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define STRATA_CHUNK_BYTES (64 * 1024) /* hashed, then copied while still in L1/L2 */
+
+enum {
+    STRATA_DIGEST = 1,      /* hash every span */
+    STRATA_NONTEMPORAL = 2, /* copy large spans with streaming stores */
+};
+
+static void copy_streaming(char *dst, const char *src, size_t n)
+{
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + body, src + body, n - body);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* Returns 0, or -1 when a hash state could not be set up (never on supported platforms). */
+int strata_copy_hash(size_t count, const uint64_t *src, const uint64_t *dst,
+                     const uint64_t *nbytes, const unsigned char *prefixes,
+                     const uint64_t *prefix_offsets, int flags, size_t streaming_min_bytes,
+                     unsigned char *digests)
+{
+    XXH3_state_t state;
+    int digest = flags & STRATA_DIGEST;
+    for (size_t i = 0; i < count; i++) {
+        const char *s = (const char *)(uintptr_t)src[i];
+        char *d = (char *)(uintptr_t)dst[i];
+        size_t n = (size_t)nbytes[i];
+        int streaming = (flags & STRATA_NONTEMPORAL) && n >= streaming_min_bytes;
+        if (!digest) {
+            if (d != NULL && n) {
+                if (streaming)
+                    copy_streaming(d, s, n);
+                else
+                    memcpy(d, s, n);
+            }
+            continue;
+        }
+        if (XXH3_128bits_reset(&state) != XXH_OK)
+            return -1;
+        XXH3_128bits_update(&state, prefixes + prefix_offsets[i],
+                            (size_t)(prefix_offsets[i + 1] - prefix_offsets[i]));
+        for (size_t off = 0; off < n; off += STRATA_CHUNK_BYTES) {
+            size_t m = n - off < STRATA_CHUNK_BYTES ? n - off : STRATA_CHUNK_BYTES;
+            XXH3_128bits_update(&state, s + off, m);
+            if (d == NULL)
+                continue;
+            if (streaming)
+                copy_streaming(d + off, s + off, m);
+            else
+                memcpy(d + off, s + off, m);
+        }
+        XXH128_canonical_t canonical;
+        XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
+        memcpy(digests + 16 * i, canonical.digest, 16);
+    }
+#if defined(__SSE2__)
+    _mm_sfence(); /* streaming stores are visible to other threads once the call returns */
+#endif
+    return 0;
+}
