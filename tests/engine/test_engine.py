@@ -198,3 +198,63 @@ def test_device_pool_keeps_the_most_recent_blocks_within_capacity(models, make_s
     assert again.trace.hit_blocks_by_tier == {"device": 3}
     older = engine.generate(first, max_tokens=1)
     assert older.trace.hit_blocks_by_tier.get("host", 0) >= 4
+
+
+def test_a_new_request_prefills_between_the_decode_steps_of_another(models, make_store):
+    # Its first token must not wait for the whole of an answer already being decoded.
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    long_prompt, short_prompt = prompt_of(60, seed=1), prompt_of(40, seed=2)
+    expected_long = engine.generate(long_prompt, max_tokens=24, use_cache=False).output_ids
+    expected_short = engine.generate(short_prompt, max_tokens=4, use_cache=False).output_ids
+    events: list[str] = []
+    results: dict[str, list[int]] = {}
+
+    def on_short_token(_token: int) -> bool:
+        events.append("short")
+        return False
+
+    def run_short() -> None:
+        results["short"] = engine.generate(short_prompt, max_tokens=4, on_token=on_short_token,
+                                           use_cache=False).output_ids
+
+    second = threading.Thread(target=run_short)
+
+    def on_long_token(_token: int) -> bool:
+        events.append("long")
+        if len(events) == 1:  # after the long request's first token: the short one arrives
+            second.start()
+            while engine._turns.waiting()["prefill"] == 0 and second.is_alive():
+                threading.Event().wait(0.001)
+        return False
+
+    results["long"] = engine.generate(long_prompt, max_tokens=24, on_token=on_long_token, use_cache=False).output_ids
+    second.join()
+    assert results == {"long": expected_long, "short": expected_short}
+    # The short request's first token came right after the long one's first, not after its 24th.
+    assert events[:2] == ["long", "short"]
+    assert events.count("long") == 24 and events.count("short") == 4
+
+
+def test_turns_go_to_the_most_urgent_waiting_step():
+    from worker.dataplane.engine.turns import Step, Turns
+
+    turns = Turns()
+    order: list[str] = []
+
+    def wait_for(step: Step) -> threading.Thread:
+        def take() -> None:
+            with turns.hold(step):
+                order.append(step.name)
+
+        thread = threading.Thread(target=take)
+        thread.start()
+        while turns.waiting()[step.name.lower()] == 0:
+            threading.Event().wait(0.001)
+        return thread
+
+    with turns.hold(Step.DECODE):
+        waiters = [wait_for(Step.WRITE_BACK), wait_for(Step.DECODE), wait_for(Step.PREFILL)]
+    for thread in waiters:
+        thread.join()
+    assert order == ["PREFILL", "DECODE", "WRITE_BACK"]

@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from worker.dataplane.directory import (
 from worker.dataplane.engine.cache import LoadFailed, StrataCache
 from worker.dataplane.engine.loader import Hit, LayerLoader, PrefixBuffers
 from worker.dataplane.engine.models import LoadedModel
+from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
@@ -149,7 +149,10 @@ class EngineOptions:
 class Engine:
     """One model on one node, its tiers, and (optionally) the directory shared by all nodes.
 
-    Requests run one at a time (a queue): concurrent callers never see each other's state."""
+    Concurrent requests take turns at the model step by step (`turns.Turns`): a waiting prefill
+    goes before the next decode step of another request, so a new request's first token does not
+    wait for whole answers. Each step has the engine to itself: callers never see each other's
+    state."""
 
     def __init__(
         self,
@@ -185,7 +188,7 @@ class Engine:
             raise ValueError(f"write_back_tier: the store has no tier {self.options.write_back_tier!r}")
         self.model_key = model_key(self.profile)
         self._fingerprinters: dict[str, Fingerprinter] = {}
-        self._lock = threading.Lock()
+        self._turns = Turns()
         self._ids = itertools.count(1)
         # L1: the blocks kept in the device tier, each priority class within its share.
         self.working_set = (WorkingSet(store.tier("device"), counters=self.counters)
@@ -244,24 +247,20 @@ class Engine:
                 f"prompt: {len(prompt_ids)} tokens + max_tokens {max_tokens} exceed the model's context of "
                 f"{self.model.max_context}"
             )
-        with self._lock, torch.inference_mode():
-            trace = RequestTrace(request_id=f"req-{next(self._ids)}", namespace=namespace,
-                                 prompt_tokens=len(prompt_ids), started_at=time.time(),
-                                 layerwise=self.options.layerwise if layerwise is None else layerwise)
-            trace.segments = len(marked)
-            sampler = Sampler(temperature=temperature, seed=seed)
-            use_blend = self.tuner is not None and blend is not False
-            output, logits, cache = self._generate(list(prompt_ids), max_tokens, namespace, use_cache, trace,
-                                                   set(stop_ids), on_token, sampler, marked, use_blend, write_back)
-            self.traces.append(trace)
-            if self.on_trace is not None:
-                self.on_trace(trace)
-            return GenerationResult(output_ids=output, trace=trace, first_logits=logits.float().cpu(),
-                                    cache=cache if keep_cache else None)
+        trace = RequestTrace(request_id=f"req-{next(self._ids)}", namespace=namespace,
+                             prompt_tokens=len(prompt_ids), started_at=time.time(),
+                             layerwise=self.options.layerwise if layerwise is None else layerwise)
+        trace.segments = len(marked)
+        sampler = Sampler(temperature=temperature, seed=seed)
+        use_blend = self.tuner is not None and blend is not False
+        output, logits, cache = self._generate(list(prompt_ids), max_tokens, namespace, use_cache, trace,
+                                               set(stop_ids), on_token, sampler, marked, use_blend, write_back)
+        return GenerationResult(output_ids=output, trace=trace, first_logits=logits.float().cpu(),
+                                cache=cache if keep_cache else None)
 
     def full_prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Logits of the last position of a plain prefill (no cache), queued behind the requests."""
-        with self._lock, torch.inference_mode():
+        with self._turns.hold(Step.BACKGROUND), torch.inference_mode():
             ids = torch.tensor([list(prompt)], device=self.model.device)
             return self.model.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float().cpu()
 
@@ -282,6 +281,24 @@ class Engine:
                   stop_ids: set[int], on_token: Callable[[int], bool] | None, sampler: Sampler,
                   segments: list[tuple[int, int]], use_blend: bool, write_back: bool
                   ) -> tuple[list[int], torch.Tensor, StrataCache]:
+        with self._turns.hold(Step.PREFILL), torch.inference_mode():
+            cache, logits, hits, fragments, percent, exact_until = self._first_token(
+                prompt, namespace, use_cache, trace, use_blend)
+        output = self._decode(cache, logits, max_tokens, trace, stop_ids, on_token, sampler)
+        with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
+            if fragments and self.tuner is not None:
+                self.tuner.offer(namespace, prompt, logits, percent)
+            if use_cache and write_back:
+                self._write_back(prompt + output[:-1], hits, cache, namespace, trace, exact_until=exact_until,
+                                 segments=segments if use_blend else [], fragments_too=use_blend)
+            self.traces.append(trace)
+            if self.on_trace is not None:
+                self.on_trace(trace)
+        return output, logits, cache
+
+    def _first_token(self, prompt: list[int], namespace: str, use_cache: bool, trace: RequestTrace, use_blend: bool
+                     ) -> tuple[StrataCache, torch.Tensor, list[Hit], list[Fragment], float, int | None]:
+        """Lookup, the load-or-recompute decision and the prefill: the logits of the first token."""
         start = time.perf_counter()
         fingerprints: list[BlockFingerprint] = []
         if use_cache:
@@ -328,13 +345,7 @@ class Engine:
                     fragments = []
                     trace.blend = "no-fragment"
         trace.ttft_s = time.perf_counter() - start
-        output = self._decode(cache, logits, max_tokens, trace, stop_ids, on_token, sampler)
-        if fragments and self.tuner is not None:
-            self.tuner.offer(namespace, prompt, logits, percent)
-        if use_cache and write_back:
-            self._write_back(prompt + output[:-1], hits, cache, namespace, trace, exact_until=exact_until,
-                             segments=segments if use_blend else [], fragments_too=use_blend)
-        return output, logits, cache
+        return cache, logits, hits, fragments, percent, exact_until
 
     # -- fragments (blend) ----------------------------------------------------------------------
     def _match_fragments(self, prompt: list[int], start: int, namespace: str) -> list[Fragment]:
@@ -575,9 +586,11 @@ class Engine:
             if len(output) >= max_tokens:
                 trace.finish_reason = "length"
                 break
-            ids = torch.tensor([[token]], device=self.model.device)
-            out = self.model.model(input_ids=ids, cache=cache, use_cache=True)
-            token = sampler.pick(out.logits[0, -1])
+            # One turn per token: a waiting prefill of another request runs before the next step.
+            with self._turns.hold(Step.DECODE), torch.inference_mode():
+                ids = torch.tensor([[token]], device=self.model.device)
+                out = self.model.model(input_ids=ids, cache=cache, use_cache=True)
+                token = sampler.pick(out.logits[0, -1])
         trace.decode_s = time.perf_counter() - started
         trace.output_tokens = len(output)
         return output
