@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup chromium native-deps demo test test-soak bench bench-scale lint stop clean
 
-$(STAMP): pyproject.toml worker/dataplane/native/copyhash.c | native-deps
+$(STAMP): pyproject.toml $(wildcard worker/dataplane/native/*.c) | native-deps
 	@command -v $(PYTHON_BIN) >/dev/null || { echo "Strata needs Python 3.11 ($(PYTHON_BIN) not found)"; exit 1; }
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel

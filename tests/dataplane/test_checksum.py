@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import xxhash
@@ -110,6 +114,24 @@ def test_checksum_of_a_layer_range(engine: ChecksumEngine) -> None:
     part = aligned_empty(nbytes)
     part.copy_(block[offset : offset + nbytes])
     assert engine.checksum(key(3), part, layout, first_layer=2) == list(whole.layers[2:5])
+
+
+@pytest.mark.parametrize("build", ["sse2", "default"])
+def test_each_build_of_the_fused_routine_matches_xxh3(build: str) -> None:
+    # The AVX2 build is the default on this CPU; the SSE2 one serves every other x86-64 node.
+    script = (
+        "import os, xxhash, torch; from worker.dataplane import native\n"
+        "src = torch.randint(0, 256, (3_000_017,), dtype=torch.uint8); dst = torch.zeros_like(src)\n"
+        "got = native.copy_hash([src.data_ptr()], [dst.data_ptr() + 0], [src.numel()], [b'pfx'], digest=True)\n"
+        "assert torch.equal(src, dst)\n"
+        "assert got == [xxhash.xxh3_128(b'pfx' + src.numpy().tobytes()).digest()]\n"
+        "print(native.build())\n"
+    )
+    env = {**os.environ, "STRATA_NATIVE_COPY": build} if build == "sse2" else dict(os.environ)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if build == "sse2":
+        assert done.stdout.strip() == "sse2"
 
 
 def test_native_copy_hash_refuses_mismatched_lists() -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -151,6 +151,15 @@ class ChecksumEngine:
             first = self._run_group(groups[0], digest)
             results = first + [d for future in futures for d in future.result()]
         return results if digest else [b""] * len(spans)
+
+    def run_async(self, spans: Sequence[Span]) -> Future[list[bytes]]:
+        """Hash (and copy) `spans` on the engine's own thread and return at once, so the caller
+        can read the next piece meanwhile (in one thread when the engine has no other)."""
+        if self._pool is None:
+            done: Future[list[bytes]] = Future()
+            done.set_result(self._run_group(list(spans), True))
+            return done
+        return self._pool.submit(self._run_group, list(spans), True)
 
     def checksum(
         self, key: uuid.UUID, data: torch.Tensor, layout: BlockLayout, *, first_layer: int = 0

@@ -4,7 +4,8 @@ The checksum engine calls it for every verified copy: one call per group of span
 interpreter lock released for its whole length. Where it was not built (no C compiler or no
 xxhash header when the package was installed), the engine falls back to hashing in Python,
 chunk by chunk, which is correct but slower and gives up the interpreter lock at every chunk;
-`STRATA_NATIVE_COPY=0` forces that fallback."""
+`STRATA_NATIVE_COPY=0` forces that fallback, and `STRATA_NATIVE_COPY=sse2` the baseline build
+on a CPU that has AVX2."""
 
 from __future__ import annotations
 
@@ -27,12 +28,24 @@ destination saves a third of the memory traffic. Shorter spans stay in cache for
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 
 
+def _cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            return any(line.startswith("flags") and " avx2" in line for line in cpuinfo)
+    except OSError:
+        return False
+
+
 def _library_path() -> Path | None:
+    """The AVX2 build where the CPU has AVX2 (its hash runs on wider vectors), else the SSE2 one."""
     here = Path(__file__).resolve().parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_copyhash{suffix}"
-        if path.exists():
-            return path
+    wide = _cpu_has_avx2() and os.environ.get("STRATA_NATIVE_COPY") != "sse2"
+    names = ["_copyhash_avx2", "_copyhash"] if wide else ["_copyhash"]
+    for name in names:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = here / f"{name}{suffix}"
+            if path.exists():
+                return path
     return None
 
 
@@ -69,6 +82,13 @@ _library = _load()
 
 def available() -> bool:
     return _library is not None
+
+
+def build() -> str:
+    """Which build is in use: 'avx2', 'sse2', or 'python' (the fallback)."""
+    if _library is None:
+        return "python"
+    return "avx2" if "_copyhash_avx2" in str(_library._name) else "sse2"
 
 
 def copy_hash(

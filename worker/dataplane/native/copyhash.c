@@ -1,10 +1,11 @@
 /* Fused copy and xxh3-128 of many memory spans in one call, without the Python interpreter.
  *
- * Each span is hashed chunk by chunk (after its prefix); where it has a destination, each chunk
- * is copied right after it was hashed, from cache, with non-temporal stores for large spans.
- * Memory then sees one read of the source and one write of the destination, as a plain large
- * memcpy does, instead of the three passes (read, read-for-ownership, write) of copying first
- * and hashing the copy. Loaded with ctypes, so the interpreter lock is released for the call.
+ * Each span is copied chunk by chunk where it has a destination (with non-temporal stores for
+ * large spans), and each chunk is hashed right after, while the source bytes the copy just
+ * read are still in cache: memory sees one read of the source and one write of the
+ * destination, as a plain large memcpy does, and the hash runs at cache speed. Loaded with
+ * ctypes, so the interpreter lock is released for the whole call. Built twice: for any x86-64
+ * (SSE2) and, in copyhash_avx2.c, with AVX2, which the loader picks where the CPU has it.
  *
  * Digests are the canonical (big-endian) XXH3 128-bit form, byte for byte what Python's
  * xxhash.xxh3_128(prefix + data).digest() returns. */
@@ -20,7 +21,7 @@
 #include <emmintrin.h>
 #endif
 
-#define STRATA_CHUNK_BYTES (64 * 1024) /* hashed, then copied while still in L1/L2 */
+#define STRATA_CHUNK_BYTES (64 * 1024) /* copied, then hashed while still in L1/L2 */
 
 enum {
     STRATA_DIGEST = 1,      /* hash every span */
@@ -82,13 +83,13 @@ int strata_copy_hash(size_t count, const uint64_t *src, const uint64_t *dst,
                             (size_t)(prefix_offsets[i + 1] - prefix_offsets[i]));
         for (size_t off = 0; off < n; off += STRATA_CHUNK_BYTES) {
             size_t m = n - off < STRATA_CHUNK_BYTES ? n - off : STRATA_CHUNK_BYTES;
+            if (d != NULL) {
+                if (streaming)
+                    copy_streaming(d + off, s + off, m);
+                else
+                    memcpy(d + off, s + off, m);
+            }
             XXH3_128bits_update(&state, s + off, m);
-            if (d == NULL)
-                continue;
-            if (streaming)
-                copy_streaming(d + off, s + off, m);
-            else
-                memcpy(d + off, s + off, m);
         }
         XXH128_canonical_t canonical;
         XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));

@@ -68,6 +68,9 @@ LEDGER_NAME = ".strata-ledger"
 _LEDGER = struct.Struct("<QQQ")  # stored bytes, pending bytes, blocks
 HEADER_CACHE_ENTRIES = 16384
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+READ_PIECE_BYTES = 8 * 1024 * 1024
+"""A block read into host memory is read in pieces of this many bytes (whole layers), each hashed
+while the next is read. Smaller pieces hide more of the hash but make more, shorter reads."""
 
 
 def _kvikio() -> Any | None:
@@ -570,6 +573,7 @@ class DiskTier(Tier):
         file_offset = self.header_bytes + offset
         direct = self.direct_io and is_aligned(host_dst.data_ptr(), nbytes, file_offset)
         fd, stamp = self._open_for_read(key, direct=direct)
+        hashing: list[Future[list[bytes]]] | None = None
         try:
             if stamp.size < self.file_bytes:
                 raise self._corrupt(
@@ -584,19 +588,8 @@ class DiskTier(Tier):
                 if got != nbytes:
                     raise self._corrupt(key, f"short read of {got} bytes")
                 host_dst.copy_(dst)  # verification needs the bytes on the host
-            elif whole and header is None:
-                # One syscall for header and data: the common whole-block read.
-                hdr = self._header_buffer()
-                got = self._pread_exact(fd, [host_view(hdr), host_view(host_dst)], 0)
-                if got != self.header_bytes + nbytes:
-                    raise self._corrupt(key, f"short read of {got} bytes")
-                header = self._parse_header(key, host_view(hdr))
             else:
-                if header is None:
-                    header = self._read_header(fd, key)
-                got = self._pread_exact(fd, [host_view(host_dst)], file_offset)
-                if got != nbytes:
-                    raise self._corrupt(key, f"short read of {got} bytes")
+                header, hashing = self._read_hashing(fd, key, host_dst, layers, header)
             if not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             kind = (
@@ -609,16 +602,10 @@ class DiskTier(Tier):
             self.counters.add(f"{self.name}.io_{kind}")
         finally:
             os.close(fd)
-        base = host_dst.data_ptr()
-        spans = [
-            Span(
-                src=base + j * layout.layer_bytes,
-                nbytes=layout.layer_bytes,
-                prefix=layer_prefix(key, layer),
-            )
-            for j, layer in enumerate(layers)
-        ]
-        got_sums = self.engine.run(spans)
+        if hashing is not None:
+            got_sums = [digest for piece in hashing for digest in piece.result()]
+        else:
+            got_sums = self.engine.run(self._spans(key, host_dst, layers))
         self._verify(key, layers, got_sums, header.checksum.layers[layers.start : layers.stop])
         self._remember(key, stamp, header)
         if on_gpu and self._kvikio is None:
@@ -632,6 +619,54 @@ class DiskTier(Tier):
             nbytes=nbytes,
             checksum=header.checksum if whole else None,
         )
+
+    def _spans(self, key: uuid.UUID, buffer: torch.Tensor, layers: range) -> list[Span]:
+        """One span per layer of `buffer`, which holds `layers` back to back."""
+        base, size = buffer.data_ptr(), self.layout.layer_bytes
+        return [
+            Span(src=base + j * size, nbytes=size, prefix=layer_prefix(key, layer))
+            for j, layer in enumerate(layers)
+        ]
+
+    def _read_hashing(
+        self, fd: int, key: uuid.UUID, dst: torch.Tensor, layers: range, header: _Header | None
+    ) -> tuple[_Header, list[Future[list[bytes]]]]:
+        """Read `layers` into `dst` a piece at a time, each piece hashed on the checksum engine's
+        other thread while the next one is read: verifying costs little more than the hash of the
+        last piece. The header comes with the first piece when it is not known yet."""
+        layout = self.layout
+        size = layout.layer_bytes
+        offset, _nbytes = layout.span(layers)
+        per_piece = max(1, min(len(layers), -(-READ_PIECE_BYTES // size)))
+        view = host_view(dst)
+        hashing: list[Future[list[bytes]]] = []
+        try:
+            for first in range(0, len(layers), per_piece):
+                count = min(per_piece, len(layers) - first)
+                piece = view[first * size : (first + count) * size]
+                at = self.header_bytes + offset + first * size
+                if header is None and first == 0 and offset == 0:
+                    hdr = self._header_buffer()  # header and first piece in one syscall
+                    got = self._pread_exact(fd, [host_view(hdr), piece], 0)
+                    if got != self.header_bytes + len(piece):
+                        raise self._corrupt(key, f"short read of {got} bytes")
+                    header = self._parse_header(key, host_view(hdr))
+                else:
+                    if header is None:
+                        header = self._read_header(fd, key)
+                    got = self._pread_exact(fd, [piece], at)
+                    if got != len(piece):
+                        raise self._corrupt(key, f"short read of {got} bytes")
+                pieces = layers[first : first + count]
+                hashing.append(
+                    self.engine.run_async(self._spans(key, dst[first * size :], pieces))
+                )
+        except BaseException:
+            for pending in hashing:  # never leave a thread reading a buffer the caller may free
+                pending.exception()
+            raise
+        assert header is not None
+        return header, hashing
 
     def _read_header(self, fd: int, key: uuid.UUID) -> _Header:
         hdr = self._header_buffer()
