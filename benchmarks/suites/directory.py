@@ -15,11 +15,17 @@ measures in a child process whose Django points at that database:
   auth, role check, throttling, JSON) over a keep-alive HTTP connection, with the project's
   production settings (a pool of database connections); ``rest_unpooled_lookup64`` the same with
   ``STRATA_DB_POOL_MAX=0`` (a new database connection per request), to show what the pool saves.
-* ``register``: the ``blocks_register`` service, 4096 new blocks (with one copy each) per call;
-  ``writebehind``: the same blocks through the Directory client, enqueue to durable.
+* ``register``: the ``blocks_register`` service, 4096 new blocks (with one copy each) per call,
+  and the WAL the server wrote per block meanwhile; ``writebehind``: the same blocks through the
+  Directory client, enqueue to durable.
 
 The database is dropped at the end (``STRATA_BENCH_KEEP_DB=1`` keeps it). EXPLAIN (ANALYZE,
-BUFFERS) of a 64-key lookup and of a touch batch at full size goes to the log and the results.
+BUFFERS) of a 64-key lookup, of a touch batch and (with WAL) of the two statements registering
+4096 new blocks, at full size, goes to the log and the results.
+
+The server's settings are its own: the embedded one sizes its shared buffers and checkpoints for
+this workload (controlplane.runtime.embedded.server_settings) when it starts; one started before
+those settings existed needs a restart to use them.
 """
 
 from __future__ import annotations
@@ -321,11 +327,69 @@ def _explain(world: World) -> None:
                                      at=timezone.now()) for key in keys]
             touch = queries.explain(cursor, queries.TOUCH_SQL, queries.touch_params(rows))
             transaction.set_rollback(True)
-    for name, text in (("lookup64", plan), ("touch64", touch)):
+        register_blocks, register_copies = _explain_register(world, cursor)
+    for name, text in (("lookup64", plan), ("touch64", touch), ("register4096_blocks", register_blocks),
+                       ("register4096_copies", register_copies)):
         _emit(log=f"EXPLAIN (ANALYZE, BUFFERS) {name} at {world.blocks} blocks:\n{text}")
         _emit(param={f"explain_{name}": text})
         if "Seq Scan on directory_block" in text or "Seq Scan on directory_placement" in text:
             _emit(log=f"WARNING: {name} plan has a sequential scan")
+
+
+def _wal_position() -> str:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_current_wal_lsn()::text")
+        return str(cursor.fetchone()[0])
+
+
+def _wal_bytes_since(position: str) -> int:
+    """WAL the server wrote since `position` (every session's, and the bench is the only writer)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)", [position])
+        return int(cursor.fetchone()[0])
+
+
+def _explain_register(world: World, cursor: Any) -> tuple[str, str]:
+    """EXPLAIN (ANALYZE, BUFFERS, WAL) of the two statements that register 4096 new blocks (rolled
+    back): the buffers each row touches and the WAL it writes, index by index."""
+    from django.db import transaction
+    from django.utils import timezone
+
+    from controlplane.directory import queries
+
+    namespace = world.namespace_names[0]
+    regs = [_registration(namespace, world.model_keys[0], i) for i in range(4096)]
+    now = timezone.now()
+    with transaction.atomic():
+        scope = queries.resolve(cursor, namespaces=[namespace], model_keys=[world.model_keys[0]], nodes=["gpu-0"])
+        rows, _ = queries.registration_rows(scope, regs)
+        params = queries.register_params(rows, now)
+        cursor.execute("EXPLAIN (ANALYZE, BUFFERS, WAL, COSTS OFF) " + queries.REGISTER_BLOCKS_SQL, params)
+        blocks = "\n".join(row[0] for row in cursor.fetchall())
+        cursor.execute("SELECT id FROM directory_block WHERE prefix_key = ANY(%s::uuid[]) ORDER BY id",
+                       [params["prefix_keys"]])
+        created = {row[0] for row in cursor.fetchall()}
+        cursor.execute("SELECT prefix_key, id FROM directory_block WHERE id = ANY(%s::bigint[])",
+                       [queries.ints(created)])
+        ids = dict(cursor.fetchall())
+        params["new_block_ids"] = queries.ints(ids[row.prefix_key] for row in rows)
+        cursor.execute("EXPLAIN (ANALYZE, BUFFERS, WAL, COSTS OFF) " + queries.REGISTER_NEW_PLACEMENTS_SQL, params)
+        copies = "\n".join(row[0] for row in cursor.fetchall())
+        transaction.set_rollback(True)
+    return blocks, copies
+
+
+def _registration(namespace: str, model_key: uuid.UUID, i: int, **extra: Any) -> Any:
+    """A new block (fresh random keys) at position `i` of its chain, with one host copy on gpu-0."""
+    from worker.dataplane.directory import BlockRegistration
+
+    return BlockRegistration(namespace=namespace, model_key=model_key, prefix_key=uuid.uuid4(),
+                             content_key=uuid.uuid4(), position=256 * (i % CHAIN), tokens=256, tier="host",
+                             node="gpu-0", nbytes=33554432, **extra)
 
 
 def child(spec: dict[str, Any]) -> None:
@@ -336,7 +400,6 @@ def child(spec: dict[str, Any]) -> None:
 
     from controlplane.directory.selectors import blocks_lookup
     from controlplane.directory.services import blocks_register
-    from worker.dataplane.directory import BlockRegistration
     from worker.directory import DirectoryOptions, DjangoDirectory, django_connect
 
     repeats = spec["repeats"]
@@ -367,6 +430,11 @@ def child(spec: dict[str, Any]) -> None:
     headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
 
     def rest_round(conn: http.client.HTTPConnection, name: str) -> None:
+        # daphne closes a keep-alive connection after 60 s idle, less than a round of the other
+        # measurements takes at 10M blocks: open a fresh one, outside the timed requests.
+        conn.close()
+        conn.request("GET", "/livez")
+        conn.getresponse().read()
         lat = []
         for _ in range(nrest):
             ns, mk, keys = world.prompt(1)
@@ -420,18 +488,17 @@ def child(spec: dict[str, Any]) -> None:
             _emit(step=f"REST lookup round {repeat + 1}")
             # Registration of new blocks, 4096 (with one copy each) per call.
             ns_index = repeat % NAMESPACES
-            regs_batches = [[BlockRegistration(
-                namespace=world.namespace_names[ns_index], model_key=world.model_keys[0], prefix_key=uuid.uuid4(),
-                content_key=uuid.uuid4(), position=256 * (i % CHAIN), tokens=256, tier="host", node="gpu-0",
-                nbytes=33554432, checksum=secrets.token_hex(16)) for i in range(4096)] for _ in range(batches)]
+            regs_batches = [[_registration(world.namespace_names[ns_index], world.model_keys[0], i,
+                                           checksum=secrets.token_hex(16)) for i in range(4096)]
+                            for _ in range(batches)]
+            wal_before = _wal_position()
             began = time.perf_counter()
             for regs in regs_batches:
                 blocks_register(registrations=regs, source="bench")
             record("register", batches * 4096 / (time.perf_counter() - began))
-            regs = [BlockRegistration(
-                namespace=world.namespace_names[ns_index], model_key=world.model_keys[1], prefix_key=uuid.uuid4(),
-                content_key=uuid.uuid4(), position=256 * (i % CHAIN), tokens=256, tier="host", node="gpu-0",
-                nbytes=33554432) for i in range(batches * 4096)]
+            record("register_wal", _wal_bytes_since(wal_before) / (batches * 4096))
+            regs = [_registration(world.namespace_names[ns_index], world.model_keys[1], i)
+                    for i in range(batches * 4096)]
             began = time.perf_counter()
             for start in range(0, len(regs), CHAIN):
                 node.register(blocks=regs[start:start + CHAIN])
@@ -455,6 +522,7 @@ def child(spec: dict[str, Any]) -> None:
             _row(f"directory.{variant}_lookup64_{pct}_ms", median[f"{variant}_lookup64_{pct}"], "ms",
                  samples=nrest, server="daphne", db_pool=pool, **params)
     _row("directory.register_blocks_per_s", median["register"], "blocks/s", batch=4096, batches=batches, **params)
+    _row("directory.register_wal_bytes_per_block", median["register_wal"], "bytes", batch=4096, **params)
     _row("directory.writebehind_blocks_per_s", median["writebehind"], "blocks/s", **params)
     _row("directory.lookup64_hit_blocks_mean", statistics.fmean(hit_blocks), "blocks", **params)
     _explain(world)

@@ -135,7 +135,9 @@ class Block(models.Model):
     - (content_key): lookup of fragments anywhere in a prompt;
     - (namespace, model, id): purge, the filtered list, newest/oldest order.
     access_count and last_access_at are deliberately not indexed: every touch changes them, and an
-    index on them would turn each touch into a write to every index of the table.
+    index on them would turn each touch into a write to every index of the table. Nor is priority:
+    the planner reads it from blocks it already holds, and no query filters on it, while its two
+    indexes (a slug field's default) were a third of the index writes of every registered block.
 
     The foreign keys of blocks and placements are relations for Django only (db_constraint=False):
     PostgreSQL's checks of them ran at every commit, one locking read of the parent per row, a
@@ -154,7 +156,7 @@ class Block(models.Model):
     position = models.PositiveBigIntegerField(help_text="Offset of the block's first token in its prefix chain.")
     token_count = models.PositiveIntegerField()
     size_bytes = models.PositiveBigIntegerField()
-    priority = models.SlugField(max_length=63, default=DEFAULT_PRIORITY,
+    priority = models.SlugField(max_length=63, default=DEFAULT_PRIORITY, db_index=False,
                                 help_text="Priority class (the policies app defines them).")
     created_at = models.DateTimeField()
     last_access_at = models.DateTimeField()

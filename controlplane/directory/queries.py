@@ -12,7 +12,7 @@ import dataclasses
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from controlplane.directory.choices import TIER_ORDER, PlacementState, Tier
 from controlplane.directory.errors import (
@@ -43,6 +43,12 @@ def ints(values: Iterable[int | None]) -> str:
 
 def texts(values: Iterable[str | None]) -> str:
     """A text[] literal, every element quoted; None is NULL."""
+    values = list(values)
+    if values and None not in values:
+        whole = "".join(values)  # type: ignore[arg-type]  # None was ruled out above
+        if '"' not in whole and "\\" not in whole:
+            # Nothing to escape (tiers, checksums, names): one join.
+            return '{"' + '","'.join(values) + '"}'  # type: ignore[arg-type]
     return "{" + ",".join(
         "NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values
     ) + "}"
@@ -184,9 +190,10 @@ def resolve(cursor: Any, *, namespaces: Iterable[str], model_keys: Iterable[uuid
     return scope
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class RegisterRow:
-    """One block and one READY copy of it, with every reference already resolved to an id."""
+class RegisterRow(NamedTuple):
+    """One block and one READY copy of it, with every reference already resolved to an id.
+
+    A tuple, so a batch of them turns into columns in one step (`zip(*rows)`)."""
 
     namespace_id: int
     model_id: int
@@ -204,7 +211,8 @@ class RegisterRow:
 
 
 # Sorted input keeps every registration taking row locks in the same order: two processes
-# registering the same blocks wait for each other instead of deadlocking.
+# registering the same blocks wait for each other instead of deadlocking. The blocks that were
+# new come back with their ids, so their copies need no lookup and no conflict check.
 REGISTER_BLOCKS_SQL = f"""
 INSERT INTO {BLOCK_TABLE} (namespace_id, model_id, prefix_key, content_key, position, token_count,
                            size_bytes, priority, created_at, last_access_at, access_count)
@@ -216,11 +224,31 @@ FROM unnest(%(namespace_ids)s::bigint[], %(model_ids)s::bigint[], %(prefix_keys)
      AS r(namespace_id, model_id, prefix_key, content_key, position, token_count, size_bytes, priority)
 ORDER BY r.prefix_key, r.namespace_id, r.model_id
 ON CONFLICT (prefix_key, namespace_id, model_id) DO NOTHING
+RETURNING id, prefix_key, namespace_id, model_id
 """
 
-# A second statement (not a CTE of the first) so that it sees blocks another process committed
-# while the first waited on them; the last copy named in a batch wins, and re-registering the
-# same copy changes nothing (no new row version, no epoch bump): registration is idempotent.
+# The copies of the blocks REGISTER_BLOCKS_SQL created (`new_block_ids`, by row; NULL for the
+# others): nobody else can have a copy of a block that is not committed yet, so a plain insert
+# (no speculative insertion and its confirmation record, no probe of the block's key). The last
+# copy named in a batch wins.
+REGISTER_NEW_PLACEMENTS_SQL = f"""
+INSERT INTO {PLACEMENT_TABLE} (block_id, tier, node_id, locator, "offset", size_bytes, checksum, state, epoch,
+                               updated_at)
+SELECT DISTINCT ON (r.block_id, r.tier, r.node_id)
+       r.block_id, r.tier, r.node_id, r.locator, r."offset", r.size_bytes, r.checksum,
+       '{PlacementState.READY.value}', 1, %(now)s
+FROM unnest(%(new_block_ids)s::bigint[], %(tiers)s::text[], %(node_ids)s::bigint[], %(locators)s::text[],
+            %(offsets)s::bigint[], %(sizes)s::bigint[], %(checksums)s::text[])
+     WITH ORDINALITY AS r(block_id, tier, node_id, locator, "offset", size_bytes, checksum, ord)
+WHERE r.block_id IS NOT NULL
+ORDER BY r.block_id, r.tier, r.node_id, r.ord DESC
+"""
+
+# The copies of the other rows' blocks, which existed before (re-registrations, a second node's
+# copy, or a block another process committed while REGISTER_BLOCKS_SQL waited on it). A statement
+# of its own, so that it sees those blocks; the last copy named in a batch wins, and
+# re-registering the same copy changes nothing (no new row version, no epoch bump): registration
+# is idempotent.
 REGISTER_PLACEMENTS_SQL = f"""
 INSERT INTO {PLACEMENT_TABLE} AS p (block_id, tier, node_id, locator, "offset", size_bytes, checksum,
                                     state, epoch, updated_at)
@@ -229,9 +257,9 @@ SELECT DISTINCT ON (b.id, r.tier, r.node_id)
        '{PlacementState.READY.value}', 1, %(now)s
 FROM unnest(%(namespace_ids)s::bigint[], %(model_ids)s::bigint[], %(prefix_keys)s::uuid[],
             %(tiers)s::text[], %(node_ids)s::bigint[], %(locators)s::text[], %(offsets)s::bigint[],
-            %(sizes)s::bigint[], %(checksums)s::text[])
+            %(sizes)s::bigint[], %(checksums)s::text[], %(new_block_ids)s::bigint[])
      WITH ORDINALITY AS r(namespace_id, model_id, prefix_key, tier, node_id, locator, "offset",
-                          size_bytes, checksum, ord)
+                          size_bytes, checksum, new_block_id, ord)
 -- LIMIT 1 keeps this a per-row probe of the unique index: as a plain join the planner may
 -- hash the whole block table instead.
 CROSS JOIN LATERAL (
@@ -239,6 +267,7 @@ CROSS JOIN LATERAL (
     WHERE prefix_key = r.prefix_key AND namespace_id = r.namespace_id AND model_id = r.model_id
     LIMIT 1
 ) AS b
+WHERE r.new_block_id IS NULL
 ORDER BY b.id, r.tier, r.node_id, r.ord DESC
 ON CONFLICT (block_id, tier, node_id) DO UPDATE
 SET locator = EXCLUDED.locator, "offset" = EXCLUDED."offset", size_bytes = EXCLUDED.size_bytes,
@@ -258,42 +287,37 @@ class RegisterCounts:
     """Copies created or changed (identical re-registrations are not counted)."""
 
 
-def register_params(rows: Sequence[RegisterRow], now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The parameters of REGISTER_BLOCKS_SQL and of REGISTER_PLACEMENTS_SQL."""
-    common = {
-        "now": now,
-        "namespace_ids": ints(r.namespace_id for r in rows),
-        "model_ids": ints(r.model_id for r in rows),
-        "prefix_keys": uuids(r.prefix_key for r in rows),
-        "sizes": ints(r.size_bytes for r in rows),
-    }
-    blocks = {
-        **common,
-        "content_keys": uuids(r.content_key for r in rows),
-        "positions": ints(r.position for r in rows),
-        "token_counts": ints(r.token_count for r in rows),
-        "priorities": texts(r.priority for r in rows),
-    }
-    placements = {
-        **common,
-        "tiers": texts(r.tier for r in rows),
-        "node_ids": ints(r.node_id for r in rows),
-        "locators": texts(r.locator for r in rows),
-        "offsets": ints(r.offset for r in rows),
-        "checksums": texts(r.checksum for r in rows),
-    }
-    return blocks, placements
+def register_params(rows: Sequence[RegisterRow], now: datetime) -> dict[str, Any]:
+    """The parameters of the three registration statements (each takes those it names), built
+    once; `new_block_ids` (every row's block is new: none) is filled in by `register`."""
+    (namespace_ids, model_ids, prefix_keys, content_keys, positions, token_counts, sizes, priorities, tiers,
+     node_ids, locators, offsets, checksums) = zip(*rows, strict=True)
+    return {"now": now, "namespace_ids": ints(namespace_ids), "model_ids": ints(model_ids),
+            "prefix_keys": uuids(prefix_keys), "content_keys": uuids(content_keys), "positions": ints(positions),
+            "token_counts": ints(token_counts), "sizes": ints(sizes), "priorities": texts(priorities),
+            "tiers": texts(tiers), "node_ids": ints(node_ids), "locators": texts(locators),
+            "offsets": ints(offsets), "checksums": texts(checksums), "new_block_ids": ints([None] * len(rows))}
 
 
 def register(cursor: Any, *, rows: Sequence[RegisterRow], now: datetime) -> RegisterCounts:
-    """Upsert blocks, then their READY copies: two statements; run them in one transaction."""
+    """Upsert blocks, then their READY copies: two statements (three when some blocks existed
+    before); run them in one transaction."""
     if not rows:
         return RegisterCounts(blocks=0, placements=0)
-    block_params, placement_params = register_params(rows, now)
-    cursor.execute(REGISTER_BLOCKS_SQL, block_params)
-    blocks = cursor.rowcount
-    cursor.execute(REGISTER_PLACEMENTS_SQL, placement_params)
-    return RegisterCounts(blocks=max(blocks, 0), placements=max(cursor.rowcount, 0))
+    params = register_params(rows, now)
+    cursor.execute(REGISTER_BLOCKS_SQL, params)
+    # Keyed as a row starts: (namespace id, model id, prefix key).
+    created = {(namespace_id, model_id, key): block_id for block_id, key, namespace_id, model_id in cursor.fetchall()}
+    new_block_ids = [created.get(row[:3]) for row in rows]
+    params["new_block_ids"] = ints(new_block_ids)
+    placements = 0
+    if created:
+        cursor.execute(REGISTER_NEW_PLACEMENTS_SQL, params)
+        placements += max(cursor.rowcount, 0)
+    if None in new_block_ids:
+        cursor.execute(REGISTER_PLACEMENTS_SQL, params)
+        placements += max(cursor.rowcount, 0)
+    return RegisterCounts(blocks=len(created), placements=placements)
 
 
 # Rows are locked in id order before they are changed, so two nodes touching the same hot blocks
@@ -437,12 +461,9 @@ def registration_rows(
         elif reg.tier != Tier.REMOTE and node_id is None:
             rejected.append((index, UnknownNode(f"node: no node named {reg.node!r} (it registers with its first heartbeat)")))
         else:
-            rows.append(RegisterRow(
-                namespace_id=namespace_id, model_id=model_id, prefix_key=reg.prefix_key,
-                content_key=reg.content_key, position=reg.position, token_count=reg.tokens,
-                size_bytes=reg.nbytes, priority=reg.priority, tier=reg.tier, node_id=node_id,
-                locator=reg.locator, offset=reg.offset, checksum=reg.checksum,
-            ))
+            rows.append(RegisterRow(namespace_id, model_id, reg.prefix_key, reg.content_key, reg.position,
+                                    reg.tokens, reg.nbytes, reg.priority, reg.tier, node_id, reg.locator,
+                                    reg.offset, reg.checksum))
     return rows, rejected
 
 

@@ -296,7 +296,7 @@ def test_every_hot_statement_is_an_index_scan(registration, profile, node):
         cursor.execute("ANALYZE directory_block; ANALYZE directory_placement")
         scope = queries.resolve(cursor, namespaces=["tenant-a"], model_keys=[profile.model_key], nodes=["gpu-0"])
         register_rows, _ = queries.registration_rows(scope, fresh)
-        block_params, placement_params = queries.register_params(register_rows, now)
+        register_params = queries.register_params(register_rows, now)
         touches = [queries.TouchRow(namespace="tenant-a", model_key=profile.model_key, prefix_key=r.prefix_key,
                                     hits=1, at=now) for r in regs[:64]]
         changes = [queries.ChangeRow(namespace="tenant-a", model_key=profile.model_key, prefix_key=r.prefix_key,
@@ -305,8 +305,8 @@ def test_every_hot_statement_is_an_index_scan(registration, profile, node):
             "lookup": queries.explain(cursor, queries.LOOKUP_SQL, queries.lookup_params(
                 namespace="tenant-a", model_key=profile.model_key, node="gpu-0",
                 prefix_keys=[r.prefix_key for r in regs[:64]], content_keys=[r.content_key for r in regs[64:72]])),
-            "register blocks": queries.explain(cursor, queries.REGISTER_BLOCKS_SQL, block_params),
-            "register placements": queries.explain(cursor, queries.REGISTER_PLACEMENTS_SQL, placement_params),
+            "register blocks": queries.explain(cursor, queries.REGISTER_BLOCKS_SQL, register_params),
+            "register placements": queries.explain(cursor, queries.REGISTER_PLACEMENTS_SQL, register_params),
             "touch": queries.explain(cursor, queries.TOUCH_SQL, queries.touch_params(touches)),
             "change": queries.explain(cursor, queries.CHANGE_STATE_SQL,
                                       queries.change_params(changes, action="corrupt", now=now)),

@@ -1,5 +1,8 @@
 """Directory API serializers: inputs are validated here, outputs shaped here; the work is in services."""
 
+import uuid
+from typing import Any
+
 from rest_framework import serializers
 
 from controlplane.directory.choices import MAX_BATCH, BlockOrdering, Dtype, PlacementState, Tier
@@ -123,15 +126,32 @@ class BlockListQuerySerializer(serializers.Serializer):
                                        help_text="-access_count is the hotness ranking; -created_at the age.")
 
 
+class UUIDListField(serializers.ListField):
+    """A list of UUIDs in their string form, parsed in one pass: DRF's per-element validation cost
+    about 6 us a key, 25 ms for a 4096-key lookup. Anything else (an int, a malformed string) takes
+    the per-element path, so errors name the element as before."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(child=serializers.UUIDField(), **kwargs)
+
+    def run_child_validation(self, data: list[Any]) -> list[uuid.UUID]:
+        if all(type(value) is str for value in data):
+            try:
+                return [uuid.UUID(hex=value) for value in data]
+            except ValueError:
+                pass
+        return super().run_child_validation(data)
+
+
 class LookupInputSerializer(serializers.Serializer):
     namespace = serializers.SlugField(max_length=63)
     model_key = serializers.UUIDField(help_text="Model key of the profile the keys were computed for.")
     node = serializers.SlugField(max_length=63, required=False, allow_null=True, default=None,
                                  help_text="Asking node: its local copies, then the remote tier. Empty: any node.")
-    prefix_keys = serializers.ListField(child=serializers.UUIDField(), max_length=MAX_BATCH, default=list,
-                                        help_text="Prefix keys of a prompt's blocks, in chain order.")
-    content_keys = serializers.ListField(child=serializers.UUIDField(), max_length=MAX_BATCH, default=list,
-                                         help_text="Content keys to match anywhere (fragments).")
+    prefix_keys = UUIDListField(max_length=MAX_BATCH, default=list,
+                                help_text="Prefix keys of a prompt's blocks, in chain order.")
+    content_keys = UUIDListField(max_length=MAX_BATCH, default=list,
+                                 help_text="Content keys to match anywhere (fragments).")
 
     def validate(self, attrs):  # type: ignore[no-untyped-def]
         if len(attrs["prefix_keys"]) + len(attrs["content_keys"]) > MAX_BATCH:

@@ -59,6 +59,36 @@ def directory_errors() -> Iterator[None]:
         raise ValidationError({exc.field: [str(exc)]}) from exc
 
 
+class WindowRateThrottle(UserRateThrottle):
+    """A user's rate counted per fixed window of the rate's period: one counter increment per
+    request, whatever the rate. DRF's own throttle keeps the time of every request in the period
+    and reads and writes that whole list back on each request; for an engine doing 1,000 lookups a
+    second it is a list of 60,000 times and 6 ms a request (14 ms at p99) on its own. The price: a
+    burst that straddles two windows may reach twice the rate within one period, which is harmless
+    for rates this far above what an engine legitimately sends."""
+
+    def allow_request(self, request: Request, view: object) -> bool:
+        if self.rate is None:
+            return True
+        self.key = self.get_cache_key(request, view)
+        if self.key is None:
+            return True
+        window = int(self.timer() // self.duration)
+        self.window_ends = (window + 1) * self.duration
+        return self._count(f"{self.key}:{window}") <= self.num_requests
+
+    def _count(self, key: str) -> int:
+        try:
+            return int(self.cache.incr(key))
+        except ValueError:  # the window's first request
+            if self.cache.add(key, 1, timeout=int(self.duration) + 1):
+                return 1
+            return int(self.cache.incr(key))
+
+    def wait(self) -> float:
+        return max(self.window_ends - self.timer(), 0.0)
+
+
 class DirectoryThrottle(UserRateThrottle):
     """A per-user rate for one expensive action; settings may override it by scope."""
 
@@ -68,7 +98,7 @@ class DirectoryThrottle(UserRateThrottle):
         return api_settings.DEFAULT_THROTTLE_RATES.get(self.scope) or self.default_rate
 
 
-class RegisterThrottle(DirectoryThrottle):
+class RegisterThrottle(WindowRateThrottle, DirectoryThrottle):
     scope = "directory.register"
     default_rate = "12000/min"  # up to 4096 blocks each: far above what one engine writes
 
@@ -79,7 +109,10 @@ class PurgeThrottle(DirectoryThrottle):
 
 
 def _throttles(*extra: type) -> list[type]:
-    return [*api_settings.DEFAULT_THROTTLE_CLASSES, *extra]
+    """The default throttles, the per-user one counted per window (engines call these endpoints
+    at high rates: see WindowRateThrottle), then `extra`."""
+    return [WindowRateThrottle if cls is UserRateThrottle else cls
+            for cls in api_settings.DEFAULT_THROTTLE_CLASSES] + list(extra)
 
 
 class NamePagination(CursorPagination):
@@ -210,6 +243,7 @@ class BlockViewSet(viewsets.GenericViewSet[Block]):
     pagination_class = BlockPagination
     serializer_class = s.BlockSerializer
     lookup_value_regex = r"[0-9]{1,18}"
+    throttle_classes = _throttles()
 
     @property
     def write_role(self) -> Role:
