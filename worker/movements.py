@@ -38,21 +38,25 @@ from controlplane.directory.choices import PlacementState, Tier
 from controlplane.directory.errors import InvalidTransition, PlacementNotFound, StaleEpoch
 from controlplane.directory.models import Block, Node, Placement
 from controlplane.directory.services import (
+    PendingCopy,
     PlacementFlip,
-    placement_create_pending,
     placement_delete,
     placement_mark_corrupt,
     placement_mark_deleting,
+    placements_create_pending_many,
+    placements_delete_many,
     placements_flip_many,
 )
 from controlplane.movements.choices import MovementKind, MovementState
 from controlplane.movements.models import Movement
 from controlplane.movements.services import (
+    MovementResult,
     checksum_failures_count,
-    movement_finish,
-    movement_set_target,
     movement_start,
+    movements_finish_many,
     movements_finished_announce,
+    movements_set_targets,
+    movements_start_many,
 )
 from worker.dataplane.errors import BlockCorrupt, BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.tiers.base import ReadResult
@@ -68,10 +72,12 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OperationalError, Interface
 
 _FENCED = (StaleEpoch, InvalidTransition, PlacementNotFound)
 
-WAVE_BYTES = 64 << 20
+WAVE_BYTES = 128 << 20
 """Blocks of a batch are reserved, copied and flipped in waves of about this many bytes (at least
-one block): big enough that a wave's I/O covers the next wave's database work, small enough that
-the first wave's reservation and the last wave's flip, which nothing covers, stay short."""
+one block): big enough that a wave's I/O covers the next wave's database work with room to spare
+on a busy node (a wave costs three commits and about a dozen statements whatever its size), and
+that the copy pipeline drains and refills (the end of one wave's transfer, the start of the
+next's) only every few blocks. `_waves` keeps the first and the last wave to one block."""
 
 COPY_BUFFERS = 2
 """Block buffers a batch of copies cycles through: block n+1 is read from its source into one
@@ -82,7 +88,8 @@ def _waves(ids: Sequence[int], per_wave: int) -> list[Sequence[int]]:
     """`ids` in waves of `per_wave`, except that the first and the last wave hold one block each
     (when there are more than two waves' worth): nothing overlaps the first wave's reservation
     or the last wave's flip and conclusion, so the smaller they are, the less the batch waits
-    on the database (measured on the dev box: ~10 ms of database work per movement there)."""
+    on them (with the bulk services a wave's database work is a few statements whatever its size;
+    it was ~10 ms per movement one by one)."""
     if per_wave <= 1 or len(ids) <= 2 * per_wave:
         return [ids[start:start + per_wave] for start in range(0, len(ids), per_wave)]
     middle = ids[1:-1]
@@ -127,6 +134,23 @@ class MovementOptions:
 
 class NoStore(RuntimeError):
     """The node serves no model, so it has no tiered store to move bytes with."""
+
+
+_Ended = tuple[Movement, MovementResult]
+"""A movement and the result to record for it (`MovementExecutor._record` records a wave's at once)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reservation:
+    """A started movement whose source checked out: its target copy is still to be reserved."""
+
+    movement: Movement
+    block: Block
+    source: Placement
+    previous: Placement | None
+    """The target an earlier attempt of this movement reserved (taken over if still pending)."""
+    free_source: bool
+    started: float
 
 
 @dataclasses.dataclass
@@ -191,12 +215,13 @@ class _Announcer:
         self._sent_at = 0.0
         self._timer: threading.Timer | None = None
 
-    def add(self, movement: Movement) -> None:
+    def add(self, *movements: Movement) -> None:
         with self._lock:
-            self._counts[movement.state] += 1
-            if movement.state == MovementState.DONE:
-                self._counts["bytes"] += movement.bytes
-                self._routes[movement.route] += 1
+            for movement in movements:
+                self._counts[movement.state] += 1
+                if movement.state == MovementState.DONE:
+                    self._counts["bytes"] += movement.bytes
+                    self._routes[movement.route] += 1
             due = time.monotonic() - self._sent_at >= self.every_s
             if not due and self._timer is None:
                 self._timer = threading.Timer(self.every_s, self._flush_later)
@@ -275,20 +300,40 @@ class MovementExecutor:
             self._movers = ThreadPoolExecutor(1, thread_name_prefix="strata-move-write")
         return self._movers
 
+    @staticmethod
+    def _ended(movement: Movement, state: str, *, started: float, detail: str = "", error: str = "",
+               nbytes: int | None = None) -> _Ended:
+        """The result of a movement that ended now (its duration counted from `started`)."""
+        return movement, MovementResult(movement_id=movement.id, state=state, nbytes=nbytes,
+                                        duration_s=time.perf_counter() - started, detail=detail, error=error)
+
+    def _record(self, ended: Sequence[_Ended]) -> dict[int, Outcome]:
+        """Record results in the ledger and the tallies, one statement for all of them
+        (`movements_finish_many`); a movement finished meanwhile by another attempt is skipped."""
+        if not ended:
+            return {}
+        rows = movements_finish_many(results=[result for _, result in ended])
+        outcomes: dict[int, Outcome] = {}
+        for (movement, result), finished in zip(ended, rows, strict=True):
+            if finished is None:
+                outcomes[movement.id] = Outcome(movement.id, "skipped", "finished elsewhere")
+                continue
+            line = f"movement {movement.id} ({movement.kind} block {movement.block_id} {movement.route}): {result.state}"
+            if result.state == MovementState.DONE:
+                log.info("%s, %d bytes in %.3f s", line, finished.bytes, finished.duration_s or 0.0)
+            else:
+                log.warning("%s: %s", line, result.error or result.detail)
+            outcomes[movement.id] = Outcome(movement.id, result.state, result.error or result.detail)
+        recorded = [finished for finished in rows if finished is not None]
+        if recorded:
+            # Inside a batch's transaction the dashboard hears of them only once it is committed.
+            transaction.on_commit(lambda: self.announcer.add(*recorded))
+        return outcomes
+
     def _finish(self, movement: Movement, state: str, *, started: float, detail: str = "", error: str = "",
                 nbytes: int | None = None) -> Outcome:
-        finished = movement_finish(movement_id=movement.id, state=state, nbytes=nbytes,
-                                   duration_s=time.perf_counter() - started, detail=detail, error=error)
-        if finished is None:
-            return Outcome(movement.id, "skipped", "finished elsewhere")
-        # Inside a batch's transaction the dashboard hears of it only once it is committed.
-        transaction.on_commit(lambda: self.announcer.add(finished))
-        line = f"movement {movement.id} ({movement.kind} block {movement.block_id} {movement.route}): {state}"
-        if state == MovementState.DONE:
-            log.info("%s, %d bytes in %.3f s", line, finished.bytes, finished.duration_s or 0.0)
-        else:
-            log.warning("%s: %s", line, error or detail)
-        return Outcome(movement.id, state, error or detail)
+        ended = self._ended(movement, state, started=started, detail=detail, error=error, nbytes=nbytes)
+        return self._record([ended])[movement.id]
 
     def run(self, kind: str, movement_ids: Sequence[int]) -> list[Outcome]:
         """Execute a batch of movements of one kind, in order. Transient errors (database or
@@ -338,9 +383,10 @@ class MovementExecutor:
     def _run_copies(self, kind: str, movement_ids: Sequence[int]) -> list[Outcome]:
         """Moves and warm-ups of a batch, in waves of about WAVE_BYTES (`_waves`). Each wave costs three
         database commits instead of six per movement (each commit waits for PostgreSQL's WAL to
-        reach its disk): one starts its movements and reserves their targets, one flips the
-        verified copies, one frees the sources and records the results. While one wave's bytes
-        flow through the copy pipeline (`_transfer`, on the mover thread), this thread reserves
+        reach its disk) and about a dozen statements whatever its size (the bulk services; one by
+        one it was ~30 per movement): one commit starts its movements and reserves their targets,
+        one flips the verified copies, one frees the sources and records the results. While one
+        wave's bytes flow through the copy pipeline (`_transfer`, on the mover thread), this thread reserves
         the next wave and concludes the previous one, so the database work hides behind the
         I/O. Each commit still comes before the step it guards: a target is reserved before its
         bytes are written, a flip is durable before its source is freed."""
@@ -375,75 +421,86 @@ class MovementExecutor:
         return [outcomes[ident] for ident in movement_ids]
 
     def _start_wave(self, kind: str, ids: Sequence[int], outcomes: dict[int, Outcome]) -> list[_Copy]:
-        """One transaction: start each movement, check it against the directory and reserve its
-        target. Returns the copies to make; the other movements' outcomes go into `outcomes`."""
-        jobs: list[_Copy] = []
+        """One transaction of a few statements, whatever the wave's size: start its movements
+        (`movements_start_many`), read their blocks and copies, check each against the directory,
+        reserve the targets of the ones to copy (`placements_create_pending_many`) and record the
+        results of the others (`movements_finish_many`). Each movement is still judged on its own:
+        a stale source cancels only its movement. Returns the copies to make; the other
+        movements' outcomes go into `outcomes`."""
         with transaction.atomic():
-            for ident in ids:
-                movement = movement_start(movement_id=ident, node=self.node)
+            started = time.perf_counter()
+            ended: list[_Ended] = []
+            checked: list[Movement] = []
+            for ident, movement in zip(ids, movements_start_many(movement_ids=ids, node=self.node), strict=True):
                 if movement is None:
                     outcomes[ident] = Outcome(ident, "skipped", "already finished")
-                    continue
-                started = time.perf_counter()
-                if movement.kind != kind:
-                    outcomes[ident] = self._finish(movement, MovementState.FAILED, started=started,
-                                                   error=f"kind: sent as {kind} but planned as {movement.kind}")
-                    continue
+                elif movement.kind != kind:
+                    ended.append(self._ended(movement, MovementState.FAILED, started=started,
+                                             error=f"kind: sent as {kind} but planned as {movement.kind}"))
+                elif self.store is None:
+                    ended.append(self._ended(movement, MovementState.FAILED, started=started,
+                                             error=f"node {self.node} serves no model: it has no tiered store to "
+                                                   "move bytes with"))
+                else:
+                    checked.append(movement)
+            blocks = Block.objects.only("id", "prefix_key", "size_bytes").in_bulk([m.block_id for m in checked])
+            copies = Placement.objects.in_bulk([m.src_placement_id for m in checked]
+                                               + [m.dst_placement_id for m in checked if m.dst_placement_id])
+            wanted: list[_Reservation] = []
+            for movement in checked:
                 try:
-                    if self.store is None:
-                        raise NoStore(f"node {self.node} serves no model: it has no tiered store to move bytes with")
-                    with transaction.atomic():  # a savepoint: one movement's error leaves the others
-                        prepared = self._prepare(movement, free_source=kind == MovementKind.MOVE, started=started)
+                    prepared = self._prepare(movement, block=blocks.get(movement.block_id),
+                                             source=copies.get(movement.src_placement_id),
+                                             target=copies.get(movement.dst_placement_id or 0),
+                                             free_source=kind == MovementKind.MOVE, started=started)
                 except TRANSIENT_ERRORS:
                     raise
-                except NoStore as exc:
-                    outcomes[ident] = self._finish(movement, MovementState.FAILED, started=started, error=str(exc))
-                except Exception as exc:  # noqa: BLE001 - recorded in the ledger, then the batch goes on
+                except Exception as exc:  # noqa: BLE001 - recorded in the ledger, then the wave goes on
                     log.exception("movement %d failed", movement.id)
-                    outcomes[ident] = self._finish(movement, MovementState.FAILED, started=started,
-                                                   error=f"{type(exc).__name__}: {exc}")
+                    ended.append(self._ended(movement, MovementState.FAILED, started=started,
+                                             error=f"{type(exc).__name__}: {exc}"))
+                    continue
+                if isinstance(prepared, _Reservation):
+                    wanted.append(prepared)
                 else:
-                    if isinstance(prepared, Outcome):
-                        outcomes[ident] = prepared
-                    else:
-                        jobs.append(prepared)
+                    ended.append(prepared)
+            jobs, refused = self._reserve(wanted)
+            outcomes.update(self._record([*ended, *refused]))
         return jobs
 
-    def _prepare(self, movement: Movement, *, free_source: bool, started: float) -> _Copy | Outcome:
-        """Check a started movement against the directory and reserve its target: the copy to
-        make, or the movement's outcome when there is nothing to copy (resumed, changed, gone)."""
-        block = self._block(movement)
+    def _prepare(self, movement: Movement, *, block: Block | None, source: Placement | None,
+                 target: Placement | None, free_source: bool, started: float) -> _Reservation | _Ended:
+        """Check a started movement against its block and copies as the wave read them: the target
+        to reserve, or the movement's result when there is nothing to copy (resumed, changed,
+        gone). The rare paths that change the directory here each run in a savepoint of their own."""
         if block is None:
-            self._drop_target(movement, block_key=None)
-            return self._finish(movement, MovementState.CANCELLED, started=started, detail="the block was purged")
+            with transaction.atomic():
+                self._drop_target(movement, block_key=None)
+            return self._ended(movement, MovementState.CANCELLED, started=started, detail="the block was purged")
         problem = self._layout_problem(block, movement.src_tier, movement.dst_tier)
         if problem:
-            return self._finish(movement, MovementState.FAILED, started=started, error=problem)
+            return self._ended(movement, MovementState.FAILED, started=started, error=problem)
         key = block.prefix_key
-        source = Placement.objects.filter(id=movement.src_placement_id).first()
-        target = (Placement.objects.filter(id=movement.dst_placement_id).first()
-                  if movement.dst_placement_id else None)
         if free_source and target is not None and target.state == PlacementState.READY and (
                 source is None or (source.state == PlacementState.DELETING
                                    and source.epoch == movement.src_epoch + 1)):
             # A previous attempt flipped and died before freeing the source: finish its work.
-            self._free(source, movement, key)
-            return self._finish(movement, MovementState.DONE, started=started, nbytes=target.size_bytes,
-                                detail="resumed after the flip")
+            with transaction.atomic():
+                self._free(source, movement, key)
+            return self._ended(movement, MovementState.DONE, started=started, nbytes=target.size_bytes,
+                               detail="resumed after the flip")
         if not free_source and target is not None and target.state == PlacementState.READY:
-            return self._finish(movement, MovementState.DONE, started=started, nbytes=target.size_bytes,
-                                detail="resumed: the warm copy was ready")
+            return self._ended(movement, MovementState.DONE, started=started, nbytes=target.size_bytes,
+                               detail="resumed: the warm copy was ready")
         if source is None or source.state != PlacementState.READY or source.epoch != movement.src_epoch:
-            self._drop_target(movement, block_key=key)
+            with transaction.atomic():
+                self._drop_target(movement, block_key=key)
             now = "gone" if source is None else f"{source.state} at epoch {source.epoch}"
-            return self._finish(movement, MovementState.CANCELLED, started=started,
-                                detail=f"the source copy changed since planning (now {now}, "
-                                       f"planned at epoch {movement.src_epoch})")
-        target_or_reason = self._reserve(movement, block, target)
-        if isinstance(target_or_reason, str):
-            return self._finish(movement, MovementState.CANCELLED, started=started, detail=target_or_reason)
-        return _Copy(movement=movement, block=block, key=key, source=source, target=target_or_reason,
-                     free_source=free_source, started=started)
+            return self._ended(movement, MovementState.CANCELLED, started=started,
+                               detail=f"the source copy changed since planning (now {now}, "
+                                      f"planned at epoch {movement.src_epoch})")
+        return _Reservation(movement=movement, block=block, source=source, previous=target, free_source=free_source,
+                            started=started)
 
     def _transfer(self, jobs: Sequence[_Copy]) -> None:
         """Copy the blocks of a batch: a verified read from the source, a put into the target
@@ -511,12 +568,14 @@ class MovementExecutor:
             job.failure, job.target_bad = problem, True
 
     def _conclude(self, jobs: Sequence[_Copy]) -> dict[int, Outcome]:
-        """Turn the copies into directory changes: failed ones are cleaned up one by one; the
-        verified ones are flipped in one transaction, their sources freed, their results
-        recorded in another. A transient error is raised after the rest is concluded."""
+        """Turn the copies into directory changes: failed ones are cleaned up one by one and their
+        results recorded together; the verified ones are flipped in one transaction (a warm-up's
+        result recorded in it), the moves' sources freed and their results recorded in another. A
+        transient error is raised after the rest is concluded."""
         outcomes: dict[int, Outcome] = {}
         transient: BaseException | None = None
         verified: list[_Copy] = []
+        failed: list[_Ended] = []
         for job in jobs:
             if job.check is not None:
                 job.check.result()  # the verification records its result on the job
@@ -527,21 +586,28 @@ class MovementExecutor:
                     continue
                 log.error("movement %d failed", movement.id, exc_info=job.error)
                 self._drop_target(movement, block_key=job.key, target=job.target, bytes_written=job.written)
-                outcomes[movement.id] = self._finish(movement, MovementState.FAILED, started=job.started,
-                                                     error=f"{type(job.error).__name__}: {job.error}")
+                failed.append(self._ended(movement, MovementState.FAILED, started=job.started,
+                                          error=f"{type(job.error).__name__}: {job.error}"))
             elif job.failure:
                 if job.source_bad:
                     self._quarantine(job.source, movement.src_tier, job.key, found_by="move")
                 self._drop_target(movement, block_key=job.key, target=job.target, bytes_written=job.written)
                 if job.target_bad:
                     checksum_failures_count(tier=movement.dst_tier, found_by="move")
-                outcomes[movement.id] = self._finish(movement, MovementState.FAILED, started=job.started,
-                                                     error=job.failure)
+                failed.append(self._ended(movement, MovementState.FAILED, started=job.started, error=job.failure))
             else:
                 verified.append(job)
+        outcomes.update(self._record(failed))
         if verified:
             self._fault("after-copy", *(job.movement for job in verified))
-            flipped, refused = self._flip(verified)
+            with transaction.atomic():
+                flipped, refused = self._flip(verified)
+                # A warm-up is done once its copy is READY (its source stays): recorded with its
+                # flip, one commit. A move is done only once its source is freed, after this commit.
+                outcomes.update(self._record([
+                    self._ended(job.movement, MovementState.DONE, started=job.started, nbytes=job.block.size_bytes)
+                    for job in flipped if not job.free_source]))
+            cancelled: list[_Ended] = []
             for job, exc in refused:
                 movement = job.movement
                 if self._taken_over(job):
@@ -553,16 +619,18 @@ class MovementExecutor:
                     continue
                 if not job.free_source:
                     # Another attempt took the target over; it owns those bytes now.
-                    outcomes[movement.id] = self._finish(movement, MovementState.CANCELLED, started=job.started,
-                                                         detail=f"the target copy was taken over: {exc}")
+                    cancelled.append(self._ended(movement, MovementState.CANCELLED, started=job.started,
+                                                 detail=f"the target copy was taken over: {exc}"))
                     continue
                 self._drop_target(movement, block_key=job.key, target=job.target)
                 log.warning("movement %d: flip refused (%s); the copy changed while it was being moved, "
                             "this attempt's target is dropped and never served", movement.id, exc)
-                outcomes[movement.id] = self._finish(movement, MovementState.CANCELLED, started=job.started,
-                                                     detail=f"flip refused, the copy changed during the move: {exc}")
-            self._fault("after-flip", *(job.movement for job in flipped if job.free_source))
-            outcomes.update(self._free_sources(flipped))
+                cancelled.append(self._ended(movement, MovementState.CANCELLED, started=job.started,
+                                             detail=f"flip refused, the copy changed during the move: {exc}"))
+            outcomes.update(self._record(cancelled))
+            moved = [job for job in flipped if job.free_source]
+            self._fault("after-flip", *(job.movement for job in moved))
+            outcomes.update(self._free_sources(moved))
         if transient is not None:
             raise transient
         return outcomes
@@ -576,69 +644,93 @@ class MovementExecutor:
                 and current.state in (PlacementState.PENDING, PlacementState.READY))
 
     def _flip(self, jobs: Sequence[_Copy]) -> tuple[list[_Copy], list[tuple[_Copy, Exception]]]:
-        """One transaction: every verified target READY (and, for moves, its source DELETING),
-        each flip guarded by its epochs; a refused flip changes nothing and the rest go on."""
+        """In the caller's transaction: every verified target READY (and, for moves, its source
+        DELETING), each flip guarded by its epochs; a refused flip changes nothing and the rest go on."""
         flipped: list[_Copy] = []
         refused: list[tuple[_Copy, Exception]] = []
         flips = [PlacementFlip(target_id=job.target.id, target_epoch=job.target.epoch, checksum=job.checksum_hex,
                                source_id=job.source.id if job.free_source else None,
                                source_epoch=job.movement.src_epoch if job.free_source else None)
                  for job in jobs]
-        with transaction.atomic():
-            for job, error in zip(jobs, placements_flip_many(flips=flips), strict=True):
-                if error is None:
-                    flipped.append(job)
-                elif isinstance(error, _FENCED):
-                    refused.append((job, error))
-                else:
-                    raise error  # not a race: no flip of the wave is committed, as before
+        for job, error in zip(jobs, placements_flip_many(flips=flips), strict=True):
+            if error is None:
+                flipped.append(job)
+            elif isinstance(error, _FENCED):
+                refused.append((job, error))
+            else:
+                raise error  # not a race: no flip of the wave is committed, as before
         return flipped, refused
 
-    def _free_sources(self, flipped: Sequence[_Copy]) -> dict[int, Outcome]:
-        """After the flips are committed: free each moved source (bytes first, then its row, as
-        `_free` does), then record every result, in one transaction."""
-        moved = [job for job in flipped if job.free_source]
+    def _free_sources(self, moved: Sequence[_Copy]) -> dict[int, Outcome]:
+        """After the moves' flips are committed: free each source (bytes first, then its row, as
+        `_free` does), then forget the freed rows and record every result, in one transaction of
+        two statements (`placements_delete_many`, `movements_finish_many`)."""
+        if not moved:
+            return {}
         rows = Placement.objects.in_bulk([job.source.id for job in moved])
-        freed: list[Placement] = []
+        freed: list[tuple[int, int]] = []
         for job in moved:
             current = rows.get(job.source.id)
             if current is None or current.state != PlacementState.DELETING or current.epoch != job.movement.src_epoch + 1:
                 continue  # re-registered or already freed: the bytes are someone else's now
             self.store.tier(job.movement.src_tier).delete(job.key)
-            freed.append(current)
-        outcomes: dict[int, Outcome] = {}
+            freed.append((current.id, current.epoch))
         with transaction.atomic():
-            for current in freed:
+            placements_delete_many(placements=freed)  # a copy that changed meanwhile is left alone
+            return self._record([self._ended(job.movement, MovementState.DONE, started=job.started,
+                                             nbytes=job.block.size_bytes) for job in moved])
+
+    def _reserve(self, wanted: Sequence[_Reservation]) -> tuple[list[_Copy], list[_Ended]]:
+        """PENDING target copies for a wave's movements, each with a fresh epoch, in one statement;
+        a pending target left by an earlier attempt of the same movement is taken over first, so
+        that attempt can no longer flip or drop it. Returns the copies to make and the results of
+        the movements whose target could not be reserved (the destination holds a copy already)."""
+        if not wanted:
+            return [], []
+        for reservation in wanted:
+            previous = reservation.previous
+            if previous is not None and previous.state == PlacementState.PENDING:
                 try:
-                    placement_delete(placement_id=current.id, epoch=current.epoch)
+                    placement_mark_deleting(placement_id=previous.id, epoch=previous.epoch)
                 except _FENCED:
                     pass
-            for job in flipped:
-                outcomes[job.movement.id] = self._finish(job.movement, MovementState.DONE, started=job.started,
-                                                         nbytes=job.block.size_bytes)
-        return outcomes
-
-    def _reserve(self, movement: Movement, block: Block, previous: Placement | None) -> Placement | str:
-        """A PENDING target copy for this attempt, with a fresh epoch: a pending target left by an
-        earlier attempt is taken over, so that attempt can no longer flip or drop it."""
-        dst_node = movement.dst_node or None
-        if previous is not None and previous.state == PlacementState.PENDING:
-            try:
-                placement_mark_deleting(placement_id=previous.id, epoch=previous.epoch)
-            except _FENCED:
-                pass
+        copies = [PendingCopy(block_id=r.block.id, tier=r.movement.dst_tier, node=r.movement.dst_node or None,
+                              size_bytes=r.block.size_bytes) for r in wanted]
         try:
-            target = placement_create_pending(block_id=block.id, tier=movement.dst_tier, node=dst_node,
-                                              size_bytes=block.size_bytes)
-        except InvalidTransition:
-            existing = Placement.objects.filter(block_id=block.id, tier=movement.dst_tier,
-                                                node__name=dst_node).first() if dst_node else \
-                Placement.objects.filter(block_id=block.id, tier=movement.dst_tier, node__isnull=True).first()
-            state = existing.state if existing else "gone"
-            return f"the destination already holds a copy of the block ({state})"
-        movement_set_target(movement_id=movement.id, placement_id=target.id)
-        movement.dst_placement_id = target.id
-        return target
+            with transaction.atomic():
+                answers: list[Placement | Exception] = list(placements_create_pending_many(copies=copies))
+        except TRANSIENT_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no single copy's answer: ask for each alone, so it stays its own
+            log.warning("reserving %d target copies at once failed (%s); reserving them one by one", len(copies), exc)
+            answers = [self._reserve_one(copy) for copy in copies]
+        jobs: list[_Copy] = []
+        refused: list[_Ended] = []
+        for r, answer in zip(wanted, answers, strict=True):
+            if isinstance(answer, Placement):
+                r.movement.dst_placement_id = answer.id
+                jobs.append(_Copy(movement=r.movement, block=r.block, key=r.block.prefix_key, source=r.source,
+                                  target=answer, free_source=r.free_source, started=r.started))
+            elif isinstance(answer, InvalidTransition):
+                refused.append(self._ended(r.movement, MovementState.CANCELLED, started=r.started,
+                                           detail=f"the destination already holds a copy of the block: {answer}"))
+            else:
+                log.error("movement %d: its target copy could not be reserved", r.movement.id, exc_info=answer)
+                refused.append(self._ended(r.movement, MovementState.FAILED, started=r.started,
+                                           error=f"{type(answer).__name__}: {answer}"))
+        movements_set_targets(targets=[(job.movement.id, job.target.id) for job in jobs])
+        return jobs, refused
+
+    @staticmethod
+    def _reserve_one(copy: PendingCopy) -> Placement | Exception:
+        try:
+            with transaction.atomic():
+                [answer] = placements_create_pending_many(copies=[copy])
+        except TRANSIENT_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this copy's own answer
+            return exc
+        return answer
 
     def _verify_target(self, tier: str, key: uuid.UUID, expected: str) -> str:
         """'' when the target copy carries the expected checksum (and, verifying fully, every byte

@@ -506,6 +506,131 @@ def placements_flip_many(*, flips: Sequence[PlacementFlip], now: datetime | None
     return outcomes
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingCopy:
+    """One copy `placements_create_pending_many` reserves, as `placement_create_pending` takes it."""
+
+    block_id: int
+    tier: str
+    node: str | None
+    size_bytes: int
+
+
+_PLACEMENT_COLUMNS = ", ".join(f'p."{f.column}"' for f in Placement._meta.concrete_fields)
+
+# Rows go in (block, tier, node) order, so two reservations over the same copies queue behind each
+# other instead of deadlocking. A copy that exists is reused only from CORRUPT or DELETING, with a
+# new epoch, as placement_create_pending does; any other state leaves it alone (not returned).
+_CREATE_PENDING_SQL = f"""
+INSERT INTO {queries.PLACEMENT_TABLE} AS p (block_id, tier, node_id, locator, "offset", size_bytes, checksum,
+                                            state, epoch, updated_at)
+SELECT b.id, r.tier, r.node_id, '', 0, r.size_bytes, '', '{PlacementState.PENDING.value}', 1, %(now)s
+FROM unnest(%(block_ids)s::bigint[], %(tiers)s::text[], %(node_ids)s::bigint[], %(sizes)s::bigint[])
+     AS r(block_id, tier, node_id, size_bytes)
+JOIN {queries.BLOCK_TABLE} b ON b.id = r.block_id
+ORDER BY b.id, r.tier, r.node_id
+ON CONFLICT (block_id, tier, node_id) DO UPDATE
+SET locator = '', "offset" = 0, size_bytes = EXCLUDED.size_bytes, checksum = '', state = EXCLUDED.state,
+    epoch = p.epoch + 1, updated_at = EXCLUDED.updated_at
+WHERE p.state IN ('{PlacementState.CORRUPT.value}', '{PlacementState.DELETING.value}')
+RETURNING {_PLACEMENT_COLUMNS}
+"""
+
+
+def placements_create_pending_many(*, copies: Sequence[PendingCopy],
+                                   now: datetime | None = None) -> list[Placement | DirectoryError]:
+    """`placement_create_pending` for many copies at once: one statement reserves all of them (a
+    node's wave of movement targets), instead of six statements and two savepoints per copy. Each
+    copy is judged as its single form would judge it: the reserved copy comes back at its new
+    epoch, a copy that cannot be reserved as its error (InvalidTransition: a copy exists there and
+    is not corrupt or deleting; DirectoryError: the block is gone), and the others go on. Malformed
+    input (an unknown tier or node, a copy named twice) refuses the whole call before it writes.
+
+    Like every bulk service of a node's wave it takes no savepoint of its own inside the caller's
+    transaction (two round trips per wave): a refusal comes before anything is written, so it
+    leaves that transaction usable; a database error fails it, as it would fail any statement."""
+    node_names = {copy.node for copy in copies if copy.node}
+    node_ids = dict(Node.objects.filter(name__in=node_names).values_list("name", "id")) if node_names else {}
+    seen: set[tuple[int, str, str | None]] = set()
+    for i, copy in enumerate(copies):
+        try:
+            if copy.size_bytes < 0:
+                raise DirectoryError("size_bytes: cannot be negative", field="size_bytes")
+            if copy.tier not in Tier.values:
+                raise DirectoryError(f"tier: unknown tier {copy.tier!r}; expected one of {', '.join(Tier.values)}",
+                                     field="tier")
+            if (copy.tier == Tier.REMOTE) != (not copy.node):
+                raise DirectoryError("node: a remote placement belongs to no node" if copy.node else
+                                     f"node: a {copy.tier} placement needs the node that holds it", field="node")
+            if copy.node and copy.node not in node_ids:
+                raise UnknownNode(f"node: no node named {copy.node!r}")
+            if (copy.block_id, copy.tier, copy.node) in seen:
+                raise DirectoryError("block_id: the same copy is named twice", field="block_id")
+        except DirectoryError as exc:
+            raise DirectoryError(f"copies[{i}].{exc}", field=f"copies[{i}].{exc.field}") from None
+        seen.add((copy.block_id, copy.tier, copy.node))
+    if not copies:
+        return []
+    now = now or timezone.now()
+    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
+        cursor.execute(_CREATE_PENDING_SQL, {
+            "now": now, "block_ids": queries.ints(c.block_id for c in copies), "tiers": queries.texts(c.tier for c in copies),
+            "node_ids": queries.ints(node_ids[c.node] if c.node else None for c in copies),
+            "sizes": queries.ints(c.size_bytes for c in copies)})
+        names = [f.attname for f in Placement._meta.concrete_fields]
+        reserved = {(p.block_id, p.tier, p.node_id): p
+                    for p in (Placement.from_db(connection.alias, names, row) for row in cursor.fetchall())}
+        keys = [(c.block_id, c.tier, node_ids[c.node] if c.node else None) for c in copies]
+        refused = [key for key in keys if key not in reserved]
+        why = _why_not_pending(refused) if refused else {}
+    return [reserved.get(key) or why[key] for key in keys]
+
+
+def _why_not_pending(keys: Sequence[tuple[int, str, int | None]]) -> dict[tuple[int, str, int | None], DirectoryError]:
+    """Why `placements_create_pending_many` reserved none of these copies (block gone, or a copy
+    there in a state a new pending copy cannot start from); read after the insert, in its transaction."""
+    block_ids = {block_id for block_id, _, _ in keys}
+    existing = set(Block.objects.filter(id__in=block_ids).values_list("id", flat=True))
+    copies = {(p.block_id, p.tier, p.node_id): p for p in Placement.objects.filter(block_id__in=block_ids)}
+    why: dict[tuple[int, str, int | None], DirectoryError] = {}
+    for key in keys:
+        placement = copies.get(key)
+        if key[0] not in existing:
+            why[key] = DirectoryError(f"block: no block {key[0]}", field="block")
+        elif placement is None:  # removed again between the insert and this read
+            why[key] = InvalidTransition(f"state: the copy of block {key[0]} in {key[1]} changed meanwhile")
+        else:
+            why[key] = InvalidTransition(f"state: placement {placement.id} is {placement.state}; a new pending copy "
+                                         f"needs {PlacementState.CORRUPT} or {PlacementState.DELETING}")
+    return why
+
+
+_DELETE_MANY_SQL = f"""
+WITH doomed AS (
+    SELECT p.id FROM {queries.PLACEMENT_TABLE} p
+    JOIN unnest(%(ids)s::bigint[], %(epochs)s::bigint[]) AS r(id, epoch) ON p.id = r.id AND p.epoch = r.epoch
+    WHERE p.state IN ('{PlacementState.DELETING.value}', '{PlacementState.CORRUPT.value}')
+    ORDER BY p.id
+    FOR UPDATE OF p
+)
+DELETE FROM {queries.PLACEMENT_TABLE} p USING doomed WHERE p.id = doomed.id
+RETURNING p.id
+"""
+
+
+@transaction.atomic(savepoint=False)  # no savepoint of its own, as placements_create_pending_many
+def placements_delete_many(*, placements: Sequence[tuple[int, int]]) -> set[int]:
+    """`placement_delete` for many copies whose bytes are freed, given as (placement id, epoch):
+    one statement, rows locked in id order. A copy that is not DELETING or CORRUPT at its epoch any
+    more (re-registered or already forgotten meanwhile) is left alone. Returns the ids deleted."""
+    if not placements:
+        return set()
+    with connection.cursor() as cursor:
+        cursor.execute(_DELETE_MANY_SQL, {"ids": queries.ints(i for i, _ in placements),
+                                          "epochs": queries.ints(e for _, e in placements)})
+        return {row[0] for row in cursor.fetchall()}
+
+
 @transaction.atomic
 def placement_mark_corrupt(*, placement_id: int, epoch: int | None = None, now: datetime | None = None) -> Placement:
     """A copy that failed verification is quarantined: never served again. Without `epoch` the

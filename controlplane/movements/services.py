@@ -3,15 +3,16 @@ the metrics' tallies, and the operator's "run migration now"."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from controlplane.dashboard.events import send_event_on_commit
@@ -126,26 +127,55 @@ def movements_dispatch(*, batches: dict[tuple[str, str], list[int]]) -> int:
 def movement_start(*, movement_id: int, node: str, now: datetime | None = None) -> Movement | None:
     """The node begins (or, after a lost worker, resumes) a movement. Returns None when there is
     nothing to do: it finished already (a duplicate delivery) or does not exist."""
-    movement = Movement.objects.select_for_update().filter(id=movement_id).first()
-    if movement is None:
-        log.warning("movement %d does not exist; nothing to do", movement_id)
-        return None
-    if movement.state in FINISHED:
-        return None
-    if movement.exec_node != node:
-        raise MovementError(f"node: movement {movement_id} belongs to node {movement.exec_node!r}, not {node!r}",
+    return movements_start_many(movement_ids=[movement_id], node=node, now=now)[0]
+
+
+def movements_start_many(*, movement_ids: Sequence[int], node: str,
+                         now: datetime | None = None) -> list[Movement | None]:
+    """`movement_start` for a node's wave of movements: one locking read (in id order, so two
+    attempts of one batch queue instead of deadlocking) and one update for all of them. Returns
+    them in the order given, None for each that finished already or does not exist. A movement of
+    another node refuses the whole call (MovementError), as it refuses the single form.
+
+    The bulk services run once per wave inside the node's wave transaction and take no savepoint
+    of their own there (two round trips per wave): a refusal changes nothing and leaves the
+    caller's transaction usable; a database error fails it, as it would fail any statement."""
+    with transaction.atomic(savepoint=False):
+        locked = {m.id: m for m in Movement.objects.select_for_update().filter(id__in=movement_ids).order_by("id")}
+        starting = {m.id: m for m in locked.values() if m.state not in FINISHED}
+        foreign = next((m for m in starting.values() if m.exec_node != node), None)
+        if starting and foreign is None:
+            now = now or timezone.now()
+            Movement.objects.filter(id__in=list(starting)).update(state=MovementState.RUNNING,
+                                                                  attempts=F("attempts") + 1, started_at=now)
+            for movement in starting.values():
+                movement.state, movement.attempts, movement.started_at = (MovementState.RUNNING,
+                                                                          movement.attempts + 1, now)
+    if foreign is not None:
+        raise MovementError(f"node: movement {foreign.id} belongs to node {foreign.exec_node!r}, not {node!r}",
                             field="node")
-    movement.state = MovementState.RUNNING
-    movement.attempts += 1
-    movement.started_at = now or timezone.now()
-    movement.save(update_fields=["state", "attempts", "started_at"])
-    return movement
+    for ident in movement_ids:
+        if ident not in locked:
+            log.warning("movement %d does not exist; nothing to do", ident)
+    return [starting.get(ident) for ident in movement_ids]
 
 
 @transaction.atomic
 def movement_set_target(*, movement_id: int, placement_id: int) -> None:
     """Remember the target copy a node reserved, so a resumed attempt finds it."""
-    Movement.objects.filter(id=movement_id).update(dst_placement_id=placement_id)
+    movements_set_targets(targets=[(movement_id, placement_id)])
+
+
+@transaction.atomic(savepoint=False)  # no savepoint of its own, as movements_start_many
+def movements_set_targets(*, targets: Sequence[tuple[int, int]]) -> None:
+    """`movement_set_target` for a wave: (movement id, placement id) pairs, one statement."""
+    if not targets:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {MOVEMENT_TABLE} m SET dst_placement_id = r.placement_id "
+            "FROM unnest(%s::bigint[], %s::bigint[]) AS r(id, placement_id) WHERE m.id = r.id",
+            [ints(m for m, _ in targets), ints(p for _, p in targets)])
 
 
 def _tally(cursor: Any, *, kind: str, src_tier: str, dst_tier: str, reason: str, result: str, blocks: int,
@@ -158,29 +188,93 @@ def _tally(cursor: Any, *, kind: str, src_tier: str, dst_tier: str, reason: str,
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class MovementResult:
+    """How one movement ended, as `movement_finish` takes it."""
+
+    movement_id: int
+    state: str
+    nbytes: int | None = None
+    duration_s: float | None = None
+    detail: str = ""
+    error: str = ""
+
+
+_MOVEMENT_COLUMNS = ", ".join(f'm."{f.column}"' for f in Movement._meta.concrete_fields)
+_FINISHED_SQL = ", ".join(f"'{s.value}'" for s in FINISHED)
+
+# One statement: lock the unfinished movements in id order (two attempts finishing one batch
+# queue instead of deadlocking), record their results, and add them to the tallies (grouped, in
+# label order, so concurrent finishers lock tally rows in one order too).
+_FINISH_MANY_SQL = f"""
+WITH r AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(states)s::text[], %(bytes)s::bigint[], %(durations)s::float8[],
+                         %(details)s::text[], %(errors)s::text[])
+         AS r(id, state, bytes, duration_s, detail, error)
+), locked AS (
+    SELECT m.id FROM {MOVEMENT_TABLE} m JOIN r ON r.id = m.id
+    WHERE m.state NOT IN ({_FINISHED_SQL})
+    ORDER BY m.id
+    FOR UPDATE OF m
+), finished AS (
+    UPDATE {MOVEMENT_TABLE} m
+    SET state = r.state, finished_at = %(now)s, bytes = COALESCE(r.bytes, m.bytes), duration_s = r.duration_s,
+        detail = CASE WHEN r.detail <> '' THEN r.detail ELSE m.detail END, error = r.error
+    FROM r JOIN locked ON locked.id = r.id
+    WHERE m.id = r.id
+    RETURNING {_MOVEMENT_COLUMNS}
+), tallied AS (
+    INSERT INTO {TALLY_TABLE} AS t (kind, src_tier, dst_tier, reason, result, blocks, bytes)
+    SELECT kind, src_tier, dst_tier, reason, state, count(*),
+           coalesce(sum(bytes) FILTER (WHERE state = '{MovementState.DONE.value}'), 0)
+    FROM finished
+    GROUP BY kind, src_tier, dst_tier, reason, state
+    ORDER BY kind, src_tier, dst_tier, reason, state
+    ON CONFLICT (kind, src_tier, dst_tier, reason, result)
+    DO UPDATE SET blocks = t.blocks + EXCLUDED.blocks, bytes = t.bytes + EXCLUDED.bytes
+)
+SELECT * FROM finished
+"""
+
+
 @transaction.atomic
 def movement_finish(*, movement_id: int, state: str, nbytes: int | None = None, duration_s: float | None = None,
                     detail: str = "", error: str = "", now: datetime | None = None) -> Movement | None:
     """Record a movement's result and add it to the tallies, in one transaction. Finishing a
     finished movement changes nothing (returns None)."""
-    if state not in FINISHED:
-        raise MovementError(f"state: a movement finishes as {', '.join(FINISHED)}, not {state!r}", field="state")
-    movement = Movement.objects.select_for_update().filter(id=movement_id).first()
-    if movement is None or movement.state in FINISHED:
-        return None
-    movement.state = state
-    movement.finished_at = now or timezone.now()
-    if nbytes is not None:
-        movement.bytes = nbytes
-    movement.duration_s = duration_s
-    if detail:
-        movement.detail = detail
-    movement.error = error
-    movement.save(update_fields=["state", "finished_at", "bytes", "duration_s", "detail", "error"])
-    with connection.cursor() as cursor:
-        _tally(cursor, kind=movement.kind, src_tier=movement.src_tier, dst_tier=movement.dst_tier,
-               reason=movement.reason, result=state, blocks=1, nbytes=movement.bytes if state == "done" else 0)
-    return movement
+    result = MovementResult(movement_id=movement_id, state=state, nbytes=nbytes, duration_s=duration_s,
+                            detail=detail, error=error)
+    return movements_finish_many(results=[result], now=now)[0]
+
+
+def _floats(values: Iterable[float | None]) -> str:
+    """A float8[] literal; None is NULL."""
+    return "{" + ",".join("NULL" if v is None else repr(float(v)) for v in values) + "}"
+
+
+def movements_finish_many(*, results: Sequence[MovementResult], now: datetime | None = None) -> list[Movement | None]:
+    """`movement_finish` for a node's wave: every result recorded and tallied in one statement
+    instead of three and a savepoint per movement. Returns the movements in the order given, None
+    for each that had finished already (a duplicate delivery: it changes nothing, not even a
+    tally). A result that is not a finished state, or a movement named twice, refuses the call
+    before it writes (no savepoint of its own, as movements_start_many)."""
+    for i, result in enumerate(results):
+        if result.state not in FINISHED:
+            raise MovementError(f"state: a movement finishes as {', '.join(FINISHED)}, not {result.state!r}",
+                                field="state" if len(results) == 1 else f"results[{i}].state")
+    if len({r.movement_id for r in results}) != len(results):
+        raise MovementError("results: a movement is named twice", field="results")
+    if not results:
+        return []
+    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
+        cursor.execute(_FINISH_MANY_SQL, {
+            "now": now or timezone.now(), "ids": ints(r.movement_id for r in results),
+            "states": texts(r.state for r in results), "bytes": ints(r.nbytes for r in results),
+            "durations": _floats(r.duration_s for r in results),
+            "details": texts(r.detail for r in results), "errors": texts(r.error for r in results)})
+        names = [f.attname for f in Movement._meta.concrete_fields]
+        finished = {m.id: m for m in (Movement.from_db(connection.alias, names, row) for row in cursor.fetchall())}
+    return [finished.get(r.movement_id) for r in results]
 
 
 @transaction.atomic
@@ -237,9 +331,9 @@ def movements_redispatch(*, older_than: timedelta = timedelta(minutes=10),
             batches[(exec_node, kind)].append(ident)
         else:
             gone.append(ident)
-    for ident in gone:
-        movement_finish(movement_id=ident, state=MovementState.CANCELLED, error="its node is not up",
-                        detail="cancelled by the redispatch sweep")
+    movements_finish_many(results=[MovementResult(movement_id=ident, state=MovementState.CANCELLED,
+                                                  error="its node is not up", detail="cancelled by the redispatch sweep")
+                                   for ident in gone])
     if batches:
         transaction.on_commit(lambda: movements_dispatch(batches=dict(batches)))
     requeued = sum(len(v) for v in batches.values())
