@@ -257,4 +257,4 @@ def test_turns_go_to_the_most_urgent_waiting_step():
         waiters = [wait_for(Step.WRITE_BACK), wait_for(Step.DECODE), wait_for(Step.PREFILL)]
     for thread in waiters:
         thread.join()
-    assert order == ["PREFILL", "DECODE", "WRITE_BACK"]
+    assert order == ["WRITE_BACK", "PREFILL", "DECODE"]

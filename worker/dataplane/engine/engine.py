@@ -284,13 +284,22 @@ class Engine:
         with self._turns.hold(Step.PREFILL), torch.inference_mode():
             cache, logits, hits, fragments, percent, exact_until = self._first_token(
                 prompt, namespace, use_cache, trace, use_blend)
+        # The prompt's blocks are stored before decoding starts, so a request over the same
+        # document that prefills between this one's decode steps already finds them.
+        early = use_cache and write_back and not use_blend
+        if early:
+            with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
+                self._write_back(prompt, hits, cache, namespace, trace)
         output = self._decode(cache, logits, max_tokens, trace, stop_ids, on_token, sampler)
         with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
             if fragments and self.tuner is not None:
                 self.tuner.offer(namespace, prompt, logits, percent)
             if use_cache and write_back:
-                self._write_back(prompt + output[:-1], hits, cache, namespace, trace, exact_until=exact_until,
-                                 segments=segments if use_blend else [], fragments_too=use_blend)
+                # (hits were touched by the early write-back; they all lie in the prompt)
+                self._write_back(prompt + output[:-1], [] if early else hits, cache, namespace, trace,
+                                 exact_until=exact_until,
+                                 segments=segments if use_blend else [], fragments_too=use_blend,
+                                 stored_until=len(prompt) if early else 0)
             self.traces.append(trace)
             if self.on_trace is not None:
                 self.on_trace(trace)
@@ -598,13 +607,14 @@ class Engine:
     # -- write-back ---------------------------------------------------------------------------
     def _write_back(self, tokens: list[int], hits: list[Hit], cache: StrataCache, namespace: str, trace: RequestTrace,
                     *, exact_until: int | None = None, segments: Sequence[tuple[int, int]] = (),
-                    fragments_too: bool = False) -> None:
+                    fragments_too: bool = False, stored_until: int = 0) -> None:
         """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch.
 
         Only blocks whose KV is exactly what a plain prefill computes (before `exact_until`, the
         first fused fragment) are stored under their prefix keys. With fragment reuse on, blocks
         aligned to the request's segments and the blocks after `exact_until` are also stored,
-        under fragment keys that only a content match can find."""
+        under fragment keys that only a content match can find. Blocks ending at or before
+        `stored_until` were stored by an earlier write-back of this request and are skipped."""
         fp = self.fingerprinter(namespace)
         fingerprints = fp.blocks(tokens)
         size = self.layout.block_tokens
@@ -616,6 +626,8 @@ class Engine:
         for print_ in fingerprints:
             if print_.start + size > exact:
                 break
+            if print_.start + size <= stored_until:
+                continue
             self._remember_content(print_.content_key, print_.prefix_key, print_.start)
             self._store_block(print_.prefix_key, print_.content_key, print_.start, cache, block, namespace, trace,
                               registrations, already=hit_tiers.get(print_.prefix_key))

@@ -4,9 +4,11 @@ A request is a prefill, then one decode step per token, then a write-back. Runni
 request under one lock makes a new request wait for every token of the one before it, so its
 time to first token is mostly queueing. Taking a turn per step instead lets a new request's
 prefill run between two decode steps of another: its first token waits for one step, not for a
-whole answer. Decode steps of several requests interleave (no batching), and write-backs and
-background checks wait until nothing more urgent is queued. Each step still has the model and
-the engine's state to itself, as under one lock."""
+whole answer. Decode steps of several requests interleave (no batching). A finished request's
+write-back goes first of all: it is short, and until it is done the next request over the same
+document cannot find those blocks and would compute them again. Background checks wait until
+nothing else is queued. Each step still has the model and the engine's state to itself, as
+under one lock."""
 
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ from collections.abc import Iterator
 class Step(enum.IntEnum):
     """What a turn is for, most urgent first."""
 
-    PREFILL = 0
-    DECODE = 1
-    WRITE_BACK = 2
+    WRITE_BACK = 0
+    PREFILL = 1
+    DECODE = 2
     BACKGROUND = 3
 
 
