@@ -47,6 +47,15 @@ def namespaces(db) -> dict[str, Namespace]:  # type: ignore[no-untyped-def]
     return {name: Namespace.objects.create(name=name) for name in ("tenant-a", "batch", "realtime")}
 
 
+def flip_a_data_byte(path: str | Path) -> None:
+    """Invert one byte near the end of a block file: its data, not its header."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100)
+        byte = f.read(1)
+        f.seek(os.path.getsize(path) - 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def node_report(name: str, **tiers: tuple[int, int]) -> Node:
     """Heartbeat a node whose tiers report (capacity, used) bytes, e.g. host=(10 * B, 9 * B)."""
     return node_heartbeat(name=name, host="host-" + name, heartbeat_seconds=5.0,

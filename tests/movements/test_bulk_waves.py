@@ -36,7 +36,13 @@ from controlplane.movements.services import (
     movements_record,
     movements_start_many,
 )
-from tests.movements.conftest import BLOCK_BYTES, node_report, placements, random_block
+from tests.movements.conftest import (
+    BLOCK_BYTES,
+    flip_a_data_byte,
+    node_report,
+    placements,
+    random_block,
+)
 from worker.movements import MovementExecutor
 
 B = BLOCK_BYTES
@@ -139,21 +145,13 @@ def test_a_stale_epoch_in_the_middle_of_a_wave_is_refused_for_that_movement_only
     assert report.ok, report.violations
 
 
-def _flip_a_data_byte(path) -> None:  # type: ignore[no-untyped-def]
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 100)
-        byte = f.read(1)
-        f.seek(os.path.getsize(path) - 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_a_wave_with_failing_copies_finishes_the_others(node, store, make_blocks, monkeypatch):
     monkeypatch.setattr(glue, "WAVE_BYTES", 8 * B)  # the six moves are one wave
     made = _blocks(store, make_blocks, "disk", 6)
     blocks = [block for block, _ in made]
     ids = _record(blocks, MovementKind.MOVE, "remote")
     corrupt, vanished = blocks[1], blocks[4]
-    _flip_a_data_byte(store.tier("disk").path_of(corrupt.prefix_key))
+    flip_a_data_byte(store.tier("disk").path_of(corrupt.prefix_key))
     os.unlink(store.tier("disk").path_of(vanished.prefix_key))
 
     outcomes = MovementExecutor(node="gpu-0", store=store).run("move", ids)

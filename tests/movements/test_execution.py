@@ -22,7 +22,13 @@ from controlplane.movements.invariants import invariants_check
 from controlplane.movements.models import Movement, MovementTally
 from controlplane.movements.planner import PlannedMovement
 from controlplane.movements.services import movements_record
-from tests.movements.conftest import BLOCK_BYTES, node_report, placements, random_block
+from tests.movements.conftest import (
+    BLOCK_BYTES,
+    flip_a_data_byte,
+    node_report,
+    placements,
+    random_block,
+)
 from worker.movements import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES
@@ -189,17 +195,9 @@ def _disk_file(store, block: Block):  # type: ignore[no-untyped-def]
     return store.tier("disk").path_of(block.prefix_key)
 
 
-def _flip_a_data_byte(path) -> None:  # type: ignore[no-untyped-def]
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 100)
-        byte = f.read(1)
-        f.seek(os.path.getsize(path) - 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_a_corrupt_source_is_quarantined_not_moved(executor, store, stored_block):
     block, _ = stored_block("disk", seed=7)
-    _flip_a_data_byte(_disk_file(store, block))
+    flip_a_data_byte(_disk_file(store, block))
     m = movement(block, MovementKind.MOVE, "remote")
     [outcome] = executor.run("move", [m.id])
     assert outcome.state == MovementState.FAILED and "quarantined" in outcome.detail
@@ -216,7 +214,7 @@ def test_scrub_finds_damaged_block_files(executor, store, stored_block, damage):
     healthy, original = stored_block("disk", seed=10)
     path = _disk_file(store, first)
     if damage == "flip a byte":
-        _flip_a_data_byte(path)
+        flip_a_data_byte(path)
         damaged = [first]
     elif damage == "truncate":
         os.truncate(path, os.path.getsize(path) // 2)
