@@ -3,8 +3,10 @@
 A block file is ``[header, a multiple of 4 KiB][block bytes, padded to 4 KiB]``; the header holds
 the key, the layout, the block and per-layer checksums and a hash of itself. A block is written
 to a temporary name, fdatasync'ed and renamed, so no partial block is ever visible under its
-final name. Reads are one ``preadv`` of the header and the data straight into the destination
-tensor (no bounce copy), or of just the requested layers at their fixed offset.
+final name; its bytes are hashed on the checksum engine's other thread while they are written,
+and the header goes last. Reads go straight into the destination tensor (no bounce copy), the
+header with the first piece, in pieces hashed while the next is read, or just the requested
+layers at their fixed offset.
 
 I/O is O_DIRECT by default (large, aligned, page-cache free, the speed of the device); where the
 filesystem refuses it, the tier logs that once and uses buffered I/O followed by
@@ -401,20 +403,15 @@ class DiskTier(Tier):
                 staging = self._staging(layout.block_bytes)
                 staging.copy_(src)
                 src = staging
+        hashing: Future[list[bytes]] | None = None
         if checksum is None:
-            computed = self.engine.checksum(key, src, layout)
-            assert isinstance(computed, BlockChecksum)
-            checksum = computed
+            # Hashed on the checksum engine's other thread while the bytes go to the file: the
+            # header, which carries the checksum, is written last.
+            hashing = self.engine.run_async(self._spans(key, src, range(layout.layers)))
         elif len(checksum.layers) != layout.layers:
             raise ValueError(
                 f"checksum has {len(checksum.layers)} layers, the layout {layout.layers}"
             )
-        header = self._header_buffer()
-        packed = self._pack_header(key, checksum)
-        header_view = host_view(header)
-        header_view[: len(packed)] = packed
-        header_view[len(packed) :] = bytes(self.header_bytes - len(packed))
-
         final = self.path_of(key)
         tmp = (
             final.parent / f".{key.hex}.{os.getpid()}.{secrets.token_hex(4)}.{self.file_bytes}.tmp"
@@ -422,12 +419,28 @@ class DiskTier(Tier):
         direct = (
             self.direct_io and not use_kvikio and is_aligned(src.data_ptr(), layout.block_bytes)
         )
-        fd = self._reserve_and_create(tmp, direct=direct)
         try:
+            fd = self._reserve_and_create(tmp, direct=direct)
+        except BaseException:
+            if hashing is not None:
+                hashing.exception()  # never leave a thread reading the caller's buffer
+            raise
+        try:
+            header = self._header_buffer()
+            header_view = host_view(header)
             if use_kvikio:
+                assert checksum is not None
+                self._fill_header(header_view, key, checksum)
                 self._kvikio_write(fd, tmp, header, src)
             else:
-                self._pwrite_exact(fd, [header_view, host_view(src)], 0)
+                try:
+                    self._pwrite_exact(fd, [host_view(src)], self.header_bytes)
+                finally:
+                    if hashing is not None:
+                        checksum = BlockChecksum.from_layers(key, hashing.result())
+                assert checksum is not None
+                self._fill_header(header_view, key, checksum)
+                self._pwrite_exact(fd, [header_view], 0)
                 if layout.block_bytes != self.file_bytes - self.header_bytes:
                     os.ftruncate(
                         fd, self.file_bytes
@@ -443,6 +456,11 @@ class DiskTier(Tier):
             checksum=checksum,
             io="kvikio" if use_kvikio else "direct" if direct else "buffered",
         )
+
+    def _fill_header(self, view: memoryview, key: uuid.UUID, checksum: BlockChecksum) -> None:
+        packed = self._pack_header(key, checksum)
+        view[: len(packed)] = packed
+        view[len(packed) :] = bytes(self.header_bytes - len(packed))
 
     def _full_or(self, exc: BaseException, tmp: Path) -> BaseException:
         if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
