@@ -169,3 +169,15 @@ def test_a_pool_of_another_layout_is_refused(open_tier, shm_name) -> None:
     other = layout_of({"layers": 4, "kv_heads": 2, "head_dim": 32, "block_tokens": 128}, "float16")
     with pytest.raises(ValueError, match="another layout"):
         open_tier("host", other, blocks=2)
+
+
+def test_the_stored_checksum_is_read_from_the_slot_and_follows_an_overwrite(open_tier) -> None:
+    tier = open_tier("host", LAYOUT, blocks=2)
+    first = tier.put(key(1), pattern(1)).checksum
+    assert tier.checksum(key(1)) == first
+    assert tier.checksum(key(1)) == tier.get(key(1), LAYOUT.empty()).checksum
+    second = tier.put(key(1), pattern(2)).checksum
+    assert second != first and tier.checksum(key(1)) == second
+    tier.delete(key(1))
+    with pytest.raises(BlockMissing):
+        tier.checksum(key(1))

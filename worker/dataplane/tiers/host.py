@@ -642,6 +642,35 @@ class HostTier(Tier):
                 self.counters.add(f"{self.name}.quarantined")
         return BlockCorrupt(key, tier=self.name, reason=reason)
 
+    def checksum(self, key: uuid.UUID) -> BlockChecksum:
+        """The checksum stored with a block (from its slot; the data is not read). Read between
+        two looks at the slot's generation, so a writer or an eviction meanwhile is never mixed in."""
+        layers = self.layout.layers
+        for _attempt in range(READ_ATTEMPTS):
+            slot = self._find(key)
+            if slot is None:
+                break
+            generation = int(self._gen[slot])
+            k0, k1 = _key_words(key)
+            if (
+                generation % 2
+                or self._state[slot] != READY
+                or self._keys[slot, 0] != k0
+                or self._keys[slot, 1] != k1
+            ):
+                continue
+            stored = self._sums[slot, :layers].tobytes()
+            block_sum = self._block_sums[slot].tobytes()
+            if int(self._gen[slot]) == generation:
+                return BlockChecksum(
+                    block=block_sum,
+                    layers=tuple(
+                        stored[j : j + CHECKSUM_BYTES]
+                        for j in range(0, len(stored), CHECKSUM_BYTES)
+                    ),
+                )
+        raise BlockMissing(key, tier=self.name)
+
     def contains(self, key: uuid.UUID) -> bool:
         return self._find(key) is not None
 
