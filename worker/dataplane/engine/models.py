@@ -18,6 +18,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from worker.dataplane.engine.attention import register as register_attention
 from worker.dataplane.engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger("strata.engine")
@@ -122,7 +123,7 @@ def preset_config(name: str, *, dtype: str | None = None) -> PretrainedConfig:
         tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
         dtype=dtype or preset.dtype,
-        attn_implementation="sdpa",
+        attn_implementation=register_attention(),
     )
 
 
@@ -149,7 +150,8 @@ def load_model(
         if not (path / "config.json").exists():
             raise ValueError(f"model: {spec} is a directory without config.json; not a checkpoint")
         model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=DTYPES[dtype] if dtype else "auto"
+            path, local_files_only=True, dtype=DTYPES[dtype] if dtype else "auto",
+            attn_implementation=register_attention(),
         )
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
