@@ -112,30 +112,47 @@ class LayerLoader:
             self.finished_at = time.perf_counter()
 
     def _load(self) -> None:
+        """Ask for every layer at once, layer 0 first: a tier serves its reads in the order they
+        came, so the medium never waits for the loader between layers. Each layer's gate opens
+        as soon as all of its reads are in."""
         layout = self.buffers.layout
         keys = [hit.key for hit in self.hits]
-        for layer in range(layout.layers):
-            if self._stop.is_set():
-                error = LoadFailed(layer, 0, RuntimeError("load cancelled"))
-                for gate in self.gates[layer:]:
-                    gate.fail(error)
-                return
-            started = time.perf_counter()
-            outs = [self.buffers.slot(layer, position) for position in range(len(keys))]
-            # The store reads each block from the fastest tier holding it and falls through to a
-            # slower one if that copy turns out missing or corrupt.
-            futures = self.store.get_layers(keys, layers=layer, outs=outs)
-            failure: LoadFailed | None = None
-            for position, future in enumerate(futures):
-                try:
-                    future.result()
-                except MISSES as exc:
-                    if failure is None:
-                        failure = LoadFailed(layer, position, exc)
-            if failure is not None:
-                log.warning("load failed, the request recomputes from block %d: %s", failure.block_index, failure)
-                for gate in self.gates[layer:]:
-                    gate.fail(failure)
-                return
-            self.timings.append(LayerTiming(layer, started, time.perf_counter(), len(keys) * layout.layer_bytes))
-            self.gates[layer].open()
+        # The store reads each block from the fastest tier holding it and falls through to a
+        # slower one if that copy turns out missing or corrupt.
+        requested = [
+            self.store.get_layers(
+                keys, layers=layer, outs=[self.buffers.slot(layer, position) for position in range(len(keys))]
+            )
+            for layer in range(layout.layers)
+        ]
+        started = self.started_at
+        try:
+            for layer, futures in enumerate(requested):
+                if self._stop.is_set():
+                    self._fail_from(layer, LoadFailed(layer, 0, RuntimeError("load cancelled")))
+                    return
+                failure: LoadFailed | None = None
+                for position, future in enumerate(futures):
+                    try:
+                        future.result()
+                    except MISSES as exc:
+                        if failure is None:
+                            failure = LoadFailed(layer, position, exc)
+                if failure is not None:
+                    log.warning("load failed, the request recomputes from block %d: %s", failure.block_index, failure)
+                    self._fail_from(layer, failure)
+                    return
+                # A layer's reads are served after the previous layer's: its load starts there.
+                finished = time.perf_counter()
+                self.timings.append(LayerTiming(layer, started, finished, len(keys) * layout.layer_bytes))
+                started = finished
+                self.gates[layer].open()
+        finally:
+            for futures in requested:  # no read lands in the buffers after the loader is done
+                for future in futures:
+                    future.exception()
+
+    def _fail_from(self, layer: int, error: LoadFailed) -> None:
+        for gate in self.gates[layer:]:
+            if not gate.is_set():
+                gate.fail(error)

@@ -97,7 +97,8 @@ class Tier(abc.ABC):
         self.counters = counters if counters is not None else Counters()
         self._owns_engine = engine is None
         self.engine = engine if engine is not None else ChecksumEngine()
-        self._executor = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix=f"strata-{name}")
+        self.io_threads = max(1, io_threads)
+        self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"strata-{name}")
         self._closed = False
 
     # -- writes ---------------------------------------------------------------------------

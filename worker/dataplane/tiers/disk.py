@@ -575,12 +575,24 @@ class DiskTier(Tier):
     def get_layers(
         self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
     ) -> list[Future[ReadResult]]:
+        """One task per I/O thread, each reading its share of the blocks one after another (the
+        threads keep that many reads in flight): a hand-off per share, not per block, which
+        matters for the many small reads of layer-wise loading."""
         selected = self.layout.layer_range(layers)
         dsts = self._layer_outs(selected, keys, outs)
-        return [
-            self._submit(self._read, key, selected, dst)
-            for key, dst in zip(keys, dsts, strict=True)
-        ]
+        futures: list[Future[ReadResult]] = [Future() for _ in keys]
+        shares = max(1, min(self.io_threads, len(keys)))
+
+        def run(share: int) -> None:
+            for i in range(share, len(keys), shares):
+                try:
+                    futures[i].set_result(self._read(keys[i], selected, dsts[i]))
+                except BaseException as exc:  # noqa: BLE001 - handed to that block's future
+                    futures[i].set_exception(exc)
+
+        for share in range(shares if keys else 0):
+            self._submit(run, share)
+        return futures
 
     def _read(self, key: uuid.UUID, layers: range, dst: torch.Tensor) -> ReadResult:
         layout = self.layout
@@ -656,6 +668,7 @@ class DiskTier(Tier):
         size = layout.layer_bytes
         offset, _nbytes = layout.span(layers)
         per_piece = max(1, min(len(layers), -(-READ_PIECE_BYTES // size)))
+        inline = per_piece >= len(layers)  # one piece: nothing to overlap its hash with
         view = host_view(dst)
         hashing: list[Future[list[bytes]]] = []
         try:
@@ -675,10 +688,13 @@ class DiskTier(Tier):
                     got = self._pread_exact(fd, [piece], at)
                     if got != len(piece):
                         raise self._corrupt(key, f"short read of {got} bytes")
-                pieces = layers[first : first + count]
-                hashing.append(
-                    self.engine.run_async(self._spans(key, dst[first * size :], pieces))
-                )
+                spans = self._spans(key, dst[first * size :], layers[first : first + count])
+                if inline:
+                    done: Future[list[bytes]] = Future()
+                    done.set_result(self.engine.run(spans))
+                    hashing.append(done)
+                else:
+                    hashing.append(self.engine.run_async(spans))
         except BaseException:
             for pending in hashing:  # never leave a thread reading a buffer the caller may free
                 pending.exception()
