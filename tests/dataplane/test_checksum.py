@@ -137,3 +137,13 @@ def test_each_build_of_the_fused_routine_matches_xxh3(build: str) -> None:
 def test_native_copy_hash_refuses_mismatched_lists() -> None:
     with pytest.raises(ValueError, match="one entry per span"):
         native.copy_hash([1, 2], [None], [1, 1], [b"", b""], digest=True)
+
+
+def test_an_unknown_native_copy_setting_is_refused_by_name() -> None:
+    env = {**os.environ, "STRATA_NATIVE_COPY": "avx512"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import worker.dataplane.native"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode != 0
+    assert "STRATA_NATIVE_COPY: expected one of 1, 0, sse2, got 'avx512'" in done.stderr

@@ -39,7 +39,7 @@ def _cpu_has_avx2() -> bool:
 def _library_path() -> Path | None:
     """The AVX2 build where the CPU has AVX2 (its hash runs on wider vectors), else the SSE2 one."""
     here = Path(__file__).resolve().parent
-    wide = _cpu_has_avx2() and os.environ.get("STRATA_NATIVE_COPY") != "sse2"
+    wide = _cpu_has_avx2() and _choice() != "sse2"
     names = ["_copyhash_avx2", "_copyhash"] if wide else ["_copyhash"]
     for name in names:
         for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -49,8 +49,21 @@ def _library_path() -> Path | None:
     return None
 
 
+CHOICES = ("1", "0", "sse2")
+"""Values of STRATA_NATIVE_COPY: the best build for the CPU (the default), none, the SSE2 one."""
+
+
+def _choice() -> str:
+    value = os.environ.get("STRATA_NATIVE_COPY", "1").strip().lower() or "1"
+    if value not in CHOICES:
+        raise ValueError(
+            f"STRATA_NATIVE_COPY: expected one of {', '.join(CHOICES)}, got {value!r}"
+        )
+    return value
+
+
 def _load() -> ctypes.CDLL | None:
-    if os.environ.get("STRATA_NATIVE_COPY", "1") == "0":
+    if _choice() == "0":
         log.info("fused copy-and-hash disabled by STRATA_NATIVE_COPY=0; hashing in Python")
         return None
     path = _library_path()
