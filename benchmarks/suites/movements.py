@@ -130,6 +130,12 @@ class _Raw:
         finally:
             os.close(fd)
 
+    def remote_clear(self) -> None:
+        """Untimed, before each raw remote write: the moves write blocks Redis has not held
+        before, so the raw pass writes new keys too (an overwrite reuses the old values' memory,
+        which a fresh value has to be given, page by page, by this VM's hypervisor)."""
+        self.redis.delete(*[f"strata-bench-raw:{i}" for i in range(self.blocks)])
+
     def remote_write(self) -> None:
         for i in range(self.blocks):
             self.redis.set(f"strata-bench-raw:{i}", self.buffers[i % 2].numpy().data)
@@ -243,6 +249,8 @@ def _moves(spec: dict[str, Any]) -> None:
                     def raw_pass(src: str = src, dst: str = dst, verify: str = verify) -> float:
                         # Raw passes in route order: each reads what the previous route's raw pass wrote.
                         raw_read = _timed(getattr(raw, f"{src}_read"))
+                        if dst == "remote":
+                            raw.remote_clear()
                         raw_write = _timed(getattr(raw, f"{dst}_write"))
                         slower = max(raw_read, raw_write)
                         if verify == "full":  # the copy is read back from the destination medium
