@@ -485,6 +485,20 @@ class HostTier(Tier):
     ) -> list[Future[ReadResult]]:
         return self._read_async(self._read, keys, layers, outs)
 
+    def _settled(self, slot: int, key: uuid.UUID) -> int | None:
+        """The slot's generation when it holds `key`, READY and not being changed; else None
+        (a writer or an eviction is at work: try again)."""
+        generation = int(self._gen[slot])
+        k0, k1 = _key_words(key)
+        if (
+            generation % 2
+            or self._state[slot] != READY
+            or self._keys[slot, 0] != k0
+            or self._keys[slot, 1] != k1
+        ):
+            return None
+        return generation
+
     def _find(self, key: uuid.UUID) -> int | None:
         slot = self._lookup.get(key)
         if slot is not None:
@@ -532,14 +546,8 @@ class HostTier(Tier):
                 if slot is None:
                     results[i] = BlockMissing(key, tier=self.name)
                     continue
-                generation = int(self._gen[slot])
-                k0, k1 = _key_words(key)
-                if (
-                    generation % 2
-                    or self._state[slot] != READY
-                    or self._keys[slot, 0] != k0
-                    or self._keys[slot, 1] != k1
-                ):
+                generation = self._settled(slot, key)
+                if generation is None:
                     retry.append(i)
                     continue
                 stored = self._sums[slot, layers.start : layers.stop].tobytes()
@@ -650,14 +658,8 @@ class HostTier(Tier):
             slot = self._find(key)
             if slot is None:
                 break
-            generation = int(self._gen[slot])
-            k0, k1 = _key_words(key)
-            if (
-                generation % 2
-                or self._state[slot] != READY
-                or self._keys[slot, 0] != k0
-                or self._keys[slot, 1] != k1
-            ):
+            generation = self._settled(slot, key)
+            if generation is None:
                 continue
             stored = self._sums[slot, :layers].tobytes()
             block_sum = self._block_sums[slot].tobytes()
