@@ -75,9 +75,9 @@ _FENCED = (StaleEpoch, InvalidTransition, PlacementNotFound)
 WAVE_BYTES = 128 << 20
 """Blocks of a batch are reserved, copied and flipped in waves of about this many bytes (at least
 one block): big enough that a wave's I/O covers the next wave's database work with room to spare
-on a busy node (a wave costs three commits and about a dozen statements whatever its size), and
-that the copy pipeline drains and refills (the end of one wave's transfer, the start of the
-next's) only every few blocks. `_waves` keeps the first and the last wave to one block."""
+on a busy node (a wave costs three commits and about a dozen statements whatever its size). The
+copy pipeline runs on across waves when the next wave is reserved before this one's last reads
+(`_Upcoming`). `_waves` keeps the first and the last wave to one block."""
 
 COPY_BUFFERS = 2
 """Block buffers a batch of copies cycles through: block n+1 is read from its source into one
@@ -94,6 +94,25 @@ def _waves(ids: Sequence[int], per_wave: int) -> list[Sequence[int]]:
         return [ids[start:start + per_wave] for start in range(0, len(ids), per_wave)]
     middle = ids[1:-1]
     return [ids[:1], *(middle[start:start + per_wave] for start in range(0, len(middle), per_wave)), ids[-1:]]
+
+
+class _Upcoming:
+    """The copies of the wave after the one in transfer, posted by the batch's thread once
+    reserved, numbered from `offset` across the batch (`_transfer` reads ahead into them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._offset = 0
+        self._jobs: Sequence[_Copy] = ()
+
+    def post(self, offset: int, jobs: Sequence[_Copy]) -> None:
+        with self._lock:
+            self._offset, self._jobs = offset, jobs
+
+    def job(self, number: int) -> _Copy | None:
+        with self._lock:
+            index = number - self._offset
+            return self._jobs[index] if 0 <= index < len(self._jobs) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,27 +413,35 @@ class MovementExecutor:
         per_wave = max(1, WAVE_BYTES // self.store.layout.block_bytes) if self.store is not None else len(ids)
         outcomes: dict[int, Outcome] = {}
         copying: list[_Copy] = []
-        transfer: Future[None] | None = None
+        transfer: Future[dict[int, Future[ReadResult | None]]] | None = None
+        upcoming = _Upcoming()
+        prefetched: dict[int, Future[ReadResult | None]] = {}
+        offset = 0  # the batch's running count of copies: copy n uses buffer n % COPY_BUFFERS
         try:
             for wave in _waves(ids, per_wave):
                 jobs = self._start_wave(kind, wave, outcomes)
+                upcoming.post(offset, jobs)  # the running transfer may start reading them
                 if transfer is not None:
-                    transfer.result()
+                    prefetched = transfer.result()
                     transfer = None
                 copied, copying = copying, jobs
                 if jobs:
                     self._fault("after-reserve", *(job.movement for job in jobs))
-                    transfer = self._mover().submit(self._transfer, jobs)
+                    transfer = self._mover().submit(self._transfer, jobs, offset, prefetched, upcoming)
+                    prefetched = {}
+                    offset += len(jobs)
                 if copied:
                     outcomes.update(self._conclude(copied))
             if transfer is not None:
-                transfer.result()
+                prefetched = transfer.result()
                 transfer = None
             if copying:
                 outcomes.update(self._conclude(copying))
         finally:
             if transfer is not None:  # leaving on an error: never with a copy still running
                 transfer.exception()
+            for read in prefetched.values():  # nor with a read of a copy never made
+                read.exception()
             for job in copying:  # nor with a verification still reading
                 if job.check is not None:
                     job.check.exception()
@@ -502,31 +529,48 @@ class MovementExecutor:
         return _Reservation(movement=movement, block=block, source=source, previous=target, free_source=free_source,
                             started=started)
 
-    def _transfer(self, jobs: Sequence[_Copy]) -> None:
-        """Copy the blocks of a batch: a verified read from the source, a put into the target
+    def _transfer(self, jobs: Sequence[_Copy], offset: int, prefetched: dict[int, Future[ReadResult | None]],
+                  upcoming: _Upcoming) -> dict[int, Future[ReadResult | None]]:
+        """Copy the blocks of a wave: a verified read from the source, a put into the target
         carrying the checksum just verified (no second hash), a verification of the target.
         Block n+1 is read (reader thread) while block n is written (this thread) and block n-1
-        is verified (verifier thread), so the slower medium is kept busy. Returns once every
-        put returned: the last verifications go on (`job.check`) while the next wave's copies
-        start. No database work here: what happened is recorded on each job."""
+        is verified (verifier thread), so the slower medium is kept busy. Copies are numbered
+        across the batch from `offset`; `prefetched` holds the reads the previous wave started
+        for this one. Once this wave's last reads are under way, a freed buffer takes the first
+        blocks of the next wave if the batch has posted it (`upcoming`), so the pipeline does not
+        drain between waves; those reads are returned for the next wave. Returns once every put
+        returned: the last verifications go on (`job.check`). No database work here: what
+        happened is recorded on each job."""
         readers, verifiers = self._io_threads()
         buffers = [self._buffer(f"copy-{i}") for i in range(COPY_BUFFERS)]
-        reads: dict[int, Future[ReadResult | None]] = {}
+        reads: dict[int, Future[ReadResult | None]] = dict(prefetched)
+        ahead: dict[int, Future[ReadResult | None]] = {}
         for i in range(min(COPY_BUFFERS, len(jobs))):
-            reads[i] = readers.submit(self._read_source, jobs[i], buffers[i])
+            if offset + i not in reads:
+                reads[offset + i] = readers.submit(self._read_source, jobs[i], buffers[(offset + i) % COPY_BUFFERS])
         try:
             for i, job in enumerate(jobs):
-                buffer = buffers[i % COPY_BUFFERS]
-                read = reads.pop(i).result()
+                number = offset + i
+                buffer = buffers[number % COPY_BUFFERS]
+                read = reads.pop(number).result()
                 if read is not None:
                     self._write_target(job, buffer, read)
-                if i + COPY_BUFFERS < len(jobs):  # the buffer is free again once the put returned
-                    reads[i + COPY_BUFFERS] = readers.submit(self._read_source, jobs[i + COPY_BUFFERS], buffer)
+                # The buffer is free again once the put returned.
+                following = number + COPY_BUFFERS
+                if i + COPY_BUFFERS < len(jobs):
+                    reads[following] = readers.submit(self._read_source, jobs[i + COPY_BUFFERS], buffer)
+                elif (next_job := upcoming.job(following)) is not None:
+                    ahead[following] = readers.submit(self._read_source, next_job, buffer)
                 if read is not None and job.written and not job.failure and job.error is None:
                     job.check = verifiers.submit(self._check_target, job)  # reads into its own buffer
+        except BaseException:
+            for future in ahead.values():
+                future.exception()
+            raise
         finally:
             for future in reads.values():
-                future.result()  # never leave a thread writing into a copy buffer after returning
+                future.exception()  # never leave a thread writing into a copy buffer after returning
+        return ahead
 
     def _read_source(self, job: _Copy, buffer: Any) -> ReadResult | None:
         """Verified read of the source copy into `buffer`; None (and the job says why) on failure."""

@@ -6,6 +6,7 @@ invariants stay right."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
@@ -165,3 +166,39 @@ def test_waves_keep_the_order_and_make_the_unhidden_first_and_last_waves_one_blo
     assert glue._waves([], 2) == []
     for per_wave in range(1, 10):
         assert [i for wave in glue._waves(ids, per_wave) for i in wave] == ids
+
+
+def test_the_copy_pipeline_reads_the_next_wave_ahead_and_every_copy_is_exact(node, store, make_blocks,
+                                                                             monkeypatch):
+    """Waves of two over nine moves, the puts slowed so each next wave is reserved while the current
+    one is still copying: its first blocks are read into the freed buffers before its transfer starts
+    (the pipeline does not drain between waves), and every target holds exactly its source's bytes."""
+    monkeypatch.setattr(glue, "WAVE_BYTES", 2 * B)
+    read_ahead = []
+    job = glue._Upcoming.job
+
+    def counting(self, number):  # type: ignore[no-untyped-def]
+        found = job(self, number)
+        if found is not None:
+            read_ahead.append(number)
+        return found
+
+    monkeypatch.setattr(glue._Upcoming, "job", counting)
+    write = MovementExecutor._write_target
+
+    def slow_write(self, *args):  # type: ignore[no-untyped-def]
+        time.sleep(0.1)
+        return write(self, *args)
+
+    monkeypatch.setattr(MovementExecutor, "_write_target", slow_write)
+    made = _blocks(store, make_blocks, "host", 9)
+    ids = _record([block for block, _ in made], MovementKind.MOVE, "disk")
+
+    outcomes = MovementExecutor(node="gpu-0", store=store, options=MovementOptions(verify="header")).run("move", ids)
+
+    assert [o.state for o in outcomes] == [MovementState.DONE] * 9
+    assert read_ahead, "no wave's first blocks were read ahead"
+    for block, original in made:
+        assert placements(block) == {("disk", "gpu-0"): PlacementState.READY}
+        assert torch.equal(_read(store, block, "disk"), original)
+    assert invariants_check(stores={"gpu-0": store}).ok
