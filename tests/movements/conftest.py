@@ -152,6 +152,34 @@ def store_factory(tmp_path, redis_url) -> Iterator[Callable[..., object]]:
         path.unlink(missing_ok=True)
 
 
+def record_moves(blocks: list[Block], kind: str, dst_tier: str, *, exec_node: str = "gpu-0",
+                 policy_version: int = 1) -> list[int]:
+    """Movements of `blocks` from their only copy to `dst_tier`, recorded by the real service as a
+    plan would; their ids in the order of `blocks`."""
+    from controlplane.movements.models import Movement
+    from controlplane.movements.planner import PlannedMovement
+    from controlplane.movements.services import movements_record
+
+    planned = []
+    for block in blocks:
+        source = Placement.objects.get(block=block)
+        planned.append(PlannedMovement(
+            block_id=block.id, kind=kind, reason="manual", src_placement_id=source.id, src_epoch=source.epoch,
+            src_tier=source.tier, src_node=source.node.name if source.node else "", dst_tier=dst_tier,
+            dst_node="" if dst_tier == "remote" else exec_node, exec_node=exec_node, bytes=source.size_bytes))
+    ids = movements_record(plan_id=uuid.uuid4(), movements=planned, policy_version=policy_version, mode="",
+                           now=timezone.now())
+    by_block = dict(Movement.objects.filter(id__in=ids).values_list("block_id", "id"))
+    return [by_block[block.id] for block in blocks]
+
+
+def read_block(store, block: Block, tier: str):  # type: ignore[no-untyped-def]
+    """The bytes of `block` as `tier` of `store` serves them (verified)."""
+    out = store.layout.empty()
+    store.tier(tier).get(block.prefix_key, out)
+    return out
+
+
 def random_block(layout, seed: int):  # type: ignore[no-untyped-def]
     import torch
 

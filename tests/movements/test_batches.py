@@ -19,9 +19,14 @@ from controlplane.directory.services import placement_mark_corrupt
 from controlplane.movements.choices import MovementKind, MovementState
 from controlplane.movements.invariants import invariants_check
 from controlplane.movements.models import Movement, MovementTally
-from controlplane.movements.planner import PlannedMovement
-from controlplane.movements.services import movements_record
-from tests.movements.conftest import BLOCK_BYTES, node_report, placements, random_block
+from tests.movements.conftest import (
+    BLOCK_BYTES,
+    node_report,
+    placements,
+    random_block,
+    read_block,
+    record_moves,
+)
 from worker.movements import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES
@@ -50,31 +55,13 @@ def _blocks(store, make_blocks, tier: str, count: int) -> list[tuple[Block, torc
     return made
 
 
-def _record(blocks: list[Block], kind: str, dst_tier: str) -> list[int]:
-    planned = []
-    for block in blocks:
-        source = Placement.objects.get(block=block)
-        planned.append(PlannedMovement(
-            block_id=block.id, kind=kind, reason="manual", src_placement_id=source.id, src_epoch=source.epoch,
-            src_tier=source.tier, src_node=source.node.name if source.node else "", dst_tier=dst_tier,
-            dst_node="" if dst_tier == "remote" else "gpu-0", exec_node="gpu-0", bytes=source.size_bytes))
-    return movements_record(plan_id=uuid.uuid4(), movements=planned, policy_version=1, mode="",
-                            now=Placement.objects.first().updated_at)
-
-
-def _read(store, block: Block, tier: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    out = store.layout.empty()
-    store.tier(tier).get(block.prefix_key, out)
-    return out
-
-
 @pytest.mark.parametrize("verify", ["full", "header"])
 def test_a_batch_moves_in_waves_and_concludes_each_movement_on_its_own(node, store, make_blocks, monkeypatch,
                                                                        verify):
     monkeypatch.setattr(glue, "WAVE_BYTES", 2 * B)  # waves of two blocks: reserve, copy, flip overlap
     made = _blocks(store, make_blocks, "disk", 7)
     blocks = [block for block, _ in made]
-    ids = _record(blocks, MovementKind.MOVE, "remote")
+    ids = record_moves(blocks, MovementKind.MOVE, "remote")
     corrupt, stale = blocks[2], blocks[5]
     path = store.tier("disk").path_of(corrupt.prefix_key)
     with open(path, "r+b") as f:  # one data byte of one source flipped on the medium
@@ -102,7 +89,7 @@ def test_a_batch_moves_in_waves_and_concludes_each_movement_on_its_own(node, sto
             assert states[ident] == MovementState.DONE
             assert placements(block) == {("remote", ""): PlacementState.READY}
             assert store.contains(block.prefix_key) == ("remote",)
-            assert torch.equal(_read(store, block, "remote"), original)
+            assert torch.equal(read_block(store, block, "remote"), original)
             copy = Placement.objects.get(block=block)
             assert copy.checksum == store.tier("remote").checksum(block.prefix_key).hex
     done = MovementTally.objects.get(kind="move", result="done")
@@ -120,12 +107,12 @@ def test_a_batch_moves_in_waves_and_concludes_each_movement_on_its_own(node, sto
 def test_a_batch_of_warm_ups_keeps_the_remote_copies(node, store, make_blocks, monkeypatch):
     monkeypatch.setattr(glue, "WAVE_BYTES", 3 * B)
     made = _blocks(store, make_blocks, "remote", 5)
-    ids = _record([block for block, _ in made], MovementKind.WARM, "host")
+    ids = record_moves([block for block, _ in made], MovementKind.WARM, "host")
     outcomes = MovementExecutor(node="gpu-0", store=store).run("warm", ids + ids[:1])  # a duplicate id too
     assert [o.state for o in outcomes] == [MovementState.DONE] * 6
     for block, original in made:
         assert placements(block) == {("remote", ""): PlacementState.READY, ("host", "gpu-0"): PlacementState.READY}
-        assert torch.equal(_read(store, block, "host"), original)
+        assert torch.equal(read_block(store, block, "host"), original)
     assert Movement.objects.filter(id__in=ids, attempts=1).count() == 5
     assert invariants_check(stores={"gpu-0": store}).ok
 
@@ -136,7 +123,7 @@ def test_an_attempt_whose_target_a_newer_attempt_took_over_steps_aside(node, sto
     from controlplane.directory.services import placement_create_pending, placement_mark_deleting
 
     [(block, original)] = _blocks(store, make_blocks, "host", 1)
-    [ident] = _record([block], MovementKind.MOVE, "disk")
+    [ident] = record_moves([block], MovementKind.MOVE, "disk")
     real_flip = glue.placements_flip_many
     newer = {}
 
@@ -154,7 +141,7 @@ def test_an_attempt_whose_target_a_newer_attempt_took_over_steps_aside(node, sto
     target = Placement.objects.get(id=newer["target"].id)
     assert (target.state, target.epoch) == (PlacementState.PENDING, newer["target"].epoch)
     assert placements(block)[("host", "gpu-0")] == PlacementState.READY
-    assert torch.equal(_read(store, block, "host"), original)
+    assert torch.equal(read_block(store, block, "host"), original)
 
 
 def test_waves_keep_the_order_and_make_the_unhidden_first_and_last_waves_one_block():
@@ -192,7 +179,7 @@ def test_the_copy_pipeline_reads_the_next_wave_ahead_and_every_copy_is_exact(nod
 
     monkeypatch.setattr(MovementExecutor, "_write_target", slow_write)
     made = _blocks(store, make_blocks, "host", 9)
-    ids = _record([block for block, _ in made], MovementKind.MOVE, "disk")
+    ids = record_moves([block for block, _ in made], MovementKind.MOVE, "disk")
 
     outcomes = MovementExecutor(node="gpu-0", store=store, options=MovementOptions(verify="header")).run("move", ids)
 
@@ -200,5 +187,5 @@ def test_the_copy_pipeline_reads_the_next_wave_ahead_and_every_copy_is_exact(nod
     assert read_ahead, "no wave's first blocks were read ahead"
     for block, original in made:
         assert placements(block) == {("disk", "gpu-0"): PlacementState.READY}
-        assert torch.equal(_read(store, block, "disk"), original)
+        assert torch.equal(read_block(store, block, "disk"), original)
     assert invariants_check(stores={"gpu-0": store}).ok

@@ -5,6 +5,7 @@ fresh ones, a retried batch changes nothing, and every result reaches the ledger
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 
@@ -12,7 +13,6 @@ import pytest
 import torch
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
-from django.utils import timezone
 
 import worker.movements as glue
 from controlplane.directory.choices import PlacementState
@@ -26,14 +26,12 @@ from controlplane.movements.choices import MovementKind, MovementState
 from controlplane.movements.errors import MovementError
 from controlplane.movements.invariants import invariants_check
 from controlplane.movements.models import Movement, MovementTally
-from controlplane.movements.planner import PlannedMovement
 from controlplane.movements.services import (
     MovementResult,
     movement_finish,
     movement_set_target,
     movement_start,
     movements_finish_many,
-    movements_record,
     movements_start_many,
 )
 from tests.movements.conftest import (
@@ -42,10 +40,13 @@ from tests.movements.conftest import (
     node_report,
     placements,
     random_block,
+    read_block,
+    record_moves,
 )
 from worker.movements import MovementExecutor
 
 B = BLOCK_BYTES
+_record = functools.partial(record_moves, policy_version=3)
 pytestmark = pytest.mark.django_db
 
 QUERIES_PER_WAVE = 22
@@ -72,25 +73,6 @@ def _blocks(store, make_blocks, tier: str, count: int) -> list[tuple[Block, torc
     checksums = [store.put(key, d, tier=tier).checksum.hex for key, d in zip(keys, data, strict=True)]
     blocks = make_blocks(count, tier=tier, node=None if tier == "remote" else "gpu-0", keys=keys, checksums=checksums)
     return list(zip(blocks, [d.clone() for d in data], strict=True))
-
-
-def _record(blocks: list[Block], kind: str, dst_tier: str, *, exec_node: str = "gpu-0") -> list[int]:
-    planned = []
-    for block in blocks:
-        source = Placement.objects.get(block=block)
-        planned.append(PlannedMovement(
-            block_id=block.id, kind=kind, reason="manual", src_placement_id=source.id, src_epoch=source.epoch,
-            src_tier=source.tier, src_node=source.node.name if source.node else "", dst_tier=dst_tier,
-            dst_node="" if dst_tier == "remote" else exec_node, exec_node=exec_node, bytes=source.size_bytes))
-    ids = movements_record(plan_id=uuid.uuid4(), movements=planned, policy_version=3, mode="", now=timezone.now())
-    by_block = dict(Movement.objects.filter(id__in=ids).values_list("block_id", "id"))
-    return [by_block[block.id] for block in blocks]  # in the order of `blocks`
-
-
-def _read(store, block: Block, tier: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    out = store.layout.empty()
-    store.tier(tier).get(block.prefix_key, out)
-    return out
 
 
 def _tallies() -> dict[tuple[str, str, str, str], tuple[int, int]]:
@@ -131,13 +113,13 @@ def test_a_stale_epoch_in_the_middle_of_a_wave_is_refused_for_that_movement_only
             assert "flip refused" in movement.detail
             assert placements(block) == {("host", "gpu-0"): PlacementState.READY}  # its target dropped
             assert store.contains(block.prefix_key) == ("host",)
-            assert torch.equal(_read(store, block, "host"), original)
+            assert torch.equal(read_block(store, block, "host"), original)
         else:
             assert states[ident] == movement.state == MovementState.DONE
             assert movement.bytes == B and movement.error == ""
             assert placements(block) == {("disk", "gpu-0"): PlacementState.READY}
             assert store.contains(block.prefix_key) == ("disk",)
-            assert torch.equal(_read(store, block, "disk"), original)
+            assert torch.equal(read_block(store, block, "disk"), original)
             assert Placement.objects.get(block=block).checksum == store.tier("disk").checksum(block.prefix_key).hex
     assert _tallies() == {("move", "host", "manual", "done"): (3, 3 * B),
                           ("move", "host", "manual", "cancelled"): (2, 0)}
@@ -167,7 +149,7 @@ def test_a_wave_with_failing_copies_finishes_the_others(node, store, make_blocks
         else:
             assert movement.state == MovementState.DONE
             assert placements(block) == {("remote", ""): PlacementState.READY}
-            assert torch.equal(_read(store, block, "remote"), original)
+            assert torch.equal(read_block(store, block, "remote"), original)
     assert _tallies() == {("move", "disk", "manual", "done"): (4, 4 * B),
                           ("move", "disk", "manual", "failed"): (2, 0),
                           ("scrub", "disk", "move", "corrupt"): (2, 0)}
@@ -220,7 +202,7 @@ def test_resumed_finished_and_fresh_movements_share_a_wave_and_a_retry_changes_n
     for block, original in made[:3]:
         assert placements(block) == {("disk", "gpu-0"): PlacementState.READY}
         assert store.contains(block.prefix_key) == ("disk",)
-        assert torch.equal(_read(store, block, "disk"), original)
+        assert torch.equal(read_block(store, block, "disk"), original)
     assert placements(blocks[3]) == {("host", "gpu-0"): PlacementState.READY}
     assert {m.id: m.attempts for m in Movement.objects.filter(id__in=[fresh, before_flip, after_flip])} == {
         fresh: 1, before_flip: 2, after_flip: 2}
