@@ -499,6 +499,11 @@ class HostTier(Tier):
             return None
         return generation
 
+    def _layer_sums(self, slot: int, layers: range) -> list[bytes]:
+        """The stored checksums of `layers` of the block in `slot`, one 16-byte digest each."""
+        stored = self._sums[slot, layers.start : layers.stop].tobytes()
+        return [stored[j : j + CHECKSUM_BYTES] for j in range(0, len(stored), CHECKSUM_BYTES)]
+
     def _find(self, key: uuid.UUID) -> int | None:
         slot = self._lookup.get(key)
         if slot is not None:
@@ -550,10 +555,7 @@ class HostTier(Tier):
                 if generation is None:
                     retry.append(i)
                     continue
-                stored = self._sums[slot, layers.start : layers.stop].tobytes()
-                want = [
-                    stored[j : j + CHECKSUM_BYTES] for j in range(0, len(stored), CHECKSUM_BYTES)
-                ]
+                want = self._layer_sums(slot, layers)
                 stored_nbytes = int(self._nbytes[slot])
                 block_sum = self._block_sums[slot].tobytes()
                 batch.append((i, slot, generation, want, stored_nbytes, block_sum))
@@ -653,7 +655,6 @@ class HostTier(Tier):
     def checksum(self, key: uuid.UUID) -> BlockChecksum:
         """The checksum stored with a block (from its slot; the data is not read). Read between
         two looks at the slot's generation, so a writer or an eviction meanwhile is never mixed in."""
-        layers = self.layout.layers
         for _attempt in range(READ_ATTEMPTS):
             slot = self._find(key)
             if slot is None:
@@ -661,16 +662,10 @@ class HostTier(Tier):
             generation = self._settled(slot, key)
             if generation is None:
                 continue
-            stored = self._sums[slot, :layers].tobytes()
+            layers = self._layer_sums(slot, range(self.layout.layers))
             block_sum = self._block_sums[slot].tobytes()
             if int(self._gen[slot]) == generation:
-                return BlockChecksum(
-                    block=block_sum,
-                    layers=tuple(
-                        stored[j : j + CHECKSUM_BYTES]
-                        for j in range(0, len(stored), CHECKSUM_BYTES)
-                    ),
-                )
+                return BlockChecksum(block=block_sum, layers=tuple(layers))
         raise BlockMissing(key, tier=self.name)
 
     def contains(self, key: uuid.UUID) -> bool:
