@@ -662,13 +662,13 @@ class DiskTier(Tier):
         self, fd: int, key: uuid.UUID, dst: torch.Tensor, layers: range, header: _Header | None
     ) -> tuple[_Header, list[Future[list[bytes]]]]:
         """Read `layers` into `dst` a piece at a time, each piece hashed on the checksum engine's
-        other thread while the next one is read: verifying costs little more than the hash of the
-        last piece. The header comes with the first piece when it is not known yet."""
+        other thread while the next one is read, the last one on this thread (nothing is left to
+        read meanwhile): verifying costs little more than the hash of the last piece. The header
+        comes with the first piece when it is not known yet."""
         layout = self.layout
         size = layout.layer_bytes
         offset, _nbytes = layout.span(layers)
         per_piece = max(1, min(len(layers), -(-READ_PIECE_BYTES // size)))
-        inline = per_piece >= len(layers)  # one piece: nothing to overlap its hash with
         view = host_view(dst)
         hashing: list[Future[list[bytes]]] = []
         try:
@@ -689,7 +689,7 @@ class DiskTier(Tier):
                     if got != len(piece):
                         raise self._corrupt(key, f"short read of {got} bytes")
                 spans = self._spans(key, dst[first * size :], layers[first : first + count])
-                if inline:
+                if first + count >= len(layers):  # the last piece: nothing left to overlap its hash with
                     done: Future[list[bytes]] = Future()
                     done.set_result(self.engine.run(spans))
                     hashing.append(done)
