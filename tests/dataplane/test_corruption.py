@@ -196,3 +196,49 @@ def test_store_serves_the_next_tier_when_a_copy_is_corrupt(open_tier, block_cach
         future.result(timeout=30)
     assert {type(c) for c in missing.value.causes} == {BlockCorrupt}
     assert store.stats()["store.misses"] == 1
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-native-call", "block-by-block"])
+def test_disk_layer_reads_of_many_blocks_fail_only_the_bad_ones(
+    open_tier, block_cache, monkeypatch, fused: bool
+) -> None:
+    # Layer-wise loading reads one layer of many blocks at once; without the fused routine each
+    # block is read and hashed on its own. Either way a missing, truncated or flipped block fails
+    # its own future, is counted and quarantined, and every other block arrives exact.
+    from worker.dataplane.tiers import disk as disk_module  # noqa: PLC0415
+
+    calls = []
+    if fused:
+        real = disk_module.native.read_hash
+        monkeypatch.setattr(
+            disk_module.native, "read_hash", lambda *a: calls.append(len(a[0])) or real(*a)
+        )
+    else:
+        monkeypatch.setattr(disk_module.native, "available", lambda: False)
+    tier = open_tier("disk", LAYOUT, blocks=8)
+    for n in range(1, 7):
+        tier.put(key(n), block_cache(LAYOUT, n))
+    tier.delete(key(2))
+    os.truncate(tier.path_of(key(3)), tier.header_bytes + 3 * LAYOUT.layer_bytes)
+    _flip(tier.path_of(key(5)), tier.header_bytes + 4 * LAYOUT.layer_bytes + 7)
+    keys = [key(n) for n in range(1, 7)]
+    outs = [LAYOUT.empty(layers=1) for _ in keys]
+    futures = tier.get_layers(keys, 4, outs)
+    outcome = {}
+    for n, future in zip(range(1, 7), futures, strict=True):
+        try:
+            future.result(timeout=30)
+            outcome[n] = "ok"
+        except BlockMissing:
+            outcome[n] = "missing"
+        except BlockCorrupt:
+            outcome[n] = "corrupt"
+    assert outcome == {1: "ok", 2: "missing", 3: "corrupt", 4: "ok", 5: "corrupt", 6: "ok"}
+    offset, nbytes = LAYOUT.span(4)
+    for n in (1, 4, 6):
+        assert torch.equal(outs[n - 1], block_cache(LAYOUT, n)[offset : offset + nbytes])
+    assert tier.counters.get("disk.corrupt") == 2
+    assert not tier.contains(key(3)) and not tier.contains(key(5))  # quarantined
+    # One call per I/O thread's share (blocks 1, 3, 5 and 2, 4, 6), for the blocks that got that
+    # far: 2 is missing and 3 too short to hold its layers, so each call reads two.
+    assert calls == ([2, 2] if fused else [])

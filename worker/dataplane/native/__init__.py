@@ -87,6 +87,20 @@ def _load() -> ctypes.CDLL | None:
         ctypes.c_char_p,
     ]
     function.restype = ctypes.c_int
+    reader = library.strata_read_hash
+    reader.argtypes = [
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_int32),
+        _u64p,
+        _u64p,
+        _u64p,
+        ctypes.c_size_t,
+        ctypes.c_char_p,
+        _u64p,
+        ctypes.c_char_p,
+        ctypes.POINTER(ctypes.c_int64),
+    ]
+    reader.restype = ctypes.c_int
     return library
 
 
@@ -142,3 +156,56 @@ def copy_hash(
         return []
     raw = out.raw
     return [raw[16 * i : 16 * i + 16] for i in range(count)]
+
+
+def read_hash(
+    fds: Sequence[int],
+    offsets: Sequence[int],
+    destinations: Sequence[int],
+    sizes: Sequence[int],
+    hash_bytes: int,
+    prefixes: Sequence[bytes],
+) -> tuple[list[int], list[bytes]]:
+    """pread each `sizes[i]` bytes of `fds[i]` at `offsets[i]` into the memory at
+    `destinations[i]`, and hash each read whole as consecutive `hash_bytes` spans, each with the
+    next of `prefixes`, all in one call without the interpreter lock. Returns per read the
+    bytes read (fewer at the end of a file) or -errno, and per span its 16-byte digest (empty
+    for the spans of a read that was not read whole)."""
+    if _library is None:
+        raise RuntimeError("the fused copy-and-hash library is not built")
+    count = len(fds)
+    if not (len(offsets) == len(destinations) == len(sizes) == count):
+        raise ValueError("fds, offsets, destinations and sizes must have one entry per read")
+    if hash_bytes <= 0 or any(size % hash_bytes for size in sizes):
+        raise ValueError(f"every read must be a whole number of {hash_bytes}-byte hashed spans")
+    spans = sum(size // hash_bytes for size in sizes)
+    if len(prefixes) != spans:
+        raise ValueError(f"{spans} hashed spans but {len(prefixes)} prefixes")
+    array = ctypes.c_uint64 * count
+    offsets_of_prefixes = [0]
+    for prefix in prefixes:
+        offsets_of_prefixes.append(offsets_of_prefixes[-1] + len(prefix))
+    out = ctypes.create_string_buffer(16 * max(1, spans))
+    got = (ctypes.c_int64 * count)()
+    status = _library.strata_read_hash(
+        count,
+        (ctypes.c_int32 * count)(*fds),
+        array(*offsets),
+        array(*destinations),
+        array(*sizes),
+        hash_bytes,
+        b"".join(prefixes),
+        (ctypes.c_uint64 * (spans + 1))(*offsets_of_prefixes),
+        out,
+        got,
+    )
+    if status != 0:
+        raise RuntimeError(f"fused read-and-hash failed with status {status}")
+    raw = out.raw
+    digests: list[bytes] = []
+    for i, size in enumerate(sizes):
+        whole = got[i] == size
+        for _ in range(size // hash_bytes):
+            k = len(digests)
+            digests.append(raw[16 * k : 16 * k + 16] if whole else b"")
+    return list(got), digests

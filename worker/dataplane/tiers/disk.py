@@ -43,6 +43,7 @@ from typing import Any, cast
 
 import torch
 
+from worker.dataplane import native
 from worker.dataplane.buffers import (
     DIRECT_IO_ALIGNMENT,
     aligned_empty,
@@ -590,14 +591,86 @@ class DiskTier(Tier):
                 except BaseException as exc:  # noqa: BLE001 - handed to that block's future
                     futures[i].set_exception(exc)
 
+        def run_batched(share: int) -> None:
+            self._read_batch(
+                [(i, keys[i], dsts[i]) for i in range(share, len(keys), shares)], selected, futures
+            )
+
+        batched = (
+            native.available()
+            and self.layout.span(selected)[1] <= READ_PIECE_BYTES
+            and all(dst.device.type == "cpu" for dst in dsts)
+        )
         for share in range(shares if keys else 0):
-            self._submit(run, share)
+            self._submit(run_batched if batched else run, share)
         return futures
+
+    def _read_batch(
+        self,
+        items: Sequence[tuple[int, uuid.UUID, torch.Tensor]],
+        layers: range,
+        futures: Sequence[Future[ReadResult]],
+    ) -> None:
+        """Read the same `layers` of many blocks into host buffers, setting `futures[i]` for each
+        item (i, key, destination): the files are opened and their headers recalled here, then
+        every read and its hash runs in one native call without the interpreter lock (the many
+        small reads of layer-wise loading would otherwise each take several interpreter steps,
+        contending with the model's own thread), then each block is verified on its own: a
+        missing, short or corrupt block fails only its future."""
+        layout = self.layout
+        offset, nbytes = layout.span(layers)
+        file_offset = self.header_bytes + offset
+        opened: list[tuple[int, uuid.UUID, torch.Tensor, int, _Stamp, _Header, bool]] = []
+        try:
+            for i, key, dst in items:
+                direct = self.direct_io and is_aligned(dst.data_ptr(), nbytes, file_offset)
+                try:
+                    fd, stamp = self._open_for_read(key, direct=direct)
+                except BaseException as exc:  # noqa: BLE001 - that block's future fails
+                    futures[i].set_exception(exc)
+                    continue
+                try:
+                    if stamp.size < self.file_bytes:
+                        raise self._corrupt(
+                            key, f"file is {stamp.size} bytes, a block file is {self.file_bytes}"
+                        )
+                    header = self._recall(key, stamp) or self._read_header(fd, key)
+                except BaseException as exc:  # noqa: BLE001 - that block's future fails
+                    os.close(fd)
+                    futures[i].set_exception(exc)
+                    continue
+                opened.append((i, key, dst, fd, stamp, header, direct))
+            got, sums = native.read_hash(
+                [entry[3] for entry in opened],
+                [file_offset] * len(opened),
+                [entry[2].data_ptr() for entry in opened],
+                [nbytes] * len(opened),
+                layout.layer_bytes,
+                [layer_prefix(entry[1], layer) for entry in opened for layer in layers],
+            )
+        except BaseException as exc:  # noqa: BLE001 - no read was verified: every future fails
+            for entry in opened:
+                os.close(entry[3])
+                futures[entry[0]].set_exception(exc)
+            return
+        for j, (i, key, _dst, fd, stamp, header, direct) in enumerate(opened):
+            try:
+                if not direct:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+                if got[j] < 0:
+                    raise OSError(-got[j], os.strerror(-got[j]), str(self.path_of(key)))
+                if got[j] != nbytes:
+                    raise self._corrupt(key, f"short read of {got[j]} bytes")
+                self.counters.add(f"{self.name}.io_{'direct' if direct else 'buffered'}")
+                got_sums = sums[j * len(layers) : (j + 1) * len(layers)]
+                futures[i].set_result(self._verified(key, layers, stamp, header, got_sums))
+            except BaseException as exc:  # noqa: BLE001 - that block's future fails
+                futures[i].set_exception(exc)
 
     def _read(self, key: uuid.UUID, layers: range, dst: torch.Tensor) -> ReadResult:
         layout = self.layout
         offset, nbytes = layout.span(layers)
-        whole = len(layers) == layout.layers
         on_gpu = dst.device.type != "cpu"
         host_dst = dst if not on_gpu else self._staging(nbytes)
         file_offset = self.header_bytes + offset
@@ -636,10 +709,24 @@ class DiskTier(Tier):
             got_sums = [digest for piece in hashing for digest in piece.result()]
         else:
             got_sums = self.engine.run(self._spans(key, host_dst, layers))
-        self._verify(key, layers, got_sums, header.checksum.layers[layers.start : layers.stop])
-        self._remember(key, stamp, header)
+        result = self._verified(key, layers, stamp, header, got_sums)
         if on_gpu and self._kvikio is None:
             dst.copy_(host_dst)
+        return result
+
+    def _verified(
+        self,
+        key: uuid.UUID,
+        layers: range,
+        stamp: _Stamp,
+        header: _Header,
+        got_sums: Sequence[bytes],
+    ) -> ReadResult:
+        """Check the hashes of `layers` just read against the header's (a mismatch quarantines
+        the block and raises BlockCorrupt), remember the header, count the hit."""
+        self._verify(key, layers, got_sums, header.checksum.layers[layers.start : layers.stop])
+        self._remember(key, stamp, header)
+        nbytes = len(layers) * self.layout.layer_bytes
         self.counters.add(f"{self.name}.hits")
         self.counters.add(f"{self.name}.bytes_read", nbytes)
         return ReadResult(
@@ -647,7 +734,7 @@ class DiskTier(Tier):
             tier=self.name,
             layers=layers,
             nbytes=nbytes,
-            checksum=header.checksum if whole else None,
+            checksum=header.checksum if len(layers) == self.layout.layers else None,
         )
 
     def _spans(self, key: uuid.UUID, buffer: torch.Tensor, layers: range) -> list[Span]:
@@ -668,12 +755,10 @@ class DiskTier(Tier):
         layout = self.layout
         size = layout.layer_bytes
         offset, _nbytes = layout.span(layers)
-        per_piece = max(1, min(len(layers), -(-READ_PIECE_BYTES // size)))
         view = host_view(dst)
         hashing: list[Future[list[bytes]]] = []
         try:
-            for first in range(0, len(layers), per_piece):
-                count = min(per_piece, len(layers) - first)
+            for first, count in _pieces(len(layers), size):
                 piece = view[first * size : (first + count) * size]
                 at = self.header_bytes + offset + first * size
                 if header is None and first == 0 and offset == 0:
@@ -750,6 +835,18 @@ class DiskTier(Tier):
             return
         super().close()
         self._ledger.close()
+
+
+def _pieces(layers: int, layer_bytes: int) -> list[tuple[int, int]]:
+    """(first layer, layer count) of each read of `layers` layers: pieces of about
+    READ_PIECE_BYTES, the last layer on its own when there is more than one, so that the hash
+    left after the last read (the one nothing overlaps) is one layer's."""
+    per_piece = max(1, -(-READ_PIECE_BYTES // layer_bytes))
+    body = layers - 1 if layers > 1 else layers
+    pieces = [(first, min(per_piece, body - first)) for first in range(0, body, per_piece)]
+    if body < layers:
+        pieces.append((body, 1))
+    return pieces
 
 
 def _advance(views: list[memoryview], skip: int) -> list[memoryview]:
