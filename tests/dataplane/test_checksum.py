@@ -209,3 +209,35 @@ def test_native_read_hash_refuses_inconsistent_arguments() -> None:
         native.read_hash([1], [0], [0], [12], 8, [b""])
     with pytest.raises(ValueError, match="2 hashed spans but 1 prefixes"):
         native.read_hash([1], [0], [0], [16], 8, [b""])
+
+
+def test_a_read_batch_run_by_two_threads_at_once_reads_each_piece_once(tmp_path) -> None:
+    import threading  # noqa: PLC0415
+
+    data = torch.randint(0, 256, (64 * 4096,), dtype=torch.uint8)
+    path = tmp_path / "pieces.bin"
+    path.write_bytes(data.numpy().tobytes())
+    dst = torch.zeros_like(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        batch = native.ReadBatch(
+            [fd] * 64,
+            [i * 4096 for i in range(64)],
+            [dst.data_ptr() + i * 4096 for i in range(64)],
+            [4096] * 64,
+            4096,
+            [str(i).encode() for i in range(64)],
+        )
+        other = threading.Thread(target=batch.run)
+        other.start()
+        batch.run()
+        other.join()
+    finally:
+        os.close(fd)
+    got, digests = batch.results()
+    assert got == [4096] * 64
+    assert torch.equal(dst, data)
+    raw = data.numpy().tobytes()
+    assert digests == [
+        xxhash.xxh3_128(str(i).encode() + raw[i * 4096 : (i + 1) * 4096]).digest() for i in range(64)
+    ]

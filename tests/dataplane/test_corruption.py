@@ -242,3 +242,24 @@ def test_disk_layer_reads_of_many_blocks_fail_only_the_bad_ones(
     # One call per I/O thread's share (blocks 1, 3, 5 and 2, 4, 6), for the blocks that got that
     # far: 2 is missing and 3 too short to hold its layers, so each call reads two.
     assert calls == ([2, 2] if fused else [])
+
+
+@pytest.mark.parametrize("layer", [0, 13, 30, 31])
+def test_disk_whole_block_read_shared_by_two_threads_catches_a_flip_anywhere(
+    open_tier, block_cache, layer: int
+) -> None:
+    # A large block is read by the caller and an I/O thread together, piece by piece; a flipped
+    # byte in any piece (the first, a middle one, each thread's last one-layer piece) is caught.
+    from dataplane_support import LLAMA  # noqa: PLC0415
+
+    layout = layout_of(LLAMA, "bfloat16")
+    tier = open_tier("disk", layout, blocks=2)
+    tier.put(key(1), block_cache(layout, 1))
+    out = layout.empty()
+    tier.get(key(1), out)
+    assert torch.equal(out, block_cache(layout, 1))
+    _flip(tier.path_of(key(1)), tier.header_bytes + layer * layout.layer_bytes + 4095)
+    with pytest.raises(BlockCorrupt, match=f"layer {layer} checksum mismatch"):
+        tier.get(key(1), layout.empty())
+    assert not tier.contains(key(1))
+    assert tier.counters.get("disk.corrupt") == 1

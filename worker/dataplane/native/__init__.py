@@ -97,8 +97,10 @@ def _load() -> ctypes.CDLL | None:
         ctypes.c_size_t,
         ctypes.c_char_p,
         _u64p,
+        _u64p,
         ctypes.c_char_p,
         ctypes.POINTER(ctypes.c_int64),
+        _u64p,
     ]
     reader.restype = ctypes.c_int
     return library
@@ -158,6 +160,78 @@ def copy_hash(
     return [raw[16 * i : 16 * i + 16] for i in range(count)]
 
 
+
+class ReadBatch:
+    """Reads of file ranges into memory, each hashed as it lands (see `read_hash`), prepared
+    once and run by one thread or by several at once: `run` claims reads one at a time until
+    none is left, so threads that call it together share the reads out as they go and finish
+    together. `results` once every `run` has returned."""
+
+    def __init__(
+        self,
+        fds: Sequence[int],
+        offsets: Sequence[int],
+        destinations: Sequence[int],
+        sizes: Sequence[int],
+        hash_bytes: int,
+        prefixes: Sequence[bytes],
+    ) -> None:
+        if _library is None:
+            raise RuntimeError("the fused copy-and-hash library is not built")
+        count = len(fds)
+        if not (len(offsets) == len(destinations) == len(sizes) == count):
+            raise ValueError("fds, offsets, destinations and sizes must have one entry per read")
+        if hash_bytes <= 0 or any(size % hash_bytes for size in sizes):
+            raise ValueError(f"every read must be a whole number of {hash_bytes}-byte hashed spans")
+        first_span = [0]
+        for size in sizes:
+            first_span.append(first_span[-1] + size // hash_bytes)
+        spans = first_span[-1]
+        if len(prefixes) != spans:
+            raise ValueError(f"{spans} hashed spans but {len(prefixes)} prefixes")
+        prefix_offsets = [0]
+        for prefix in prefixes:
+            prefix_offsets.append(prefix_offsets[-1] + len(prefix))
+        array = ctypes.c_uint64 * count
+        self._count = count
+        self._sizes = list(sizes)
+        self._hash_bytes = hash_bytes
+        self._args = (
+            count,
+            (ctypes.c_int32 * count)(*fds),
+            array(*offsets),
+            array(*destinations),
+            array(*sizes),
+            hash_bytes,
+            b"".join(prefixes),
+            (ctypes.c_uint64 * (spans + 1))(*prefix_offsets),
+            (ctypes.c_uint64 * (count + 1))(*first_span),
+        )
+        self._digests = ctypes.create_string_buffer(16 * max(1, spans))
+        self._got = (ctypes.c_int64 * count)()
+        self._next = ctypes.c_uint64(0)
+
+    def run(self) -> None:
+        status = _library.strata_read_hash(  # type: ignore[union-attr]
+            *self._args, self._digests, self._got, ctypes.byref(self._next)
+        )
+        if status != 0:
+            raise RuntimeError(f"fused read-and-hash failed with status {status}")
+
+    def results(self) -> tuple[list[int], list[bytes]]:
+        """Per read the bytes read (fewer at the end of a file) or -errno; per hashed span its
+        16-byte digest (empty for the spans of a read that was not read whole)."""
+        raw = self._digests.raw
+        got = list(self._got)
+        digests: list[bytes] = []
+        for i, size in enumerate(self._sizes):
+            whole = got[i] == size
+            for _ in range(size // self._hash_bytes):
+                k = len(digests)
+                digests.append(raw[16 * k : 16 * k + 16] if whole else b"")
+        return got, digests
+
+
 def read_hash(
     fds: Sequence[int],
     offsets: Sequence[int],
@@ -171,41 +245,6 @@ def read_hash(
     next of `prefixes`, all in one call without the interpreter lock. Returns per read the
     bytes read (fewer at the end of a file) or -errno, and per span its 16-byte digest (empty
     for the spans of a read that was not read whole)."""
-    if _library is None:
-        raise RuntimeError("the fused copy-and-hash library is not built")
-    count = len(fds)
-    if not (len(offsets) == len(destinations) == len(sizes) == count):
-        raise ValueError("fds, offsets, destinations and sizes must have one entry per read")
-    if hash_bytes <= 0 or any(size % hash_bytes for size in sizes):
-        raise ValueError(f"every read must be a whole number of {hash_bytes}-byte hashed spans")
-    spans = sum(size // hash_bytes for size in sizes)
-    if len(prefixes) != spans:
-        raise ValueError(f"{spans} hashed spans but {len(prefixes)} prefixes")
-    array = ctypes.c_uint64 * count
-    offsets_of_prefixes = [0]
-    for prefix in prefixes:
-        offsets_of_prefixes.append(offsets_of_prefixes[-1] + len(prefix))
-    out = ctypes.create_string_buffer(16 * max(1, spans))
-    got = (ctypes.c_int64 * count)()
-    status = _library.strata_read_hash(
-        count,
-        (ctypes.c_int32 * count)(*fds),
-        array(*offsets),
-        array(*destinations),
-        array(*sizes),
-        hash_bytes,
-        b"".join(prefixes),
-        (ctypes.c_uint64 * (spans + 1))(*offsets_of_prefixes),
-        out,
-        got,
-    )
-    if status != 0:
-        raise RuntimeError(f"fused read-and-hash failed with status {status}")
-    raw = out.raw
-    digests: list[bytes] = []
-    for i, size in enumerate(sizes):
-        whole = got[i] == size
-        for _ in range(size // hash_bytes):
-            k = len(digests)
-            digests.append(raw[16 * k : 16 * k + 16] if whole else b"")
-    return list(got), digests
+    batch = ReadBatch(fds, offsets, destinations, sizes, hash_bytes, prefixes)
+    batch.run()
+    return batch.results()

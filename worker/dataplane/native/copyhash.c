@@ -119,22 +119,29 @@ static void hash_one(XXH3_state_t *state, const unsigned char *prefix, size_t pr
 }
 
 /* For each read i: pread nbytes[i] from fds[i] at offsets[i] into dst[i] (retrying short reads
- * and EINTR), then, if it was read whole, hash it as nbytes[i] / hash_bytes consecutive spans,
- * each with the next prefix (one prefix and one 16-byte digest per span, in read order).
- * got[i] is the number of bytes read (less at the end of the file), or -errno on an error; the
- * digests of a read that was not read whole are left unset. Returns 0, or -1 when a read's size
- * is not a multiple of hash_bytes. */
+ * and EINTR), then, if it was read whole, hash it as nbytes[i] / hash_bytes consecutive spans:
+ * span k (counted over all reads, first_span[i] the first of read i) with prefix k, its 16-byte
+ * digest at digests + 16 k. got[i] is the number of bytes read (less at the end of the file) or
+ * -errno on an error; the digests of a read that was not read whole are left unset.
+ *
+ * With `next` NULL the reads run in order. Otherwise several threads may call this at once with
+ * the same arguments: each claims the next unclaimed read from *next until none is left, so
+ * the reads are shared out as they go and the threads finish together. Returns 0, or -1 when a
+ * read's size is not a multiple of hash_bytes. */
 int strata_read_hash(size_t count, const int32_t *fds, const uint64_t *offsets,
                      const uint64_t *dst, const uint64_t *nbytes, size_t hash_bytes,
                      const unsigned char *prefixes, const uint64_t *prefix_offsets,
-                     unsigned char *digests, int64_t *got)
+                     const uint64_t *first_span, unsigned char *digests, int64_t *got,
+                     uint64_t *next)
 {
     XXH3_state_t state;
-    size_t span = 0;
     for (size_t i = 0; i < count; i++)
         if (hash_bytes == 0 || nbytes[i] % hash_bytes)
             return -1;
-    for (size_t i = 0; i < count; i++) {
+    for (size_t in_order = 0;; in_order++) {
+        size_t i = next ? (size_t)__atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : in_order;
+        if (i >= count)
+            break;
         char *d = (char *)(uintptr_t)dst[i];
         size_t n = (size_t)nbytes[i], done = 0;
         int64_t status = 0;
@@ -151,16 +158,14 @@ int strata_read_hash(size_t count, const int32_t *fds, const uint64_t *offsets,
             done += (size_t)r;
         }
         got[i] = status < 0 ? status : (int64_t)done;
-        size_t spans = n / hash_bytes;
         if (status == 0 && done == n) {
-            for (size_t j = 0; j < spans; j++) {
-                size_t k = span + j;
+            for (size_t j = 0; j < n / hash_bytes; j++) {
+                size_t k = (size_t)first_span[i] + j;
                 hash_one(&state, prefixes + prefix_offsets[k],
                          (size_t)(prefix_offsets[k + 1] - prefix_offsets[k]),
                          d + j * hash_bytes, hash_bytes, digests + 16 * k);
             }
         }
-        span += spans;
     }
     return 0;
 }

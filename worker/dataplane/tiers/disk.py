@@ -71,6 +71,9 @@ LEDGER_NAME = ".strata-ledger"
 _LEDGER = struct.Struct("<QQQ")  # stored bytes, pending bytes, blocks
 HEADER_CACHE_ENTRIES = 16384
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+SPLIT_PIECE_BYTES = 4 * 1024 * 1024
+"""A single large block read (`get`) is read in pieces of this many bytes, alternately by the
+calling thread and one I/O thread, each hashing its pieces as they land."""
 READ_PIECE_BYTES = 8 * 1024 * 1024
 """A block read into host memory is read in pieces of this many bytes (whole layers), each hashed
 while the next is read. Smaller pieces hide more of the hash but make more, shorter reads."""
@@ -571,7 +574,7 @@ class DiskTier(Tier):
 
     def get(self, key: uuid.UUID, out: torch.Tensor) -> ReadResult:
         dst = self._block_bytes(out)
-        return self._read(key, range(self.layout.layers), dst)
+        return self._read(key, range(self.layout.layers), dst, split=True)
 
     def get_layers(
         self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
@@ -668,7 +671,11 @@ class DiskTier(Tier):
             except BaseException as exc:  # noqa: BLE001 - that block's future fails
                 futures[i].set_exception(exc)
 
-    def _read(self, key: uuid.UUID, layers: range, dst: torch.Tensor) -> ReadResult:
+    def _read(
+        self, key: uuid.UUID, layers: range, dst: torch.Tensor, *, split: bool = False
+    ) -> ReadResult:
+        """Read and verify `layers` of a block into `dst`. `split` (a caller outside the tier's
+        I/O threads, reading one block) lets one I/O thread read half of a large read."""
         layout = self.layout
         offset, nbytes = layout.span(layers)
         on_gpu = dst.device.type != "cpu"
@@ -677,6 +684,7 @@ class DiskTier(Tier):
         direct = self.direct_io and is_aligned(host_dst.data_ptr(), nbytes, file_offset)
         fd, stamp = self._open_for_read(key, direct=direct)
         hashing: list[Future[list[bytes]]] | None = None
+        split_sums: list[bytes] | None = None
         try:
             if stamp.size < self.file_bytes:
                 raise self._corrupt(
@@ -691,6 +699,9 @@ class DiskTier(Tier):
                 if got != nbytes:
                     raise self._corrupt(key, f"short read of {got} bytes")
                 host_dst.copy_(dst)  # verification needs the bytes on the host
+            elif split and native.available() and nbytes >= 2 * SPLIT_PIECE_BYTES:
+                header = header or self._read_header(fd, key)
+                split_sums = self._read_split(fd, key, host_dst, layers, file_offset)
             else:
                 header, hashing = self._read_hashing(fd, key, host_dst, layers, header)
             if not direct:
@@ -707,6 +718,8 @@ class DiskTier(Tier):
             os.close(fd)
         if hashing is not None:
             got_sums = [digest for piece in hashing for digest in piece.result()]
+        elif split_sums is not None:
+            got_sums = split_sums
         else:
             got_sums = self.engine.run(self._spans(key, host_dst, layers))
         result = self._verified(key, layers, stamp, header, got_sums)
@@ -786,6 +799,43 @@ class DiskTier(Tier):
             raise
         assert header is not None
         return header, hashing
+
+    def _read_split(
+        self, fd: int, key: uuid.UUID, dst: torch.Tensor, layers: range, file_offset: int
+    ) -> list[bytes]:
+        """Read `layers` into `dst` in pieces of SPLIT_PIECE_BYTES, shared between this thread
+        and one of the tier's I/O threads as they go (each takes the next piece when it is done
+        with its last), each piece hashed by the thread that read it as soon as it lands, in
+        one native call per thread without the interpreter lock: two reads in flight keep the
+        device busy while either thread hashes. The last two layers are pieces of their own, so
+        the threads finish within a layer's hash of each other. Returns the layer hashes."""
+        size = self.layout.layer_bytes
+        per_piece = max(1, SPLIT_PIECE_BYTES // size)
+        body = max(0, len(layers) - 2)
+        pieces = [(first, min(per_piece, body - first)) for first in range(0, body, per_piece)]
+        pieces += [(first, 1) for first in range(body, len(layers))]
+        base = dst.data_ptr()
+        batch = native.ReadBatch(
+            [fd] * len(pieces),
+            [file_offset + first * size for first, _count in pieces],
+            [base + first * size for first, _count in pieces],
+            [count * size for _first, count in pieces],
+            size,
+            [layer_prefix(key, layer) for layer in layers],
+        )
+        helper = self._submit(batch.run)
+        try:
+            batch.run()
+        finally:
+            helper.exception()  # never return (and let the caller free dst) while it still reads
+        helper.result()
+        got, sums = batch.results()
+        for (_first, count), n in zip(pieces, got, strict=True):
+            if n < 0:
+                raise OSError(-n, os.strerror(-n), str(self.path_of(key)))
+            if n != count * size:
+                raise self._corrupt(key, f"short read of {n} bytes")
+        return sums
 
     def _read_header(self, fd: int, key: uuid.UUID) -> _Header:
         hdr = self._header_buffer()
