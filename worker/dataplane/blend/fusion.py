@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from worker.dataplane.blend.matching import Fragment
 from worker.dataplane.blend.rope import rotate, rotate_half, rotation
+from worker.dataplane.engine.attention import prefix_then_causal
 from worker.dataplane.engine.cache import StrataCache
 
 LayerSource = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -157,19 +158,14 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
         full_k = torch.cat([prefix_k.to(k.dtype), keys], dim=2) if P else keys
         full_v = torch.cat([prefix_v.to(v.dtype), values], dim=2) if P else values
         gqa = q.shape[1] != kv_heads
-        if everything and (P == 0 or li == 0):
-            # Every position from P on is a query: a plain causal attention (the fast kernel). The
-            # prefix rows are added as queries too where they are cheap (layer 0: from embeddings).
-            if P:
-                px = layer.input_layernorm(base.embed_tokens(ids[:P]).unsqueeze(0))
-                pq = attn.q_proj(px).view(1, P, -1, head_dim).transpose(1, 2)
-                pcos, psin = rotary(probe, position_ids=key_positions[:P].unsqueeze(0))
-                pq = pq * pcos.unsqueeze(1) + rotate_half(pq) * psin.unsqueeze(1)
-                out = F.scaled_dot_product_attention(torch.cat([pq, q], dim=2), full_k, full_v, is_causal=True,
-                                                     scale=attn.scaling, enable_gqa=gqa)[:, :, P:]
-            else:
-                out = F.scaled_dot_product_attention(q, full_k, full_v, is_causal=True, scale=attn.scaling,
-                                                     enable_gqa=gqa)
+        if everything and P == 0:
+            # Every position is a query: a plain causal attention (the fast kernel).
+            out = F.scaled_dot_product_attention(q, full_k, full_v, is_causal=True, scale=attn.scaling,
+                                                 enable_gqa=gqa)
+        elif everything and device.type == "cpu":
+            # Every position from P on is a query over the cached prefix: unmasked over the prefix,
+            # causal over the rest, merged (the masked kernel would take twice as long).
+            out = prefix_then_causal(q, full_k, full_v, attn.scaling)
         else:
             mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=attn.scaling,
