@@ -69,6 +69,29 @@ def _chunk_start_selection(plan: BlendPlan, rel_start: int) -> list[int]:
     return chosen
 
 
+ROW_CHUNK = 128
+"""Computed rows attended to per masked kernel call on CPU (see `_attend_in_row_chunks`)."""
+
+
+def _attend_in_row_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                          key_positions: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """Attention of the computed rows (at ascending `positions`, scattered through the prompt)
+    over every key at a position not after theirs, ROW_CHUNK rows at a time, each chunk over the
+    keys up to its last row's position only: the masked kernel computes every score it is given,
+    so leaving out the keys no row of a chunk may see does about half the work (1284 rows over
+    4368 keys, 8 heads, 2 KV heads: 42 ms in one call, 25 ms so). Rows are independent: the
+    result is the one-call result."""
+    parts = []
+    for first in range(0, q.shape[2], ROW_CHUNK):
+        rows = positions[first : first + ROW_CHUNK]
+        seen = int(rows[-1]) + 1
+        mask = key_positions[:seen].unsqueeze(0) <= rows.unsqueeze(1)
+        parts.append(F.scaled_dot_product_attention(q[:, :, first : first + ROW_CHUNK], keys[:, :, :seen],
+                                                    values[:, :, :seen], attn_mask=mask, scale=scale,
+                                                    enable_gqa=gqa))
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
 def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: LayerSource,
                   *, device: torch.device) -> BlendOutcome:
     """Prefill `prompt` with the prefix and the fragments taken from `source`, recomputing r% of
@@ -166,6 +189,8 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
             # Every position from P on is a query over the cached prefix: unmasked over the prefix,
             # causal over the rest, merged (the masked kernel would take twice as long).
             out = prefix_then_causal(q, full_k, full_v, attn.scaling)
+        elif device.type == "cpu":
+            out = _attend_in_row_chunks(q, full_k, full_v, positions, key_positions, attn.scaling, gqa)
         else:
             mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=attn.scaling,
