@@ -113,3 +113,23 @@ def test_a_vanished_fragment_is_a_miss(models):
     assert result.trace.fragment_tokens == 0 and result.trace.blend == "no-fragment"
     assert result.trace.prefix_tokens == 2 * BLOCK_TOKENS
     assert result.output_ids == cold.output_ids
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+def test_row_chunked_attention_equals_one_masked_call(gqa: bool) -> None:
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from worker.dataplane.blend import fusion  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(5)
+    n, heads, kv_heads = 1000, 8, 2 if gqa else 8
+    positions = torch.sort(torch.randperm(n - 40, generator=generator)[:300] + 40).values
+    q = torch.randn(1, heads, positions.numel(), 16, generator=generator)
+    keys = torch.randn(1, kv_heads, n, 16, generator=generator)
+    values = torch.randn(1, kv_heads, n, 16, generator=generator)
+    key_positions = torch.arange(n)
+    ours = fusion._attend_in_row_chunks(q, keys, values, positions, key_positions, 0.25, gqa)
+    mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.25, enable_gqa=gqa)
+    assert positions.numel() > 2 * fusion.ROW_CHUNK  # several chunks, the last one partial
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
