@@ -542,8 +542,19 @@ class Engine:
         else:
             cache = StrataCache(layers=model.layers)
         started = time.perf_counter()
-        ids = torch.tensor([prompt[prefix_len:]], device=model.device)
+        # With nothing cached, the full blocks are prefilled first and the rest on its own: the rest
+        # is then computed exactly as a later request that finds every full block cached computes
+        # it (same rows in the same kernels over the same cached bytes), so that hit's output is
+        # the cold output bit for bit. In one pass, matrix kernels that block the work by row
+        # count (bfloat16 on AMX, for one) round the last rows differently, and on a near tie a
+        # greedy token can flip.
+        split = 0 if prefix_len else min(len(prompt) // self.layout.block_tokens * self.layout.block_tokens,
+                                         len(prompt) - 1)
         try:
+            if split:
+                head = torch.tensor([prompt[:split]], device=model.device)
+                model.model(input_ids=head, cache=cache, use_cache=True, logits_to_keep=1)
+            ids = torch.tensor([prompt[max(prefix_len, split):]], device=model.device)
             out = model.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         except LoadFailed:
             if loader is not None:
