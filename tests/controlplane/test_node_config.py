@@ -35,6 +35,7 @@ def test_precedence_flag_over_env_over_yaml_over_default(tmp_path):
         ({"STRATA_HEARTBEAT_SECONDS": "0"}, "STRATA_HEARTBEAT_SECONDS: must be greater than zero"),
         ({"STRATA_NODE_NAME": "GPU 0"}, "STRATA_NODE_NAME: expected 1-63 lowercase"),
         ({"STRATA_WORKER_CONCURRENCY": "x"}, "STRATA_WORKER_CONCURRENCY: invalid literal"),
+        ({"STRATA_DISK_IO_THREADS": "0"}, "STRATA_DISK_IO_THREADS: must be greater than zero"),
     ],
 )
 def test_bad_values_name_the_option(environ, message):
@@ -58,3 +59,9 @@ def test_disk_path_placeholders(monkeypatch):
     monkeypatch.setenv("STRATA_VAR_DIR", "/srv/strata")
     config = load_config(environ={"STRATA_NODE_NAME": "gpu-7"})
     assert config.node_disk_path == Path("/srv/strata/nodes/gpu-7/disk")
+
+
+def test_the_disk_and_remote_tiers_have_their_own_io_threads():
+    config = load_config(environ={"STRATA_DISK_IO_THREADS": "6", "STRATA_IO_THREADS": "3"})
+    assert (config.disk_io_threads, config.io_threads) == (6, 3)
+    assert load_config(environ={}).disk_io_threads == 4

@@ -215,7 +215,7 @@ def test_disk_layer_reads_of_many_blocks_fail_only_the_bad_ones(
         )
     else:
         monkeypatch.setattr(disk_module.native, "available", lambda: False)
-    tier = open_tier("disk", LAYOUT, blocks=8)
+    tier = open_tier("disk", LAYOUT, blocks=8, io_threads=2)
     for n in range(1, 7):
         tier.put(key(n), block_cache(LAYOUT, n))
     tier.delete(key(2))

@@ -195,7 +195,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("tiers", _parse_tiers, TierList(TIER_ORDER), "Tiers this node stores blocks in (comma-separated; looked up fastest first): device, host, disk, remote."),
     Option("host_pool_name", _parse_pool_name, "strata-{node}", "Name of the node's shared-memory DRAM pool in /dev/shm ({node} = node name); one pool per model, suffixed with its model key."),
     Option("disk_direct_io", _parse_bool, True, "Use O_DIRECT for the disk tier where the filesystem allows it (else buffered I/O with posix_fadvise DONTNEED)."),
-    Option("io_threads", _parse_int, 2, "I/O threads of each disk and remote tier (outstanding reads and writes per tier).", _positive),
+    Option("io_threads", _parse_int, 2, "I/O threads of the remote tier (outstanding reads and writes); a remote on a shared filesystem mount too.", _positive),
+    Option("disk_io_threads", _parse_int, 4, "I/O threads of the disk tier: reads in flight at once, each hashed as it lands by the thread that read it.", _positive),
     Option("copy_threads", _parse_int, 0, "Threads that copy and checksum blocks in memory; 0 = min(4, CPU count).", _non_negative),
     Option("remote_cluster", _parse_bool, False, "remote_url points at a Redis Cluster (redis-py RedisCluster)."),
     Option("remote_timeout_seconds", _parse_float, 2.0, "Socket timeout of the remote tier; past it the tier is unavailable and callers recompute.", _positive),
@@ -234,6 +235,7 @@ class NodeConfig:
     host_pool_name: str = "strata-{node}"
     disk_direct_io: bool = True
     io_threads: int = 2
+    disk_io_threads: int = 4
     copy_threads: int = 0
     remote_cluster: bool = False
     remote_timeout_seconds: float = 2.0

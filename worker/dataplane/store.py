@@ -315,7 +315,7 @@ def build_store(
                         path=config.node_disk_path,
                         counters=counters,
                         engine=engine,
-                        io_threads=config.io_threads,
+                        io_threads=config.disk_io_threads,
                         direct_io=config.disk_direct_io,
                     )
                 )
