@@ -160,7 +160,6 @@ def copy_hash(
     return [raw[16 * i : 16 * i + 16] for i in range(count)]
 
 
-
 class ReadBatch:
     """Reads of file ranges into memory, each hashed as it lands (see `read_hash`), prepared
     once and run by one thread or by several at once: `run` claims reads one at a time until
@@ -193,7 +192,6 @@ class ReadBatch:
         for prefix in prefixes:
             prefix_offsets.append(prefix_offsets[-1] + len(prefix))
         array = ctypes.c_uint64 * count
-        self._count = count
         self._sizes = list(sizes)
         self._hash_bytes = hash_bytes
         self._args = (
