@@ -154,6 +154,11 @@ def test_two_beat_daemons_at_once_never_move_a_block_twice(node_factory, subproc
             daemons.append((subprocess.Popen(command, cwd=REPO_ROOT, env=beat_env if i else subprocess_env,
                                              stdout=out, stderr=subprocess.STDOUT), out))
         seen_double = _feed(store, profile, nodes, seeds, seconds=PLANNER_SECONDS, seed=2000)
+        # The last blocks came in less than a beat interval ago: let a beat plan them before the
+        # beats stop (else they are simply not planned yet, which is not what this test is about).
+        wait_for(lambda: Movement.objects.filter(block__prefix_key__in=list(seeds)).values("block_id").distinct().count()
+                 == len(seeds), timeout=60, what="a move planned for every block written")
+        seen_double += _double_in_flight()
         for daemon, _ in daemons[1:]:  # stop sending; let the worker and the node finish
             daemon.terminate()
             daemon.wait(30)
