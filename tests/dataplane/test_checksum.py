@@ -149,21 +149,21 @@ def test_an_unknown_native_copy_setting_is_refused_by_name() -> None:
     assert "STRATA_NATIVE_COPY: expected one of 1, 0, sse2, got 'avx512'" in done.stderr
 
 
-def test_native_read_hash_reads_files_into_memory_and_hashes_each_span(tmp_path) -> None:
+def test_a_native_read_batch_reads_files_into_memory_and_hashes_each_span(tmp_path) -> None:
     data = torch.randint(0, 256, (5 * 65536,), dtype=torch.uint8)
     path = tmp_path / "spans.bin"
     path.write_bytes(data.numpy().tobytes())
     fd = os.open(path, os.O_RDONLY)
     try:
         dsts = [torch.zeros(2 * 65536, dtype=torch.uint8), torch.zeros(65536, dtype=torch.uint8)]
-        got, digests = native.read_hash(
+        got, digests = native.ReadBatch(
             [fd, fd],
             [65536, 4 * 65536],
             [dst.data_ptr() for dst in dsts],
             [2 * 65536, 65536],
             65536,
             [b"a", b"bb", b"ccc"],
-        )
+        ).read()
     finally:
         os.close(fd)
     assert got == [2 * 65536, 65536]
@@ -177,7 +177,7 @@ def test_native_read_hash_reads_files_into_memory_and_hashes_each_span(tmp_path)
     ]
 
 
-def test_native_read_hash_reports_short_reads_and_errors_per_read(tmp_path) -> None:
+def test_a_native_read_batch_reports_short_reads_and_errors_per_read(tmp_path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(b"x" * 1000)
     fd = os.open(path, os.O_RDONLY)
@@ -185,14 +185,14 @@ def test_native_read_hash_reports_short_reads_and_errors_per_read(tmp_path) -> N
     os.close(bad)  # a closed descriptor: that read fails with EBADF, the others still run
     dst = torch.zeros(3 * 1024, dtype=torch.uint8)
     try:
-        got, digests = native.read_hash(
+        got, digests = native.ReadBatch(
             [fd, bad, fd],
             [0, 0, 0],
             [dst.data_ptr(), dst.data_ptr() + 1024, dst.data_ptr() + 2048],
             [1024, 1024, 512],
             512,
             [b"p"] * 5,
-        )
+        ).read()
     finally:
         os.close(fd)
     assert got[0] == 1000  # the file ends first: short, so not hashed
@@ -202,13 +202,13 @@ def test_native_read_hash_reports_short_reads_and_errors_per_read(tmp_path) -> N
     assert digests[4] == xxhash.xxh3_128(b"p" + b"x" * 512).digest()
 
 
-def test_native_read_hash_refuses_inconsistent_arguments() -> None:
+def test_a_native_read_batch_refuses_inconsistent_arguments() -> None:
     with pytest.raises(ValueError, match="one entry per read"):
-        native.read_hash([1, 2], [0], [0, 0], [8, 8], 8, [b"", b""])
+        native.ReadBatch([1, 2], [0], [0, 0], [8, 8], 8, [b"", b""])
     with pytest.raises(ValueError, match="whole number of 8-byte hashed spans"):
-        native.read_hash([1], [0], [0], [12], 8, [b""])
+        native.ReadBatch([1], [0], [0], [12], 8, [b""])
     with pytest.raises(ValueError, match="2 hashed spans but 1 prefixes"):
-        native.read_hash([1], [0], [0], [16], 8, [b""])
+        native.ReadBatch([1], [0], [0], [16], 8, [b""])
 
 
 def test_a_read_batch_run_by_two_threads_at_once_reads_each_piece_once(tmp_path) -> None:

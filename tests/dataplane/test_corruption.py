@@ -209,9 +209,9 @@ def test_disk_layer_reads_of_many_blocks_fail_only_the_bad_ones(
 
     calls = []
     if fused:
-        real = disk_module.native.read_hash
+        real = disk_module.native.ReadBatch.read
         monkeypatch.setattr(
-            disk_module.native, "read_hash", lambda *a: calls.append(len(a[0])) or real(*a)
+            disk_module.native.ReadBatch, "read", lambda batch: calls.append(len(batch._sizes)) or real(batch)
         )
     else:
         monkeypatch.setattr(disk_module.native, "available", lambda: False)

@@ -161,10 +161,12 @@ def copy_hash(
 
 
 class ReadBatch:
-    """Reads of file ranges into memory, each hashed as it lands (see `read_hash`), prepared
-    once and run by one thread or by several at once: `run` claims reads one at a time until
-    none is left, so threads that call it together share the reads out as they go and finish
-    together. `results` once every `run` has returned."""
+    """Reads of file ranges into memory, each hashed as it lands, in one native call without the
+    interpreter lock: read i is `sizes[i]` bytes of `fds[i]` at `offsets[i]` into the memory at
+    `destinations[i]`, hashed whole as consecutive `hash_bytes` spans, each with the next of
+    `prefixes`. Prepared once, run by one thread (`read`) or by several at once (`run` in each,
+    then `results`): `run` claims reads one at a time until none is left, so threads that call
+    it together share the reads out as they go and finish together."""
 
     def __init__(
         self,
@@ -216,6 +218,11 @@ class ReadBatch:
         if status != 0:
             raise RuntimeError(f"fused read-and-hash failed with status {status}")
 
+    def read(self) -> tuple[list[int], list[bytes]]:
+        """`run` on this thread alone, then `results`."""
+        self.run()
+        return self.results()
+
     def results(self) -> tuple[list[int], list[bytes]]:
         """Per read the bytes read (fewer at the end of a file) or -errno; per hashed span its
         16-byte digest (empty for the spans of a read that was not read whole)."""
@@ -229,20 +236,3 @@ class ReadBatch:
                 digests.append(raw[16 * k : 16 * k + 16] if whole else b"")
         return got, digests
 
-
-def read_hash(
-    fds: Sequence[int],
-    offsets: Sequence[int],
-    destinations: Sequence[int],
-    sizes: Sequence[int],
-    hash_bytes: int,
-    prefixes: Sequence[bytes],
-) -> tuple[list[int], list[bytes]]:
-    """pread each `sizes[i]` bytes of `fds[i]` at `offsets[i]` into the memory at
-    `destinations[i]`, and hash each read whole as consecutive `hash_bytes` spans, each with the
-    next of `prefixes`, all in one call without the interpreter lock. Returns per read the
-    bytes read (fewer at the end of a file) or -errno, and per span its 16-byte digest (empty
-    for the spans of a read that was not read whole)."""
-    batch = ReadBatch(fds, offsets, destinations, sizes, hash_bytes, prefixes)
-    batch.run()
-    return batch.results()

@@ -39,7 +39,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -149,6 +149,18 @@ class _Ledger:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+class _Opened(NamedTuple):
+    """A block file opened for a batched layer read (`DiskTier._read_batch`)."""
+
+    index: int
+    key: uuid.UUID
+    dst: torch.Tensor
+    fd: int
+    stamp: _Stamp
+    header: _Header
+    direct: bool
 
 
 class DiskTier(Tier):
@@ -627,7 +639,7 @@ class DiskTier(Tier):
         layout = self.layout
         offset, nbytes = layout.span(layers)
         file_offset = self.header_bytes + offset
-        opened: list[tuple[int, uuid.UUID, torch.Tensor, int, _Stamp, _Header, bool]] = []
+        opened: list[_Opened] = []
         try:
             for i, key, dst in items:
                 direct = self.direct_io and is_aligned(dst.data_ptr(), nbytes, file_offset)
@@ -646,42 +658,41 @@ class DiskTier(Tier):
                     os.close(fd)
                     futures[i].set_exception(exc)
                     continue
-                opened.append((i, key, dst, fd, stamp, header, direct))
+                opened.append(_Opened(i, key, dst, fd, stamp, header, direct))
             if not opened:
                 return
-            got, sums = native.read_hash(
-                [entry[3] for entry in opened],
+            got, sums = native.ReadBatch(
+                [entry.fd for entry in opened],
                 [file_offset] * len(opened),
-                [entry[2].data_ptr() for entry in opened],
+                [entry.dst.data_ptr() for entry in opened],
                 [nbytes] * len(opened),
                 layout.layer_bytes,
-                [layer_prefix(entry[1], layer) for entry in opened for layer in layers],
-            )
+                [layer_prefix(entry.key, layer) for entry in opened for layer in layers],
+            ).read()
         except BaseException as exc:  # noqa: BLE001 - no read was verified: every future fails
             for entry in opened:
-                os.close(entry[3])
-                futures[entry[0]].set_exception(exc)
+                os.close(entry.fd)
+                futures[entry.index].set_exception(exc)
             return
-        for j, (i, key, _dst, fd, stamp, header, direct) in enumerate(opened):
+        for j, entry in enumerate(opened):
             try:
-                if not direct:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-                if got[j] < 0:
-                    raise OSError(-got[j], os.strerror(-got[j]), str(self.path_of(key)))
-                if got[j] != nbytes:
-                    raise self._corrupt(key, f"short read of {got[j]} bytes")
-                self.counters.add(f"{self.name}.io_{'direct' if direct else 'buffered'}")
+                if not entry.direct:
+                    os.posix_fadvise(entry.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(entry.fd)
+                self._check_read(entry.key, got[j], nbytes)
+                self.counters.add(f"{self.name}.io_{'direct' if entry.direct else 'buffered'}")
                 got_sums = sums[j * len(layers) : (j + 1) * len(layers)]
-                futures[i].set_result(self._verified(key, layers, stamp, header, got_sums))
+                futures[entry.index].set_result(
+                    self._verified(entry.key, layers, entry.stamp, entry.header, got_sums)
+                )
             except BaseException as exc:  # noqa: BLE001 - that block's future fails
-                futures[i].set_exception(exc)
+                futures[entry.index].set_exception(exc)
 
     def _read(
         self, key: uuid.UUID, layers: range, dst: torch.Tensor, *, split: bool = False
     ) -> ReadResult:
         """Read and verify `layers` of a block into `dst`. `split` (a caller outside the tier's
-        I/O threads, reading one block) lets one I/O thread read half of a large read."""
+        I/O threads, reading one block) lets the I/O threads share a large read with it."""
         layout = self.layout
         offset, nbytes = layout.span(layers)
         on_gpu = dst.device.type != "cpu"
@@ -777,7 +788,7 @@ class DiskTier(Tier):
         view = host_view(dst)
         hashing: list[Future[list[bytes]]] = []
         try:
-            for first, count in _pieces(len(layers), size):
+            for first, count in _pieces(len(layers), max(1, -(-READ_PIECE_BYTES // size)), alone=1):
                 piece = view[first * size : (first + count) * size]
                 at = self.header_bytes + offset + first * size
                 if header is None and first == 0 and offset == 0:
@@ -817,10 +828,7 @@ class DiskTier(Tier):
         two layers are pieces of their own, so the threads finish within a layer's hash of each
         other. Returns the layer hashes in layer order."""
         size = self.layout.layer_bytes
-        per_piece = max(1, SPLIT_PIECE_BYTES // size)
-        body = max(0, len(layers) - 2)
-        pieces = [(first, min(per_piece, body - first)) for first in range(0, body, per_piece)]
-        pieces += [(first, 1) for first in range(body, len(layers))]
+        pieces = _pieces(len(layers), max(1, SPLIT_PIECE_BYTES // size), alone=2)
         base = dst.data_ptr()
         batch = native.ReadBatch(
             [fd] * len(pieces),
@@ -840,11 +848,16 @@ class DiskTier(Tier):
             helper.result()
         got, sums = batch.results()
         for (_first, count), n in zip(pieces, got, strict=True):
-            if n < 0:
-                raise OSError(-n, os.strerror(-n), str(self.path_of(key)))
-            if n != count * size:
-                raise self._corrupt(key, f"short read of {n} bytes")
+            self._check_read(key, n, count * size)
         return sums
+
+    def _check_read(self, key: uuid.UUID, got: int, want: int) -> None:
+        """Raise for a native read that failed (`got` is -errno) or came short (the file is
+        shorter than its block: corrupt, quarantined)."""
+        if got < 0:
+            raise OSError(-got, os.strerror(-got), str(self.path_of(key)))
+        if got != want:
+            raise self._corrupt(key, f"short read of {got} bytes")
 
     def _read_header(self, fd: int, key: uuid.UUID) -> _Header:
         hdr = self._header_buffer()
@@ -896,16 +909,13 @@ class DiskTier(Tier):
         self._ledger.close()
 
 
-def _pieces(layers: int, layer_bytes: int) -> list[tuple[int, int]]:
-    """(first layer, layer count) of each read of `layers` layers: pieces of about
-    READ_PIECE_BYTES, the last layer on its own when there is more than one, so that the hash
-    left after the last read (the one nothing overlaps) is one layer's."""
-    per_piece = max(1, -(-READ_PIECE_BYTES // layer_bytes))
-    body = layers - 1 if layers > 1 else layers
+def _pieces(layers: int, per_piece: int, alone: int) -> list[tuple[int, int]]:
+    """(first layer, layer count) of each read of `layers` layers: pieces of `per_piece` layers,
+    the last `alone` layers (fewer if there are not more than that many) each a piece of its own,
+    so that what is left to hash after the last reads is one layer's."""
+    body = max(layers - alone, 1 if layers else 0)
     pieces = [(first, min(per_piece, body - first)) for first in range(0, body, per_piece)]
-    if body < layers:
-        pieces.append((body, 1))
-    return pieces
+    return pieces + [(first, 1) for first in range(body, layers)]
 
 
 def _advance(views: list[memoryview], skip: int) -> list[memoryview]:
