@@ -157,24 +157,80 @@ class TieredStore:
         order = self._order(tiers)
         local = [tier for tier in order if not isinstance(tier, RemoteTier)]
         remote = [tier for tier in order if isinstance(tier, RemoteTier)]
-        results: list[Future[ReadResult]] = [Future() for _ in keys]
+        results: list[Future[ReadResult]] = [None] * len(keys)  # type: ignore[list-item] - all set below
         groups: dict[str, list[int]] = {}
         candidates: list[list[Tier]] = []
+        held = [tier.contains_many(keys) for tier in local]  # one pass per tier, not one call per key
         for i, key in enumerate(keys):
-            found = [tier for tier in local if tier.contains(key)] + remote
+            found = [tier for tier, has in zip(local, held, strict=True) if has[i]] + remote
             candidates.append(found)
             if not found:
                 self.counters.add("store.misses")
-                results[i].set_exception(BlockMissing(key))
+                results[i] = failed(BlockMissing(key))
             else:
                 groups.setdefault(found[0].name, []).append(i)
         for name, members in groups.items():
             futures = self._tiers[name].get_layers(
                 [keys[i] for i in members], selected, [outs[i] for i in members]
             )
+            served = 0
             for i, future in zip(members, futures, strict=True):
+                if future.done() and future.exception() is None:
+                    # Served already (a memory tier): the tier's own future is the answer.
+                    results[i] = future
+                    served += 1
+                    continue
+                results[i] = Future()
                 self._chain(future, results[i], keys[i], selected, outs[i], candidates[i], 0, [])
+            if served:
+                self.counters.add(f"store.hits.{name}", served)
         return results
+
+    def read_layers(
+        self,
+        keys: Sequence[uuid.UUID],
+        *,
+        layers: int | range | slice,
+        out: torch.Tensor,
+        tiers: Sequence[str] | None = None,
+    ) -> list[Exception | None]:
+        """`get_layers` waited for, into one buffer: block i's layers land in row i of `out`
+        (contiguous uint8, len(keys) x len(layers) * layer_bytes, or that many bytes). Returns
+        None for each block served and BlockMissing (each tier's error in `causes`) for each
+        block no tier served. When one tier is the fastest holder of every block, it reads them
+        all in one call (`Tier.read_layers_into`, a single gather in memory); a block it fails
+        falls through to the slower tiers as in `get_layers`."""
+        selected = self.layout.layer_range(layers)
+        nbytes = len(selected) * self.layout.layer_bytes
+        if not out.is_contiguous() or out.dtype != torch.uint8 or out.numel() != len(keys) * nbytes:
+            raise ValueError(f"{len(keys)} blocks of {len(selected)} layers need a contiguous uint8 buffer of "
+                             f"{len(keys) * nbytes} bytes, got {out.dtype} {list(out.shape)}")
+        rows = out.view(len(keys), nbytes)
+        order = self._order(tiers)
+        local = [tier for tier in order if not isinstance(tier, RemoteTier)]
+        holds = local[0].contains_many(keys) if local and keys else []
+        if not holds or not all(holds):
+            futures = self.get_layers(keys, layers=selected, outs=list(rows.unbind(0)) if keys else [], tiers=tiers)
+            return [future.exception() for future in futures]  # type: ignore[misc] - misses are Exceptions
+        first = local[0]
+        errors = first.read_layers_into(keys, selected, rows)
+        failed_at = [i for i, error in enumerate(errors) if error is not None]
+        if len(failed_at) < len(keys):
+            self.counters.add(f"store.hits.{first.name}", len(keys) - len(failed_at))
+        retry = [i for i in failed_at if isinstance(errors[i], MISSES)]
+        if retry:
+            self.counters.add("store.fallbacks", len(retry))
+            later = [tier.name for tier in order if tier is not first]
+            futures = self.get_layers([keys[i] for i in retry], layers=selected, outs=[rows[i] for i in retry],
+                                      tiers=later)
+            for i, future in zip(retry, futures, strict=True):
+                error = future.exception()
+                if error is not None:
+                    causes = (errors[i], *(getattr(error, "causes", ()) or (error,)))
+                    errors[i] = BlockMissing(keys[i], causes=tuple(c for c in causes if c is not None))
+                else:
+                    errors[i] = None
+        return errors
 
     def _chain(
         self,
@@ -209,7 +265,10 @@ class TieredStore:
                 retry = failed(exc)
             self._chain(retry, result, key, layers, out, candidates, index + 1, causes)
 
-        attempt.add_done_callback(done)
+        if attempt.done():  # a memory tier's reads are done on return: no callback to schedule
+            done(attempt)
+        else:
+            attempt.add_done_callback(done)
 
     # -- lookup and removal ---------------------------------------------------------------
     def locate(

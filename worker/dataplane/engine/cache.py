@@ -29,6 +29,9 @@ class LayerGate:
         self._error: LoadFailed | None = None
         self._cuda_event: Any = None
         self.loaded_at: float | None = None
+        self.fill: Callable[[], None] | None = None
+        """Loads the layer in the waiting thread and opens (or fails) the gate: set by a loader
+        that has no thread of its own (see `LayerLoader(inline=True)`)."""
 
     def open(self, *, cuda_event: Any = None) -> None:
         self._cuda_event = cuda_event
@@ -46,6 +49,8 @@ class LayerGate:
     def wait(self) -> float:
         """Block until this layer is loaded; returns the seconds spent waiting (the stall)."""
         start = time.perf_counter()
+        if self.fill is not None and not self._done.is_set():
+            self.fill()
         self._done.wait()
         stall = time.perf_counter() - start
         if self._error is not None:

@@ -154,6 +154,16 @@ class Tier(abc.ABC):
         resolving to a ReadResult or raising BlockMissing, BlockCorrupt or TierUnavailable.
         The call itself does not wait for the medium."""
 
+    def read_layers_into(
+        self, keys: Sequence[uuid.UUID], layers: range, rows: torch.Tensor
+    ) -> list[Exception | None]:
+        """`get_layers` into the rows of one buffer, waited for: block i's layers land in
+        `rows[i]` (`rows` is [len(keys), len(layers) * layer_bytes] uint8, contiguous). Returns
+        None for each block read and the error (a miss) for each block that was not. Memory
+        tiers override it with one copy for the whole batch and no future per block."""
+        futures = self.get_layers(keys, layers, list(rows.unbind(0)) if len(keys) else [])
+        return [future.exception() for future in futures]  # type: ignore[misc] - misses are Exceptions
+
     def get_many(
         self, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]
     ) -> list[Future[ReadResult]]:

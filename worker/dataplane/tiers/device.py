@@ -6,6 +6,7 @@ handed in at put is kept, so a block moving down does not need hashing again."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import uuid
@@ -67,18 +68,28 @@ class DeviceTier(Tier):
 
     # A page is only reused once no reader holds it, so a delete racing a read never tears it.
     def _acquire(self, key: uuid.UUID) -> _Page:
-        with self._lock:
-            page = self._index.get(key)
-            if page is None:
-                raise BlockMissing(key, tier=self.name)
-            page.readers += 1
-            return page
+        (page,) = self._acquire_many([key])
+        if page is None:
+            raise BlockMissing(key, tier=self.name)
+        return page
 
-    def _release(self, page: _Page) -> None:
+    def _acquire_many(self, keys: Sequence[uuid.UUID]) -> list[_Page | None]:
+        """Hold the page of every key (None where none is stored), under one lock."""
+        held: list[_Page | None] = []
         with self._lock:
-            page.readers -= 1
-            if page.deleted and page.readers == 0:
-                self._free.append(page.index)
+            for key in keys:
+                page = self._index.get(key)
+                if page is not None:
+                    page.readers += 1
+                held.append(page)
+        return held
+
+    def _release(self, *pages: _Page) -> None:
+        with self._lock:
+            for page in pages:
+                page.readers -= 1
+                if page.deleted and page.readers == 0:
+                    self._free.append(page.index)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._stream is None:
@@ -167,23 +178,21 @@ class DeviceTier(Tier):
         offset, nbytes = self.layout.span(selected)
         futures: list[Future[ReadResult]] = [Future() for _ in keys]
         held: list[tuple[int, _Page]] = []
-        for i, key in enumerate(keys):
-            try:
-                held.append((i, self._acquire(key)))
-            except BlockMissing as exc:
-                futures[i].set_exception(exc)
+        for i, (key, page) in enumerate(zip(keys, self._acquire_many(keys), strict=True)):
+            if page is None:
+                futures[i].set_exception(BlockMissing(key, tier=self.name))
+            else:
+                held.append((i, page))
         if self._stream is None:
             try:
-                for i, page in held:
-                    dsts[i].copy_(self._pool[page.index, offset : offset + nbytes])
+                self._gather(held, dsts, offset, nbytes)
             finally:
                 self._finish_layers(keys, held, futures, selected, nbytes)
             return futures
         # CUDA: queue every copy on the tier's stream and resolve the futures from a thread
         # once the stream's event fires, so the caller is never blocked on the copies.
         with torch.cuda.stream(self._stream):
-            for i, page in held:
-                dsts[i].copy_(self._pool[page.index, offset : offset + nbytes], non_blocking=True)
+            self._gather(held, dsts, offset, nbytes)
             done = torch.cuda.Event()
             done.record(self._stream)
 
@@ -196,6 +205,63 @@ class DeviceTier(Tier):
         self._submit(wait)
         return futures
 
+    def read_layers_into(
+        self, keys: Sequence[uuid.UUID], layers: range, rows: torch.Tensor
+    ) -> list[Exception | None]:
+        """One gather of `layers` of every stored block into its row (nothing per block but the
+        index lookup); on CUDA the copy runs on the tier's stream and is waited for."""
+        offset, nbytes = self.layout.span(layers)
+        if rows.shape != (len(keys), nbytes) or rows.dtype != torch.uint8 or not rows.is_contiguous():
+            raise ValueError(f"{len(keys)} blocks of {len(layers)} layers need a contiguous uint8 buffer of "
+                             f"[{len(keys)}, {nbytes}], got {rows.dtype} {list(rows.shape)}")
+        errors: list[Exception | None] = [None] * len(keys)
+        held: list[tuple[int, _Page]] = []
+        for i, (key, page) in enumerate(zip(keys, self._acquire_many(keys), strict=True)):
+            if page is None:
+                errors[i] = BlockMissing(key, tier=self.name)
+            else:
+                held.append((i, page))
+        try:
+            if held:
+                source = self._pool[:, offset : offset + nbytes]
+                with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                    pages = torch.tensor([page.index for _, page in held], dtype=torch.long)
+                    if len(held) == len(keys):  # every row: straight into the buffer
+                        target = rows if rows.device == source.device else None
+                        gathered = torch.index_select(source, 0, pages.to(source.device), out=target)
+                        if target is None:
+                            rows.copy_(gathered, non_blocking=self._stream is not None)
+                    else:
+                        places = torch.tensor([i for i, _ in held], dtype=torch.long, device=rows.device)
+                        rows.index_copy_(0, places, torch.index_select(source, 0, pages.to(source.device)).to(rows.device))
+                if self._stream is not None:
+                    self._stream.synchronize()
+        finally:
+            self._release(*(page for _, page in held))
+        if held:
+            self.counters.add(f"{self.name}.hits", len(held))
+        return errors
+
+    def _gather(self, held: list[tuple[int, _Page]], dsts: list[torch.Tensor], offset: int, nbytes: int) -> None:
+        """Copy bytes [offset, offset + nbytes) of every held page into its destination: one
+        gather (`index_select`) per run of destinations that lie back to back in one buffer (a
+        loader's per-layer buffer takes the whole batch in one call), a copy each otherwise."""
+        blocking = self._stream is None
+        source = self._pool[:, offset : offset + nbytes]
+        for run in _adjacent_runs([dsts[i] for i, _ in held], nbytes):
+            first, count = run
+            if count == 1:
+                dsts[held[first][0]].copy_(source[held[first][1].index], non_blocking=not blocking)
+                continue
+            pages = torch.tensor([page.index for _, page in held[first : first + count]], dtype=torch.long)
+            out = dsts[held[first][0]]
+            target = torch.empty(0, dtype=torch.uint8, device=out.device).set_(
+                out.untyped_storage(), out.storage_offset(), (count, nbytes), (nbytes, 1))
+            if target.device == source.device:
+                torch.index_select(source, 0, pages.to(source.device, non_blocking=True), out=target)
+            else:  # a CPU pool into GPU buffers, or the reverse: gather where the pool is, then one copy
+                target.copy_(torch.index_select(source, 0, pages.to(source.device)), non_blocking=not blocking)
+
     def _finish_layers(
         self,
         keys: Sequence[uuid.UUID],
@@ -204,9 +270,10 @@ class DeviceTier(Tier):
         selected: range,
         nbytes: int,
     ) -> None:
-        for i, page in held:
-            self._release(page)
-            self.counters.add(f"{self.name}.hits")
+        self._release(*(page for _, page in held))
+        if held:
+            self.counters.add(f"{self.name}.hits", len(held))
+        for i, _ in held:
             futures[i].set_result(
                 ReadResult(key=keys[i], tier=self.name, layers=selected, nbytes=nbytes)
             )
@@ -231,6 +298,10 @@ class DeviceTier(Tier):
     def contains(self, key: uuid.UUID) -> bool:
         with self._lock:
             return key in self._index
+
+    def contains_many(self, keys: Sequence[uuid.UUID]) -> list[bool]:
+        with self._lock:
+            return [key in self._index for key in keys]
 
     def delete(self, key: uuid.UUID) -> bool:
         with self._lock:
@@ -258,3 +329,20 @@ class DeviceTier(Tier):
         self._free.clear()
         # Drop the pool so GPU memory returns to the caching allocator at once.
         self._pool = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+
+def _adjacent_runs(dsts: Sequence[torch.Tensor], nbytes: int) -> list[tuple[int, int]]:
+    """(first, count) of each run of `dsts` (nbytes each) where every one starts where the one
+    before it ends, in the same storage and on the same device."""
+    runs: list[tuple[int, int]] = []
+    previous: torch.Tensor | None = None
+    for i, dst in enumerate(dsts):
+        if (previous is not None and dst.device == previous.device
+                and dst.untyped_storage().data_ptr() == previous.untyped_storage().data_ptr()
+                and dst.storage_offset() == previous.storage_offset() + nbytes):
+            first, count = runs[-1]
+            runs[-1] = (first, count + 1)
+        else:
+            runs.append((i, 1))
+        previous = dst
+    return runs
