@@ -128,7 +128,8 @@ def test_row_chunked_attention_equals_one_masked_call(gqa: bool) -> None:
     keys = torch.randn(1, kv_heads, n, 16, generator=generator)
     values = torch.randn(1, kv_heads, n, 16, generator=generator)
     key_positions = torch.arange(n)
-    ours = fusion._attend_in_row_chunks(q, keys, values, positions, key_positions, 0.25, gqa)
+    chunks = fusion._row_chunks(positions, key_positions, q.dtype)
+    ours = fusion._attend_in_row_chunks(q, keys, values, chunks, 0.25, gqa)
     mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
     expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.25, enable_gqa=gqa)
     assert positions.numel() > 2 * fusion.ROW_CHUNK  # several chunks, the last one partial

@@ -120,3 +120,46 @@ def test_engine_refuses_bad_segments_before_touching_anything(models):
     with pytest.raises(ValueError, match=r"segments\[0\]: "):
         engine.generate(tokens(20, seed=15), max_tokens=1, segments=[[0, 99]])
     assert not engine.traces and engine.store.tier("device").usage().blocks == 0
+
+
+def test_known_passages_cost_one_key_per_block_and_the_rest_is_scanned_at_every_offset(models, monkeypatch):
+    from worker.dataplane.engine import engine as engine_module  # noqa: PLC0415
+
+    hashed: list[int] = []
+
+    def counted(token_ids, offsets, **kwargs):
+        offsets = list(offsets)
+        hashed.append(len(offsets))
+        return content_keys_at(token_ids, offsets, **kwargs)
+
+    monkeypatch.setattr(engine_module, "content_keys_at", counted)
+    model = models("tiny")
+    engine = blend_engine(model)
+    header = [1, *tokens(15, seed=20)]
+    passages = [tokens(2 * BLOCK_TOKENS, seed=seed) for seed in (21, 22, 23)]
+
+    def rag(order: list[int], tail: list[int]) -> tuple[list[int], list[list[int]]]:
+        prompt, segments = list(header), []
+        for i in order:
+            segments.append([len(prompt), len(prompt) + len(passages[i])])
+            prompt += passages[i]
+        return prompt + tail, segments
+
+    first, marks = rag([0, 1, 2], [5])
+    engine.generate(first, max_tokens=1, segments=marks)
+    hashed.clear()
+    again, marks = rag([2, 0, 1], [7, 8])
+    result = engine.generate(again, max_tokens=1, segments=marks, write_back=False)
+    assert result.trace.fragment_tokens == 6 * BLOCK_TOKENS
+    # The segment windows and the block grid after the header only: every token is covered by them.
+    assert hashed == [6]
+    # An unknown passage leaves a stretch no likely window covers: it alone is scanned at every offset.
+    hashed.clear()
+    novel = tokens(2 * BLOCK_TOKENS, seed=24)
+    mixed, marks = rag([1], [])
+    mixed = [*mixed, *novel, *passages[2], 9]
+    last = [len(mixed) - 1 - 2 * BLOCK_TOKENS, len(mixed) - 1]
+    result = engine.generate(mixed, max_tokens=1, segments=[*marks, last], write_back=False)
+    assert result.trace.fragment_tokens == 4 * BLOCK_TOKENS
+    # (the 17 windows inside the novel passage but the 2 on the grid, looked up already)
+    assert len(hashed) == 2 and hashed[1] == (2 * BLOCK_TOKENS - BLOCK_TOKENS + 1) - 2

@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from worker.dataplane.blend.matching import Fragment
-from worker.dataplane.blend.rope import rotate, rotate_half, rotation
+from worker.dataplane.blend.rope import rotate_half, rotation
 from worker.dataplane.engine.attention import prefix_then_causal
 from worker.dataplane.engine.cache import StrataCache
 
-LayerSource = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-"""Given a layer: the loaded prefix K, V `[1, kv_heads, prefix, head_dim]` and the fragments' K, V
-`[1, kv_heads, fragment tokens, head_dim]` as stored (not yet re-aligned), fragments in prompt order.
-It waits for that layer's load (the sync point) and raises LoadFailed if it failed."""
+LayerSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+"""Given a layer: that layer of the loaded prefix blocks and of the fragments' blocks, as stored
+(`[blocks, 2 (K, V), block_tokens, kv_heads, head_dim]`, fragments in prompt order, not yet
+re-aligned). It waits for that layer's load (the sync point) and raises LoadFailed if it failed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,23 +73,92 @@ ROW_CHUNK = 128
 """Computed rows attended to per masked kernel call on CPU (see `_attend_in_row_chunks`)."""
 
 
-def _attend_in_row_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                          key_positions: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
-    """Attention of the computed rows (at ascending `positions`, scattered through the prompt)
+RowChunks = list[tuple[int, int, torch.Tensor]]
+"""(first row, keys seen, additive mask [rows, keys seen]) of each chunk of computed rows."""
+
+
+def _row_chunks(positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> RowChunks:
+    """The chunks `_attend_in_row_chunks` runs, with their masks: built once for every layer
+    that computes the same rows (all those after the check layer)."""
+    chunks = []
+    for first in range(0, positions.numel(), ROW_CHUNK):
+        rows = positions[first : first + ROW_CHUNK]
+        seen = int(rows[-1]) + 1
+        hidden = key_positions[:seen].unsqueeze(0) > rows.unsqueeze(1)
+        chunks.append((first, seen, torch.zeros(hidden.shape, dtype=dtype, device=rows.device)
+                       .masked_fill_(hidden, float("-inf"))))
+    return chunks
+
+
+def _attend_in_row_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunks: RowChunks,
+                          scale: float, gqa: bool) -> torch.Tensor:
+    """Attention of the computed rows (at ascending positions, scattered through the prompt)
     over every key at a position not after theirs, ROW_CHUNK rows at a time, each chunk over the
     keys up to its last row's position only: the masked kernel computes every score it is given,
     so leaving out the keys no row of a chunk may see does about half the work (1284 rows over
     4368 keys, 8 heads, 2 KV heads: 42 ms in one call, 25 ms so). Rows are independent: the
     result is the one-call result."""
     parts = []
-    for first in range(0, q.shape[2], ROW_CHUNK):
-        rows = positions[first : first + ROW_CHUNK]
-        seen = int(rows[-1]) + 1
-        mask = key_positions[:seen].unsqueeze(0) <= rows.unsqueeze(1)
+    for first, seen, mask in chunks:
         parts.append(F.scaled_dot_product_attention(q[:, :, first : first + ROW_CHUNK], keys[:, :, :seen],
                                                     values[:, :, :seen], attn_mask=mask, scale=scale,
                                                     enable_gqa=gqa))
     return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+Run = tuple[int, int, int, int]
+"""(first prompt position, first fragment, fragments, first reused token) of adjacent fragments."""
+
+
+def _runs(fragments: Sequence[Fragment]) -> list[Run]:
+    runs: list[Run] = []
+    row = end = 0
+    for i, fragment in enumerate(fragments):
+        if runs and end == fragment.start:
+            start, first, count, first_row = runs[-1]
+            runs[-1] = (start, first, count + 1, first_row)
+        else:
+            runs.append((fragment.start, i, 1, row))
+        end = fragment.end
+        row += fragment.tokens
+    return runs
+
+
+def _blocks_as_heads(blocks: torch.Tensor, part: int) -> torch.Tensor:
+    """K (part 0) or V (1) of `[blocks, 2, T, kv_heads, D]` stored blocks as a `[kv_heads, blocks, T, D]` view."""
+    return blocks[:, part].permute(2, 0, 1, 3)
+
+
+def _place(full_k: torch.Tensor, full_v: torch.Tensor, prefix: torch.Tensor, fragments: torch.Tensor,
+           runs: Sequence[Run], angles: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Write the loaded KV into the layer's whole KV `[1, kv_heads, n, D]`: the prefix as it is,
+    each run of adjacent fragments with its keys rotated to their new positions - straight from
+    the stored blocks into place, no copy in between (fp32: the rotation writes its output there)."""
+    heads, tokens, dim = full_k.shape[1], fragments.shape[2] if fragments.numel() else 0, full_k.shape[3]
+    if prefix.shape[0]:
+        count, size = prefix.shape[0], prefix.shape[2]
+        full_k[0, :, : count * size].view(heads, count, size, dim).copy_(_blocks_as_heads(prefix, 0))
+        full_v[0, :, : count * size].view(heads, count, size, dim).copy_(_blocks_as_heads(prefix, 1))
+    if not runs:
+        return
+    assert angles is not None
+    cos, sin = angles  # [1, 1, reused tokens, D], float32
+    half = dim // 2
+    for start, first, count, row in runs:
+        end = start + count * tokens
+        keys = _blocks_as_heads(fragments[first : first + count], 0)
+        full_v[0, :, start:end].view(heads, count, tokens, dim).copy_(_blocks_as_heads(fragments[first : first + count], 1))
+        c = cos[0, 0, row : row + count * tokens].view(1, count, tokens, dim)
+        s = sin[0, 0, row : row + count * tokens].view(1, count, tokens, dim)
+        out = full_k[0, :, start:end].view(heads, count, tokens, dim)
+        if out.dtype == torch.float32 and keys.dtype == torch.float32:
+            # x * cos + rotate_half(x) * sin, half by half: (x1 c - x2 s, x2 c + x1 s).
+            x1, x2 = keys[..., :half], keys[..., half:]
+            torch.mul(x1, c[..., :half], out=out[..., :half]).addcmul_(x2, s[..., :half], value=-1)
+            torch.mul(x2, c[..., half:], out=out[..., half:]).addcmul_(x1, s[..., half:])
+        else:  # computed in float32 and rounded once, as `rope.rotate` does
+            work = keys.to(torch.float32)
+            out.copy_(work * c + rotate_half(work) * s)
 
 
 def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: LayerSource,
@@ -124,6 +193,7 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
         computed = torch.arange(span)
         recomputed = 0
     reused_dev = reused_idx.to(device)
+    reused_at = reused_dev + P  # positions in the prompt
     rotary = base.rotary_emb
     # The shift of every reused token is the same at every layer: one cos/sin for all of them.
     shift_angles = rotation(rotary, shift[reused_idx].to(device)) if m else None
@@ -134,10 +204,20 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
     key_positions = torch.arange(n, device=device)
     cache = StrataCache(layers=len(layers))
     per_layer: list[int] = []
-    angles: tuple[torch.Tensor, torch.Tensor] | None = None  # of the computed positions; reset when they change
+    # Of the computed positions, reset when they change: their RoPE angles and attention masks.
+    angles: tuple[torch.Tensor, torch.Tensor] | None = None
+    chunks: RowChunks | None = None
     computed_dev = computed.to(device)
+    runs = _runs(plan.fragments)
     for li, layer in enumerate(layers):
-        prefix_k, prefix_v, frag_k, frag_v = source(li)
+        prefix_blocks, fragment_blocks = source(li)
+        if li == 0 and (fragment_blocks.shape[0] != len(plan.fragments)
+                        or any(f.tokens != fragment_blocks.shape[2] for f in plan.fragments)):
+            raise ValueError(f"the source holds {fragment_blocks.shape[0]} fragment blocks of {fragment_blocks.shape[2]} "
+                             f"tokens; the plan has {len(plan.fragments)} fragments, each a whole block")
+        if prefix_blocks.device != device:
+            prefix_blocks = prefix_blocks.to(device, non_blocking=True)
+            fragment_blocks = fragment_blocks.to(device, non_blocking=True)
         attn = layer.self_attn
         head_dim = attn.head_dim
         everything = int(computed_dev.numel()) == span
@@ -154,17 +234,15 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         kv_heads = k.shape[1]
-        keys = torch.empty(1, kv_heads, span, head_dim, dtype=k.dtype, device=device)
-        values = torch.empty_like(keys)
-        if m:
-            assert shift_angles is not None
-            keys.index_copy_(2, reused_dev, rotate(frag_k, shift_angles).to(k.dtype))
-            values.index_copy_(2, reused_dev, frag_v.to(v.dtype))
+        # The layer's whole KV, prefix first: written in place (this is the cache kept for decoding).
+        full_k = torch.empty(1, kv_heads, n, head_dim, dtype=k.dtype, device=device)
+        full_v = torch.empty_like(full_k)
+        _place(full_k, full_v, prefix_blocks, fragment_blocks, runs, shift_angles)
         if li == check_layer:
             # Every token was computed so far: rows of q/k/v/hidden are relative positions 0..span-1.
-            deviation = ((k.index_select(2, reused_dev).float() - keys.index_select(2, reused_dev).float()) ** 2
+            deviation = ((k.index_select(2, reused_dev).float() - full_k.index_select(2, reused_at).float()) ** 2
                          ).sum(dim=(0, 1, 3))
-            deviation += ((v.index_select(2, reused_dev).float() - values.index_select(2, reused_dev).float()) ** 2
+            deviation += ((v.index_select(2, reused_dev).float() - full_v.index_select(2, reused_at).float()) ** 2
                           ).sum(dim=(0, 1, 3))
             top = torch.topk(deviation, keep_count).indices.cpu() if keep_count else torch.empty(0, dtype=torch.long)
             selected = reused_idx[top]
@@ -174,12 +252,10 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
             hidden, q, k, v = hidden[:, rows], q[:, :, rows], k[:, :, rows], v[:, :, rows]
             computed_dev = rows
             positions = computed_dev + P
-            angles = None
+            angles = chunks = None
             everything = False
-        keys.index_copy_(2, computed_dev, k)
-        values.index_copy_(2, computed_dev, v)
-        full_k = torch.cat([prefix_k.to(k.dtype), keys], dim=2) if P else keys
-        full_v = torch.cat([prefix_v.to(v.dtype), values], dim=2) if P else values
+        full_k.index_copy_(2, positions, k)
+        full_v.index_copy_(2, positions, v)
         gqa = q.shape[1] != kv_heads
         if everything and P == 0:
             # Every position is a query: a plain causal attention (the fast kernel).
@@ -190,7 +266,9 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
             # causal over the rest, merged (the masked kernel would take twice as long).
             out = prefix_then_causal(q, full_k, full_v, attn.scaling)
         elif device.type == "cpu":
-            out = _attend_in_row_chunks(q, full_k, full_v, positions, key_positions, attn.scaling, gqa)
+            if chunks is None:
+                chunks = _row_chunks(positions, key_positions, q.dtype)
+            out = _attend_in_row_chunks(q, full_k, full_v, chunks, attn.scaling, gqa)
         else:
             mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=attn.scaling,
