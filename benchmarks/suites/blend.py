@@ -1,19 +1,19 @@
 """Suite `blend`: fragment reuse (content matching + RoPE re-alignment + selective recompute) against
 prefix-only caching and full prefill, on a RAG and a contract workload.
 
-Quality and reuse are measured on the trained model of tests/fixtures/blend-model (4 layers,
-hidden 128; `python -m benchmarks.blend_model train` makes it): a RAG request is a 47-token system
-header, k = 8 passages of 32 tokens drawn from a corpus of 48 in random order, then a question
-whose answer is in one passage; 16-token blocks. The contract workload draws 6 clauses (passages)
-from a library of 24 in random order, with unique party text (8-24 tokens) between them and no
-segments marked, so only the rolling scan finds them. Every request runs three ways, interleaved:
-blend (r = 15% unless --blend-percent), prefix-only caching, and full prefill (no cache).
+Quality, reuse and TTFT are measured on the trained model of tests/fixtures/blend-model (8 layers,
+hidden 128; `python -m benchmarks.blend_model train` makes it): a RAG request is a 64-token system
+header, k = 16 passages of 128 tokens drawn from a corpus of 48 in random order, then a question
+whose answer is in one passage (2,114 tokens); 32-token blocks. The contract workload draws 6
+clauses (passages) from a library of 24 in random order, with unique party text (8-24 tokens)
+between them and no segments marked, so only the rolling scan finds them. Every request runs
+three ways, interleaved: blend (r = 15% unless STRATA_BENCH_BLEND_PERCENT), prefix-only caching,
+and full prefill (no cache).
 
-The trained model's prompts (~300 tokens) are too short for prefill to dominate TTFT on a CPU, so
-TTFT is also measured where it does, with random weights (speed only): the `small` preset (hidden
-256, 4 layers) and `small-deep` (the same with 16 layers: the check layer that every token still
-goes through is 1/16 of the model, as in real 28-80-layer models rather than 1/4) on RAG prompts of
-16 passages x 256 tokens after a 256-token header (4.4K tokens, 256-token blocks). Rows:
+TTFT is also measured with random weights (speed only) on larger shapes: the `small` preset
+(hidden 256, 4 layers) and `small-deep` (the same with 16 layers: the check layer that every token
+still goes through is 1/16 of the model, as in real 28-80-layer models rather than 1/4) on RAG
+prompts of 16 passages x 256 tokens after a 256-token header (4.4K tokens, 256-token blocks). Rows:
 
 - blend.rag.reused_tokens_vs_prefix_only: prompt tokens served from the cache, blend / prefix-only;
 - blend.rag.ttft_vs_full_prefill: full-prefill TTFT / blend TTFT (how many times faster), warm half;
@@ -123,33 +123,38 @@ def _engines(model: Any, *, percent: float, block_tokens: int, blocks: int) -> d
     }
 
 
+RAG_PASSAGES = 16
+"""Passages per RAG request: 16 chunks of 128 tokens, a 2K-token prompt (RAG contexts are 2-8K)."""
+
+
 def rag_workload(model: Any, *, requests: int, percent: float, progress: Callable[[str], None]) -> list[Row]:
     rng = random.Random(1)
     corpus = task.make_corpus(48, seed=2)
-    header = [rng.randrange(task.KEYS.start, task.KEYS.stop) for _ in range(47)]
+    header = task.words(rng, 63)  # with BOS, two whole blocks: prefix-only reuses all of it
     stream: list[tuple[list[int], int, list[tuple[int, int]] | None]] = []
     for _ in range(requests):
-        q = task.make_question(rng, rng.sample(corpus, 8), header=header)
+        q = task.make_question(rng, rng.sample(corpus, RAG_PASSAGES), header=header)
         stream.append((q.prompt, q.answer, q.segments))
-    runs = _stream(_engines(model, percent=percent, block_tokens=16, blocks=8192), stream, progress, "RAG")
-    return _rows("blend.rag", runs, f"{requests} requests, 8 of 48 passages each after a 47-token header, r={percent:g}%")
+    runs = _stream(_engines(model, percent=percent, block_tokens=32, blocks=4096), stream, progress, "RAG")
+    return _rows("blend.rag", runs, f"{requests} requests, {RAG_PASSAGES} of 48 passages of "
+                                    f"{task.PASSAGE_TOKENS} tokens each after a 64-token header, r={percent:g}%")
 
 
 def contract_workload(model: Any, *, requests: int, percent: float, progress: Callable[[str], None]) -> list[Row]:
     rng = random.Random(3)
     clauses = task.make_corpus(24, seed=4)
-    preamble = [rng.randrange(task.KEYS.start, task.KEYS.stop) for _ in range(31)]
+    preamble = task.words(rng, 31)
     stream: list[tuple[list[int], int, list[tuple[int, int]] | None]] = []
     for _ in range(requests):
         chosen = rng.sample(clauses, 6)
         prompt = [task.BOS, *preamble]
         for clause in chosen:
             # Party names, dates, amounts: text unique to this contract between the shared clauses.
-            prompt += [rng.randrange(task.KEYS.start, task.KEYS.stop) for _ in range(rng.randint(8, 24))]
+            prompt += task.words(rng, rng.randint(8, 24))
             prompt += clause.tokens
         key, value = rng.choice(task.unique_pairs(chosen))
         stream.append(([*prompt, task.QUERY, key], value, None))
-    runs = _stream(_engines(model, percent=percent, block_tokens=16, blocks=8192), stream, progress, "contracts")
+    runs = _stream(_engines(model, percent=percent, block_tokens=32, blocks=4096), stream, progress, "contracts")
     return _rows("blend.contract", runs, f"{requests} contracts of 6 of 24 clauses at varying offsets, no segments, "
                                          f"r={percent:g}%")
 
