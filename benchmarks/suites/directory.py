@@ -16,8 +16,9 @@ measures in a child process whose Django points at that database:
   production settings (a pool of database connections); ``rest_unpooled_lookup64`` the same with
   ``STRATA_DB_POOL_MAX=0`` (a new database connection per request), to show what the pool saves.
 * ``register``: the ``blocks_register`` service, 4096 new blocks (with one copy each) per call,
-  and the WAL the server wrote per block meanwhile; ``writebehind``: the same blocks through the
-  Directory client, enqueue to durable.
+  and the WAL the server wrote per block meanwhile; ``register_2writers``: two callers at once,
+  each on its own connection (several nodes flushing together); ``writebehind``: the same blocks
+  through the Directory client, enqueue to durable.
 
 The database is dropped at the end (``STRATA_BENCH_KEEP_DB=1`` keeps it). EXPLAIN (ANALYZE,
 BUFFERS) of a 64-key lookup, of a touch batch and (with WAL) of the two statements registering
@@ -392,6 +393,43 @@ def _registration(namespace: str, model_key: uuid.UUID, i: int, **extra: Any) ->
                              node="gpu-0", nbytes=33554432, **extra)
 
 
+def _two_writers(world: World, ns_index: int, batches: int) -> float:
+    """Blocks per second registered by two threads at once, each with its own database
+    connection and `batches` calls of 4096 new blocks: what the directory takes when several
+    nodes' write-behind clients flush together (the client's Python is a sixth of a call)."""
+    import threading
+
+    from django.db import connection
+
+    from controlplane.directory.services import blocks_register
+
+    work = [[[_registration(world.namespace_names[ns_index], world.model_keys[w], i, checksum=secrets.token_hex(16))
+              for i in range(4096)] for _ in range(batches)] for w in range(2)]
+    ready = threading.Barrier(3)
+    failures: list[BaseException] = []
+
+    def writer(calls: list[list[Any]]) -> None:
+        try:
+            ready.wait()
+            for regs in calls:
+                blocks_register(registrations=regs, source="bench")
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=writer, args=(calls,)) for calls in work]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return 2 * batches * 4096 / (time.perf_counter() - began)
+
+
 def child(spec: dict[str, Any]) -> None:
     import django
 
@@ -497,6 +535,7 @@ def child(spec: dict[str, Any]) -> None:
                 blocks_register(registrations=regs, source="bench")
             record("register", batches * 4096 / (time.perf_counter() - began))
             record("register_wal", _wal_bytes_since(wal_before) / (batches * 4096))
+            record("register_2writers", _two_writers(world, ns_index, batches))
             regs = [_registration(world.namespace_names[ns_index], world.model_keys[1], i)
                     for i in range(batches * 4096)]
             began = time.perf_counter()
@@ -523,6 +562,9 @@ def child(spec: dict[str, Any]) -> None:
                  samples=nrest, server="daphne", db_pool=pool, **params)
     _row("directory.register_blocks_per_s", median["register"], "blocks/s", batch=4096, batches=batches, **params)
     _row("directory.register_wal_bytes_per_block", median["register_wal"], "bytes", batch=4096, **params)
+    _row("directory.register_2writers_blocks_per_s", median["register_2writers"], "blocks/s", batch=4096,
+         batches=batches, writers=2, note="two callers at once, each on its own connection: the directory's "
+                                         "capacity when nodes register together", **params)
     _row("directory.writebehind_blocks_per_s", median["writebehind"], "blocks/s", **params)
     _row("directory.lookup64_hit_blocks_mean", statistics.fmean(hit_blocks), "blocks", **params)
     _explain(world)
