@@ -1,6 +1,9 @@
 """Suite `engine`: TTFT of a long prompt with a hit from each tier vs cold prefill and the medium's
-floor (layer-wise loading on and off, and a case built so that loading takes as long as computing),
-then the seeds' serving workloads - multi-turn chat and long-document QA - under four setups.
+floor (layer-wise loading on and off, and a case built so that loading takes as long as computing:
+`balanced_*` on the local disk, and `balanced_throttled_*` with the disk's reads held to 200 MB/s
+by the kernel's block throttle, so that the load is the medium's time rather than CPU and memory
+traffic competing with the compute; as root, where a cgroup block controller exists), then the
+seeds' serving workloads - multi-turn chat and long-document QA - under four setups.
 
 Sizes at scale 1: an 8192+32-token prompt (an 8K document and a short question) on the `bench` model (hidden 1024, 8 layers, bf16; 10K
 does not fit the time a 2-core machine gives a benchmark); the workloads on the `small` model
