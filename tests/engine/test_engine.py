@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import re
 import threading
 
 import pytest
 import torch
 
 from tests.engine.conftest import BLOCK_TOKENS, engine_for
+from worker.dataplane.blend.options import BlendOptions
 
 TIERS = ["device", "host", "disk", "remote"]
 
@@ -143,9 +147,71 @@ def test_damaged_block_in_the_middle_is_recomputed_and_counted(models, make_stor
         assert warm.trace.load_failures == 1
         assert engine.counters.get("load_failures") == 1
         assert store.stats().get("disk.corrupt", 0) == 1
+    else:  # gone before the request: a lookup miss, nothing was loaded that could fail
+        assert warm.trace.load_failures == 0 and engine.counters.get("load_failures") == 0
     # The bad copy was quarantined and the block written back again: the next run hits it all.
     again = engine.generate(prompt, max_tokens=8)
     assert again.trace.cached_tokens == (130 // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert again.output_ids == cold.output_ids
+
+
+def lose_during_the_load(store, victim, damage: str) -> list[int]:
+    """Make `victim` vanish (or rot) when the engine's loader asks for layer 1 of the hit blocks:
+    after the lookup found it and the load was planned, with layer 0 read or on its way. Both read
+    paths of the loader go through the store (`get_layers` from its thread, `read_layers` inline)."""
+    lost: list[int] = []
+    get_layers, read_layers = store.get_layers, store.read_layers
+
+    def lose(layers) -> None:
+        if layers != 1 or lost:
+            return
+        lost.append(1)
+        if damage == "delete":
+            assert store.delete(victim)
+            return
+        path = store.tier("disk").path_of(victim)
+        with open(path, "r+b") as handle:  # one flipped byte in the last layer (layer 1)
+            handle.seek(os.path.getsize(path) - 100)
+            byte = handle.read(1)
+            handle.seek(os.path.getsize(path) - 100)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+
+    def get_layers_losing(keys, *, layers, **kwargs):
+        lose(layers)
+        return get_layers(keys, layers=layers, **kwargs)
+
+    def read_layers_losing(keys, *, layers, **kwargs):
+        lose(layers)
+        return read_layers(keys, layers=layers, **kwargs)
+
+    store.get_layers, store.read_layers = get_layers_losing, read_layers_losing
+    return lost
+
+
+@pytest.mark.parametrize(("tier", "damage", "layerwise"), [
+    ("disk", "delete", True), ("disk", "corrupt", True), ("host", "delete", True), ("device", "delete", True),
+    ("remote", "delete", True), ("disk", "delete", False), ("disk", "corrupt", False)])
+def test_a_block_lost_during_the_load_is_recomputed_and_counted(models, make_store, tier, damage, layerwise):
+    model = models("tiny")
+    store = make_store(model, (tier,))
+    engine = engine_for(model, store)
+    prompt = prompt_of(130, seed=21)
+    cold = engine.generate(prompt, max_tokens=8, use_cache=False)
+    engine.generate(prompt, max_tokens=8)
+    victim = engine.fingerprinter("default").blocks(prompt)[3].prefix_key
+    lost = lose_during_the_load(store, victim, damage)
+    warm = engine.generate(prompt, max_tokens=8, layerwise=layerwise)
+    assert lost == [1]
+    # Looked up as 8 hit blocks; block 3 failed while loading: the request recomputes from it.
+    assert warm.output_ids == cold.output_ids
+    assert warm.trace.cached_tokens == 3 * BLOCK_TOKENS and warm.trace.hit_blocks_by_tier == {tier: 3}
+    assert warm.trace.load_failures == 1 and engine.counters.get("load_failures") == 1
+    assert engine.counters.get("hit_blocks." + tier) == 3  # only what was served counts as a hit
+    if damage == "corrupt":
+        assert store.stats().get("disk.corrupt", 0) == 1
+    # The block was written back from the recompute: the next request hits every block again.
+    again = engine.generate(prompt, max_tokens=8)
+    assert again.trace.cached_tokens == (130 // BLOCK_TOKENS) * BLOCK_TOKENS and again.trace.load_failures == 0
     assert again.output_ids == cold.output_ids
 
 
@@ -184,7 +250,94 @@ def test_load_or_recompute_follows_the_measured_speeds(models, make_store):
     fast = engine.generate(prompt, max_tokens=4)
     assert fast.trace.decision == "load" and fast.trace.cached_tokens == 144
     counts = engine.counters.snapshot()
-    assert counts["decision.recompute"] == 1 and counts["decision.load"] == 2
+    assert counts["decision.no_hit"] == 1 and counts["decision.recompute"] == 1 and counts["decision.load"] == 2
+
+
+DECISION = re.compile(r"^request (req-\d+): (no-hit|load|recompute), (\d+) of (\d+) prompt tokens cached")
+
+
+def decision_lines(caplog) -> list[tuple[str, int, str]]:
+    """(message, level, request id) of each load-or-recompute decision the engine logged."""
+    lines = []
+    for record in caplog.records:
+        found = DECISION.match(record.getMessage()) if record.name == "strata.engine" else None
+        if found:
+            lines.append((record.getMessage(), record.levelno, found.group(1)))
+    return lines
+
+
+def test_every_decision_is_logged_once_per_request_with_its_estimates(models, make_store, caplog):
+    model = models("tiny")
+    store = make_store(model, ("disk",))
+    engine = engine_for(model, store, decide=True)
+    prompt = prompt_of(150, seed=30)
+    caplog.set_level(logging.DEBUG, logger="strata.engine")
+    engine.generate(prompt, max_tokens=2)  # no hit: the prefill speed is measured
+    engine.generate(prompt, max_tokens=2)  # the disk's speed is not known yet: loaded and measured
+    engine.tier_speed["disk"].value = 1.0
+    engine.generate(prompt, max_tokens=2)  # far too slow to read: recomputed
+    engine.tier_speed["disk"].value = 1e15
+    engine.generate(prompt, max_tokens=2)
+    lines = decision_lines(caplog)
+    assert [request for _, _, request in lines] == ["req-1", "req-2", "req-3", "req-4"]  # one line each
+    (cold, _, _), (unknown, _, _), (slow, slow_level, _), (fast, fast_level, _) = lines
+    assert cold.startswith("request req-1: no-hit, 0 of 150 prompt tokens cached")
+    assert re.search(r"req-2: load, 144 of 150 prompt tokens cached \(disk 9 blocks\): load unknown, "
+                     r"recompute ~\d+\.\d+s$", unknown)
+    assert re.search(r"req-3: recompute, 144 of 150 prompt tokens cached \(disk 9 blocks\): "
+                     r"load ~\d+\.\d+s, recompute ~\d+\.\d+s$", slow)
+    assert re.search(r"req-4: load, 144 .*: load ~0\.0000s, recompute ~\d+\.\d+s$", fast)
+    # Recomputing what is cached is what an operator looks for; loading it is the normal case.
+    assert slow_level == logging.INFO and fast_level == logging.DEBUG
+    assert [level for _, level, _ in lines].count(logging.INFO) == 1
+    counts = engine.counters.snapshot()
+    assert (counts["decision.no_hit"], counts["decision.load"], counts["decision.recompute"]) == (1, 2, 1)
+
+    # Without deciding, every hit is loaded: still counted and logged.
+    caplog.clear()
+    plain = engine_for(model, store, decide=False)
+    plain.generate(prompt, max_tokens=2)
+    (line, level, _), = decision_lines(caplog)
+    assert line.endswith("load unknown, recompute unknown (deciding is off)") and level == logging.DEBUG
+    assert plain.counters.get("decision.load") == 1
+
+
+def test_a_mixed_tier_hit_measures_every_tier_it_read(models, make_store):
+    model = models("tiny")
+    store = make_store(model, ("host", "disk"))
+    engine = engine_for(model, store, write_back_tier="host", decide=True)
+    prompt = prompt_of(150, seed=33)
+    cold = engine.generate(prompt, max_tokens=4)
+    # The last four blocks move down to disk: the next request reads five from host, four from disk.
+    for print_ in engine.fingerprinter("default").blocks(prompt)[5:]:
+        store.copy(print_.prefix_key, source="host", target="disk")
+        store.delete(print_.prefix_key, tier="host")
+    assert engine.tier_speed["host"].value is None and engine.tier_speed["disk"].value is None
+    mixed = engine.generate(prompt, max_tokens=4)
+    assert mixed.trace.hit_blocks_by_tier == {"host": 5, "disk": 4}
+    assert mixed.trace.decision == "load" and mixed.output_ids == cold.output_ids
+    # Both tiers measured: the next mixed request is decided on known speeds, not loaded blind.
+    assert engine.tier_speed["host"].value > 0 and engine.tier_speed["disk"].value > 0
+    assert engine.tier_speed["remote"].value is None and engine.tier_speed["device"].value is None
+    engine.tier_speed["disk"].value = 1.0  # the disk's share alone takes longer than recomputing
+    assert engine.generate(prompt, max_tokens=4).trace.decision == "recompute"
+
+
+def test_a_blended_request_measures_the_tiers_it_read(models, make_store):
+    model = models("tiny")
+    store = make_store(model, ("host",))
+    engine = engine_for(model, store, blend=BlendOptions(enabled=True, sample_rate=0.0))
+    passages = [prompt_of(2 * BLOCK_TOKENS + 1, seed=80 + i)[1:] for i in range(2)]
+    for i, passage in enumerate(passages):
+        lead = prompt_of(5 + i, seed=90 + i)
+        engine.generate([*lead, *passage], max_tokens=1, segments=[[len(lead), len(lead) + len(passage)]])
+    assert engine.tier_speed["host"].value is None  # nothing was read from it yet
+    prompt = [*prompt_of(9, seed=95), *passages[1], *passages[0], 7]
+    blended = engine.generate(prompt, max_tokens=1, write_back=False)
+    assert blended.trace.blend == "blend" and blended.trace.fragment_tokens == 4 * BLOCK_TOKENS
+    assert blended.trace.fragment_blocks_by_tier == {"host": 4}
+    assert engine.tier_speed["host"].value > 0
+    engine.close()
 
 
 def test_device_pool_keeps_the_most_recent_blocks_within_capacity(models, make_store):

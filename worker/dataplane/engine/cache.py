@@ -22,19 +22,24 @@ class LoadFailed(RuntimeError):
 
 
 class LayerGate:
-    """The sync point of one layer: set by the loader once the layer's prefix is in place."""
+    """The sync point of one layer: set by the loader once the layer's prefix is in place (on a
+    GPU: once the copies that put it in place are queued, with the event that marks them done)."""
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: LoadFailed | None = None
         self._cuda_event: Any = None
+        self._device: torch.device | None = None
         self.loaded_at: float | None = None
         self.fill: Callable[[], None] | None = None
         """Loads the layer in the waiting thread and opens (or fails) the gate: set by a loader
         that has no thread of its own (see `LayerLoader(inline=True)`)."""
 
-    def open(self, *, cuda_event: Any = None) -> None:
+    def open(self, *, cuda_event: Any = None, device: torch.device | None = None) -> None:
+        """Let the layer compute; with `cuda_event` (recorded on the loader's stream on `device`)
+        its attention runs once the event has fired, while the CPU goes on queueing work."""
         self._cuda_event = cuda_event
+        self._device = device
         self.loaded_at = time.perf_counter()
         self._done.set()
 
@@ -56,8 +61,9 @@ class LayerGate:
         if self._error is not None:
             raise self._error
         if self._cuda_event is not None:
-            # On GPU the compute stream waits on the copy stream's event; the CPU does not block.
-            torch.cuda.current_stream().wait_event(self._cuda_event)
+            # On GPU the compute stream (the waiting thread's current stream on the buffers'
+            # device) waits on the copy stream's event; the CPU does not block.
+            torch.cuda.current_stream(self._device).wait_event(self._cuda_event)
         return stall
 
 

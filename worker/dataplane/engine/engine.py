@@ -420,8 +420,7 @@ class Engine:
         size = self.layout.block_tokens
         prefix_len = len(hits) * size
         loads = hits + [Hit(index=-1, key=f.key, tier=f.tier) for f in fragments]
-        with torch.inference_mode(False):
-            buffers = PrefixBuffers(layout=self.layout, blocks=len(loads), device=torch.device("cpu"))
+        buffers = self._prefix_buffers(len(loads))
         loader = LayerLoader(store=self.store, hits=loads, buffers=buffers, inline=self._inline_load(loads)).start()
         stalls = [0.0] * self.model.layers
         device = self.model.device
@@ -432,15 +431,12 @@ class Engine:
             typed = buffers.typed[layer]  # [blocks, 2, block_tokens, kv_heads, head_dim]
             return typed[:count], typed[count:]
 
-        if not trace.layerwise:
-            try:
-                loader.wait_all()
-            finally:
-                trace.load_s = time.perf_counter() - loader.started_at
         plan = BlendPlan(prefix_len=prefix_len, fragments=fragments, recompute_ratio=percent / 100.0,
                          selection=self.blend_options.selection, check_layer=self.blend_options.check_layer)
-        started = time.perf_counter()
         try:
+            if not trace.layerwise:
+                self._wait_loaded(loader, trace)
+            started = time.perf_counter()
             outcome = blend_prefill(self.model.model, prompt, plan, source, device=device)
         except LoadFailed:
             loader.cancel()
@@ -448,6 +444,7 @@ class Engine:
             raise
         trace.prefill_s = time.perf_counter() - started
         loader.join()
+        self._observe_load(loader)
         fragment_tokens = sum(f.tokens for f in fragments)
         trace.prefix_tokens = prefix_len
         trace.fragment_tokens = fragment_tokens
@@ -506,35 +503,38 @@ class Engine:
         return hits
 
     def _decide(self, hits: list[Hit], prompt_tokens: int, trace: RequestTrace) -> list[Hit]:
-        """Load the hits or recompute them, whichever the measured speeds say is faster."""
+        """Load the hits or recompute them, whichever the measured speeds say is faster.
+
+        Every request's decision is counted (`decision.<no_hit|load|recompute>`) and logged in one
+        line with the cached tokens, their tiers and both estimates: at INFO when cached tokens
+        are recomputed (an operator wants to see a tier too slow to be worth reading), at DEBUG
+        otherwise. The tiers read at once (each its share of the blocks), so the load takes as long
+        as the slowest tier's share; a tier not measured yet leaves the load time unknown, and an
+        unknown time is tried (loaded) so that it gets measured."""
+        tokens = len(hits) * self.layout.block_tokens
         if not hits:
             trace.decision = "no-hit"
             self.counters.add("decision.no_hit")
+            log.debug("request %s: no-hit, 0 of %d prompt tokens cached", trace.request_id, prompt_tokens)
             return hits
-        if not self.options.decide:
-            trace.decision = "load"
-            self.counters.add("decision.load")
-            return hits
-        tokens = len(hits) * self.layout.block_tokens
-        load_s = 0.0
-        unknown = False
-        for name in {h.tier for h in hits}:
-            speed = self.tier_speed[name].value
-            count = sum(1 for h in hits if h.tier == name)
-            if speed is None:
-                unknown = True
-            else:
-                load_s += count * self.layout.block_bytes / speed
-        compute = self.prefill_speed.value
-        if unknown or compute is None or load_s <= tokens / compute:
-            trace.decision = "load"
-            self.counters.add("decision.load")
-            return hits
-        trace.decision = "recompute"
-        self.counters.add("decision.recompute")
-        log.info("request %s: recomputing %d cached tokens (load %.3fs > compute %.3fs)",
-                 trace.request_id, tokens, load_s, tokens / compute)
-        return []
+        blocks = collections.Counter(h.tier for h in hits)
+        load_s: float | None = None
+        compute_s: float | None = None
+        if self.options.decide:
+            speeds = {name: speed for name in blocks if (speed := self.tier_speed[name].value) is not None}
+            if len(speeds) == len(blocks):
+                load_s = max(count * self.layout.block_bytes / speeds[name] for name, count in blocks.items())
+            if self.prefill_speed.value is not None:
+                compute_s = tokens / self.prefill_speed.value
+        recompute = load_s is not None and compute_s is not None and load_s > compute_s
+        trace.decision = "recompute" if recompute else "load"
+        self.counters.add(f"decision.{trace.decision}")
+        log.log(logging.INFO if recompute else logging.DEBUG,
+                "request %s: %s, %d of %d prompt tokens cached (%s): load %s, recompute %s%s",
+                trace.request_id, trace.decision, tokens, prompt_tokens,
+                ", ".join(f"{name} {count} blocks" for name, count in blocks.items()),
+                _estimate(load_s), _estimate(compute_s), "" if self.options.decide else " (deciding is off)")
+        return [] if recompute else hits
 
     def _prefill(self, prompt: list[int], hits: list[Hit], trace: RequestTrace) -> tuple[StrataCache, torch.Tensor]:
         model = self.model
@@ -543,21 +543,13 @@ class Engine:
         loader = None
         if prefix_len:
             hits = hits[: (prefix_len + self.layout.block_tokens - 1) // self.layout.block_tokens]
-            # Normal (not inference-mode) tensors: the tiers' own I/O threads write into them.
-            with torch.inference_mode(False):
-                buffers = PrefixBuffers(layout=self.layout, blocks=len(hits), device=torch.device("cpu"))
+            buffers = self._prefix_buffers(len(hits))
             loader = LayerLoader(store=self.store, hits=hits, buffers=buffers,
                                  inline=self._inline_load(hits)).start()
             cache = StrataCache(layers=model.layers, prefix_len=prefix_len,
                                 source=lambda layer: buffers.kv_parts(layer, prefix_len), gates=loader.gates)
-            if not trace.layerwise:
-                try:
-                    loader.wait_all()
-                finally:
-                    trace.load_s = time.perf_counter() - loader.started_at
         else:
             cache = StrataCache(layers=model.layers)
-        started = time.perf_counter()
         # With nothing cached, the full blocks are prefilled first and the rest on its own: the rest
         # is then computed exactly as a later request that finds every full block cached computes
         # it (same rows in the same kernels over the same cached bytes), so that hit's output is
@@ -567,6 +559,9 @@ class Engine:
         split = 0 if prefix_len else min(len(prompt) // self.layout.block_tokens * self.layout.block_tokens,
                                          len(prompt) - 1)
         try:
+            if loader is not None and not trace.layerwise:
+                self._wait_loaded(loader, trace)
+            started = time.perf_counter()
             if split:
                 head = torch.tensor([prompt[:split]], device=model.device)
                 model.model(input_ids=head, cache=cache, use_cache=True, logits_to_keep=1)
@@ -592,10 +587,25 @@ class Engine:
             trace.layer_loaded_at_s = [t.finished - loader.started_at for t in loader.timings]
             if trace.layerwise:
                 trace.load_s = loader.finished_at - loader.started_at
-            self._observe_load(hits, loader)
+            self._observe_load(loader)
         if not prefix_len:
             self.prefill_speed.observe(len(prompt), prefill_s)
         return cache, out.logits[0, -1]
+
+    def _prefix_buffers(self, blocks: int) -> PrefixBuffers:
+        """The buffers a load fills, where the model computes: attention joins them with the new
+        tokens' K and V, which must be on the same device."""
+        # Normal (not inference-mode) tensors: the tiers' own I/O threads write into them.
+        with torch.inference_mode(False):
+            return PrefixBuffers(layout=self.layout, blocks=blocks, device=self.model.device)
+
+    @staticmethod
+    def _wait_loaded(loader: LayerLoader, trace: RequestTrace) -> None:
+        """Load-then-compute: wait for every layer (raises the first LoadFailed)."""
+        try:
+            loader.wait_all()
+        finally:
+            trace.load_s = time.perf_counter() - loader.started_at
 
     def _inline_load(self, hits: Sequence[Hit]) -> bool:
         """Load in the computing thread, layer by layer at each sync point, when every block is in
@@ -605,14 +615,11 @@ class Engine:
         the tier's stream, and the loader thread overlaps them with compute."""
         return self.model.device.type == "cpu" and all(hit.tier == "device" for hit in hits)
 
-    def _observe_load(self, hits: list[Hit], loader: LayerLoader) -> None:
-        if not loader.timings:
-            return
-        seconds = sum(t.finished - t.started for t in loader.timings)
-        tiers = {h.tier for h in hits}
-        if len(tiers) == 1:
-            (name,) = tiers
-            self.tier_speed[name].observe(sum(t.bytes for t in loader.timings), seconds)
+    def _observe_load(self, loader: LayerLoader) -> None:
+        """Learn each tier's speed from a finished load, one tier or many (see
+        `LayerLoader.tier_loads` for how bytes and time are attributed to each)."""
+        for served in loader.tier_loads():
+            self.tier_speed[served.tier].observe(served.bytes, served.seconds)
 
     def _decode(self, cache: StrataCache, logits: torch.Tensor, max_tokens: int, trace: RequestTrace,
                 stop_ids: set[int], on_token: Callable[[int], bool] | None, sampler: Sampler) -> list[int]:
@@ -760,6 +767,10 @@ class Engine:
                                 node=None if tier == "remote" else self.node, action="corrupt")
                 for tier in corrupt])
             self.counters.add("quarantined", len(corrupt))
+
+
+def _estimate(seconds: float | None) -> str:
+    return "unknown" if seconds is None else f"~{seconds:.4f}s"
 
 
 def _gaps(chosen: Sequence[Fragment], *, start: int, end: int) -> list[tuple[int, int]]:

@@ -1,7 +1,18 @@
-"""The layer-wise loader: brings layer 0 of every hit block, then layer 1, ... while the model computes."""
+"""The layer-wise loader: brings layer 0 of every hit block, then layer 1, ... while the model computes.
+
+On the CPU a loader thread reads each layer straight into the buffers attention reads, and each
+layer's gate opens once its reads are in. On a GPU the buffers live in device memory: blocks held
+in the device tier are read into them directly (a copy within the device, waited for by the
+tier), every other block is read into pinned host memory (a file, socket or shared-memory read
+ends there anyway, and is verified there) and the loader copies each layer to the device on a
+CUDA stream of its own. The layer's gate then carries the event recorded after that copy: the
+compute stream waits on the event, and the CPU does not wait for the copy.
+"""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -35,12 +46,14 @@ class Hit:
 
 class PrefixBuffers:
     """Per layer, one aligned buffer holding that layer of every hit block, block by block:
-    [blocks, 2 (K, V), block_tokens, kv_heads, head_dim]. A tier reads block j's layer straight
-    into slot j, and attention reads K and V through views of it."""
+    [blocks, 2 (K, V), block_tokens, kv_heads, head_dim], on the model's device. A tier (or the
+    loader's copy from host memory) fills block j's layer into slot j, and attention reads K and V
+    through views of it."""
 
     def __init__(self, *, layout: BlockLayout, blocks: int, device: torch.device) -> None:
         self.layout = layout
         self.blocks = blocks
+        self.device = torch.device(device)
         shape = (blocks, 2, *layout.kv_shape)
         self.raw = [aligned_empty(blocks * layout.layer_bytes, device=device) for _ in range(layout.layers)]
         self.typed = [raw.view(layout.dtype).view(shape) for raw in self.raw]
@@ -76,6 +89,15 @@ class LayerTiming:
     bytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class TierLoad:
+    """What one tier contributed to a load: the bytes it served and the seconds it took."""
+
+    tier: str
+    bytes: int
+    seconds: float
+
+
 class LayerLoader:
     """Loads every layer of the hit blocks in order, opening each layer's gate as soon as that
     layer is complete; a failed read fails that layer's gate (and all later ones).
@@ -92,6 +114,7 @@ class LayerLoader:
         self.keys = [hit.key for hit in self.hits]
         self.buffers = buffers
         self.inline = inline
+        self.device = buffers.device
         self.gates = [LayerGate() for _ in range(buffers.layout.layers)]
         self.timings: list[LayerTiming] = []
         self._stop = threading.Event()
@@ -103,6 +126,38 @@ class LayerLoader:
                 gate.fill = functools.partial(self._fill_to, layer)
         self.started_at = 0.0
         self.finished_at = 0.0
+        # What each tier served (bytes) and when its last read landed, from the reads' own futures.
+        self._served_lock = threading.Lock()
+        self._served_bytes: collections.Counter[str] = collections.Counter()
+        self._served_until: dict[str, float] = {}
+        # Off the CPU, blocks outside the device tier are read into host memory and copied to the
+        # buffers by the loader (`_copy_staged`); device-tier blocks, and everything on the CPU,
+        # are read in place.
+        self._staged = ([j for j, hit in enumerate(self.hits) if hit.tier != "device"]
+                        if self.device.type != "cpu" and not inline else [])
+        self._staging: torch.Tensor | None = None
+        self._staged_runs = _runs(self._staged)
+        if self._staged:
+            layer_bytes = buffers.layout.layer_bytes
+            # A normal tensor even when the engine builds the loader in inference mode: the tiers'
+            # I/O threads write into it.
+            with torch.inference_mode(False):
+                pinned = aligned_empty(buffers.layout.layers * len(self._staged) * layer_bytes, pin=True)
+                self._staging = pinned.view(buffers.layout.layers, len(self._staged), layer_bytes)
+        self._stream: torch.cuda.Stream | None = None
+        self._buffers_free: torch.cuda.Event | None = None
+        if self.device.type == "cuda":
+            # The buffers may take memory that kernels still queued on the compute stream were
+            # using (the caching allocator hands freed memory to the next allocation on the same
+            # stream at once): nothing writes into them before that work is done.
+            self._buffers_free = torch.cuda.Event()
+            self._buffers_free.record(torch.cuda.current_stream(self.device))
+            if self._staged:
+                self._stream = torch.cuda.Stream(self.device)
+                for raw in buffers.raw:
+                    # Freed buffers are not reused while copies queued on the loader's stream run
+                    # (the layers after a failed one are never waited for by the compute stream).
+                    raw.record_stream(self._stream)
 
     def start(self) -> LayerLoader:
         self.started_at = time.perf_counter()
@@ -134,12 +189,55 @@ class LayerLoader:
     def _request(self, layer: int) -> list[Future[ReadResult]]:
         # The store reads each block from the fastest tier holding it and falls through to a
         # slower one if that copy turns out missing or corrupt.
-        return self.store.get_layers(self.keys, layers=layer, outs=self.buffers.slots(layer))
+        futures = self.store.get_layers(self.keys, layers=layer, outs=self._destinations(layer))
+        for future in futures:
+            future.add_done_callback(self._served)
+        return futures
+
+    def _destinations(self, layer: int) -> list[torch.Tensor]:
+        """Where each block's layer is read to: its slot of the buffer, or its row of the host
+        staging buffer for a block the loader copies to the device itself."""
+        outs = list(self.buffers.slots(layer))
+        if self._staging is not None:
+            for row, block in enumerate(self._staged):
+                outs[block] = self._staging[layer, row]
+        return outs
+
+    def _served(self, future: Future[ReadResult]) -> None:
+        """A read's future finished (in the tier's thread, or here for reads done on return)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        result = future.result()
+        landed = time.perf_counter()
+        with self._served_lock:
+            self._served_bytes[result.tier] += result.nbytes
+            self._served_until[result.tier] = max(self._served_until.get(result.tier, landed), landed)
+
+    def tier_loads(self) -> list[TierLoad]:
+        """Bytes and seconds per tier that served this load, to learn each tier's speed from.
+
+        Every read is queued when the load starts and each tier serves its queue in order, beside
+        the other tiers: a tier's time runs from the start to the moment its last read landed
+        (the tier that served a block, after any fall-through, is the one credited). An inline
+        load reads one layer of every block at a time, in one call that does not say which tier
+        served what: its reading time is split between the hits' tiers by their share of the
+        blocks (the engine loads inline only when every hit is in the device tier, one tier)."""
+        if self.inline:
+            seconds = sum(t.finished - t.started for t in self.timings)
+            total = sum(t.bytes for t in self.timings)
+            shares = collections.Counter(hit.tier for hit in self.hits)
+            return [TierLoad(tier, total * count // len(self.hits), seconds * count / len(self.hits))
+                    for tier, count in shares.items()] if self.hits and total else []
+        with self._served_lock:
+            return [TierLoad(tier, self._served_bytes[tier], self._served_until[tier] - self.started_at)
+                    for tier in self._served_bytes]
 
     def _load(self) -> None:
         """Ask for every layer at once, layer 0 first: a tier serves its reads in the order they
         came, so the medium never waits for the loader between layers. Each layer's gate opens
         as soon as all of its reads are in."""
+        if self._buffers_free is not None:
+            self._buffers_free.synchronize()
         requested = [self._request(layer) for layer in range(self.buffers.layout.layers)]
         started = self.started_at
         try:
@@ -159,6 +257,9 @@ class LayerLoader:
     def _fill_to(self, layer: int) -> None:
         """Inline loading: read the layers up to `layer` that are not read yet, in order."""
         with self._lock:
+            if self._buffers_free is not None:
+                self._buffers_free.synchronize()
+                self._buffers_free = None
             while self._next <= layer and not self.gates[layer].is_set():
                 current = self._next
                 self._next += 1
@@ -193,11 +294,43 @@ class LayerLoader:
             return False
         finished = time.perf_counter()
         self.timings.append(LayerTiming(layer, started, finished, len(self.keys) * self.buffers.layout.layer_bytes))
-        self.gates[layer].open()
+        self.gates[layer].open(cuda_event=self._copy_staged(layer), device=self.device)
         return True
+
+    def _copy_staged(self, layer: int) -> torch.cuda.Event | None:
+        """Copy a layer's blocks read into host memory to their device slots: on a GPU queued on the
+        loader's stream, returning the event that marks them done (what the compute stream waits
+        on); elsewhere (no stream) done on return."""
+        if self._staging is None:
+            return None
+        layer_bytes = self.buffers.layout.layer_bytes
+        raw, staging = self.buffers.raw[layer], self._staging[layer]
+        on_stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with on_stream:
+            for block, row, count in self._staged_runs:
+                raw[block * layer_bytes : (block + count) * layer_bytes].copy_(
+                    staging[row : row + count].view(-1), non_blocking=self._stream is not None)
+            if self._stream is None:
+                return None
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+            return copied
 
     def _fail_from(self, layer: int, error: LoadFailed) -> None:
         for gate in self.gates[layer:]:
             if not gate.is_set():
                 gate.fail(error)
+
+
+def _runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first block, first staging row, count) of each run of consecutive staged blocks (rows are
+    the blocks' places in `blocks`): one copy per run, not one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for row, block in enumerate(blocks):
+        if runs and runs[-1][0] + runs[-1][2] == block:
+            first, first_row, count = runs[-1]
+            runs[-1] = (first, first_row, count + 1)
+        else:
+            runs.append((block, row, 1))
+    return runs
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -19,12 +21,19 @@ from transformers import (
 )
 
 from worker.dataplane.engine.attention import register as register_attention
-from worker.dataplane.engine.tokenizer import ByteTokenizer
+from worker.dataplane.engine.tokenizer import BYTE_OFFSET, ByteTokenizer
 
 log = logging.getLogger("strata.engine")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""Any one of these in a checkpoint directory means it ships its own tokenizer."""
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+"""Files of a checkpoint directory that hold weights (one file or shards)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +136,44 @@ def preset_config(name: str, *, dtype: str | None = None) -> PretrainedConfig:
     )
 
 
+def _checkpoint_tokenizer(path: Path, vocab_size: int) -> Any:
+    """The checkpoint's own tokenizer, or the byte tokenizer for a checkpoint that ships none.
+
+    Tokenizer files that fail to load are an error, never a reason to fall back: the byte
+    tokenizer's ids would mean nothing to a model trained on another vocabulary."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        if vocab_size < 256 + BYTE_OFFSET:
+            raise ValueError(f"model: {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its "
+                             f"vocabulary of {vocab_size} ids is too small for the byte tokenizer "
+                             f"({256 + BYTE_OFFSET} needed)")
+        log.warning("model %s has no tokenizer files; using the byte tokenizer", path)
+        return ByteTokenizer(vocab_size)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own untyped errors; each becomes one
+        raise ValueError(f"model: the tokenizer files of {path} could not be loaded: {exc}") from exc
+    if len(tokenizer) > vocab_size:
+        # Ids past the embedding would fail the request that uses them, not the load.
+        log.warning("model %s: its tokenizer has %d ids, the model's vocabulary %d", path, len(tokenizer),
+                    vocab_size)
+    return tokenizer
+
+
+def checkpoint_revision(path: Path) -> str:
+    """The identity of a local checkpoint without a commit hash: a digest of its config and of
+    the name, size and modification time of each weight file. It goes into the model key, so
+    weights replaced at the same path never meet the KV blocks of the old ones (the disk and
+    remote tiers outlive a restart), while nodes that read the same files (one shared mount, or
+    copies that keep their times) agree on it wherever the directory is mounted. File metadata
+    rather than contents: hashing a large checkpoint would add a second full read to every start."""
+    digest = hashlib.blake2b(digest_size=16, person=b"strata-ckpt")
+    digest.update((path / "config.json").read_bytes())
+    for weights in sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
+        stat = weights.stat()
+        digest.update(f"\0{weights.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return f"local-{digest.hexdigest()}"
+
+
 def load_model(
     spec: str, *, dtype: str | None = None, device: str | torch.device | None = None, seed: int = 0
 ) -> LoadedModel:
@@ -149,21 +196,18 @@ def load_model(
     elif path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"model: {spec} is a directory without config.json; not a checkpoint")
+        # The tokenizer first: a checkpoint whose tokenizer cannot load fails before its weights are read.
+        tokenizer = _checkpoint_tokenizer(path, AutoConfig.from_pretrained(path, local_files_only=True).vocab_size)
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=DTYPES[dtype] if dtype else "auto",
             attn_implementation=register_attention(),
         )
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError):
-            log.warning("model %s has no tokenizer files; using the byte tokenizer", spec)
-            tokenizer = ByteTokenizer(model.config.vocab_size)
-        revision = str(getattr(model.config, "_commit_hash", None) or path.resolve())
+        revision = getattr(model.config, "_commit_hash", None) or checkpoint_revision(path)
     else:
         raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local directory")
     model.to(device)
     model.eval()
-    name = spec if spec in PRESETS else path.name
+    name = spec if spec in PRESETS else path.resolve().name
     loaded = _describe(name, model, tokenizer, device, revision)
     log.info(
         "model %s loaded: %d layers, %d kv heads x %d, %s on %s", name, loaded.layers, loaded.kv_heads,
