@@ -84,7 +84,8 @@ class NodeRuntime:
         except Exception as exc:  # noqa: BLE001 - serve anyway; the heartbeat reads them again
             log.warning("could not read the policies in force at start: %s", exc)
         self.server = NodeServer(engine=self.engine, host=config.serve_host, port=config.serve_port,
-                                 node=config.node_name, api_keys=config.api_keys).start()
+                                 node=config.node_name, api_keys=config.api_keys,
+                                 admin_key=config.node_admin_key).start()
 
     def apply_policies(self, *, version: int, classes: list[dict[str, Any]]) -> bool:
         """Hold the engine's device working set to the classes of policy `version`. An older

@@ -181,10 +181,15 @@ def requests_summary(traces: list[dict[str, Any]]) -> dict[str, Any]:
     load_s = sum(float(t.get("load_s", 0.0)) for t in traces)
     per_token = prefill_s / computed if computed > 0 else None
     saved = cached * per_token - load_s if per_token is not None else None
+    prefix = sum(int(t.get("prefix_tokens", 0)) for t in traces)
+    fragment = sum(int(t.get("fragment_tokens", 0)) for t in traces)
+    recomputed = sum(int(t.get("recomputed_tokens", 0)) for t in traces)
     return {
         "requests": len(traces), "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": computed,
         "prefill_seconds_per_token": per_token, "load_seconds": load_s,
         "saved_seconds": saved,
+        "prefix_tokens": prefix, "fragment_tokens": fragment, "recomputed_tokens": recomputed,
+        "recompute_ratio": recomputed / fragment if fragment else None,
     }
 
 
@@ -195,9 +200,63 @@ def _families(text: str) -> dict[str, list[Any]]:
     return found
 
 
+def _counter(families: dict[str, list[Any]], name: str) -> list[Any]:
+    return [s for s in families.get(name, []) if s.name == f"{name}_total"]
+
+
+def _gauge(families: dict[str, list[Any]], name: str) -> list[Any]:
+    return [s for s in families.get(name, []) if s.name == name]
+
+
+QUALITY_RESULTS = ("agreed", "disagreed", "dropped")
+
+
+def _fragment_reuse(families: dict[str, list[Any]]) -> dict[str, Any]:
+    """Fragment reuse of one node from its /metrics: reused tokens by kind (fragment positions
+    include the recomputed ones), quality samples, and per namespace the current r and whether it
+    fell back to prefix-only. A node too old to export a series reads as zero or absent."""
+    reused = {"prefix": 0.0, "fragment": 0.0}
+    for sample in _counter(families, "strata_reused_tokens"):
+        reused[sample.labels["kind"]] = reused.get(sample.labels["kind"], 0.0) + sample.value
+    recomputed = sum(s.value for s in _counter(families, "strata_blend_recomputed_tokens"))
+    quality = dict.fromkeys(QUALITY_RESULTS, 0.0)
+    for sample in _counter(families, "strata_blend_quality_samples"):
+        quality[sample.labels["result"]] = quality.get(sample.labels["result"], 0.0) + sample.value
+    enabled = _gauge(families, "strata_blend_enabled")
+    defaults = _gauge(families, "strata_blend_default_recompute_percent")
+    namespaces: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def row(sample: Any) -> dict[str, Any]:
+        key = (sample.labels["model"], sample.labels["namespace"])
+        return namespaces.setdefault(key, {"model": key[0], "namespace": key[1], "recompute_percent": None,
+                                           "prefix_only": False, "samples": {"agreed": 0.0, "disagreed": 0.0},
+                                           "window_agreement": None})
+
+    for sample in _gauge(families, "strata_blend_recompute_percent"):
+        row(sample)["recompute_percent"] = sample.value
+    for sample in _gauge(families, "strata_blend_prefix_only"):
+        row(sample)["prefix_only"] = sample.value >= 1
+    for sample in _counter(families, "strata_blend_namespace_samples"):
+        row(sample)["samples"][sample.labels["result"]] = sample.value
+    for sample in _gauge(families, "strata_blend_window_agreement"):
+        row(sample)["window_agreement"] = sample.value
+    return {
+        "enabled": any(s.value >= 1 for s in enabled),
+        "model": enabled[0].labels["model"] if enabled else "",
+        "default_recompute_percent": defaults[0].value if defaults else None,
+        "reused_tokens": reused,
+        "recomputed_tokens": recomputed,
+        "recompute_ratio": recomputed / reused["fragment"] if reused["fragment"] else None,
+        "quality_samples": quality,
+        "namespaces": [namespaces[key] for key in sorted(namespaces)],
+    }
+
+
 def cache_stats(*, node: str | None = None) -> dict[str, Any]:
     """Cumulative cache counters of every serving node, read from its /metrics: tokens looked up,
-    tokens served from cache and, split by the tier each hit block came from, hit tokens by tier."""
+    tokens served from cache and, split by the tier each hit block came from, hit tokens by tier;
+    and fragment reuse: reused tokens by kind, the recompute ratio, quality samples, and the current
+    r and fallback state of every (node, model, namespace)."""
 
     def fetch(n: Node) -> dict[str, Any]:
         try:
@@ -206,16 +265,15 @@ def cache_stats(*, node: str | None = None) -> dict[str, Any]:
             raise NodeUnreachable(f"metrics unreadable ({exc})") from exc
 
         def total(name: str) -> float:
-            return sum(s.value for s in families.get(name, []) if s.name == f"{name}_total")
+            return sum(s.value for s in _counter(families, name))
 
         lookup, hits = total("strata_lookup_tokens"), total("strata_hit_tokens")
-        blocks = {s.labels["tier"]: s.value for s in families.get("strata_hit_blocks", [])
-                  if s.name == "strata_hit_blocks_total"}
+        blocks = {s.labels["tier"]: s.value for s in _counter(families, "strata_hit_blocks")}
         all_blocks = sum(blocks.values())
         # Every hit is a whole block, so a tier's share of hit blocks is its share of hit tokens.
         by_tier = {tier: hits * count / all_blocks for tier, count in blocks.items()} if all_blocks else {}
         return {"lookup_tokens": lookup, "hit_tokens": hits, "hit_blocks_by_tier": blocks,
-                "hit_tokens_by_tier": by_tier}
+                "hit_tokens_by_tier": by_tier, "fragment_reuse": _fragment_reuse(families)}
 
     answers = _each_node(_serving_nodes(node), fetch)
     fleet_by_tier: dict[str, float] = {}
@@ -228,6 +286,24 @@ def cache_stats(*, node: str | None = None) -> dict[str, Any]:
         "lookup_tokens": sum(a.get("lookup_tokens", 0.0) for a in answers),
         "hit_tokens": sum(a.get("hit_tokens", 0.0) for a in answers),
         "hit_tokens_by_tier": fleet_by_tier,
+        "fragment_reuse": _fleet_fragment_reuse(answers),
+    }
+
+
+def _fleet_fragment_reuse(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The nodes' fragment reuse summed, with every node's settings and namespaces side by side."""
+    reached = [(a["node"], a["fragment_reuse"]) for a in answers if "fragment_reuse" in a]
+    reused = {kind: sum(f["reused_tokens"].get(kind, 0.0) for _, f in reached) for kind in ("prefix", "fragment")}
+    recomputed = sum(f["recomputed_tokens"] for _, f in reached)
+    return {
+        "reused_tokens": reused,
+        "recomputed_tokens": recomputed,
+        "recompute_ratio": recomputed / reused["fragment"] if reused["fragment"] else None,
+        "quality_samples": {result: sum(f["quality_samples"].get(result, 0.0) for _, f in reached)
+                            for result in QUALITY_RESULTS},
+        "nodes": [{"node": name, "model": f["model"], "enabled": f["enabled"],
+                   "default_recompute_percent": f["default_recompute_percent"]} for name, f in reached],
+        "namespaces": [{"node": name, **row} for name, f in reached for row in f["namespaces"]],
     }
 
 

@@ -132,3 +132,101 @@ def test_node_options_carry_blend_settings():
         load_config(environ={"STRATA_BLEND_RECOMPUTE_PERCENT": "101"})
     with pytest.raises(ConfigError, match=r"STRATA_BLEND_NAMESPACE_PERCENT: blend_namespace_percent\[rag\]"):
         load_config(environ={"STRATA_BLEND_NAMESPACE_PERCENT": "rag=-3"})
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def falling_back_tuner(clock: Clock, **options: object) -> BlendTuner:
+    """A tuner already at its ceiling: one poor sample falls namespace `rag` back."""
+    settings: dict[str, object] = {"enabled": True, "recompute_percent": 40, "max_percent": 40, "min_samples": 1,
+                                   "reprobe_seconds": 60}
+    settings.update(options)
+    return BlendTuner(options=BlendOptions(**settings), full_prefill=lambda prompt: torch.zeros(4),  # type: ignore[arg-type]
+                      counters=Counters(), model="m", clock=clock)
+
+
+def test_a_fallback_probes_blending_again_after_the_cooldown_and_backs_off():
+    clock = Clock()
+    tuner = falling_back_tuner(clock)
+    tuner.record("rag", agree=False, kl=1.0, percent=40.0)
+    assert tuner.current("rag") == ("prefix-only", 40.0)
+    assert tuner.snapshot()["rag"]["reprobe_in_s"] == 60.0
+    clock.now += 59
+    assert tuner.current("rag") == ("prefix-only", 40.0)
+    # A sample judged while prefix-only (queued before the fallback) changes nothing.
+    tuner.record("rag", agree=True, kl=0.0, percent=40.0)
+    clock.now += 1
+    assert tuner.current("rag") == ("blend", 40.0)
+    state = tuner.state("rag")
+    assert state.probing and not state.window and tuner.counters.get("blend.reprobes") == 1
+    # The probe is sampled and judged like any window; failing it doubles the next cooldown.
+    tuner.record("rag", agree=False, kl=1.0, percent=40.0)
+    assert tuner.current("rag") == ("prefix-only", 40.0)
+    assert tuner.snapshot()["rag"]["reprobe_in_s"] == 120.0
+    clock.now += 120
+    assert tuner.current("rag") == ("blend", 40.0)
+    tuner.record("rag", agree=False, kl=1.0, percent=40.0)
+    assert tuner.snapshot()["rag"]["reprobe_in_s"] == 240.0
+    clock.now += 240
+    # A probe that agrees ends the backoff: the next fallback waits one cooldown again.
+    tuner.record("rag", agree=True, kl=0.0, percent=40.0)
+    assert tuner.current("rag") == ("blend", 40.0) and not tuner.state("rag").probing
+    tuner.record("rag", agree=False, kl=1.0, percent=40.0)
+    assert tuner.snapshot()["rag"]["reprobe_in_s"] == 60.0
+    assert tuner.counters.get("blend.fallbacks") == 4 and tuner.counters.get("blend.reprobes") == 3
+
+
+def test_the_backoff_is_capped():
+    clock = Clock()
+    tuner = falling_back_tuner(clock, reprobe_seconds=10)
+    waits = []
+    for _ in range(7):
+        tuner.record("rag", agree=False, kl=1.0, percent=40.0)
+        waits.append(tuner.snapshot()["rag"]["reprobe_in_s"])
+        clock.now += waits[-1]
+    assert waits == [10.0, 20.0, 40.0, 80.0, 160.0, 160.0, 160.0]
+
+
+def test_reprobe_zero_leaves_the_fallback_to_an_operator():
+    clock = Clock()
+    tuner = falling_back_tuner(clock, reprobe_seconds=0)
+    tuner.record("rag", agree=False, kl=1.0, percent=40.0)
+    clock.now += 10**9
+    assert tuner.current("rag") == ("prefix-only", 40.0)
+    assert tuner.snapshot()["rag"]["reprobe_in_s"] is None
+    assert tuner.set_percent("rag", 10)["mode"] == "blend"
+    assert tuner.current("rag") == ("blend", 10.0)
+
+
+def test_an_operator_lowers_r_or_resets_to_the_configured_one():
+    clock = Clock()
+    tuner = falling_back_tuner(clock, namespace_percent={"m/rag": 30.0}, max_percent=30)
+    tuner.record("rag", agree=False, kl=1.0, percent=30.0)
+    assert tuner.current("rag") == ("prefix-only", 30.0)
+    state = tuner.set_percent("rag", 5)
+    assert state["mode"] == "blend" and state["recompute_percent"] == 5.0 and state["reprobe_in_s"] is None
+    assert tuner.current("rag") == ("blend", 5.0)
+    # From 5% the tuner raises r again by its step when agreement is poor.
+    tuner.record("rag", agree=False, kl=1.0, percent=5.0)
+    assert tuner.current("rag") == ("blend", 20.0)
+    state = tuner.reset("rag")
+    assert state["recompute_percent"] == 30.0 and state["samples"] == 0 and state["raised"] == 0
+    assert tuner.current("rag") == ("blend", 30.0)
+    assert tuner.counters.get("blend.operator_changes") == 2
+
+
+def test_configured_namespaces_are_known_before_their_first_request():
+    tuner = BlendTuner(options=BlendOptions(enabled=True, model_percent={"m": 12.0},
+                                            namespace_percent={"m/rag": 30.0, "chat": 5.0, "other/legal": 50.0}),
+                       full_prefill=lambda prompt: torch.zeros(4), counters=Counters(), model="m")
+    snapshot = tuner.snapshot()
+    assert {name: state["recompute_percent"] for name, state in snapshot.items()} == {"chat": 5.0, "rag": 30.0}
+    assert tuner.default_percent == 12.0 and tuner.current("legal") == ("blend", 12.0)

@@ -3,7 +3,7 @@
 The system is real and separate from pytest-django's test database: a database of its own on the
 test PostgreSQL (migrated by `manage.py migrate`), Redis databases of their own, daphne serving
 controlplane.asgi (HTTP and the websocket), and a node worker process serving the tiny model, which
-heartbeats, writes blocks and executes movements. The tests read what they check through the same
+heartbeats, writes blocks, reuses fragments and executes movements. The tests read what they check through the same
 REST API the pages use."""
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ REDIS_BASE_DB = 9
 """The system's Redis databases: 9 (Celery), 10 (channel layer, sequence numbers), 11 (cache)."""
 PASSWORDS = {"admin": "browser-admin-pw-1", "operator": "browser-operator-pw-1", "viewer": "browser-viewer-pw-1"}
 NODE = "browser-node"
+BLEND_NAMESPACE = "browser-rag"
 
 CREATE_USERS = """
 from django.contrib.auth.models import Group, User
@@ -159,7 +160,10 @@ def system() -> Iterator[System]:
                               "--model", "tiny", "--serve-port", str(node_port), "--disk-path", str(var_dir / "disk"),
                               "--disk-bytes", "64MiB"],
                      {"STRATA_HOST_POOL_NAME": pool, "STRATA_BLOCK_TOKENS": "16", "STRATA_HOST_BYTES": "64MiB",
-                      "STRATA_DEVICE_BYTES": "8MiB", "STRATA_TIERS": "device,host,disk"})
+                      "STRATA_DEVICE_BYTES": "8MiB", "STRATA_TIERS": "device,host,disk",
+                      # Fragment reuse on, with one namespace's r set for this model by a fleet-wide entry.
+                      "STRATA_BLEND": "true", "STRATA_BLEND_SAMPLE_RATE": "0",
+                      "STRATA_BLEND_NAMESPACE_PERCENT": f"tiny/{BLEND_NAMESPACE}=25,other-model/{BLEND_NAMESPACE}=90"})
         wait_for(lambda: _answers(system.base + "/livez"), timeout=60, what=f"daphne at {system.base}\n{system.log_tail('daphne')}")
         wait_for(lambda: _answers(system.node_api + "/v1/models"), timeout=180,
                  what=f"the node's engine server\n{system.log_tail('node')}")

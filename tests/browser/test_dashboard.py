@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser.conftest import NODE, Api, System, live, now
+from tests.browser.conftest import BLEND_NAMESPACE, NODE, Api, System, live, now
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -23,10 +23,10 @@ def _tier(api: Api, tier: str) -> dict[str, Any]:
     return next(t for t in node["tiers"] if t["tier"] == tier)
 
 
-def _complete(system: System, prompt: str) -> dict[str, Any]:
+def _complete(system: System, prompt: str | list[int], **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, **extra}
     request = urllib.request.Request(system.node_api + "/v1/completions", method="POST",
-                                     data=json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2}).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
 
@@ -223,6 +223,34 @@ def test_a_viewer_sees_no_edit_controls_and_the_api_refuses_their_writes(system,
     # And a write without the CSRF token is refused before any role is considered.
     no_csrf = page.request.patch(f"{system.base}/api/v1/tier-policies/{before['id']}/", data={"high_watermark": 0.5})
     assert no_csrf.status == 403
+
+
+def test_the_overview_shows_fragment_reuse_as_the_nodes_report_it(system, apis, login, screenshots):
+    wait_for(lambda: any(n["name"] == NODE for n in apis["viewer"].get("/api/v1/nodes/")["results"]),
+             timeout=60, what="the node's first heartbeat")
+    # A passage stored from one prompt (marked as a segment) and found at another offset of the next.
+    passage = [(7 * i) % 250 + 5 for i in range(32)]
+    _complete(system, [1, 40, 41, 42, 43, *passage, 9], segments=[[5, 5 + len(passage)]])
+    reused = _complete(system, [1, *range(60, 81), *passage, 11])
+    assert reused["usage"]["prompt_tokens_details"]["fragment_tokens"] == len(passage)
+    stats = apis["viewer"].get("/api/v1/dashboard/cache/")["fragment_reuse"]
+    rows = {(r["node"], r["namespace"]): r for r in stats["namespaces"]}
+    # The configured namespace is there before any request of its own; the other model's entry is not.
+    assert rows[(NODE, BLEND_NAMESPACE)]["recompute_percent"] == 25.0
+    assert rows[(NODE, "default")]["recompute_percent"] == 15.0 and not rows[(NODE, "default")]["prefix_only"]
+    page = login("viewer")
+    expected = f"{int(stats['reused_tokens']['fragment']):,}"
+    page.wait_for_function(f"document.querySelector('#reuse-fragment').textContent === '{expected}'", timeout=10000)
+    assert page.locator("#reuse-prefix").inner_text() == f"{int(stats['reused_tokens']['prefix']):,}"
+    shown_ratio = page.locator("#reuse-ratio").inner_text()
+    assert shown_ratio.endswith("%") and float(shown_ratio[:-1]) == pytest.approx(100 * stats["recompute_ratio"], abs=0.05)
+    row = page.locator(f'#blend-namespaces tr[data-node="{NODE}"][data-namespace="{BLEND_NAMESPACE}"]')
+    assert row.locator('[data-field="percent"]').inner_text() == "25%"
+    assert row.locator('[data-field="mode"]').inner_text() == "blend"
+    default = page.locator(f'#blend-namespaces tr[data-node="{NODE}"][data-namespace="default"]')
+    assert default.locator('[data-field="percent"]').inner_text() == "15%"
+    assert f"{NODE} (tiny): r 15%" in page.locator("#reuse-nodes").inner_text()
+    page.locator("#fragment-reuse").screenshot(path=str(screenshots / "overview-fragment-reuse.png"))
 
 
 def test_every_page_is_labelled_keyboard_usable_and_readable_light_and_dark(system, apis, login, screenshots):

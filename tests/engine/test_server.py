@@ -153,10 +153,34 @@ def test_metrics_and_request_timeline(client, server):
     connection.request("GET", "/metrics")
     text = connection.getresponse().read().decode()
     assert 'strata_hit_tokens_total{node="test-node"}' in text
-    assert "strata_layer_stall_seconds_bucket" in text
+    # Stalls are kept per layer: the tiny model's two layers each have their own series, with
+    # one observation each from the second request (the first had nothing cached to wait for).
+    for layer in (0, 1):
+        assert f'strata_layer_stall_seconds_count{{layer="{layer}",node="test-node"}} 1.0' in text
     assert 'strata_tier_used_bytes{node="test-node",tier="host"}' in text
     connection.request("GET", "/v1/strata/requests")
     timeline = json.loads(connection.getresponse().read())
     latest = timeline["requests"][0]
     assert latest["cached_tokens"] > 0 and len(latest["layer_stall_s"]) == 2
     connection.close()
+
+
+def test_a_node_without_fragment_reuse_says_so(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="plain", admin_key="admin-1").start()
+    try:
+        host, port = node.address.split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+        assert 'strata_blend_enabled{model="tiny",node="plain"} 0.0' in text
+        assert "strata_blend_default_recompute_percent{" not in text
+        connection.request("POST", "/v1/strata/blend", body=json.dumps({"namespace": "default", "percent": 5}),
+                           headers={"Content-Type": "application/json", "Authorization": "Bearer admin-1"})
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 409 and "fragment reuse is off on this node" in answer["error"]["message"]
+        connection.close()
+    finally:
+        node.stop()

@@ -11,7 +11,11 @@ from typing import Any
 
 import yaml
 
-from worker.dataplane.blend.options import parse_namespace_percents
+from worker.dataplane.blend.options import (
+    SELECTIONS,
+    parse_model_percents,
+    parse_namespace_percents,
+)
 
 
 class ConfigError(ValueError):
@@ -179,6 +183,21 @@ def _fraction(value: Any) -> str | None:
     return None if 0 <= value <= 1 else "must be between 0 and 1"
 
 
+def _at_least_one(value: Any) -> str | None:
+    return None if value >= 1 else "must be at least 1"
+
+
+def _step_percent(value: Any) -> str | None:
+    return None if 0 < value <= 100 else "must be more than 0 and at most 100 percent"
+
+
+def _parse_selection(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in SELECTIONS:
+        raise ValueError(f"expected one of {', '.join(SELECTIONS)}, got {value!r}")
+    return text
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("node_name", _parse_node_name, "gpu-0", "Name of this node; its Celery queue is node.<name>."),
     Option("node_group", _parse_node_group, "default", "Group of this node; tier policies for the group override the fleet-wide ones."),
@@ -208,9 +227,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("api_keys", _parse_api_keys, {}, "API keys of the node server as key=namespace pairs, comma-separated; empty: no key needed, namespace from X-Strata-Namespace."),
     Option("blend", _parse_bool, False, "Reuse blocks found anywhere in a prompt (content match, RoPE re-alignment, selective recompute), not only the prefix."),
     Option("blend_recompute_percent", _parse_float, 15.0, "r: percent of reused fragment tokens recomputed (those whose KV deviates most).", _percent),
-    Option("blend_namespace_percent", parse_namespace_percents, {}, "r per namespace as namespace=percent pairs, comma-separated (over blend_recompute_percent)."),
+    Option("blend_namespace_percent", parse_namespace_percents, {}, "r per namespace as namespace=percent or model/namespace=percent pairs, comma-separated. r of a namespace: its model/namespace entry, else its namespace entry, else its model's blend_model_percent entry, else blend_recompute_percent."),
+    Option("blend_model_percent", parse_model_percents, {}, "r per model as model=percent pairs, comma-separated: the r of that model's namespaces without an entry of their own (a fleet-wide setting for nodes of different models)."),
+    Option("blend_selection", _parse_selection, "deviation", "How the fragment tokens to recompute are chosen: deviation (CacheBlend: largest KV deviation at the check layer) or chunk-start (EPIC: the first tokens of every reused run)."),
+    Option("blend_check_layer", _parse_int, 1, "Layer whose KV deviation picks the tokens to recompute (deviation selection); layers before it are computed for every token.", _at_least_one),
     Option("blend_sample_rate", _parse_float, 0.05, "Share of blended requests also run with a full prefill in the background to measure agreement.", _fraction),
     Option("blend_agreement_threshold", _parse_float, 0.9, "Below this share of agreeing samples r is raised for the namespace, then it falls back to prefix-only.", _fraction),
+    Option("blend_max_kl", _parse_float, 0.1, "A sample agrees when blend and full prefill choose the same first token and KL(full || blend) is at most this.", _non_negative),
+    Option("blend_min_samples", _parse_int, 20, "Samples of a namespace judged together before r is raised or the namespace falls back.", _at_least_one),
+    Option("blend_raise_step_percent", _parse_float, 15.0, "Percent added to r each time a namespace's agreement is below the threshold.", _step_percent),
+    Option("blend_max_percent", _parse_float, 60.0, "Highest r the auto-tuner raises to; poor agreement at it falls back to prefix-only.", _percent),
+    Option("blend_min_fragment_blocks", _parse_int, 1, "Fewest reused fragment blocks that make a request blend (fewer: prefix-only for that request).", _at_least_one),
+    Option("blend_reprobe_seconds", _parse_float, 600.0, "Seconds after a fallback before the namespace blends again at the r it fell back at (each failed probe doubles the wait, up to 16x); 0: only an operator resumes it.", _non_negative),
+    Option("node_admin_key", _parse_str, "", "Key (Authorization: Bearer) of the node server's operator controls (POST /v1/strata/blend); empty: those controls are refused."),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -249,8 +278,18 @@ class NodeConfig:
     blend: bool = False
     blend_recompute_percent: float = 15.0
     blend_namespace_percent: dict[str, float] = dataclasses.field(default_factory=dict)
+    blend_model_percent: dict[str, float] = dataclasses.field(default_factory=dict)
+    blend_selection: str = "deviation"
+    blend_check_layer: int = 1
     blend_sample_rate: float = 0.05
     blend_agreement_threshold: float = 0.9
+    blend_max_kl: float = 0.1
+    blend_min_samples: int = 20
+    blend_raise_step_percent: float = 15.0
+    blend_max_percent: float = 60.0
+    blend_min_fragment_blocks: int = 1
+    blend_reprobe_seconds: float = 600.0
+    node_admin_key: str = dataclasses.field(default="", repr=False)
 
     @property
     def node_disk_path(self) -> Path:

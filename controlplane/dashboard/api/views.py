@@ -35,8 +35,10 @@ class OverviewView(APIView):
 
 
 class CacheStatsView(APIView):
-    """Cumulative lookup and hit tokens of every serving node (from its engine's /metrics), and hit
-    tokens by the tier the blocks came from."""
+    """Cumulative lookup and hit tokens of every serving node (from its engine's /metrics), hit
+    tokens by the tier the blocks came from, and fragment reuse: reused tokens split into prefix and
+    fragment, the recompute ratio, quality samples, and the current r and prefix-only fallback of
+    every (node, model, namespace)."""
 
     @extend_schema(parameters=[NODE_PARAMETER], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
@@ -48,7 +50,7 @@ class CacheStatsView(APIView):
 class RequestsView(APIView):
     """The latest requests of every serving node (or one): which tier served how many blocks, the
     stall of each layer, TTFT, load and prefill time; and tokens served from cache vs recomputed
-    with the estimated prefill time saved."""
+    with the estimated prefill time saved, and reused tokens split into prefix and fragment."""
 
     @extend_schema(parameters=[NODE_PARAMETER], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:

@@ -168,12 +168,43 @@
     finishedThisSecond = { moves: 0, evictions: 0 };
   }, 1000);
 
+  // Fragment reuse: the fleet's reused tokens by kind and quality samples, and the r and reuse
+  // mode of every (node, model, namespace), from the same counters as the hit rate.
+  function renderReuse(reuse) {
+    if (!reuse) return;
+    const samples = reuse.quality_samples || {};
+    document.getElementById("reuse-prefix").textContent = S.number(reuse.reused_tokens.prefix);
+    document.getElementById("reuse-fragment").textContent = S.number(reuse.reused_tokens.fragment);
+    document.getElementById("reuse-recomputed").textContent = "of which " + S.number(reuse.recomputed_tokens) + " recomputed";
+    document.getElementById("reuse-ratio").textContent = reuse.recompute_ratio === null ? "–" : S.percent(reuse.recompute_ratio, 1);
+    document.getElementById("reuse-quality").textContent = S.number(samples.agreed) + " / " + S.number(samples.disagreed);
+    document.getElementById("reuse-dropped").textContent = "agreed / disagreed; " + S.number(samples.dropped) + " dropped (checker busy)";
+    const configured = reuse.nodes.map((n) => n.enabled
+      ? n.node + " (" + n.model + "): r " + S.number(n.default_recompute_percent, 1) + "%"
+      : n.node + ": off");
+    document.getElementById("reuse-nodes").textContent = configured.length
+      ? "Configured r of namespaces without their own: " + configured.join(" · ")
+      : "No node's engine server answered.";
+    const rows = reuse.namespaces.map((row) => S.el("tr", { "data-node": row.node, "data-namespace": row.namespace },
+      S.el("td", {}, row.node), S.el("td", {}, row.model), S.el("th", { scope: "row" }, row.namespace),
+      S.el("td", { class: "num", "data-field": "percent" }, S.number(row.recompute_percent, 1) + "%"),
+      S.el("td", { class: row.prefix_only ? "mode-prefix-only" : "mode-blend", "data-field": "mode" },
+        row.prefix_only ? "prefix-only (fallen back)" : "blend"),
+      S.el("td", { class: "num" }, S.number(row.samples.agreed) + " / " + S.number(row.samples.disagreed)),
+      S.el("td", { class: "num" }, row.window_agreement === null ? "–" : S.percent(row.window_agreement, 1))));
+    const none = reuse.nodes.some((n) => n.enabled)
+      ? "No namespace has made a blended request yet." : "No node reuses fragments (STRATA_BLEND is off).";
+    document.querySelector("#blend-namespaces tbody").replaceChildren(
+      ...(rows.length ? rows : [S.el("tr", {}, S.el("td", { colspan: 7 }, none))]));
+  }
+
   let previousCache = null;
   async function pollCache() {
     try {
       const stats = await S.api("/api/v1/dashboard/cache/");
       document.getElementById("hit-rate").textContent = S.percent(stats.hit_tokens, stats.lookup_tokens);
       document.getElementById("hit-detail").textContent = S.number(stats.hit_tokens) + " of " + S.number(stats.lookup_tokens) + " tokens looked up";
+      renderReuse(stats.fragment_reuse);
       if (previousCache) {
         const looked = stats.lookup_tokens - previousCache.lookup_tokens;
         hits.push(S.TIERS.map((tier) => looked > 0

@@ -11,6 +11,8 @@
 
   function tiers(t) {
     const parts = Object.entries(t.hit_blocks_by_tier || {}).filter(([, n]) => n).map(([tier, n]) => tier + " " + n);
+    const fragments = Object.entries(t.fragment_blocks_by_tier || {}).filter(([, n]) => n).map(([tier, n]) => tier + " " + n);
+    if (fragments.length) parts.push("fragments from " + fragments.join(", "));
     return parts.length ? parts.join(", ") : "none (recomputed)";
   }
 
@@ -44,6 +46,8 @@
     });
     document.getElementById("tier-split").replaceChildren(split,
       S.el("p", { class: "hint" }, S.number(t.cached_tokens) + " of " + S.number(t.prompt_tokens) + " prompt tokens from cache; blocks by tier: " + tiers(t) +
+        (t.fragment_tokens ? "; reused: prefix " + S.number(t.prefix_tokens) + ", fragment " + S.number(t.fragment_tokens) +
+          " (" + S.number(t.recomputed_tokens) + " recomputed at r " + S.number(t.blend_percent, 1) + "%)" : "") +
         (t.load_failures ? "; " + t.load_failures + " load failure(s) recomputed" : "")));
     const stalls = t.layer_stall_s || [];
     const worst = stalls.reduce((m, v) => Math.max(m, v), 0);
@@ -67,6 +71,9 @@
       document.getElementById("s-requests").textContent = S.number(s.requests);
       document.getElementById("s-cached").textContent = S.number(s.cached_tokens);
       document.getElementById("s-computed").textContent = S.number(s.computed_tokens);
+      document.getElementById("s-reuse").textContent = S.number(s.prefix_tokens) + " / " + S.number(s.fragment_tokens);
+      document.getElementById("s-reuse-ratio").textContent = "recompute ratio " + (s.recompute_ratio === null ? "–" : S.percent(s.recompute_ratio, 1)) +
+        " (" + S.number(s.recomputed_tokens) + " fragment tokens recomputed)";
       document.getElementById("s-per-token").textContent = S.seconds(s.prefill_seconds_per_token);
       document.getElementById("s-saved").textContent = S.seconds(s.saved_seconds);
       document.getElementById("node-errors").replaceChildren(...answer.nodes.filter((n) => n.error).map((n) =>

@@ -1,5 +1,6 @@
 """Auto-tune and fallback: sampled requests are re-run with a full prefill in the background and
-compared; poor agreement raises r for the namespace, and past the ceiling falls back to prefix-only."""
+compared; poor agreement raises r for the namespace, past the ceiling falls back to prefix-only,
+and after a cooldown blending is probed again."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,6 +21,10 @@ from worker.dataplane.counters import Counters
 log = logging.getLogger("strata.blend")
 
 BLEND, PREFIX_ONLY = "blend", "prefix-only"
+
+
+MAX_BACKOFF_DOUBLINGS = 4
+"""A namespace whose probes keep falling back waits at most 2**4 = 16 cooldowns between them."""
 
 
 @dataclasses.dataclass
@@ -32,13 +38,22 @@ class NamespaceState:
     agreed: int = 0
     raised: int = 0
     last_kl: float | None = None
+    reprobe_at: float | None = None
+    """Clock time at which a fallen-back namespace blends again (None: never by itself)."""
+    probing: bool = False
+    """Blending again after a fallback, not yet judged."""
+    failed_probes: int = 0
+    """Probes in a row that fell back again; each doubles the next cooldown."""
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self, now: float | None = None) -> dict[str, object]:
         window = list(self.window)
+        reprobe_in = (max(0.0, self.reprobe_at - now) if self.reprobe_at is not None and now is not None
+                      and self.mode == PREFIX_ONLY else None)
         return {"recompute_percent": self.percent, "mode": self.mode, "samples": self.samples,
                 "agreed": self.agreed, "window_samples": len(window),
                 "window_agreement": (sum(window) / len(window)) if window else None,
-                "raised": self.raised, "last_kl": self.last_kl}
+                "raised": self.raised, "last_kl": self.last_kl, "probing": self.probing,
+                "reprobe_in_s": reprobe_in}
 
 
 def agreement(blended: torch.Tensor, full: torch.Tensor) -> tuple[bool, float]:
@@ -61,15 +76,20 @@ class BlendTuner:
     """Per namespace: the current r, the mode, the agreement window; plus the background checker.
 
     `full_prefill(prompt)` returns the logits of the last prompt position computed without any
-    cache; it runs on the checker thread (the engine serialises it with its requests)."""
+    cache; it runs on the checker thread (the engine serialises it with its requests). `clock`
+    (seconds, monotonic) times the re-probe after a fallback."""
 
     def __init__(self, *, options: BlendOptions, full_prefill: Callable[[Sequence[int]], torch.Tensor],
-                 counters: Counters, model: str, seed: int = 0) -> None:
+                 counters: Counters, model: str, seed: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.options = options
         self.full_prefill = full_prefill
         self.counters = counters
         self.model = model
-        self._states: dict[str, NamespaceState] = {}
+        self.clock = clock
+        # Namespaces configured with an r of their own are known (and exported) before their first request.
+        self._states: dict[str, NamespaceState] = {
+            name: NamespaceState(percent=options.percent_for(name, model))
+            for name in options.configured_namespaces(model)}
         self._lock = threading.Lock()
         self._random = random.Random(seed)
         self._queue: queue.Queue[Sample | None] = queue.Queue(maxsize=8)
@@ -81,10 +101,26 @@ class BlendTuner:
         with self._lock:
             return self._state(namespace)
 
+    @property
+    def default_percent(self) -> float:
+        """The configured r of this model's namespaces that have no entry of their own."""
+        return self.options.model_default(self.model)
+
     def _state(self, namespace: str) -> NamespaceState:
         if namespace not in self._states:
-            self._states[namespace] = NamespaceState(percent=self.options.percent_for(namespace))
-        return self._states[namespace]
+            self._states[namespace] = NamespaceState(percent=self.options.percent_for(namespace, self.model))
+        state = self._states[namespace]
+        if state.mode == PREFIX_ONLY and state.reprobe_at is not None and self.clock() >= state.reprobe_at:
+            self._reprobe(namespace, state)
+        return state
+
+    def _reprobe(self, namespace: str, state: NamespaceState) -> None:
+        # The r it fell back at: the lower ones were already judged too poor.
+        state.mode, state.probing, state.reprobe_at = BLEND, True, None
+        state.window.clear()
+        self.counters.add("blend.reprobes")
+        log.info("model %s namespace %s: blending again at %.0f%% recompute to see whether agreement has recovered",
+                 self.model, namespace, state.percent)
 
     def current(self, namespace: str) -> tuple[str, float]:
         """(mode, r in percent) to use for a request of this namespace now."""
@@ -94,7 +130,8 @@ class BlendTuner:
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         with self._lock:
-            return {name: state.as_dict() for name, state in sorted(self._states.items())}
+            now = self.clock()
+            return {name: self._state(name).as_dict(now) for name in sorted(self._states)}
 
     # -- sampling ----------------------------------------------------------------------------
     def offer(self, namespace: str, prompt: Sequence[int], blended_logits: torch.Tensor, percent: float) -> bool:
@@ -170,6 +207,10 @@ class BlendTuner:
                 return
             rate = sum(window) / len(window)
             if rate >= self.options.agreement_threshold:
+                if state.probing:
+                    state.probing, state.failed_probes = False, 0
+                    log.info("model %s namespace %s: blending at %.0f%% recompute agrees again (%.0f%% of %d samples)",
+                             self.model, namespace, state.percent, 100 * rate, len(window))
                 return
             state.window.clear()
             if state.percent < self.options.max_percent:
@@ -183,21 +224,38 @@ class BlendTuner:
                             state.percent, before)
             else:
                 state.mode = PREFIX_ONLY
+                if state.probing:
+                    state.failed_probes += 1
+                state.probing = False
+                cooldown = self.options.reprobe_seconds * 2 ** min(state.failed_probes, MAX_BACKOFF_DOUBLINGS)
+                state.reprobe_at = self.clock() + cooldown if cooldown > 0 else None
                 self.counters.add("blend.fallbacks")
                 log.warning("model %s namespace %s: blended answers agreed with full prefill in %.0f%% of %d samples "
-                            "even at %.0f%% recompute; falling back to prefix-only reuse",
-                            self.model, namespace, 100 * rate, len(window), state.percent)
+                            "even at %.0f%% recompute; falling back to prefix-only reuse%s",
+                            self.model, namespace, 100 * rate, len(window), state.percent,
+                            f" for {cooldown:.0f} s" if cooldown > 0 else " until an operator resumes blending")
 
-    def set_percent(self, namespace: str, percent: float) -> None:
-        """An operator's r for a namespace: blending resumes at it and the window starts afresh."""
+    def set_percent(self, namespace: str, percent: float) -> dict[str, object]:
+        """An operator's r for a namespace: blending resumes at it and the window starts afresh.
+        Returns the namespace's new state."""
         value = check_percent("recompute_percent", percent)
         with self._lock:
             state = self._state(namespace)
             state.percent, state.mode = value, BLEND
+            state.probing, state.failed_probes, state.reprobe_at = False, 0, None
             state.window.clear()
-        log.info("model %s namespace %s: recompute ratio set to %.1f%%", self.model, namespace, value)
+            self.counters.add("blend.operator_changes")
+            answer = state.as_dict(self.clock())
+        log.info("model %s namespace %s: recompute ratio set to %.1f%% by an operator", self.model, namespace, value)
+        return answer
 
-    def reset(self, namespace: str) -> None:
-        """Back to the configured r and blending (an operator's decision after a fallback)."""
+    def reset(self, namespace: str) -> dict[str, object]:
+        """Back to the configured r and blending, its history forgotten (an operator's decision,
+        e.g. after a fallback). Returns the namespace's new state."""
         with self._lock:
-            self._states.pop(namespace, None)
+            state = self._states[namespace] = NamespaceState(percent=self.options.percent_for(namespace, self.model))
+            self.counters.add("blend.operator_changes")
+            answer = state.as_dict(self.clock())
+        log.info("model %s namespace %s: blend state reset to the configured %.1f%% by an operator",
+                 self.model, namespace, state.percent)
+        return answer

@@ -1,9 +1,12 @@
 """The node's OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models.
 
-Requests queue for the one engine (a lock inside it); streaming answers use server-sent events."""
+Requests queue for the one engine (a lock inside it); streaming answers use server-sent events.
+Besides: /metrics, /v1/strata/requests, /v1/strata/blend (read by anyone who reaches the node;
+POST to it, the operator control of fragment reuse, needs the node's admin key)."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -17,6 +20,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from worker.dataplane.blend.options import BlendError, check_namespace_key, check_percent
+from worker.dataplane.blend.tuner import PREFIX_ONLY
 from worker.dataplane.engine.engine import Engine, RequestTrace
 
 log = logging.getLogger("strata.server")
@@ -76,7 +81,8 @@ class EngineMetrics:
         self.node = node
         self.registry = CollectorRegistry()
         self.stall = Histogram(
-            "strata_layer_stall_seconds", "Time a layer's attention waited for its KV to load.", ["node"],
+            "strata_layer_stall_seconds", "Time a layer's attention waited for its KV to load, per layer.",
+            ["node", "layer"],
             buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0), registry=self.registry,
         )
         self.ttft = Histogram(
@@ -90,8 +96,8 @@ class EngineMetrics:
         self.registry.register(self)
 
     def observe(self, trace: RequestTrace) -> None:
-        for stall in trace.layer_stall_s:
-            self.stall.labels(node=self.node).observe(stall)
+        for layer, stall in enumerate(trace.layer_stall_s):
+            self.stall.labels(node=self.node, layer=str(layer)).observe(stall)
         self.ttft.labels(node=self.node, cache="hit" if trace.cached_tokens else "miss").observe(trace.ttft_s)
         if trace.cached_tokens:
             self.load.labels(node=self.node).observe(trace.load_s)
@@ -127,9 +133,11 @@ class EngineMetrics:
         yield from self._blend(counts)
 
     def _blend(self, counts: Mapping[str, int]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        """Fragment reuse: reused tokens by kind, recomputed tokens, quality samples, current r per namespace."""
-        reused = CounterMetricFamily("strata_reused_tokens", "Prompt tokens whose KV came from the cache, by kind "
-                                     "(prefix: exact leading blocks; fragment: blocks matched elsewhere in the prompt).",
+        """Fragment reuse: reused tokens by kind, recomputed tokens, quality samples, and per
+        namespace the current r, the fallback state and the samples behind them."""
+        reused = CounterMetricFamily("strata_reused_tokens", "Prompt positions whose KV came from the cache, by kind "
+                                     "(prefix: exact leading blocks; fragment: blocks matched elsewhere in the prompt, "
+                                     "recomputed positions included - see strata_blend_recomputed_tokens).",
                                      labels=["node", "kind"])
         for kind in ("prefix", "fragment"):
             reused.add_metric([self.node, kind], counts.get(f"reused_tokens.{kind}", 0))
@@ -144,21 +152,41 @@ class EngineMetrics:
                                       labels=["node", "result"])
         for result in ("agreed", "disagreed", "dropped"):
             samples.add_metric([self.node, result], counts.get(f"blend.samples_{result}", 0))
-        changes = CounterMetricFamily("strata_blend_adjustments", "Auto-tune actions: r raised, or fallen back to "
-                                      "prefix-only reuse.", labels=["node", "action"])
-        changes.add_metric([self.node, "raised"], counts.get("blend.ratio_raised", 0))
-        changes.add_metric([self.node, "fallback"], counts.get("blend.fallbacks", 0))
+        changes = CounterMetricFamily("strata_blend_adjustments", "Auto-tune and operator actions: r raised, fallen "
+                                      "back to prefix-only reuse, blending probed again after a fallback, set or "
+                                      "reset by an operator.", labels=["node", "action"])
+        for action, counter in (("raised", "ratio_raised"), ("fallback", "fallbacks"), ("reprobe", "reprobes"),
+                                ("operator", "operator_changes")):
+            changes.add_metric([self.node, action], counts.get(f"blend.{counter}", 0))
+        model = self.engine.model.name
+        tuner = self.engine.tuner
+        enabled = GaugeMetricFamily("strata_blend_enabled", "1 where the node reuses fragments (STRATA_BLEND).",
+                                    labels=["node", "model"])
+        enabled.add_metric([self.node, model], 1.0 if tuner is not None else 0.0)
+        default = GaugeMetricFamily("strata_blend_default_recompute_percent", "Configured recompute ratio r of the "
+                                    "model's namespaces without an r of their own (percent).", labels=["node", "model"])
         ratio = GaugeMetricFamily("strata_blend_recompute_percent", "Current recompute ratio r per namespace "
                                   "(percent of fragment tokens recomputed).", labels=["node", "model", "namespace"])
         mode = GaugeMetricFamily("strata_blend_prefix_only", "1 where a namespace has fallen back to prefix-only reuse.",
                                  labels=["node", "model", "namespace"])
-        tuner = self.engine.tuner
+        judged = CounterMetricFamily("strata_blend_namespace_samples", "Quality samples judged for a namespace, by "
+                                     "result (counted afresh when an operator resets the namespace).",
+                                     labels=["node", "model", "namespace", "result"])
+        window = GaugeMetricFamily("strata_blend_window_agreement", "Share of agreeing samples in a namespace's "
+                                   "current window (cleared whenever r or the mode changes).",
+                                   labels=["node", "model", "namespace"])
         if tuner is not None:
+            default.add_metric([self.node, model], tuner.default_percent)
             for namespace, state in tuner.snapshot().items():
-                labels = [self.node, self.engine.model.name, namespace]
+                labels = [self.node, model, namespace]
                 ratio.add_metric(labels, float(state["recompute_percent"]))  # type: ignore[arg-type]
-                mode.add_metric(labels, 1.0 if state["mode"] == "prefix-only" else 0.0)
-        yield from (reused, recomputed, requests, samples, changes, ratio, mode)
+                mode.add_metric(labels, 1.0 if state["mode"] == PREFIX_ONLY else 0.0)
+                agreed, total = int(state["agreed"]), int(state["samples"])  # type: ignore[call-overload]
+                judged.add_metric([*labels, "agreed"], agreed)
+                judged.add_metric([*labels, "disagreed"], total - agreed)
+                if state["window_agreement"] is not None:
+                    window.add_metric(labels, float(state["window_agreement"]))  # type: ignore[arg-type]
+        yield from (reused, recomputed, requests, samples, changes, enabled, default, ratio, mode, judged, window)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -168,10 +196,15 @@ class NodeServer:
     """Serves one engine over HTTP on a background thread."""
 
     def __init__(self, *, engine: Engine, host: str, port: int, node: str,
-                 api_keys: Mapping[str, str] | None = None, served_name: str | None = None) -> None:
+                 api_keys: Mapping[str, str] | None = None, served_name: str | None = None,
+                 admin_key: str = "") -> None:
         self.engine = engine
         self.node = node
         self.api_keys = dict(api_keys or {})
+        if admin_key and admin_key in self.api_keys:
+            # A tenant holding it could then change every tenant's settings.
+            raise ValueError("node_admin_key: the admin key is also a tenant's API key (api_keys)")
+        self.admin_key = admin_key
         self.model_name = served_name or engine.model.name
         self.metrics = EngineMetrics(engine, node)
         previous = engine.on_trace
@@ -222,6 +255,57 @@ class NodeServer:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{NAMESPACE_HEADER} must be 1-63 letters, digits, '-', '_' or '.'")
         return namespace
 
+    def check_admin(self, headers: Mapping[str, str]) -> None:
+        """Operator controls need the node's admin key; tenants' API keys do not open them."""
+        if not self.admin_key:
+            raise ApiError(HTTPStatus.FORBIDDEN, "operator controls are off on this node: set STRATA_NODE_ADMIN_KEY",
+                           kind="permission_error")
+        auth = headers.get("Authorization", "")
+        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        if not key or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
+            raise ApiError(HTTPStatus.UNAUTHORIZED, "operator controls need the node's admin key "
+                           "(Authorization: Bearer <STRATA_NODE_ADMIN_KEY>)", kind="authentication_error",
+                           code="invalid_api_key")
+
+    def blend_control(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
+        """An operator's blend decision for one namespace: {namespace, percent} sets r and resumes
+        blending; {namespace, reset: true} returns it to the configured r, its history forgotten."""
+        self.check_admin(headers)
+        unknown = sorted(set(body) - {"namespace", "percent", "reset"})
+        if unknown:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"unknown field(s) {', '.join(unknown)}; expected namespace and "
+                           "percent, or namespace and reset", param=unknown[0])
+        namespace = body.get("namespace")
+        if not isinstance(namespace, str):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "namespace is required (a namespace name)", param="namespace")
+        try:
+            check_namespace_key("namespace", namespace)
+        except BlendError as exc:
+            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), param="namespace") from exc
+        if "/" in namespace:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "namespace: a namespace of this node's model, without a model "
+                           "name", param="namespace")
+        reset = body.get("reset", False)
+        if not isinstance(reset, bool):
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"reset must be true or false, got {reset!r}", param="reset")
+        if reset == ("percent" in body):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "give either percent (the new r) or reset: true, not both or "
+                           "neither", param="percent" if not reset else "reset")
+        tuner = self.engine.tuner
+        if tuner is None:
+            raise ApiError(HTTPStatus.CONFLICT, "fragment reuse is off on this node (STRATA_BLEND)", param="namespace")
+        if reset:
+            state = tuner.reset(namespace)
+        else:
+            try:
+                percent = check_percent("percent", body["percent"])
+            except BlendError as exc:
+                raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), param="percent") from exc
+            state = tuner.set_percent(namespace, percent)
+        log.info("node %s namespace %s: blend %s by an operator", self.node, namespace,
+                 "reset" if reset else f"r set to {state['recompute_percent']}%")
+        return {"node": self.node, "model": self.engine.model.name, "namespace": namespace, **state}
+
     def blend_report(self) -> dict[str, Any]:
         """Fragment reuse of this node: settings, counters, and the state of every namespace."""
         engine = self.engine
@@ -231,11 +315,15 @@ class NodeServer:
         fragment = counts.get("reused_tokens.fragment", 0)
         return {
             "node": self.node, "model": engine.model.name, "enabled": engine.tuner is not None,
+            "default_recompute_percent": options.model_default(engine.model.name),
             "settings": {"recompute_percent": options.recompute_percent,
-                         "namespace_percent": dict(options.namespace_percent), "selection": options.selection,
+                         "namespace_percent": dict(options.namespace_percent),
+                         "model_percent": dict(options.model_percent), "selection": options.selection,
                          "check_layer": options.check_layer, "sample_rate": options.sample_rate,
                          "agreement_threshold": options.agreement_threshold, "max_kl": options.max_kl,
-                         "max_percent": options.max_percent},
+                         "min_samples": options.min_samples, "raise_step_percent": options.raise_step_percent,
+                         "max_percent": options.max_percent, "min_fragment_blocks": options.min_fragment_blocks,
+                         "reprobe_seconds": options.reprobe_seconds},
             "reused_tokens": {"prefix": prefix, "fragment": fragment},
             "recomputed_tokens": counts.get("blend.recomputed_tokens", 0),
             "recompute_ratio": counts.get("blend.recomputed_tokens", 0) / fragment if fragment else 0.0,
@@ -243,7 +331,9 @@ class NodeServer:
             "quality_samples": {result: counts.get(f"blend.samples_{result}", 0)
                                 for result in ("agreed", "disagreed", "dropped")},
             "adjustments": {"raised": counts.get("blend.ratio_raised", 0),
-                            "fallback": counts.get("blend.fallbacks", 0)},
+                            "fallback": counts.get("blend.fallbacks", 0),
+                            "reprobe": counts.get("blend.reprobes", 0),
+                            "operator": counts.get("blend.operator_changes", 0)},
             "namespaces": engine.tuner.snapshot() if engine.tuner is not None else {},
         }
 
@@ -408,6 +498,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.NOT_FOUND, ApiError(HTTPStatus.NOT_FOUND, f"no route {self.path}").body)
 
     def do_POST(self) -> None:  # noqa: N802
+        if self.path == "/v1/strata/blend":
+            try:
+                self._send_json(HTTPStatus.OK, self.app.blend_control(self._read_json(), self.headers))
+            except ApiError as exc:
+                self._send_json(exc.status, exc.body)
+            return
         routes = {"/v1/completions": False, "/v1/chat/completions": True}
         if self.path not in routes:
             self._send_json(HTTPStatus.NOT_FOUND, ApiError(HTTPStatus.NOT_FOUND, f"no route {self.path}").body)
