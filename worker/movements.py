@@ -623,6 +623,8 @@ class MovementExecutor:
         for job in jobs:
             if job.check is not None:
                 job.check.result()  # the verification records its result on the job
+        self._make_durable(jobs)
+        for job in jobs:
             movement = job.movement
             if job.error is not None:
                 if isinstance(job.error, TRANSIENT_ERRORS):
@@ -678,6 +680,20 @@ class MovementExecutor:
         if transient is not None:
             raise transient
         return outcomes
+
+    def _make_durable(self, jobs: Sequence[_Copy]) -> None:
+        """Before any flip: each target tier makes the copies just written survive a crash of the
+        machine (the disk tier syncs the directories it renamed them into), so a copy recorded
+        READY is never one a crash can take back. A tier that cannot gives its jobs the error
+        (TierUnavailable: transient, the task retries)."""
+        written = [job for job in jobs if job.written and job.error is None and not job.failure]
+        for tier in sorted({job.movement.dst_tier for job in written}):
+            try:
+                self.store.tier(tier).sync()
+            except Exception as exc:  # noqa: BLE001 - handed to the conclusion, job by job
+                for job in written:
+                    if job.movement.dst_tier == tier:
+                        job.error = exc
 
     @staticmethod
     def _taken_over(job: _Copy) -> bool:

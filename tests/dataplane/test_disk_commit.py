@@ -1,18 +1,22 @@
-"""Committing a disk block: the directory is synced after the rename, and a commit that fails
-resolves every future with a typed error and leaves no temp file, reservation or partial block."""
+"""Committing a disk block: the directory is synced after the rename (in the background, or at
+once by sync), and a commit that fails resolves every future with a typed error and leaves no
+temp file, reservation or partial block."""
 
 from __future__ import annotations
 
 import errno
 import os
 import stat
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from dataplane_support import SMALL, key, layout_of
 
 from worker.dataplane.errors import TierFull, TierUnavailable
+from worker.dataplane.tiers.disk import DIRECTORY_SYNC_DELAY_S
 
 LAYOUT = layout_of(SMALL, "bfloat16")  # 2 MiB blocks
 
@@ -51,14 +55,15 @@ def io_log(monkeypatch):
     return events, watched
 
 
-def test_put_syncs_the_directory_after_the_rename(open_tier, block_cache, io_log) -> None:
+def test_a_rename_is_synced_by_sync_after_it_happened(open_tier, block_cache, io_log) -> None:
     events, _watched = io_log
     tier = open_tier("disk", LAYOUT, blocks=4)
     tier.put(key(1), block_cache(LAYOUT, 1))
+    tier.sync()
     block_dir = os.stat(tier.path_of(key(1)).parent).st_ino
     root = os.stat(tier.root).st_ino
     # The new fan-out directory's own entry is synced into the root before any block goes in,
-    # then the block's directory once the block is renamed into it; all before put returns.
+    # then the block's directory once the block is renamed into it, by the time sync returns.
     assert [(kind, inode) for kind, inode, _ in events] == [
         ("fsync-dir", root),
         ("replace", block_dir),
@@ -66,19 +71,35 @@ def test_put_syncs_the_directory_after_the_rename(open_tier, block_cache, io_log
     ]
     events.clear()
     tier.put(key(2), block_cache(LAYOUT, 2))  # the directory exists now: only its own sync
+    tier.sync()
     assert [(kind, inode) for kind, inode, _ in events] == [
         ("replace", block_dir),
         ("fsync-dir", block_dir),
     ]
+    events.clear()
+    tier.sync()  # nothing renamed since: nothing to sync
+    assert events == []
 
 
-def test_put_many_syncs_each_directory_once_before_the_futures_resolve(
-    open_tier, block_cache, io_log
-) -> None:
+def test_a_rename_is_synced_in_the_background_without_sync(open_tier, block_cache, io_log) -> None:
+    events, _watched = io_log
+    tier = open_tier("disk", LAYOUT, blocks=4)
+    tier.put(key(1), block_cache(LAYOUT, 1))
+    block_dir = os.stat(tier.path_of(key(1)).parent).st_ino
+    deadline = time.monotonic() + 5
+    while ("fsync-dir", block_dir) not in [(kind, inode) for kind, inode, _ in events]:
+        assert time.monotonic() < deadline, f"no background sync of the block's directory: {events}"
+        time.sleep(DIRECTORY_SYNC_DELAY_S / 2)
+    renamed = [(kind, inode) for kind, inode, _ in events].index(("replace", block_dir))
+    assert [(kind, inode) for kind, inode, _ in events].index(("fsync-dir", block_dir)) > renamed
+
+
+def test_puts_share_one_sync_per_directory(open_tier, block_cache, io_log) -> None:
     events, watched = io_log
     tier = open_tier("disk", LAYOUT, blocks=6)
     tier.put(key(9), block_cache(LAYOUT, 9))
     tier.put(OTHER_DIR_KEY, block_cache(LAYOUT, 9))  # both fan-out directories exist now
+    tier.sync()
     events.clear()
     items = [(key(n), block_cache(LAYOUT, n)) for n in (1, 2, 3)]
     items.append((OTHER_DIR_KEY, block_cache(LAYOUT, 4)))
@@ -86,6 +107,7 @@ def test_put_many_syncs_each_directory_once_before_the_futures_resolve(
     watched.extend(futures)
     for future in futures:
         future.result(timeout=30)
+    tier.sync()
     shared = os.stat(tier.path_of(key(1)).parent).st_ino
     other = os.stat(tier.path_of(OTHER_DIR_KEY).parent).st_ino
     syncs = [inode for kind, inode, _ in events if kind == "fsync-dir"]
@@ -94,8 +116,36 @@ def test_put_many_syncs_each_directory_once_before_the_futures_resolve(
         last_rename = max(
             i for i, (kind, inode, _) in enumerate(events) if kind == "replace" and inode == directory
         )
-        assert events.index(("fsync-dir", directory, False)) > last_rename
-    assert not any(done for _, _, done in events)  # no future resolved before the syncs
+        assert [(kind, inode) for kind, inode, _ in events].index(("fsync-dir", directory)) > last_rename
+
+
+def test_sync_reports_a_directory_that_fails_and_syncs_it_again_later(
+    open_tier, block_cache, monkeypatch
+) -> None:
+    real_fsync = os.fsync
+    failing = {"on": True}
+
+    def eio_on_directories(fd):
+        if failing["on"] and stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    tier = open_tier("disk", LAYOUT, blocks=4)
+    tier.put(key(1), block_cache(LAYOUT, 1))  # its fan-out directory exists before the fault
+    tier.sync()
+    monkeypatch.setattr(os, "fsync", eio_on_directories)
+    tier.put(key(2), block_cache(LAYOUT, 2))  # the put itself succeeds: the block is complete
+    with pytest.raises(TierUnavailable, match="syncing the directory .* EIO"):
+        tier.sync()
+    assert tier.counters.get("disk.directory_sync_failures") >= 1
+    failing["on"] = False
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    tier.sync()  # the directory that failed was kept to be synced again
+    assert synced, "the failed directory was not synced again"
+    out = LAYOUT.empty()
+    tier.get(key(2), out)
+    assert torch.equal(out, block_cache(LAYOUT, 2))
 
 
 def test_a_directory_that_cannot_be_synced_does_not_fail_the_put(

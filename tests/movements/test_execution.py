@@ -29,6 +29,7 @@ from tests.movements.conftest import (
     placements,
     random_block,
 )
+from worker.dataplane.errors import TierUnavailable
 from worker.movements import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES
@@ -189,6 +190,42 @@ def test_a_refused_flip_drops_its_target_and_serves_nothing(executor, store, sto
     assert placements(block) == {("host", "gpu-0"): PlacementState.READY}
     assert store.contains(block.prefix_key) == ("host",)
     assert torch.equal(read(store, block, "host"), original)
+
+
+def test_a_disk_copy_is_made_durable_before_its_flip(executor, store, stored_block, monkeypatch):
+    """The disk tier syncs the directories of its renames in the background; a move asks for
+    it at once, before the copy is recorded READY (a crash after the flip cannot lose it)."""
+    block, _ = stored_block("host", seed=11)
+    m = movement(block, MovementKind.MOVE, "disk")
+    import worker.movements as glue
+
+    order: list[str] = []
+    disk = store.tier("disk")
+    real_sync, real_flip = disk.sync, glue.placements_flip_many
+    monkeypatch.setattr(disk, "sync", lambda: (order.append("sync"), real_sync())[1])
+    monkeypatch.setattr(glue, "placements_flip_many", lambda **kw: (order.append("flip"), real_flip(**kw))[1])
+    [outcome] = executor.run("move", [m.id])
+    assert outcome.state == MovementState.DONE, outcome.detail
+    assert order == ["sync", "flip"]
+
+
+def test_a_copy_that_cannot_be_made_durable_is_not_flipped(executor, store, stored_block, monkeypatch):
+    block, original = stored_block("host", seed=12)
+    m = movement(block, MovementKind.MOVE, "disk")
+
+    def unsyncable() -> None:
+        raise TierUnavailable("disk", reason="syncing the directory /x failed: EIO (Input/output error)")
+
+    monkeypatch.setattr(store.tier("disk"), "sync", unsyncable)
+    with pytest.raises(TierUnavailable):  # transient: the task retries the movement
+        executor.run("move", [m.id])
+    ready = {where for where, state in placements(block).items() if state == PlacementState.READY}
+    assert ready == {("host", "gpu-0")}  # the source stays the READY copy; the target never was
+    assert torch.equal(read(store, block, "host"), original)
+    monkeypatch.undo()
+    [outcome] = executor.run("move", [m.id])  # the retry, once the disk syncs again
+    assert outcome.state == MovementState.DONE, outcome.detail
+    assert placements(block) == {("disk", "gpu-0"): PlacementState.READY}
 
 
 def _disk_file(store, block: Block):  # type: ignore[no-untyped-def]

@@ -187,6 +187,11 @@ class Tier(abc.ABC):
     def usage(self) -> TierUsage:
         """Capacity and current use (stored + pending bytes)."""
 
+    def sync(self) -> None:  # noqa: B027 - tiers with nothing to make durable keep this
+        """Make every put that has returned survive a crash of the machine, for a tier whose puts
+        return before that (the disk tier syncs its directories in the background). Memory
+        tiers have nothing to do; a remote store is as durable as it is configured to be."""
+
     def close(self) -> None:
         """Wait for in-flight work and release the tier's resources; the bytes stay stored."""
         if self._closed:
