@@ -151,22 +151,50 @@ THROTTLED_READ_BPS = 200_000_000
 disk's rate, against this machine's 1-3 GB/s local disk."""
 
 
+THROTTLED_MODEL = "bench-deep"
+THROTTLED_PREFIX_BLOCKS = 8
+"""The throttled case runs the bench model's shape with Llama-3-8B's 32 layers: layer-wise loading
+cannot start computing before the first layer of the prefix is in, 1/layers of the load, so with
+8 layers even a perfect pipeline takes (1 + 1/8) / 2 = 0.56 of load-then-compute when the two are
+equal, and 32 layers bring that floor to 0.52. Eight 256-token blocks of 32 layers are 128 MiB in
+float32, 0.64 s at the throttled rate."""
+THROTTLED_COMPUTE_THREADS = 1
+"""Compute threads of the throttled case, both ways (load-then-compute and layer-wise): the other
+core is left to the medium's I/O, as a GPU node's compute never shares its processor with the
+loader. With both cores computing, every read's completion (interrupt, wake-up, the hash of the
+layer) takes a core from one of torch's two threads, and the other waits for it at each
+operation: measured on the dev box, the layer-wise run's compute stretched from 0.65 s to
+0.75-1.08 s with no stall at all, 0.59-0.65 of load-then-compute; one thread: 0.56-0.58."""
+
+
+@contextmanager
+def _compute_threads(threads: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _throttled_balanced_case(model_name: str, workdir: Path, options: EngineOptions,
                              progress: Callable[[str], None]) -> list[Measure]:
     """The balanced case again with the disk's reads held to THROTTLED_READ_BPS by the kernel's
     block throttle (benchmarks.throttle): the load is then the medium's time (the CPU waits, as a
     GPU's compute waits on DMA) where on the local disk it is mostly CPU and memory traffic
     competing with the compute itself. The throttle releases reads in 100 ms slices, so layers
-    arrive in steps rather than evenly. Needs root and a cgroup block controller; without them
-    the rows are left out and the reason is logged."""
-    model = load_model(model_name, dtype="float32")
+    arrive in steps rather than evenly. On THROTTLED_MODEL (`model_name` is the suite's model,
+    whose shape it shares), computing on THROTTLED_COMPUTE_THREADS. Needs root and a cgroup block
+    controller; without them the rows are left out and the reason is logged."""
+    model = load_model(THROTTLED_MODEL, dtype="float32")
     layout = _layout(model)
     disk = DiskTier(layout=layout, capacity_bytes=48 * layout.block_bytes, path=workdir / "throttled")
     try:
-        with throttled_reads(workdir, THROTTLED_READ_BPS) as how:
-            progress(f"engine: throttled balanced case, {how}")
+        with throttled_reads(workdir, THROTTLED_READ_BPS) as how, _compute_threads(THROTTLED_COMPUTE_THREADS):
+            progress(f"engine: throttled balanced case, {how}, computing on {THROTTLED_COMPUTE_THREADS} thread(s)")
             return _balanced_runs(model, disk, layout, options, progress, name="balanced_throttled",
-                                  medium=f"disk reads held to {THROTTLED_READ_BPS / 1e6:.0f} MB/s")
+                                  medium=f"disk reads held to {THROTTLED_READ_BPS / 1e6:.0f} MB/s",
+                                  prefix_blocks=THROTTLED_PREFIX_BLOCKS)
     except ThrottleUnavailable as exc:
         progress(f"engine: throttled balanced case left out: {exc}")
         return []
@@ -193,8 +221,8 @@ def _balanced_case(model_name: str, workdir: Path, options: EngineOptions,
 
 
 def _balanced_runs(model: LoadedModel, disk: Tier, layout: BlockLayout, options: EngineOptions,
-                   progress: Callable[[str], None], *, name: str = "balanced", medium: str = "disk") -> list[Measure]:
-    prefix_blocks = 32
+                   progress: Callable[[str], None], *, name: str = "balanced", medium: str = "disk",
+                   prefix_blocks: int = 32) -> list[Measure]:
     prefix = _prompt(prefix_blocks * BLOCK_TOKENS, seed=7)
     engine = Engine(model=model, store=TieredStore(layout=layout, tiers=[disk]),
                     options=dataclasses.replace(options, write_back_tier=disk.name))
@@ -211,13 +239,31 @@ def _balanced_runs(model: LoadedModel, disk: Tier, layout: BlockLayout, options:
     # the first whose measured compute reaches the measured load, or the one before it if closer.
     probe(1, seed=40)  # warm-up: the first runs of a freshly loaded model are slower
     best: tuple[float, int, float, float] | None = None
+    below = 0  # the longest suffix probed whose compute was under the load
+    above = 0  # the first whose compute reached it
     for length in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048):
         load_s, compute_s = probe(length, seed=8 + length)
         gap = abs(compute_s - load_s) / load_s
         if best is None or gap < best[0]:
             best = (gap, length, load_s, compute_s)
         if compute_s >= load_s:
+            above = length
             break
+        below = length
+    # The steps of the list grow by half: bisect between the two lengths around the crossing,
+    # so the case is balanced to a few percent rather than to a step of the list.
+    for _ in range(3):
+        if not below or above - below < 2:
+            break
+        length = (below + above) // 2
+        load_s, compute_s = probe(length, seed=8 + length)
+        gap = abs(compute_s - load_s) / load_s
+        if best is None or gap < best[0]:
+            best = (gap, length, load_s, compute_s)
+        if compute_s >= load_s:
+            above = length
+        else:
+            below = length
     assert best is not None
     _gap, suffix_tokens, load_s, compute_s = best
     progress(f"engine: {name} case, load {load_s * 1000:.0f} ms vs {suffix_tokens}-token suffix "

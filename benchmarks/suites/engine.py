@@ -2,7 +2,8 @@
 floor (layer-wise loading on and off, and a case built so that loading takes as long as computing:
 `balanced_*` on the local disk, and `balanced_throttled_*` with the disk's reads held to 200 MB/s
 by the kernel's block throttle, so that the load is the medium's time rather than CPU and memory
-traffic competing with the compute; as root, where a cgroup block controller exists), then the
+traffic competing with the compute, on `bench-deep`, the bench model with Llama-3-8B's 32 layers;
+as root, where a cgroup block controller exists), then the
 seeds' serving workloads - multi-turn chat and long-document QA - under four setups.
 
 Sizes at scale 1: an 8192+32-token prompt (an 8K document and a short question) on the `bench` model (hidden 1024, 8 layers, bf16; 10K
@@ -14,7 +15,12 @@ and with 8 clients, 60 requests each time, over a 2048-token shared system promp
 
 from __future__ import annotations
 
-from benchmarks.engine_workloads import long_doc_suite, multi_turn_suite, ttft_suite
+from benchmarks.engine_workloads import (
+    THROTTLED_MODEL,
+    long_doc_suite,
+    multi_turn_suite,
+    ttft_suite,
+)
 from benchmarks.harness import Context, Row
 from controlplane.runtime.environment import load_environment
 
@@ -25,7 +31,8 @@ def run(ctx: Context) -> list[Row]:
     redis_url = load_environment().redis.url_for_db(7)
     scale = min(ctx.scale, 1.0)
     prompt_tokens = max(1024, int(8192 * scale)) + 32
-    ctx.params.update(prompt_tokens=prompt_tokens, ttft_model="bench", workload_model="small")
+    ctx.params.update(prompt_tokens=prompt_tokens, ttft_model="bench", throttled_model=THROTTLED_MODEL,
+                      workload_model="small")
     ctx.plan(4)
     measures = ttft_suite(redis_url=redis_url, prompt_tokens=prompt_tokens, progress=ctx.log)
     ctx.step("ttft done")

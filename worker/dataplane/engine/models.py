@@ -56,6 +56,9 @@ PRESETS: dict[str, Preset] = {
     "small": Preset("llama", 256, 4, 8, 2, 688, 4096, 16384, "float32"),
     "small-deep": Preset("llama", 256, 16, 8, 2, 688, 4096, 16384, "float32"),
     "bench": Preset("llama", 1024, 8, 16, 4, 2816, 32000, 16384, "bfloat16"),
+    # The bench model with Llama-3-8B's 32 layers: layer-wise loading waits for the first layer
+    # before any compute, 1/layers of the load, which 8 layers make an eighth of it.
+    "bench-deep": Preset("llama", 1024, 32, 16, 4, 2816, 32000, 16384, "bfloat16"),
 }
 _CONFIGS: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 
