@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -110,11 +111,24 @@ def test_unknown_references_are_rejected_after_the_grace_period(registration):
 
 def test_writes_never_wait_and_are_announced_in_batches(directory, registration, profile):
     regs = [registration(position=16 * (i % 100)) for i in range(5000)]
-    started = time.perf_counter()
-    for start in range(0, len(regs), 50):
-        directory.register(blocks=regs[start:start + 50])
-    enqueue_s = time.perf_counter() - started
-    assert enqueue_s < 0.5, f"registering 5000 blocks held the caller for {enqueue_s:.3f}s"
+    # The database write is held up until every registration has been handed over: had any
+    # register() call waited for a write, this loop could not finish while the writer is stuck.
+    release, writing = threading.Event(), threading.Event()
+    real_apply = directory._apply
+
+    def held_apply(batch):  # type: ignore[no-untyped-def]
+        writing.set()
+        assert release.wait(timeout=60), "the test never released the writer"
+        return real_apply(batch)
+
+    directory._apply = held_apply
+    try:
+        for start in range(0, len(regs), 50):
+            directory.register(blocks=regs[start:start + 50])
+        assert writing.wait(timeout=10), "the writer never started"
+        assert not Block.objects.exists()  # every call returned while nothing was written yet
+    finally:
+        release.set()
     assert directory.flush(timeout=30)
     assert Block.objects.count() == 5000 and Placement.objects.count() == 5000
     # At most one event a second, each summing the batches since the last.
