@@ -53,3 +53,17 @@ def test_more_recompute_means_closer_to_full_prefill(documented, measured):
 
 def test_blend_costs_at_most_two_points_of_accuracy(measured):
     assert measured["full"]["accuracy"] - measured["blend_r15"]["accuracy"] <= 0.02
+
+
+def test_training_is_reproducible(tmp_path):
+    """The same seed gives the same weights, byte for byte (a few steps stand for the 1,600); another
+    seed gives others. The fixture's training.json records the seed and torch build it was made with."""
+    first = blend_model.train(tmp_path / "a", steps=3, log_every=1)
+    again = blend_model.train(tmp_path / "b", steps=3, log_every=1)
+    other = blend_model.train(tmp_path / "c", steps=3, seed=blend_model.SEED + 1, log_every=1)
+    weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in ("a", "b", "c")]
+    assert weights[0] == weights[1]
+    assert weights[0] != weights[2]
+    assert first["final_loss"] == again["final_loss"] != other["final_loss"]
+    recorded = json.loads((FIXTURE_MODEL / "training.json").read_text())
+    assert recorded["seed"] == blend_model.SEED and recorded["torch"]
