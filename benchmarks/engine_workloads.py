@@ -239,14 +239,21 @@ def _balanced_runs(model: LoadedModel, disk: Tier, layout: BlockLayout, options:
     # the first whose measured compute reaches the measured load, or the one before it if closer.
     probe(1, seed=40)  # warm-up: the first runs of a freshly loaded model are slower
     best: tuple[float, int, float, float] | None = None
-    below = 0  # the longest suffix probed whose compute was under the load
-    above = 0  # the first whose compute reached it
-    for length in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048):
+
+    def reaches(length: int) -> bool:
+        """Probe a suffix length, keep it if it is the closest to the load yet; True when its
+        compute reaches the load."""
+        nonlocal best
         load_s, compute_s = probe(length, seed=8 + length)
         gap = abs(compute_s - load_s) / load_s
         if best is None or gap < best[0]:
             best = (gap, length, load_s, compute_s)
-        if compute_s >= load_s:
+        return compute_s >= load_s
+
+    below = 0  # the longest suffix probed whose compute was under the load
+    above = 0  # the first whose compute reached it
+    for length in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048):
+        if reaches(length):
             above = length
             break
         below = length
@@ -255,15 +262,11 @@ def _balanced_runs(model: LoadedModel, disk: Tier, layout: BlockLayout, options:
     for _ in range(3):
         if not below or above - below < 2:
             break
-        length = (below + above) // 2
-        load_s, compute_s = probe(length, seed=8 + length)
-        gap = abs(compute_s - load_s) / load_s
-        if best is None or gap < best[0]:
-            best = (gap, length, load_s, compute_s)
-        if compute_s >= load_s:
-            above = length
+        middle = (below + above) // 2
+        if reaches(middle):
+            above = middle
         else:
-            below = length
+            below = middle
     assert best is not None
     _gap, suffix_tokens, load_s, compute_s = best
     progress(f"engine: {name} case, load {load_s * 1000:.0f} ms vs {suffix_tokens}-token suffix "
