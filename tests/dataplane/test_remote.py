@@ -8,7 +8,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,9 +28,16 @@ PROFILE = ModelProfile(model_id="test/small", dtype="bf16", **SMALL)
 LAYOUT = layout_of(SMALL, "bfloat16")
 
 
-def _every_call_is_unavailable(tier: RemoteTier, block: torch.Tensor, out: torch.Tensor, why: str) -> None:
-    """With the server gone, get, put, a layer read and contains all raise TierUnavailable (and
-    are counted), each within the client's timeout."""
+def _survives_an_outage(tier: RemoteTier, block: torch.Tensor, *, stop: Callable[[], None],
+                        start: Callable[[], None], server: str) -> None:
+    """A block stored, the server stopped: get, put, a layer read and contains all raise
+    TierUnavailable (and are counted) within the client's timeout. The server started again with
+    an empty dataset: the old block is a miss, and new blocks are stored and read back."""
+    tier.put(key(1), block)
+    out = LAYOUT.empty()
+    tier.get(key(1), out)
+
+    stop()
     started = time.monotonic()
     with pytest.raises(TierUnavailable):
         tier.get(key(1), out)
@@ -41,33 +48,26 @@ def _every_call_is_unavailable(tier: RemoteTier, block: torch.Tensor, out: torch
         future.result(timeout=30)
     with pytest.raises(TierUnavailable):
         tier.contains(key(1))
-    assert time.monotonic() - started < 10, why
+    assert time.monotonic() - started < 10, f"a dead {server} must fail fast"
     assert tier.counters.get("remote.unavailable") >= 4
 
-
-def test_redis_restarted_mid_run_is_unavailable_then_recovers(
-    open_tier, redis_server, block_cache
-) -> None:
-    tier = open_tier("remote", LAYOUT, blocks=4)
-    block = block_cache(LAYOUT, 1)
-    tier.put(key(1), block)
-    out = LAYOUT.empty()
-    tier.get(key(1), out)
-
-    redis_server.stop()
-    _every_call_is_unavailable(tier, block, out, "a dead Redis must fail fast")
-
-    redis_server.start()  # same socket, empty dataset (no persistence)
+    start()  # no persistence: the dataset is empty again
     with pytest.raises(BlockMissing):
         tier.get(key(1), out)
     tier.put(key(2), block)
     out.zero_()
     tier.get(key(2), out)
     assert torch.equal(out, block)
-    assert (
-        tier.get_layers([key(2)], 3, [LAYOUT.empty(layers=1)])[0].result(timeout=30).tier
-        == "remote"
-    )
+    [future] = tier.get_layers([key(2)], 3, [LAYOUT.empty(layers=1)])
+    assert future.result(timeout=30).tier == "remote"
+
+
+def test_redis_restarted_mid_run_is_unavailable_then_recovers(
+    open_tier, redis_server, block_cache
+) -> None:
+    tier = open_tier("remote", LAYOUT, blocks=4)
+    _survives_an_outage(tier, block_cache(LAYOUT, 1), stop=redis_server.stop, start=redis_server.start,
+                        server="Redis")
 
 
 def test_store_recomputes_nothing_wrong_while_redis_is_down(
@@ -379,23 +379,8 @@ def test_redis_cluster_down_is_unavailable_then_recovers(
         engine=engine,
     )
     try:
-        block = block_cache(LAYOUT, 1)
-        tier.put(key(1), block)
-        out = LAYOUT.empty()
-        tier.get(key(1), out)
-
-        redis_cluster.stop()
-        _every_call_is_unavailable(tier, block, out, "a dead cluster must fail fast")
-
-        redis_cluster.start()  # same port and slots, empty dataset (no persistence)
-        with pytest.raises(BlockMissing):
-            tier.get(key(1), out)
-        tier.put(key(2), block)
-        out.zero_()
-        tier.get(key(2), out)
-        assert torch.equal(out, block)
-        [future] = tier.get_layers([key(2)], 3, [LAYOUT.empty(layers=1)])
-        assert future.result(timeout=30).tier == "remote"
+        _survives_an_outage(tier, block_cache(LAYOUT, 1), stop=redis_cluster.stop, start=redis_cluster.start,
+                            server="cluster")
     finally:
         tier.close()
 
