@@ -23,7 +23,10 @@ def role_of(user: AbstractBaseUser | AnonymousUser) -> Role:
         return Role.NONE
     if getattr(user, "is_superuser", False):
         return Role.ADMIN
-    names = set(user.groups.values_list("name", flat=True))  # type: ignore[union-attr]
+    # Token authentication loads the names with the token (accounts.authentication).
+    names = getattr(user, "strata_group_names", None)
+    if names is None:
+        names = set(user.groups.values_list("name", flat=True))  # type: ignore[union-attr]
     for role in (Role.ADMIN, Role.OPERATOR, Role.VIEWER):
         if GROUP_NAMES[role] in names:
             return role

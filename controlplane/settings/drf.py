@@ -8,7 +8,7 @@ def settings() -> dict[str, Any]:
         "REST_FRAMEWORK": {
             "DEFAULT_AUTHENTICATION_CLASSES": [
                 # Token first: its WWW-Authenticate header makes "not logged in" a 401, not a 403.
-                "rest_framework.authentication.TokenAuthentication",
+                "controlplane.accounts.authentication.TokenAuthentication",
                 "rest_framework.authentication.SessionAuthentication",
             ],
             "DEFAULT_PERMISSION_CLASSES": ["controlplane.accounts.permissions.RolePermission"],
