@@ -11,9 +11,11 @@ measures in a child process whose Django points at that database:
   registered chain, the rest misses. Chains are picked uniformly at random over the whole table.
 * ``node_lookup64``: the same through the node's Directory client (its own connection,
   server-side binding, prepared statement).
-* ``rest_lookup64``: ``POST /api/v1/blocks/lookup/`` through a real daphne server (ASGI, token
-  auth, role check, throttling, JSON) over a keep-alive HTTP connection, with the project's
-  production settings (a pool of database connections); ``rest_unpooled_lookup64`` the same with
+* ``rest_lookup64``: ``POST /api/v1/blocks/lookup/`` through the engine API server as deployed
+  (gunicorn, ``controlplane.runtime.gunicorn``: WSGI, threaded workers; token auth, role check,
+  throttling, JSON) over a keep-alive HTTP connection, with the project's production settings (a
+  pool of database connections); ``rest_asgi_lookup64`` the same through daphne (ASGI, the server
+  that also carries the dashboard's websockets); ``rest_unpooled_lookup64`` through daphne with
   ``STRATA_DB_POOL_MAX=0`` (a new database connection per request), to show what the pool saves.
 * ``register``: the ``blocks_register`` service, 4096 new blocks (with one copy each) per call,
   and the WAL the server wrote per block meanwhile; ``register_2writers``: two callers at once,
@@ -277,26 +279,31 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _daphne(*, pooled: bool) -> Iterator[int]:
-    """A daphne serving the control plane with the production settings: with their connection
-    pool, or without it (under ASGI each request then opens a new database connection)."""
+def _server(kind: str, *, pooled: bool) -> Iterator[int]:
+    """The control plane served with the production settings by the engine API's gunicorn
+    ("wsgi") or by daphne ("asgi"): with their connection pool, or without it (each request
+    then opens a new database connection)."""
     port = _free_port()
     env = {**os.environ, "STRATA_DB_POOL_MAX": os.environ.get("STRATA_DB_POOL_MAX", "8") if pooled else "0"}
-    server = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-                               "controlplane.asgi:application"], cwd=REPO_ROOT, env=env,
+    if kind == "wsgi":
+        command = ["-m", "gunicorn", "-c", "python:controlplane.runtime.gunicorn", "-b", f"127.0.0.1:{port}",
+                   "controlplane.wsgi:application"]
+    else:
+        command = ["-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"]
+    server = subprocess.Popen([sys.executable, *command], cwd=REPO_ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while True:
             if server.poll() is not None:
-                raise RuntimeError(f"daphne exited: {server.stderr.read() if server.stderr else ''}")
+                raise RuntimeError(f"{kind} server exited: {server.stderr.read() if server.stderr else ''}")
             with contextlib.suppress(OSError):
                 probe = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
                 probe.request("GET", "/livez")
                 if probe.getresponse().status == 200:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError("daphne did not answer /livez within 60 s")
+                raise RuntimeError(f"the {kind} server did not answer /livez within 60 s")
             time.sleep(0.2)
         yield port
     finally:
@@ -471,8 +478,8 @@ def child(spec: dict[str, Any]) -> None:
     headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
 
     def rest_round(conn: http.client.HTTPConnection, name: str) -> None:
-        # daphne closes a keep-alive connection after 60 s idle, less than a round of the other
-        # measurements takes at 10M blocks: open a fresh one, outside the timed requests.
+        # The servers close a keep-alive connection after a minute or so idle, less than a round of
+        # the other measurements takes at 10M blocks: open a fresh one, outside the timed requests.
         conn.close()
         conn.request("GET", "/livez")
         conn.getresponse().read()
@@ -493,9 +500,11 @@ def child(spec: dict[str, Any]) -> None:
 
     with contextlib.ExitStack() as servers:
         http_conn = http.client.HTTPConnection(
-            "127.0.0.1", servers.enter_context(_daphne(pooled=True)), timeout=30)
+            "127.0.0.1", servers.enter_context(_server("wsgi", pooled=True)), timeout=30)
+        asgi_conn = http.client.HTTPConnection(
+            "127.0.0.1", servers.enter_context(_server("asgi", pooled=True)), timeout=30)
         unpooled_conn = http.client.HTTPConnection(
-            "127.0.0.1", servers.enter_context(_daphne(pooled=False)), timeout=30)
+            "127.0.0.1", servers.enter_context(_server("asgi", pooled=False)), timeout=30)
         for repeat in range(repeats):
             lat = []
             for _ in range(n64):
@@ -525,6 +534,7 @@ def child(spec: dict[str, Any]) -> None:
             record("lookup1024_p99", _percentile(lat, 99) * 1e3)
             _emit(step=f"lookup1024 round {repeat + 1}")
             rest_round(http_conn, "rest_lookup64")
+            rest_round(asgi_conn, "rest_asgi_lookup64")
             rest_round(unpooled_conn, "rest_unpooled_lookup64")
             _emit(step=f"REST lookup round {repeat + 1}")
             # Registration of new blocks, 4096 (with one copy each) per call.
@@ -559,10 +569,12 @@ def child(spec: dict[str, Any]) -> None:
     _row("directory.lookup1024_p50_ms", median["lookup1024_p50"], "ms", samples=n1024, **params)
     _row("directory.node_lookup64_p50_ms", median["node_lookup64_p50"], "ms", samples=n64, **params)
     _row("directory.node_lookup64_p99_ms", median["node_lookup64_p99"], "ms", samples=n64, **params)
-    for variant, pool in (("rest", "psycopg_pool 2..8"), ("rest_unpooled", "none")):
+    for variant, server, pool in (("rest", "gunicorn (WSGI, the engine API)", "psycopg_pool 2..8"),
+                                  ("rest_asgi", "daphne (ASGI)", "psycopg_pool 2..8"),
+                                  ("rest_unpooled", "daphne (ASGI)", "none")):
         for pct in ("p50", "p99"):
             _row(f"directory.{variant}_lookup64_{pct}_ms", median[f"{variant}_lookup64_{pct}"], "ms",
-                 samples=nrest, server="daphne", db_pool=pool, **params)
+                 samples=nrest, server=server, db_pool=pool, **params)
     _row("directory.register_blocks_per_s", median["register"], "blocks/s", batch=4096, batches=batches, **params)
     _row("directory.register_wal_bytes_per_block", median["register_wal"], "bytes", batch=4096, **params)
     _row("directory.register_2writers_blocks_per_s", median["register_2writers"], "blocks/s", batch=4096,

@@ -42,10 +42,14 @@ def _manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, str(REPO_ROOT / "manage.py"), *args], env=env, check=True, cwd=REPO_ROOT)
 
 
-def _procfile(port: int, model: str, first_node_port: int) -> list[tuple[str, str]]:
+def _procfile(port: int, model: str, first_node_port: int, api_port: int) -> list[tuple[str, str]]:
     python = shlex.quote(sys.executable)
     celery = f"{python} -m celery -A controlplane.celery_app"
-    processes = [("web", f"{python} -m daphne -b 127.0.0.1 -p {port} controlplane.asgi:application")]
+    processes = [
+        ("web", f"{python} -m daphne -b 127.0.0.1 -p {port} controlplane.asgi:application"),
+        ("api", f"{python} -m gunicorn -c python:controlplane.runtime.gunicorn -b 127.0.0.1:{api_port} "
+                "controlplane.wsgi:application"),
+    ]
     node_urls = []
     for index, name in enumerate(NODES):
         serve = f" --model {shlex.quote(model)} --serve-port {first_node_port + index}" if model else ""
@@ -61,7 +65,7 @@ def _procfile(port: int, model: str, first_node_port: int) -> list[tuple[str, st
     return processes
 
 
-def run(port: int, model: str) -> int:
+def run(port: int, model: str, api_port: int | None = None) -> int:
     from honcho.manager import Manager
 
     env_vars = dict(os.environ)
@@ -93,13 +97,15 @@ def run(port: int, model: str) -> int:
     pid_file.write_text(str(os.getpid()))
     manager = Manager()
     first_node_port = int(os.environ.get("STRATA_DEMO_NODE_PORT", "9100"))
-    for name, command in _procfile(port, model, first_node_port):
+    api_port = api_port or port + 1
+    for name, command in _procfile(port, model, first_node_port, api_port):
         manager.add_process(name, command, env=env_vars, cwd=str(REPO_ROOT))
     base = f"http://127.0.0.1:{port}"
     print(
         f"\nStrata is starting:\n"
         f"  dashboard  {base}/            (user admin; password above or in {env.var_dir / 'admin-password'})\n"
         f"  API docs   {base}/api/docs/\n"
+        f"  engine API http://127.0.0.1:{api_port}/api/v1/  (the same REST API on a WSGI server, for engines)\n"
         f"  nodes      {base}/api/v1/nodes/\n"
         f"  admin      {base}/admin/\n"
         f"  health     {base}/readyz   metrics {base}/metrics\n"
@@ -141,6 +147,13 @@ def stop() -> int:
     return 0
 
 
+def _port(name: str, default: str) -> int:
+    text = os.environ.get(name, default)
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ConfigurationError(f"{name}: expected a TCP port number, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m controlplane.runtime.demo", description=__doc__)
     parser.add_argument("action", choices=["run", "stop"])
@@ -148,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "stop":
             return stop()
-        port_text = os.environ.get("STRATA_HTTP_PORT", "8000")
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-            raise ConfigurationError(f"STRATA_HTTP_PORT: expected a TCP port number, got {port_text!r}")
-        return run(int(port_text), os.environ.get("STRATA_DEMO_MODEL", "bench"))
+        port = _port("STRATA_HTTP_PORT", "8000")
+        api_port = _port("STRATA_API_PORT", str(port + 1))
+        if api_port == port:
+            raise ConfigurationError(f"STRATA_API_PORT: {api_port} is the dashboard's port (STRATA_HTTP_PORT)")
+        return run(port, os.environ.get("STRATA_DEMO_MODEL", "bench"), api_port)
     except ConfigurationError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2

@@ -41,6 +41,13 @@ def _check_project_command(argv: list[str]) -> None:
         app_module, _, attribute = argv[-1].partition(":")
         assert (REPO_ROOT / (app_module.replace(".", "/") + ".py")).exists()
         assert attribute == "application"
+    elif module == "gunicorn":
+        app_module, _, attribute = argv[-1].partition(":")
+        assert (REPO_ROOT / (app_module.replace(".", "/") + ".py")).exists()
+        assert attribute == "application"
+        config = argv[argv.index("-c") + 1]
+        assert config.startswith("python:"), config
+        assert importlib.util.find_spec(config.removeprefix("python:")) is not None, config
     elif module == "celery":
         app_module = argv[argv.index("-A") + 1]
         assert (REPO_ROOT / (app_module.replace(".", "/") + ".py")).exists()
@@ -49,7 +56,7 @@ def _check_project_command(argv: list[str]) -> None:
 
 def test_every_service_command_exists(compose):
     services = compose["services"]
-    assert {"postgres", "redis", "web", "node-gpu-0", "beat"} <= set(services)
+    assert {"postgres", "redis", "web", "api", "node-gpu-0", "beat"} <= set(services)
     for name, service in services.items():
         argv = _command(service)
         if "build" in service:

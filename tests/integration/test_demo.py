@@ -77,11 +77,12 @@ def var_dir():
 def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
     port = free_port()
     node_port = free_port()
-    while node_port + 1 == port:
-        node_port = free_port()
+    api_port = free_port()
+    while node_port + 1 in (port, api_port) or api_port in (port, node_port):
+        node_port, api_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
     pools = "strata-" + hashlib.sha256(str(var_dir.resolve()).encode()).hexdigest()[:8]
-    env.update(STRATA_VAR_DIR=str(var_dir), STRATA_HTTP_PORT=str(port), PYTHONUNBUFFERED="1", STRATA_DEMO_MODEL="tiny",
+    env.update(STRATA_VAR_DIR=str(var_dir), STRATA_HTTP_PORT=str(port), STRATA_API_PORT=str(api_port), PYTHONUNBUFFERED="1", STRATA_DEMO_MODEL="tiny",
                STRATA_DEMO_NODE_PORT=str(node_port),
                STRATA_HEARTBEAT_SECONDS="1")
     log = open(tmp_path / "demo.log", "w+")
@@ -109,6 +110,12 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
             names = {n["name"] for n in json.loads(body)["results"] if n["state"] == "up"}
             time.sleep(0.5)
         assert names == {"gpu-0", "gpu-1"}
+        # The engine API: the same REST API on the WSGI server (the session works there too).
+        engine_api = Session(f"http://127.0.0.1:{api_port}")
+        engine_api.jar = session.jar
+        engine_api.opener = session.opener
+        code, body = engine_api.get("/api/v1/nodes/")
+        assert code == 200 and {n["name"] for n in json.loads(body)["results"]} >= {"gpu-0", "gpu-1"}
         assert session.get("/api/docs/")[0] == 200
         assert session.get("/")[0] == 200
         assert _processes_of(var_dir), "the demo's processes should be visible while it runs"
