@@ -246,9 +246,7 @@ class Bench:
                 tier.delete(k)
             # The disk tier unlinks deleted files in the background: all of it before the timer
             # starts, as the raw pass (which overwrites one file in place) frees nothing either.
-            drain = getattr(tier, "drain_deletes", None)
-            if drain is not None:
-                drain()
+            tier.drain_deletes()
 
         step, name = self.ctx.step, tier.name
         measured = {

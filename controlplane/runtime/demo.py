@@ -65,7 +65,7 @@ def _procfile(port: int, model: str, first_node_port: int, api_port: int) -> lis
     return processes
 
 
-def run(port: int, model: str, api_port: int | None = None) -> int:
+def run(port: int, model: str, api_port: int) -> int:
     from honcho.manager import Manager
 
     env_vars = dict(os.environ)
@@ -97,7 +97,6 @@ def run(port: int, model: str, api_port: int | None = None) -> int:
     pid_file.write_text(str(os.getpid()))
     manager = Manager()
     first_node_port = int(os.environ.get("STRATA_DEMO_NODE_PORT", "9100"))
-    api_port = api_port or port + 1
     for name, command in _procfile(port, model, first_node_port, api_port):
         manager.add_process(name, command, env=env_vars, cwd=str(REPO_ROOT))
     base = f"http://127.0.0.1:{port}"

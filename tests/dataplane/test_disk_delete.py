@@ -66,24 +66,15 @@ def test_a_deleted_block_is_gone_at_once_and_its_bytes_pending_until_unlinked(
 
 
 def test_a_put_short_of_room_waits_for_deleted_bytes_instead_of_refusing(
-    open_tier, block_cache, monkeypatch
+    open_tier, block_cache, held_unlinks
 ) -> None:
     tier = open_tier("disk", LAYOUT, capacity_bytes=0)
     tier.capacity_bytes = 2 * tier.file_bytes
     tier.put(key(1), block_cache(LAYOUT, 1))
     tier.put(key(2), block_cache(LAYOUT, 2))
-    release = threading.Event()
-    real_unlink = os.unlink
-
-    def slow_unlink(path, *args, **kwargs):
-        if threading.current_thread().name.endswith("-unlink"):
-            release.wait(30)
-        return real_unlink(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "unlink", slow_unlink)
     tier.delete(key(1))
     assert tier.usage().used_bytes == 2 * tier.file_bytes  # the file is not unlinked yet
-    threading.Timer(0.2, release.set).start()
+    threading.Timer(0.2, held_unlinks.set).start()
     tier.put(key(3), block_cache(LAYOUT, 3))  # waits for the unlink, then fits
     assert tier.contains(key(3)) and tier.usage().blocks == 2
     assert tier.counters.snapshot().get("disk.full", 0) == 0

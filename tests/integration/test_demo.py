@@ -112,7 +112,6 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
         assert names == {"gpu-0", "gpu-1"}
         # The engine API: the same REST API on the WSGI server (the session works there too).
         engine_api = Session(f"http://127.0.0.1:{api_port}")
-        engine_api.jar = session.jar
         engine_api.opener = session.opener
         code, body = engine_api.get("/api/v1/nodes/")
         assert code == 200 and {n["name"] for n in json.loads(body)["results"]} >= {"gpu-0", "gpu-1"}

@@ -192,6 +192,10 @@ class Tier(abc.ABC):
         return before that (the disk tier syncs its directories in the background). Memory
         tiers have nothing to do; a remote store is as durable as it is configured to be."""
 
+    def drain_deletes(self) -> None:  # noqa: B027 - tiers that delete at once keep this
+        """Return once the bytes of every block deleted so far are freed, for a tier that frees
+        them after `delete` returns (the disk tier unlinks its files in the background)."""
+
     def close(self) -> None:
         """Wait for in-flight work and release the tier's resources; the bytes stay stored."""
         if self._closed:

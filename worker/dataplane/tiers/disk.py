@@ -460,6 +460,13 @@ class DiskTier(Tier):
     def path_of(self, key: uuid.UUID) -> Path:
         return self.root / key.hex[:2] / f"{key.hex}.blk"
 
+    def _temp_path(self, final: Path, key: uuid.UUID, reserved: int) -> Path:
+        """A temporary name of this process beside `final`, reserving `reserved` bytes: the
+        reconciler of any host sharing the directory reads these fields (_parse_temp_name)."""
+        return final.parent / (
+            f".{key.hex}.{os.getpid()}.{secrets.token_hex(4)}.{reserved}.{self.host_token}.tmp"
+        )
+
     def reconcile(self) -> TierUsage:
         """Recount the ledger from the directory, removing temporary files of dead writers: this
         host's whose process is gone, another host's once older than FOREIGN_TEMP_GRACE_SECONDS."""
@@ -689,11 +696,7 @@ class DiskTier(Tier):
                 f"checksum has {len(checksum.layers)} layers, the layout {layout.layers}"
             )
         final = self.path_of(key)
-        # The reconciler of any host sharing the directory reads these fields (_parse_temp_name).
-        tmp = final.parent / (
-            f".{key.hex}.{os.getpid()}.{secrets.token_hex(4)}.{self.file_bytes}"
-            f".{self.host_token}.tmp"
-        )
+        tmp = self._temp_path(final, key, self.file_bytes)
         direct = (
             self.direct_io and not use_kvikio and is_aligned(src.data_ptr(), layout.block_bytes)
         )
@@ -1239,11 +1242,8 @@ class DiskTier(Tier):
             path = self.path_of(key)
             try:
                 size = os.stat(path).st_size
-                # A temporary name of this process (_parse_temp_name): should it die before the
-                # unlink, the next reconcile removes the file.
-                doomed = path.parent / (
-                    f".{key.hex}.{os.getpid()}.{secrets.token_hex(4)}.{size}.{self.host_token}.tmp"
-                )
+                # Should this process die before the unlink, the next reconcile removes the file.
+                doomed = self._temp_path(path, key, size)
                 os.rename(path, doomed)
             except FileNotFoundError:
                 return False
@@ -1254,7 +1254,6 @@ class DiskTier(Tier):
         return True
 
     def drain_deletes(self) -> None:
-        """Return once the files of every block deleted so far are unlinked (their bytes free)."""
         self._unlinker.drain()
 
     def usage(self) -> TierUsage:
