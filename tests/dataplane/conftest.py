@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -195,3 +196,19 @@ def open_tier(request, tmp_path, shm_name, engine):
     yield build
     for tier in opened:
         tier.close()
+
+
+@pytest.fixture
+def held_unlinks(monkeypatch):
+    """Hold the disk tier's background unlinks (of deleted blocks) until the test sets the event."""
+    release = threading.Event()
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if threading.current_thread().name.endswith("-unlink"):
+            release.wait(30)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    yield release
+    release.set()

@@ -25,22 +25,6 @@ def _files(root: Path) -> list[str]:
     return sorted(p.name for p in root.rglob("*") if p.is_file() and p.name != ".strata-ledger")
 
 
-@pytest.fixture
-def held_unlinks(monkeypatch):
-    """Hold the tier's background unlinks until the test releases them."""
-    release = threading.Event()
-    real_unlink = os.unlink
-
-    def unlink(path, *args, **kwargs):
-        if threading.current_thread().name.endswith("-unlink"):
-            release.wait(30)
-        return real_unlink(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "unlink", unlink)
-    yield release
-    release.set()
-
-
 def test_a_deleted_block_is_gone_at_once_and_its_bytes_pending_until_unlinked(
     open_tier, block_cache, held_unlinks
 ) -> None:

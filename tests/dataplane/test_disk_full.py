@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import subprocess
+import threading
 import uuid
 from pathlib import Path
 
@@ -69,6 +70,22 @@ def test_a_really_full_filesystem_gives_tier_full_and_no_partial_file(
     out = LAYOUT.empty()
     tier.get(key(2), out)
     assert torch.equal(out, block_cache(LAYOUT, 2))
+
+
+def test_a_full_filesystem_waits_for_the_bytes_of_blocks_being_deleted(
+    small_tmpfs, open_tier, block_cache, held_unlinks
+) -> None:
+    tier = open_tier("disk", LAYOUT, capacity_bytes=1 << 30, path=small_tmpfs / "disk")
+    tier.put(key(1), block_cache(LAYOUT, 1))
+    tier.put(key(2), block_cache(LAYOUT, 2))
+    tier.delete(key(1))  # its file is still on the filesystem until the unlink is released
+    threading.Timer(0.2, held_unlinks.set).start()
+    tier.put(key(3), block_cache(LAYOUT, 3))  # ENOSPC first: waits for the unlink, then fits
+    assert tier.contains(key(3)) and tier.counters.get("disk.full") == 0
+    assert sorted(_leftovers(tier.root)) == sorted([f"{key(2).hex}.blk", f"{key(3).hex}.blk"])
+    with pytest.raises(TierFull):  # nothing being freed: refused, and counted
+        tier.put(key(4), block_cache(LAYOUT, 4))
+    assert tier.counters.get("disk.full") == 1
 
 
 @pytest.mark.parametrize("failing", ["pwritev", "fdatasync"])

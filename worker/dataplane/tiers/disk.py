@@ -120,7 +120,8 @@ def host_token(name: str | None = None) -> str:
 
 
 class _NoRoomYet(Exception):
-    """No room for a block until the deleted blocks' files being unlinked are gone."""
+    """No room for a block yet, while deleted blocks' files are being unlinked (`_stage` waits
+    for them and writes once more)."""
 
 
 class _Unlinker:
@@ -675,7 +676,20 @@ class DiskTier(Tier):
         return futures
 
     def _stage(self, key: uuid.UUID, data: torch.Tensor, checksum: BlockChecksum | None) -> _Staged:
-        """Write a block to a new temporary file (reserved in the ledger); not yet synced."""
+        """Write a block to a new temporary file (reserved in the ledger); not yet synced. Short
+        of room (the quota or the filesystem) while blocks this process deleted are still being
+        unlinked, it waits for their bytes and writes once more; TierFull only when nothing was
+        being freed."""
+        freeing = self._unlinker.busy
+        try:
+            return self._stage_once(key, data, checksum, wait_for_freed=freeing)
+        except _NoRoomYet:
+            self._unlinker.drain()
+        return self._stage_once(key, data, checksum, wait_for_freed=False)
+
+    def _stage_once(
+        self, key: uuid.UUID, data: torch.Tensor, checksum: BlockChecksum | None, *, wait_for_freed: bool
+    ) -> _Staged:
         src = self._block_bytes(data)
         layout = self.layout
         use_kvikio = False
@@ -701,7 +715,7 @@ class DiskTier(Tier):
             self.direct_io and not use_kvikio and is_aligned(src.data_ptr(), layout.block_bytes)
         )
         try:
-            fd = self._reserve_and_create(tmp, direct=direct)
+            fd = self._reserve_and_create(tmp, direct=direct, wait_for_freed=wait_for_freed)
         except BaseException:
             if hashing is not None:
                 hashing.exception()  # never leave a thread reading the caller's buffer
@@ -729,7 +743,7 @@ class DiskTier(Tier):
         except BaseException as exc:
             os.close(fd)
             self._abandon(tmp)
-            raise self._full_or(exc, tmp) from exc
+            raise self._full_or(exc, tmp, wait_for_freed=wait_for_freed) from exc
         return _Staged(
             key=key,
             tmp=tmp,
@@ -743,8 +757,14 @@ class DiskTier(Tier):
         view[: len(packed)] = packed
         view[len(packed) :] = bytes(self.header_bytes - len(packed))
 
-    def _full_or(self, exc: BaseException, tmp: Path, doing: str = "writing") -> BaseException:
+    def _full_or(
+        self, exc: BaseException, tmp: Path, doing: str = "writing", *, wait_for_freed: bool = False
+    ) -> BaseException:
+        """TierFull for a full filesystem or quota (counted), or _NoRoomYet when `wait_for_freed`;
+        any other error as it is."""
         if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+            if wait_for_freed:
+                return _NoRoomYet()
             self.counters.add(f"{self.name}.full")
             return TierFull(
                 self.name, needed=self.file_bytes, detail=f"{exc.strerror} {doing} {tmp.name}"
@@ -881,21 +901,13 @@ class DiskTier(Tier):
                 placed.append((i, entry, stamp))
         return placed
 
-    def _reserve_and_create(self, tmp: Path, *, direct: bool) -> int:
-        """Reserve a block's room in the ledger and create its temporary file; TierFull when there
-        is no room. Short of room while blocks this process deleted are still being unlinked
-        (their bytes about to be free), it waits for them and asks once more."""
-        try:
-            return self._reserve_once(tmp, direct=direct, refuse=not self._unlinker.busy)
-        except _NoRoomYet:
-            self._unlinker.drain()
-        return self._reserve_once(tmp, direct=direct, refuse=True)
-
-    def _reserve_once(self, tmp: Path, *, direct: bool, refuse: bool) -> int:
+    def _reserve_and_create(self, tmp: Path, *, direct: bool, wait_for_freed: bool) -> int:
+        """Reserve a block's room in the ledger and create its temporary file: TierFull when
+        there is no room (_NoRoomYet instead when `wait_for_freed`)."""
         with self._ledger.locked() as state:
             used = state[0] + state[1]
             if used + self.file_bytes > self.capacity_bytes:
-                if not refuse:
+                if wait_for_freed:
                     raise _NoRoomYet
                 self.counters.add(f"{self.name}.full")
                 raise TierFull(
@@ -914,6 +926,8 @@ class DiskTier(Tier):
                     fd = os.open(tmp, flags, 0o644)
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
+                    if wait_for_freed:
+                        raise _NoRoomYet from exc
                     self.counters.add(f"{self.name}.full")
                     raise TierFull(
                         self.name, needed=self.file_bytes, detail=exc.strerror or ""
