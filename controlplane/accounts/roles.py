@@ -1,8 +1,9 @@
 """The three roles of the control plane and how a user's role is decided."""
 
 from enum import IntEnum
+from typing import cast
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser, PermissionsMixin
 
 
 class Role(IntEnum):
@@ -26,7 +27,8 @@ def role_of(user: AbstractBaseUser | AnonymousUser) -> Role:
     # Token authentication loads the names with the token (accounts.authentication).
     names = getattr(user, "strata_group_names", None)
     if names is None:
-        names = set(user.groups.values_list("name", flat=True))  # type: ignore[union-attr]
+        # Authenticated, so not AnonymousUser: the user model (auth.User) has groups.
+        names = set(cast(PermissionsMixin, user).groups.values_list("name", flat=True))
     for role in (Role.ADMIN, Role.OPERATOR, Role.VIEWER):
         if GROUP_NAMES[role] in names:
             return role

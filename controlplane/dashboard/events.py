@@ -54,10 +54,10 @@ def event_validate(event: dict[str, Any]) -> None:
     schema = EVENT_SCHEMAS.get(event["type"])
     if schema is None:
         raise ValueError(f"unknown event type {event['type']!r}")
-    for field, kind in schema.items():
+    for field, kinds in schema.items():
         if field not in event["payload"]:
             raise ValueError(f"{event['type']} payload lacks {field!r}")
-        if not isinstance(event["payload"][field], kind):
+        if not isinstance(event["payload"][field], kinds):
             raise ValueError(f"{event['type']} payload field {field!r} has type {type(event['payload'][field]).__name__}")
 
 

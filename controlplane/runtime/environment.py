@@ -7,6 +7,7 @@ import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ class Database:
     port: str
     options: dict[str, str]
 
-    def django(self) -> dict[str, object]:
+    def django(self) -> dict[str, Any]:
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": self.name,

@@ -14,6 +14,7 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from typing import cast
 
 import torch
 
@@ -157,7 +158,7 @@ class TieredStore:
         order = self._order(tiers)
         local = [tier for tier in order if not isinstance(tier, RemoteTier)]
         remote = [tier for tier in order if isinstance(tier, RemoteTier)]
-        results: list[Future[ReadResult]] = [None] * len(keys)  # type: ignore[list-item] - all set below
+        results: list[Future[ReadResult]] = [None] * len(keys)  # type: ignore[list-item]  # all set below
         groups: dict[str, list[int]] = {}
         candidates: list[list[Tier]] = []
         held = [tier.contains_many(keys) for tier in local]  # one pass per tier, not one call per key
@@ -211,7 +212,8 @@ class TieredStore:
         holds = local[0].contains_many(keys) if local and keys else []
         if not holds or not all(holds):
             futures = self.get_layers(keys, layers=selected, outs=list(rows.unbind(0)) if keys else [], tiers=tiers)
-            return [future.exception() for future in futures]  # type: ignore[misc] - misses are Exceptions
+            # Tiers fail a read with an Exception (a miss), never a bare BaseException.
+            return cast("list[Exception | None]", [future.exception() for future in futures])
         first = local[0]
         errors = first.read_layers_into(keys, selected, rows)
         failed_at = [i for i, error in enumerate(errors) if error is not None]

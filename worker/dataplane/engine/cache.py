@@ -5,10 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin
 
 
 class LoadFailed(RuntimeError):
@@ -102,6 +105,7 @@ class PrefixLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         if not self.is_initialized:
             return self.prefix_len
+        assert self.keys is not None  # set by lazy_initialization, with is_initialized
         return int(self.keys.shape[-2])
 
 
@@ -111,7 +115,7 @@ class StrataCache(Cache):
     def __init__(self, *, layers: int, prefix_len: int = 0, source: PrefixSource | None = None,
                  gates: list[LayerGate] | None = None) -> None:
         self.stalls = [0.0] * layers
-        built = [
+        built: list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer] = [
             PrefixLayer(layer=i, prefix_len=prefix_len, source=source, gate=gates[i] if gates else None,
                         stalls=self.stalls)
             for i in range(layers)
@@ -129,5 +133,6 @@ class StrataCache(Cache):
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of a layer as [1, kv_heads, tokens, head_dim] tensors."""
-        entry = self.layers[layer]
-        return entry.keys, entry.values
+        entry = cast(PrefixLayer, self.layers[layer])  # every layer is one (see __init__)
+        # Asked for once the layer has run or been filled, so both are set.
+        return cast(torch.Tensor, entry.keys), cast(torch.Tensor, entry.values)

@@ -124,7 +124,9 @@ def preset_config(name: str, *, dtype: str | None = None) -> PretrainedConfig:
     if name not in PRESETS:
         raise ValueError(f"model: unknown preset {name!r}; presets are {', '.join(sorted(PRESETS))}, or give a local path")
     preset = PRESETS[name]
-    return _CONFIGS[preset.family](
+    # The config classes take these (their fields, and attn_implementation as an extra keyword);
+    # typed as PretrainedConfig, which declares none of them.
+    return _CONFIGS[preset.family](  # type: ignore[call-arg]
         hidden_size=preset.hidden_size,
         num_hidden_layers=preset.num_hidden_layers,
         num_attention_heads=preset.num_attention_heads,

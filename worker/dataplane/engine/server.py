@@ -13,9 +13,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -223,7 +224,8 @@ class NodeServer:
 
     @property
     def address(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        # A TCP server's address: (host, port), plus flow info and scope id for IPv6.
+        host, port = cast(tuple[str, int], self.httpd.server_address[:2])
         return f"{host}:{port}"
 
     def start(self) -> NodeServer:
@@ -237,7 +239,7 @@ class NodeServer:
         self.thread.join(timeout=10)
 
     # -- request handling -------------------------------------------------------------------
-    def namespace_of(self, headers: Mapping[str, str]) -> str:
+    def namespace_of(self, headers: Message) -> str:
         auth = headers.get("Authorization", "")
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         if self.api_keys:
@@ -255,7 +257,7 @@ class NodeServer:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{NAMESPACE_HEADER} must be 1-63 letters, digits, '-', '_' or '.'")
         return namespace
 
-    def check_admin(self, headers: Mapping[str, str]) -> None:
+    def check_admin(self, headers: Message) -> None:
         """Operator controls need the node's admin key; tenants' API keys do not open them."""
         if not self.admin_key:
             raise ApiError(HTTPStatus.FORBIDDEN, "operator controls are off on this node: set STRATA_NODE_ADMIN_KEY",
@@ -267,7 +269,7 @@ class NodeServer:
                            "(Authorization: Bearer <STRATA_NODE_ADMIN_KEY>)", kind="authentication_error",
                            code="invalid_api_key")
 
-    def blend_control(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
+    def blend_control(self, body: Mapping[str, Any], headers: Message) -> dict[str, Any]:
         """An operator's blend decision for one namespace: {namespace, percent} sets r and resumes
         blending; {namespace, reset: true} returns it to the configured r, its history forgotten."""
         self.check_admin(headers)
@@ -377,7 +379,7 @@ class NodeServer:
         raise ApiError(HTTPStatus.BAD_REQUEST, "prompt must be a string or a list of token ids (one prompt per request)",
                        param="prompt")
 
-    def run(self, body: Mapping[str, Any], headers: Mapping[str, str], chat: bool,
+    def run(self, body: Mapping[str, Any], headers: Message, chat: bool,
             emit: Callable[[str], None] | None) -> dict[str, Any]:
         self.check_model(body)
         namespace = self.namespace_of(headers)

@@ -8,7 +8,7 @@ import dataclasses
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -162,7 +162,8 @@ class Tier(abc.ABC):
         None for each block read and the error (a miss) for each block that was not. Memory
         tiers override it with one copy for the whole batch and no future per block."""
         futures = self.get_layers(keys, layers, list(rows.unbind(0)) if len(keys) else [])
-        return [future.exception() for future in futures]  # type: ignore[misc] - misses are Exceptions
+        # Tiers fail a read with an Exception (a miss), never a bare BaseException.
+        return cast("list[Exception | None]", [future.exception() for future in futures])
 
     def get_many(
         self, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]

@@ -276,7 +276,7 @@ class _DirectorySyncer:
                 self._counters.add(f"{self._tier}.directory_sync_failures", len(errors))
                 with self._wake:
                     self._dirty.update(directory for directory, _ in errors)
-                for directory, exc in errors:
+                for directory, error in errors:
                     if directory not in self._failing:
                         self._failing.add(directory)
                         log.error(
@@ -284,7 +284,7 @@ class _DirectorySyncer:
                             "may not survive a crash of this machine, retrying",
                             self._tier,
                             directory,
-                            exc,
+                            error,
                         )
             return errors
 
@@ -382,7 +382,8 @@ class _Ledger:
 class _Opened(NamedTuple):
     """A block file opened for a batched layer read (`DiskTier._read_batch`)."""
 
-    index: int
+    position: int
+    """The item's place in the batch (its future's index)."""
     key: uuid.UUID
     dst: torch.Tensor
     fd: int
@@ -664,8 +665,8 @@ class DiskTier(Tier):
                 outcome: dict[int, PutResult | BaseException] = dict(
                     zip([j for j, _ in ready], results, strict=True)
                 )
-                for j, entry in enumerate(staged):
-                    result = outcome.get(j, entry)
+                for j, staged_entry in enumerate(staged):
+                    result = outcome.get(j, staged_entry)
                     if isinstance(result, BaseException):
                         futures[j].set_exception(result)
                     else:
@@ -953,6 +954,7 @@ class DiskTier(Tier):
             state[1] -= self.file_bytes
 
     def _kvikio_write(self, fd: int, tmp: Path, header: torch.Tensor, src: torch.Tensor) -> None:
+        assert self._kvikio is not None  # only called when `_stage_once` chose kvikio, which needs it
         os.pwrite(fd, host_view(header), 0)
         with self._kvikio.CuFile(tmp, "r+") as cufile:
             cufile.pwrite(src, self.layout.block_bytes, self.header_bytes).get()
@@ -1042,7 +1044,7 @@ class DiskTier(Tier):
         except BaseException as exc:  # noqa: BLE001 - no read was verified: every future fails
             for entry in opened:
                 os.close(entry.fd)
-                futures[entry.index].set_exception(exc)
+                futures[entry.position].set_exception(exc)
             return
         for j, entry in enumerate(opened):
             try:
@@ -1052,11 +1054,11 @@ class DiskTier(Tier):
                 self._check_read(entry.key, got[j], nbytes)
                 self.counters.add(f"{self.name}.io_{'direct' if entry.direct else 'buffered'}")
                 got_sums = sums[j * len(layers) : (j + 1) * len(layers)]
-                futures[entry.index].set_result(
+                futures[entry.position].set_result(
                     self._verified(entry.key, layers, entry.stamp, entry.header, got_sums)
                 )
             except BaseException as exc:  # noqa: BLE001 - that block's future fails
-                futures[entry.index].set_exception(exc)
+                futures[entry.position].set_exception(exc)
 
     def _read(
         self, key: uuid.UUID, layers: range, dst: torch.Tensor, *, split: bool = False

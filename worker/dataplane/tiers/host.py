@@ -81,12 +81,14 @@ def _meta_dtype(layers: int) -> np.dtype:
         ("layer_sums", "u1", (layers, CHECKSUM_BYTES)),
     ]
     base = np.dtype(fields)
+    names, by_name = base.names, base.fields
+    assert names is not None and by_name is not None  # a structured dtype has both
     # Pad records to a cache line so two slots' generations never share one.
     return np.dtype(
         {
-            "names": base.names,
-            "formats": [base.fields[n][0] for n in base.names],
-            "offsets": [base.fields[n][1] for n in base.names],
+            "names": names,
+            "formats": [by_name[n][0] for n in names],
+            "offsets": [by_name[n][1] for n in names],
             "itemsize": round_up(base.itemsize, 64),
         }
     )

@@ -308,7 +308,7 @@ class RemoteTier(Tier):
             connection = pool.get_connection()
             try:
                 connection.connect()  # a no-op on a connected connection; the socket is needed below
-                with _kernel_waits(connection._sock):
+                with _kernel_waits(cast(socket.socket, connection._sock)):  # set by connect()
                     connection.send_packed_command(command, check_health=False)
                 connection.read_response()
                 return
@@ -372,7 +372,8 @@ class RemoteTier(Tier):
         """GET `name` on a pooled connection, receiving a value of exactly header + data bytes
         into them; returns the value's length (another length is left unread, the connection
         dropped), None when the key does not exist. A broken connection is retried once."""
-        pool = self.client.connection_pool
+        # Only `_get_direct` calls this, which `get` uses with a single-server client only.
+        pool = cast(redis.Redis, self.client).connection_pool
         for attempt in range(2):
             connection = pool.get_connection()
             try:
@@ -565,7 +566,8 @@ class RemoteTier(Tier):
     def checksum(self, key: uuid.UUID) -> BlockChecksum:
         """The stored checksum of a block (reads only the header)."""
         with self._medium():
-            header = self.client.getrange(self.key_name(key), 0, self.header_bytes - 1)
+            # bytes: block values are binary, so the tier's client never decodes responses.
+            header = cast(bytes, self.client.getrange(self.key_name(key), 0, self.header_bytes - 1))
         if not header:
             raise BlockMissing(key, tier=self.name)
         return self._parse_header(key, header)
