@@ -764,13 +764,16 @@ class DiskTier(Tier):
         """TierFull for a full filesystem or quota (counted), or _NoRoomYet when `wait_for_freed`;
         any other error as it is."""
         if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
-            if wait_for_freed:
-                return _NoRoomYet()
-            self.counters.add(f"{self.name}.full")
-            return TierFull(
-                self.name, needed=self.file_bytes, detail=f"{exc.strerror} {doing} {tmp.name}"
-            )
+            return self._no_room(wait_for_freed, detail=f"{exc.strerror} {doing} {tmp.name}")
         return exc
+
+    def _no_room(self, wait_for_freed: bool, *, free: int | None = None, detail: str = "") -> Exception:
+        """The error for a block that does not fit: _NoRoomYet while waiting for freed bytes is
+        still worth it (`_stage` retries), else TierFull, counted."""
+        if wait_for_freed:
+            return _NoRoomYet()
+        self.counters.add(f"{self.name}.full")
+        return TierFull(self.name, needed=self.file_bytes, free=free, detail=detail)
 
     def _commit_error(self, exc: BaseException, path: Path, doing: str) -> BaseException:
         """What a put reports for `exc` raised while committing (`doing` `path`): TierFull for a
@@ -908,12 +911,7 @@ class DiskTier(Tier):
         with self._ledger.locked() as state:
             used = state[0] + state[1]
             if used + self.file_bytes > self.capacity_bytes:
-                if wait_for_freed:
-                    raise _NoRoomYet
-                self.counters.add(f"{self.name}.full")
-                raise TierFull(
-                    self.name, needed=self.file_bytes, free=max(0, self.capacity_bytes - used)
-                )
+                raise self._no_room(wait_for_freed, free=max(0, self.capacity_bytes - used))
             try:
                 if tmp.parent not in self._dirs:
                     self._make_fanout(tmp.parent)
@@ -927,12 +925,7 @@ class DiskTier(Tier):
                     fd = os.open(tmp, flags, 0o644)
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
-                    if wait_for_freed:
-                        raise _NoRoomYet from exc
-                    self.counters.add(f"{self.name}.full")
-                    raise TierFull(
-                        self.name, needed=self.file_bytes, detail=exc.strerror or ""
-                    ) from exc
+                    raise self._no_room(wait_for_freed, detail=exc.strerror or "") from exc
                 raise
             state[1] += self.file_bytes
             return fd
