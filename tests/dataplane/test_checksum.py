@@ -139,6 +139,46 @@ def test_native_copy_hash_refuses_mismatched_lists() -> None:
         native.copy_hash([1, 2], [None], [1, 1], [b"", b""], digest=True)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_copy_batch_shared_by_threads_does_each_span_once(threads: int) -> None:
+    import threading
+
+    sizes = [1024 * 1024 + 5] * 7 + [3, 300_000]
+    src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    batch = native.CopyBatch(
+        [src.data_ptr() + o for o in starts],
+        [dst.data_ptr() + o for o in starts],
+        sizes,
+        [b"s%d" % i for i in range(len(sizes))],
+        digest=True,
+    )
+    workers = [threading.Thread(target=batch.run) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    batch.run()  # a thread arriving after the others finished finds nothing left to claim
+    raw = src.numpy().tobytes()
+    assert torch.equal(src, dst)
+    assert batch.digests() == [
+        xxhash.xxh3_128(b"s%d" % i + raw[o : o + n]).digest()
+        for i, (o, n) in enumerate(zip(starts, sizes, strict=True))
+    ]
+
+
+def test_a_copy_batch_without_digests_only_copies() -> None:
+    src = torch.randint(0, 256, (3 * 65536,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    batch = native.CopyBatch([src.data_ptr(), src.data_ptr() + 65536], [dst.data_ptr(), None],
+                             [65536, 2 * 65536], [b"", b""], digest=False)
+    batch.run()
+    assert batch.digests() == []
+    assert torch.equal(dst[:65536], src[:65536])
+    assert not dst[65536:].any()  # the span without a destination was left alone
+
+
 def test_an_unknown_native_copy_setting_is_refused_by_name() -> None:
     env = {**os.environ, "STRATA_NATIVE_COPY": "avx512"}
     done = subprocess.run(

@@ -85,6 +85,7 @@ def _load() -> ctypes.CDLL | None:
         ctypes.c_int,
         ctypes.c_size_t,
         ctypes.c_char_p,
+        _u64p,
     ]
     function.restype = ctypes.c_int
     reader = library.strata_read_hash
@@ -129,35 +130,72 @@ def copy_hash(
     digest: bool,
     streaming_min_bytes: int = STREAMING_MIN_BYTES,
 ) -> list[bytes]:
-    """Hash (when `digest`) and copy (where a destination is set) each span; returns one
-    16-byte xxh3-128 digest of prefix + bytes per span, or an empty list without `digest`."""
-    if _library is None:
-        raise RuntimeError("the fused copy-and-hash library is not built")
-    count = len(sources)
-    if not (len(destinations) == len(sizes) == len(prefixes) == count):
-        raise ValueError("sources, destinations, sizes and prefixes must have one entry per span")
-    array = ctypes.c_uint64 * count
-    offsets = [0]
-    for prefix in prefixes:
-        offsets.append(offsets[-1] + len(prefix))
-    out = ctypes.create_string_buffer(16 * count if digest else 1)
-    status = _library.strata_copy_hash(
-        count,
-        array(*sources),
-        array(*(d or 0 for d in destinations)),
-        array(*sizes),
-        b"".join(prefixes),
-        (ctypes.c_uint64 * (count + 1))(*offsets),
-        (DIGEST if digest else 0) | NONTEMPORAL,
-        streaming_min_bytes,
-        out,
-    )
-    if status != 0:
-        raise RuntimeError(f"fused copy-and-hash failed with status {status}")
-    if not digest:
-        return []
-    raw = out.raw
-    return [raw[16 * i : 16 * i + 16] for i in range(count)]
+    """Hash (when `digest`) and copy (where a destination is set) each span on this thread;
+    returns one 16-byte xxh3-128 digest of prefix + bytes per span, or an empty list without
+    `digest`."""
+    batch = CopyBatch(sources, destinations, sizes, prefixes, digest=digest,
+                      streaming_min_bytes=streaming_min_bytes)
+    batch.run(shared=False)
+    return batch.digests()
+
+
+class CopyBatch:
+    """Copies and hashes of memory spans in one native call without the interpreter lock: span i
+    is `sizes[i]` bytes at `sources[i]`, copied to `destinations[i]` where one is set, hashed after
+    `prefixes[i]` when `digest`. Prepared once, run by one thread or by several at once (`run` in
+    each, then `digests`): `run` claims spans one at a time until none is left, so the threads
+    share the spans out as they go and finish together, however late one of them starts."""
+
+    def __init__(
+        self,
+        sources: Sequence[int],
+        destinations: Sequence[int | None],
+        sizes: Sequence[int],
+        prefixes: Sequence[bytes],
+        *,
+        digest: bool,
+        streaming_min_bytes: int = STREAMING_MIN_BYTES,
+    ) -> None:
+        if _library is None:
+            raise RuntimeError("the fused copy-and-hash library is not built")
+        count = len(sources)
+        if not (len(destinations) == len(sizes) == len(prefixes) == count):
+            raise ValueError("sources, destinations, sizes and prefixes must have one entry per span")
+        array = ctypes.c_uint64 * count
+        offsets = [0]
+        for prefix in prefixes:
+            offsets.append(offsets[-1] + len(prefix))
+        self._count = count
+        self._digest = digest
+        self._out = ctypes.create_string_buffer(16 * count if digest else 1)
+        self._args = (
+            count,
+            array(*sources),
+            array(*(d or 0 for d in destinations)),
+            array(*sizes),
+            b"".join(prefixes),
+            (ctypes.c_uint64 * (count + 1))(*offsets),
+            (DIGEST if digest else 0) | NONTEMPORAL,
+            streaming_min_bytes,
+            self._out,
+        )
+        self._next = ctypes.c_uint64(0)
+
+    def run(self, *, shared: bool = True) -> None:
+        """Work through the spans not yet claimed (with `shared` False: all of them, in order, on
+        this thread alone)."""
+        status = _library.strata_copy_hash(  # type: ignore[union-attr]
+            *self._args, ctypes.byref(self._next) if shared else None
+        )
+        if status != 0:
+            raise RuntimeError(f"fused copy-and-hash failed with status {status}")
+
+    def digests(self) -> list[bytes]:
+        """One 16-byte digest per span (an empty list when the batch does not hash)."""
+        if not self._digest:
+            return []
+        raw = self._out.raw
+        return [raw[16 * i : 16 * i + 16] for i in range(self._count)]
 
 
 class ReadBatch:

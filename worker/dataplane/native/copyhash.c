@@ -61,15 +61,23 @@ static void copy_streaming(char *dst, const char *src, size_t n)
 #endif
 }
 
-/* Returns 0, or -1 when a hash state could not be set up (never on supported platforms). */
+/* Copies (where dst[i] is not 0) and hashes (with STRATA_DIGEST) span i for every i, its digest
+ * at digests + 16 i. With `next` NULL the spans run in order. Otherwise several threads may call
+ * this at once with the same arguments: each claims the next unclaimed span from *next until none
+ * is left, so a thread that starts late (woken after the others began) takes fewer spans instead
+ * of making the others wait for its fixed share. Returns 0, or -1 when a hash state could not be
+ * set up (never on supported platforms). */
 int strata_copy_hash(size_t count, const uint64_t *src, const uint64_t *dst,
                      const uint64_t *nbytes, const unsigned char *prefixes,
                      const uint64_t *prefix_offsets, int flags, size_t streaming_min_bytes,
-                     unsigned char *digests)
+                     unsigned char *digests, uint64_t *next)
 {
     XXH3_state_t state;
     int digest = flags & STRATA_DIGEST;
-    for (size_t i = 0; i < count; i++) {
+    for (size_t in_order = 0;; in_order++) {
+        size_t i = next ? (size_t)__atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : in_order;
+        if (i >= count)
+            break;
         const char *s = (const char *)(uintptr_t)src[i];
         char *d = (char *)(uintptr_t)dst[i];
         size_t n = (size_t)nbytes[i];
