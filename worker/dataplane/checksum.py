@@ -146,13 +146,12 @@ class ChecksumEngine:
         if not spans:
             return []
         work = list(spans) if digest else self._split_for_copy(spans)
-        groups = self._partition(work)
-        if len(groups) > 1 and self._pool is not None and self.native:
-            digests = self._run_shared(work, digest)
-            return digests if digest else [b""] * len(spans)
-        if len(groups) == 1 or self._pool is None:
+        if self._pool is None or len(work) == 1 or sum(s.nbytes for s in work) < PARALLEL_MIN_BYTES:
             results = self._run_group(work, digest)
+        elif self.native:
+            results = self._run_shared(work, digest)
         else:
+            groups = self._partition(work)
             futures = [self._pool.submit(self._run_group, group, digest) for group in groups[1:]]
             first = self._run_group(groups[0], digest)
             results = first + [d for future in futures for d in future.result()]
@@ -221,9 +220,8 @@ class ChecksumEngine:
         return out
 
     def _partition(self, spans: list[Span]) -> list[list[Span]]:
+        """Fixed shares for the Python fallback's threads (one per thread at most)."""
         total = sum(s.nbytes for s in spans)
-        if self.threads == 1 or total < PARALLEL_MIN_BYTES or len(spans) == 1:
-            return [spans]
         target = total / self.threads
         groups: list[list[Span]] = [[]]
         filled = 0
