@@ -122,7 +122,9 @@ def test_each_build_of_the_fused_routine_matches_xxh3(build: str) -> None:
     script = (
         "import os, xxhash, torch; from worker.dataplane import native\n"
         "src = torch.randint(0, 256, (3_000_017,), dtype=torch.uint8); dst = torch.zeros_like(src)\n"
-        "got = native.copy_hash([src.data_ptr()], [dst.data_ptr() + 0], [src.numel()], [b'pfx'], digest=True)\n"
+        "batch = native.CopyBatch([src.data_ptr()], [dst.data_ptr()], [src.numel()], [b'pfx'], digest=True)\n"
+        "batch.run(shared=False)\n"
+        "got = batch.digests()\n"
         "assert torch.equal(src, dst)\n"
         "assert got == [xxhash.xxh3_128(b'pfx' + src.numpy().tobytes()).digest()]\n"
         "print(native.build())\n"
@@ -134,9 +136,9 @@ def test_each_build_of_the_fused_routine_matches_xxh3(build: str) -> None:
         assert done.stdout.strip() == "sse2"
 
 
-def test_native_copy_hash_refuses_mismatched_lists() -> None:
+def test_a_native_copy_batch_refuses_mismatched_lists() -> None:
     with pytest.raises(ValueError, match="one entry per span"):
-        native.copy_hash([1, 2], [None], [1, 1], [b"", b""], digest=True)
+        native.CopyBatch([1, 2], [None], [1, 1], [b"", b""], digest=True)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -166,6 +168,115 @@ def test_a_copy_batch_shared_by_threads_does_each_span_once(threads: int) -> Non
         xxhash.xxh3_128(b"s%d" % i + raw[o : o + n]).digest()
         for i, (o, n) in enumerate(zip(starts, sizes, strict=True))
     ]
+
+
+def _spans_of(src: torch.Tensor, dst: torch.Tensor, sizes: list[int], tag: bytes):
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    batch = native.CopyBatch(
+        [src.data_ptr() + o for o in starts],
+        [dst.data_ptr() + o for o in starts],
+        sizes,
+        [tag + b"%d" % i for i in range(len(sizes))],
+        digest=True,
+    )
+    raw = src.numpy().tobytes()
+    want = [
+        xxhash.xxh3_128(tag + b"%d" % i + raw[o : o + n]).digest()
+        for i, (o, n) in enumerate(zip(starts, sizes, strict=True))
+    ]
+    return batch, want
+
+
+def test_the_native_helpers_share_a_batch_with_its_caller() -> None:
+    assert native.start_helpers(2) >= 2
+    sizes = [256 * 1024] * 63 + [17]
+    src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
+    before = native.helper_spans()
+    for _attempt in range(50):
+        dst = torch.zeros_like(src)
+        batch, want = _spans_of(src, dst, sizes, b"h")
+        batch.run_with_helpers()
+        assert torch.equal(src, dst)
+        assert batch.digests() == want
+        if native.helper_spans() > before:
+            break
+    # A helper woke and took spans of a 16 MiB batch (asleep on a futex or still watching).
+    assert native.helper_spans() > before
+
+
+def test_callers_on_several_threads_never_mix_their_batches() -> None:
+    import threading
+
+    native.start_helpers(2)
+    failures: list[str] = []
+
+    def caller(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        sizes = [65536 + seed] * 16
+        src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8, generator=generator)
+        for round_ in range(60):
+            dst = torch.zeros_like(src)
+            batch, want = _spans_of(src, dst, sizes, b"c%d-" % seed)
+            batch.run_with_helpers()
+            if not torch.equal(src, dst) or batch.digests() != want:
+                failures.append(f"caller {seed}, round {round_}")
+
+    threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
+    # The child of a process whose helpers run (a prefork worker) has none of its threads: its
+    # batches run on its own thread until it starts helpers, then on them. (No torch in the
+    # child: its OpenMP threads do not survive a fork.)
+    import ctypes
+
+    native.start_helpers(1)
+    size, count = 128 * 1024, 32
+    data = os.urandom(size * count)
+    src = ctypes.create_string_buffer(data, len(data))
+    base = ctypes.addressof(src)
+
+    def copied(tag: bytes) -> bool:
+        dst = ctypes.create_string_buffer(len(data))
+        out = ctypes.addressof(dst)
+        prefixes = [tag + b"%d" % i for i in range(count)]
+        batch = native.CopyBatch([base + i * size for i in range(count)],
+                                 [out + i * size for i in range(count)], [size] * count,
+                                 prefixes, digest=True)
+        batch.run_with_helpers()
+        want = [xxhash.xxh3_128(p + data[i * size : (i + 1) * size]).digest()
+                for i, p in enumerate(prefixes)]
+        return dst.raw == data and batch.digests() == want
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            alone = copied(b"f")
+            started = native.start_helpers(1) == 1
+            code = 0 if alone and started and copied(b"g") else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "cached"])
+def test_a_copy_batch_copies_exactly_with_either_kind_of_store(streaming: bool) -> None:
+    sizes = [300_001, 5, 1024 * 1024 + 3]
+    src = torch.randint(0, 256, (sum(sizes) + 1,), dtype=torch.uint8)[1:]  # misaligned
+    dst = torch.zeros(sum(sizes) + 1, dtype=torch.uint8)[1:]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    batch = native.CopyBatch([src.data_ptr() + o for o in starts],
+                             [dst.data_ptr() + o for o in starts], sizes, [b"", b"", b""],
+                             digest=False, streaming=streaming, streaming_min_bytes=1)
+    batch.run_with_helpers()
+    assert torch.equal(src, dst)
 
 
 def test_a_copy_batch_without_digests_only_copies() -> None:

@@ -1,7 +1,8 @@
 """The fused copy-and-hash routine (copyhash.c), built into the package when it is installed.
 
-The checksum engine calls it for every verified copy: one call per group of spans, with the
-interpreter lock released for its whole length. Where it was not built (no C compiler or no
+The checksum engine calls it for every verified copy: one call per batch of spans, with the
+interpreter lock released for its whole length, shared with the library's own helper threads
+(`start_helpers`), which stay awake a moment between batches. Where it was not built (no C compiler or no
 xxhash header when the package was installed), the engine falls back to hashing in Python,
 chunk by chunk, which is correct but slower and gives up the interpreter lock at every chunk;
 `STRATA_NATIVE_COPY=0` forces that fallback, and `STRATA_NATIVE_COPY=sse2` the baseline build
@@ -9,8 +10,10 @@ on a CPU that has AVX2."""
 
 from __future__ import annotations
 
+import array
 import ctypes
 import importlib.machinery
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -77,11 +80,11 @@ def _load() -> ctypes.CDLL | None:
     function = library.strata_copy_hash
     function.argtypes = [
         ctypes.c_size_t,
-        _u64p,
-        _u64p,
-        _u64p,
+        ctypes.c_void_p,  # the span arrays: addresses of CopyBatch's array.array buffers
+        ctypes.c_void_p,
+        ctypes.c_void_p,
         ctypes.c_char_p,
-        _u64p,
+        ctypes.c_void_p,
         ctypes.c_int,
         ctypes.c_size_t,
         ctypes.c_char_p,
@@ -104,6 +107,14 @@ def _load() -> ctypes.CDLL | None:
         _u64p,
     ]
     reader.restype = ctypes.c_int
+    pooled = library.strata_copy_hash_pooled
+    pooled.argtypes = function.argtypes
+    pooled.restype = ctypes.c_int
+    starter = library.strata_pool_start
+    starter.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    starter.restype = ctypes.c_int
+    library.strata_pool_helper_spans.argtypes = []
+    library.strata_pool_helper_spans.restype = ctypes.c_uint64
     return library
 
 
@@ -121,22 +132,23 @@ def build() -> str:
     return "avx2" if "_copyhash_avx2" in str(_library._name) else "sse2"
 
 
-def copy_hash(
-    sources: Sequence[int],
-    destinations: Sequence[int | None],
-    sizes: Sequence[int],
-    prefixes: Sequence[bytes],
-    *,
-    digest: bool,
-    streaming_min_bytes: int = STREAMING_MIN_BYTES,
-) -> list[bytes]:
-    """Hash (when `digest`) and copy (where a destination is set) each span on this thread;
-    returns one 16-byte xxh3-128 digest of prefix + bytes per span, or an empty list without
-    `digest`."""
-    batch = CopyBatch(sources, destinations, sizes, prefixes, digest=digest,
-                      streaming_min_bytes=streaming_min_bytes)
-    batch.run(shared=False)
-    return batch.digests()
+HELPER_SPIN_US = 50
+"""How long a helper thread keeps watching for the next job before it sleeps: long enough to
+span the interpreter's work between two block copies, short enough that an idle process
+gives its cores back at once."""
+
+
+def start_helpers(count: int, spin_us: int = HELPER_SPIN_US) -> int:
+    """Start native helper threads until `count` run in this process (see
+    `CopyBatch.run_with_helpers`); returns how many run."""
+    if _library is None:
+        return 0
+    return int(_library.strata_pool_start(count, spin_us))
+
+
+def helper_spans() -> int:
+    """How many spans the native helper threads of this process have copied or hashed in all."""
+    return 0 if _library is None else int(_library.strata_pool_helper_spans())
 
 
 class CopyBatch:
@@ -154,6 +166,7 @@ class CopyBatch:
         prefixes: Sequence[bytes],
         *,
         digest: bool,
+        streaming: bool = True,
         streaming_min_bytes: int = STREAMING_MIN_BYTES,
     ) -> None:
         if _library is None:
@@ -161,21 +174,22 @@ class CopyBatch:
         count = len(sources)
         if not (len(destinations) == len(sizes) == len(prefixes) == count):
             raise ValueError("sources, destinations, sizes and prefixes must have one entry per span")
-        array = ctypes.c_uint64 * count
-        offsets = [0]
-        for prefix in prefixes:
-            offsets.append(offsets[-1] + len(prefix))
+        # array.array builds in a tenth of the time of a ctypes array; the call takes addresses.
+        self._arrays = (
+            array.array("Q", sources),
+            array.array("Q", [d or 0 for d in destinations]),
+            array.array("Q", sizes),
+            array.array("Q", itertools.accumulate(map(len, prefixes), initial=0)),
+        )
         self._count = count
         self._digest = digest
         self._out = ctypes.create_string_buffer(16 * count if digest else 1)
         self._args = (
             count,
-            array(*sources),
-            array(*(d or 0 for d in destinations)),
-            array(*sizes),
+            *(a.buffer_info()[0] for a in self._arrays[:3]),
             b"".join(prefixes),
-            (ctypes.c_uint64 * (count + 1))(*offsets),
-            (DIGEST if digest else 0) | NONTEMPORAL,
+            self._arrays[3].buffer_info()[0],
+            (DIGEST if digest else 0) | (NONTEMPORAL if streaming else 0),
             streaming_min_bytes,
             self._out,
         )
@@ -186,6 +200,16 @@ class CopyBatch:
         this thread alone)."""
         status = _library.strata_copy_hash(  # type: ignore[union-attr]
             *self._args, ctypes.byref(self._next) if shared else None
+        )
+        if status != 0:
+            raise RuntimeError(f"fused copy-and-hash failed with status {status}")
+
+    def run_with_helpers(self) -> None:
+        """Work through the spans on this thread and the native helper threads (`start_helpers`)
+        together, returning when all of them are done; on this thread alone when there are no
+        helpers or another thread's batch has them."""
+        status = _library.strata_copy_hash_pooled(  # type: ignore[union-attr]
+            *self._args, ctypes.byref(self._next)
         )
         if status != 0:
             raise RuntimeError(f"fused copy-and-hash failed with status {status}")

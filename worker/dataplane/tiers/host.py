@@ -45,6 +45,7 @@ from worker.dataplane.checksum import (
     ChecksumEngine,
     Span,
     layer_prefix,
+    layer_prefixes,
 )
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockCorrupt, BlockMissing, TierFull
@@ -431,10 +432,8 @@ class HostTier(Tier):
                     continue
                 base = src.data_ptr()
                 spans = [
-                    Span(
-                        src=base + j * lb, nbytes=lb, prefix=layer_prefix(key, j), dst=dst + j * lb
-                    )
-                    for j in range(layout.layers)
+                    Span(base + j * lb, lb, prefix, dst + j * lb)
+                    for j, prefix in enumerate(layer_prefixes(key, range(layout.layers)))
                 ]
                 if checksums[i] is None:
                     # Hashed from the copy in the pool: exactly the bytes readers will verify.
@@ -574,15 +573,15 @@ class HostTier(Tier):
                 else:
                     host_copies.append((dst, self._data[start : start + nbytes]))
                     hash_at, copy_to = dst.data_ptr(), None
-                for j, layer in enumerate(layers):
-                    spans.append(
-                        Span(
-                            src=hash_at + j * layer_bytes,
-                            nbytes=layer_bytes,
-                            prefix=layer_prefix(key, layer),
-                            dst=None if copy_to is None else copy_to + j * layer_bytes,
-                        )
+                spans += [
+                    Span(
+                        hash_at + j * layer_bytes,
+                        layer_bytes,
+                        prefix,
+                        None if copy_to is None else copy_to + j * layer_bytes,
                     )
+                    for j, prefix in enumerate(layer_prefixes(key, layers))
+                ]
             streams = self._copy_to_devices(device_copies)
             for dst, src_view in host_copies:
                 dst.copy_(src_view)  # torch's own threads; the hash below reads the copy
