@@ -187,15 +187,21 @@ class ChecksumEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(self, spans: Sequence[Span], *, digest: bool = True) -> list[bytes]:
+    def run(
+        self, spans: Sequence[Span], *, digest: bool = True, streaming: bool | None = None
+    ) -> list[bytes]:
         """Copy (where `dst` is set) and hash every span; returns one 16-byte digest per span
-        (empty bytes when `digest` is False, which only copies)."""
+        (empty bytes when `digest` is False, which only copies). `streaming` True writes the
+        copies past the cache whatever their size (a tier's own storage, which nobody reads
+        soon); None decides by size (CACHED_COPY_MAX_BYTES)."""
         if not spans:
             return []
         work = list(spans) if digest else self._split_for_copy(spans)
         total = sum(s.nbytes for s in work)
         if self.native:
-            results = self._run_native(work, digest, total)
+            if streaming is None:
+                streaming = total > CACHED_COPY_MAX_BYTES
+            results = self._run_native(work, digest, total, streaming)
         elif self._pool is None or len(work) == 1 or total < PARALLEL_MIN_BYTES:
             results = self._run_group(work, digest)
         else:
@@ -205,7 +211,9 @@ class ChecksumEngine:
             results = first + [d for future in futures for d in future.result()]
         return results if digest else [b""] * len(spans)
 
-    def _run_native(self, work: list[Span], digest: bool, total: int) -> list[bytes]:
+    def _run_native(
+        self, work: list[Span], digest: bool, total: int, streaming: bool
+    ) -> list[bytes]:
         # One prepared batch whose spans every thread claims one at a time: the native helpers
         # join within a microsecond and one that starts late simply takes fewer spans.
         batch = CopyBatch(
@@ -214,7 +222,7 @@ class ChecksumEngine:
             [s.nbytes for s in work],
             [s.prefix for s in work],
             digest=digest,
-            streaming=total > CACHED_COPY_MAX_BYTES,
+            streaming=streaming,
         )
         if self._helpers and len(work) > 1 and total >= HELPERS_MIN_BYTES:
             batch.run_with_helpers()
@@ -286,7 +294,8 @@ class ChecksumEngine:
 
     def _run_group(self, spans: Sequence[Span], digest: bool) -> list[bytes]:
         if self.native:
-            return self._run_native(list(spans), digest, sum(s.nbytes for s in spans))
+            total = sum(s.nbytes for s in spans)
+            return self._run_native(list(spans), digest, total, total > CACHED_COPY_MAX_BYTES)
         chunk = self.chunk_bytes
         memmove = ctypes.memmove  # releases the GIL, so groups really run in parallel
         out = []

@@ -440,8 +440,9 @@ class HostTier(Tier):
                     hashed += [(i, span) for span in spans]
                 else:
                     copies += spans
-            digests = self.engine.run([span for _, span in hashed])
-            self.engine.run(copies, digest=False)
+            # The pool's bytes are read again when the block is, not now: past the cache.
+            digests = self.engine.run([span for _, span in hashed], streaming=True)
+            self.engine.run(copies, digest=False, streaming=True)
             for j in range(0, len(hashed), layout.layers):
                 i = hashed[j][0]
                 checksums[i] = BlockChecksum.from_layers(
