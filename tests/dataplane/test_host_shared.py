@@ -181,3 +181,84 @@ def test_the_stored_checksum_is_read_from_the_slot_and_follows_an_overwrite(open
     tier.delete(key(1))
     with pytest.raises(BlockMissing):
         tier.checksum(key(1))
+
+
+def test_the_key_index_finds_every_block_through_churn(open_tier, shm_name) -> None:
+    """Puts, overwrites and deletes of 48 keys through 12 slots, thousands of times, with a sweep
+    that evicts everything now and then: the index (open addressing with tombstones, rebuilt
+    when they pile up) always finds exactly the blocks stored, for this tier object and for a
+    second mapping of the pool that caches nothing."""
+    import random
+
+    from worker.dataplane.tiers.host import INDEX_EMPTY, INDEX_GONE, READY, WRITING
+
+    tier = open_tier("host", LAYOUT, blocks=12)
+    other = open_tier("host", LAYOUT, blocks=12)  # the same pool, mapped again
+    rng = random.Random(7)
+    stored: dict[int, int] = {}  # key number -> pattern number
+    for step in range(3000):
+        n = rng.randrange(48)
+        if step % 500 == 499:  # an eviction sweep: a burst of tombstones forces a rebuild
+            for gone in list(stored):
+                assert tier.delete(key(gone))
+                del stored[gone]
+        elif n in stored and rng.random() < 0.5:
+            assert tier.delete(key(n))
+            del stored[n]
+        elif len(stored) < 11 or n in stored:  # an overwrite needs one free slot meanwhile
+            p = rng.randrange(16)
+            tier.put(key(n), pattern(p))
+            stored[n] = p
+        reader = other if step % 2 else tier
+        assert reader.contains(key(n)) == (n in stored), (step, n)
+    rebuilds = int(tier._control[2])
+    assert rebuilds >= 2 and rebuilds % 2 == 0  # the tombstones were swept, more than once
+    out = LAYOUT.empty()
+    for n in range(48):
+        for reader in (tier, other):
+            if n in stored:
+                reader.get(key(n), out)
+                assert torch.equal(out, pattern(stored[n]))
+            else:
+                assert not reader.contains(key(n))
+                with pytest.raises(BlockMissing):
+                    reader.get(key(n), out)
+    entries = [int(e) for e in tier._index if int(e) not in (INDEX_EMPTY, INDEX_GONE)]
+    keyed = [s for s in range(tier.slots) if tier._state[s] in (READY, WRITING)]
+    assert sorted(e - 1 for e in entries) == keyed and len(keyed) == len(stored)
+
+
+def test_a_pool_of_an_older_layout_version_is_refused_with_the_remedy(open_tier, shm_name) -> None:
+    import struct
+
+    tier = open_tier("host", LAYOUT, blocks=2)
+    tier.put(key(1), pattern(1))
+    path = tier.path
+    with open(path, "r+b") as pool:  # the version word follows the 8-byte magic
+        pool.seek(8)
+        pool.write(struct.pack("<I", 1))
+    with pytest.raises(ValueError, match="has layout version 1, this release reads version 2") as info:
+        open_tier("host", LAYOUT, blocks=2)
+    assert "remove the file" in str(info.value) and str(path) in str(info.value)
+    assert path.exists()  # refused, not replaced: the operator decides
+
+
+def test_a_reader_that_meets_an_index_rebuild_scans_instead(open_tier) -> None:
+    tier = open_tier("host", LAYOUT, blocks=4)
+    tier.put(key(1), pattern(1))
+    other = open_tier("host", LAYOUT, blocks=4)  # no cached slot numbers
+    tier._control[2] += 1  # as another process does while it rebuilds the index
+    try:
+        assert other._index_slots(*struct_words(key(1))) is None
+        assert other.contains(key(1)) and not other.contains(key(2))
+        out = LAYOUT.empty()
+        other.get(key(1), out)
+        assert torch.equal(out, pattern(1))
+    finally:
+        tier._control[2] += 1
+
+
+def struct_words(k) -> tuple[int, int]:
+    from worker.dataplane.tiers.host import _key_words
+
+    return _key_words(k)

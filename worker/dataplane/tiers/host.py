@@ -2,11 +2,18 @@
 
 The pool is one file under /dev/shm (the engine and the node's Celery worker map the same pages):
 
-    [header 4 KiB][slot metadata x n][free-slot stack x n][4 KiB-aligned data slots x n]
+    [header 4 KiB][slot metadata x n][free-slot stack x n][key index x 2n+][4 KiB-aligned data slots x n]
 
 * Allocation and publication happen under an exclusive ``flock`` on the pool file (plus a
   thread lock: flock does not exclude threads sharing one descriptor). The lock covers only
   metadata updates; bytes are copied outside it.
+* The key index is an open-addressing table of slot numbers, hashed by key, that holds every
+  slot with a key (being written or readable): finding a key's slots costs a few probes at any
+  pool size, where a scan of every slot cost ~3 us per thousand slots on each put, miss and
+  delete. It changes under the lock; readers probe it without one. A removed entry becomes a
+  tombstone, never an empty bucket, so a probe chain a reader follows never breaks; the table
+  is rebuilt (tombstones dropped) under the lock when they pile up, with a seqlock counter of
+  its own that sends a reader who raced a rebuild to a full scan.
 * Reads take no lock. Each slot carries a seqlock generation: odd while the slot changes, even
   when stable. A reader notes the generation, copies and hashes, then checks the generation
   again; if it moved (an overwrite or eviction raced the read) the copy is discarded and
@@ -56,12 +63,20 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"STRATAHP"
-VERSION = 1
+VERSION = 2
+"""Layout version of the pool file: 2 added the key index."""
 HEADER_BYTES = 4096
 PAGE = 4096
 
-_HEADER = struct.Struct("<8sIIQQQIIQQQQ")
-_CONTROL_OFFSET = 512  # u64 words shared by all processes: [0] = free-stack height
+_HEADER = struct.Struct("<8sIIQQQIIQQQQQQ")
+_CONTROL_OFFSET = 512
+"""u64 words shared by all processes: [0] = free-stack height, [1] = tombstones in the key
+index, [2] = the index's rebuild counter (odd while a rebuild runs)."""
+
+INDEX_EMPTY, INDEX_GONE = 0, 0xFFFFFFFF
+"""Key-index buckets hold slot + 1, or one of these (never used, or a removed entry)."""
+_U64 = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15
 
 FREE, WRITING, READY = 0, 1, 2
 
@@ -97,6 +112,17 @@ def _meta_dtype(layers: int) -> np.dtype:
 
 def _key_words(key: uuid.UUID) -> tuple[int, int]:
     return struct.unpack("<QQ", key.bytes)
+
+
+def _index_buckets(slots: int) -> int:
+    """Buckets of a pool's key index: a power of two at least twice the slots, so a probe ends
+    at an empty bucket within a few steps while tombstones stay under a quarter of them."""
+    return 1 << max(4, (2 * slots - 1).bit_length())
+
+
+def _bucket(k0: int, k1: int, mask: int) -> int:
+    # Both words mixed: keys are uniform hashes in use, but either word alone may be constant.
+    return ((((k0 ^ (k1 * _MIX)) & _U64) * _MIX & _U64) >> 32) & mask
 
 
 def _pid_alive(pid: int) -> bool:
@@ -153,12 +179,13 @@ class HostTier(Tier):
             raise
 
     # -- pool file ------------------------------------------------------------------------
-    def _geometry(self, slots: int) -> tuple[int, int, int, int]:
+    def _geometry(self, slots: int) -> tuple[int, int, int, int, int]:
         stride = _meta_dtype(self.layout.layers).itemsize
         meta_offset = HEADER_BYTES
         free_offset = meta_offset + slots * stride
-        data_offset = round_up(free_offset + 4 * slots, PAGE)
-        return stride, meta_offset, free_offset, data_offset
+        index_offset = round_up(free_offset + 4 * slots, 64)
+        data_offset = round_up(index_offset + 4 * _index_buckets(slots), PAGE)
+        return stride, meta_offset, free_offset, index_offset, data_offset
 
     def _create(self, capacity_bytes: int) -> None:
         slot_bytes = round_up(self.layout.block_bytes, PAGE)
@@ -167,7 +194,7 @@ class HostTier(Tier):
             raise ValueError(
                 f"host capacity {capacity_bytes} bytes holds no {slot_bytes}-byte slot"
             )
-        stride, meta_offset, free_offset, data_offset = self._geometry(slots)
+        stride, meta_offset, free_offset, index_offset, data_offset = self._geometry(slots)
         total = data_offset + slots * slot_bytes
         try:
             # Allocate every page now: a pool that does not fit in /dev/shm fails here, loudly,
@@ -199,6 +226,8 @@ class HostTier(Tier):
                 stride,
                 free_offset,
                 data_offset,
+                index_offset,
+                _index_buckets(slots),
             )
         log.info("created host pool %s: %d slots of %d bytes", self.path, slots, slot_bytes)
 
@@ -219,9 +248,17 @@ class HostTier(Tier):
             stride,
             free_offset,
             data_offset,
+            index_offset,
+            buckets,
         ) = header
-        if magic != MAGIC or version != VERSION:
-            raise ValueError(f"{self.path} is not a strata host pool (version {VERSION})")
+        if magic != MAGIC:
+            raise ValueError(f"{self.path} is not a strata host pool")
+        if version != VERSION:
+            raise ValueError(
+                f"host pool {self.path} has layout version {version}, this release reads "
+                f"version {VERSION}: stop the processes using it and remove the file (it holds "
+                "only cached blocks) so that the next start creates it anew"
+            )
         if (layer_bytes, layers, dtype_code) != (
             self.layout.layer_bytes,
             self.layout.layers,
@@ -230,7 +267,12 @@ class HostTier(Tier):
             raise ValueError(
                 f"host pool {self.path} holds blocks of another layout ({layers} layers x {layer_bytes} bytes)"
             )
-        if size < data_offset + slots * slot_bytes or stride != _meta_dtype(layers).itemsize:
+        if (
+            size < data_offset + slots * slot_bytes
+            or stride != _meta_dtype(layers).itemsize
+            or buckets != _index_buckets(slots)
+            or index_offset + 4 * buckets > data_offset
+        ):
             raise ValueError(f"host pool {self.path} is truncated or malformed")
         self.slot_bytes, self.slots, self._data_offset = slot_bytes, slots, data_offset
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in once, now
@@ -247,6 +289,8 @@ class HostTier(Tier):
         self._block_sums = meta["checksum"]
         self._free = np.ndarray((slots,), dtype="<u4", buffer=self._mm, offset=free_offset)
         self._control = np.ndarray((8,), dtype="<u8", buffer=self._mm, offset=_CONTROL_OFFSET)
+        self._index = np.ndarray((buckets,), dtype="<u4", buffer=self._mm, offset=index_offset)
+        self._index_mask = buckets - 1
         self._data = torch.frombuffer(
             self._mm, dtype=torch.uint8, offset=data_offset, count=slots * slot_bytes
         )
@@ -266,6 +310,7 @@ class HostTier(Tier):
             "_block_sums",
             "_free",
             "_control",
+            "_index",
             "_data",
         ):
             self.__dict__.pop(name, None)
@@ -309,16 +354,85 @@ class HostTier(Tier):
     def _slot_address(self, slot: int) -> int:
         return self._base + self._data_offset + slot * self.slot_bytes
 
-    def _ready_slots(self, key: uuid.UUID) -> np.ndarray:
+    def _ready_slots(self, key: uuid.UUID) -> list[int]:
+        """The slots holding `key` READY (more than one only while a put publishes). Exact under
+        the lock; without it, a rebuild of the index racing the probe falls back to a scan."""
         k0, k1 = _key_words(key)
-        return np.flatnonzero(
-            (self._keys[:, 0] == k0) & (self._keys[:, 1] == k1) & (self._state == READY)
-        )
+        slots = self._index_slots(k0, k1)
+        if slots is None:
+            found = np.flatnonzero(
+                (self._keys[:, 0] == k0) & (self._keys[:, 1] == k1) & (self._state == READY)
+            )
+            return [int(slot) for slot in found]
+        return [slot for slot in slots if self._state[slot] == READY]
+
+    # -- key index (changed under the lock; probed without it) ------------------------------
+    def _index_slots(self, k0: int, k1: int) -> list[int] | None:
+        """The slots whose key is (k0, k1), from the index; None when a rebuild ran meanwhile."""
+        control, index, keys, mask = self._control, self._index, self._keys, self._index_mask
+        rebuilds = int(control[2])
+        if rebuilds % 2:
+            return None
+        found = []
+        bucket = _bucket(k0, k1, mask)
+        for _probe in range(mask + 1):
+            entry = int(index[bucket])
+            if entry == INDEX_EMPTY:
+                break
+            if entry != INDEX_GONE:
+                slot = entry - 1
+                if keys[slot, 0] == k0 and keys[slot, 1] == k1:
+                    found.append(slot)
+            bucket = (bucket + 1) & mask
+        if int(control[2]) != rebuilds:
+            return None
+        return found
+
+    def _index_add(self, slot: int, k0: int, k1: int) -> None:
+        index, mask = self._index, self._index_mask
+        bucket = _bucket(k0, k1, mask)
+        while True:  # at most half the buckets hold a slot, so a free one is near
+            entry = int(index[bucket])
+            if entry == INDEX_EMPTY or entry == INDEX_GONE:
+                if entry == INDEX_GONE:
+                    self._control[1] -= 1
+                index[bucket] = slot + 1
+                return
+            bucket = (bucket + 1) & mask
+
+    def _index_remove(self, slot: int) -> None:
+        index, mask = self._index, self._index_mask
+        bucket = _bucket(int(self._keys[slot, 0]), int(self._keys[slot, 1]), mask)
+        for _probe in range(mask + 1):
+            entry = int(index[bucket])
+            if entry == slot + 1:
+                index[bucket] = INDEX_GONE
+                self._control[1] += 1
+                if int(self._control[1]) > (mask + 1) // 4:
+                    self._index_rebuild()
+                return
+            if entry == INDEX_EMPTY:
+                break
+            bucket = (bucket + 1) & mask
+        self._index_rebuild()  # the slot was not indexed: the table is not what it should be
+
+    def _index_rebuild(self) -> None:
+        """Index every slot that has a key afresh, without tombstones."""
+        control = self._control
+        control[2] += 1  # odd: readers probing now fall back to a scan
+        self._index[:] = INDEX_EMPTY
+        for slot in np.flatnonzero(self._state != FREE):
+            self._index_add(int(slot), int(self._keys[slot, 0]), int(self._keys[slot, 1]))
+        control[1] = 0
+        control[2] += 1
 
     def _release(self, slot: int) -> None:
         if self._gen[slot] % 2 == 0:
             self._gen[slot] += 1
-        self._state[slot] = FREE
+        keyed = self._state[slot] != FREE
+        self._state[slot] = FREE  # first: a rebuild the removal may run skips this slot
+        if keyed:
+            self._index_remove(slot)
         self._keys[slot] = 0
         self._nbytes[slot] = 0
         self._pid[slot] = 0
@@ -350,7 +464,9 @@ class HostTier(Tier):
             self._gen[slot] += 1  # odd: the slot is changing
             self._state[slot] = WRITING
             self._pid[slot] = os.getpid()
-            self._keys[slot] = _key_words(key)
+            k0, k1 = _key_words(key)
+            self._keys[slot] = (k0, k1)
+            self._index_add(slot, k0, k1)
             return slot
 
     # -- Tier -----------------------------------------------------------------------------
@@ -464,7 +580,7 @@ class HostTier(Tier):
         with self._locked():
             for i, slot in slots.items():
                 for old in self._ready_slots(items[i][0]):
-                    self._release(int(old))
+                    self._release(old)
                 self._state[slot] = READY
                 self._gen[slot] += 1  # even: stable, readable
         for i, slot in slots.items():
@@ -517,12 +633,12 @@ class HostTier(Tier):
             ):
                 return slot
         found = self._ready_slots(key)
-        if found.size == 0:
+        if not found:
             self._lookup.pop(key, None)
             return None
         if len(self._lookup) > 4 * self.slots:
             self._lookup.clear()  # entries of blocks other processes evicted pile up otherwise
-        slot = int(found[0])
+        slot = found[0]
         self._lookup[key] = slot
         return slot
 
@@ -677,9 +793,9 @@ class HostTier(Tier):
         with self._locked():
             found = self._ready_slots(key)
             for slot in found:
-                self._release(int(slot))
+                self._release(slot)
         self._lookup.pop(key, None)
-        return found.size > 0
+        return bool(found)
 
     def keys(self) -> list[uuid.UUID]:
         """Keys of every readable block (a consistent snapshot, taken under the pool lock)."""
