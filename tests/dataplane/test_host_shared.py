@@ -262,3 +262,20 @@ def struct_words(k) -> tuple[int, int]:
     from worker.dataplane.tiers.host import _key_words
 
     return _key_words(k)
+
+
+def test_the_key_index_spreads_keys_that_differ_in_a_few_bytes() -> None:
+    # Sequential ids differ only in their last bytes, which land in the high bits of a key word:
+    # a weak hash put them all in one bucket, and every probe walked the whole cluster.
+    import uuid
+
+    from worker.dataplane.tiers.host import _bucket, _index_buckets, _key_words
+
+    buckets = _index_buckets(512)
+    for keys in (
+        [uuid.UUID(int=n + 1) for n in range(512)],
+        [key(n) for n in range(512)],
+        [uuid.UUID(int=n << 120) for n in range(1, 256)] + [uuid.UUID(int=n << 56) for n in range(1, 256)],
+    ):
+        used = {_bucket(*_key_words(k), buckets - 1) for k in keys}
+        assert len(used) > 0.7 * len(keys), len(used)  # ~79% for uniform hashing at this load

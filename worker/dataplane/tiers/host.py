@@ -76,7 +76,6 @@ index, [2] = the index's rebuild counter (odd while a rebuild runs)."""
 INDEX_EMPTY, INDEX_GONE = 0, 0xFFFFFFFF
 """Key-index buckets hold slot + 1, or one of these (never used, or a removed entry)."""
 _U64 = (1 << 64) - 1
-_MIX = 0x9E3779B97F4A7C15
 
 FREE, WRITING, READY = 0, 1, 2
 
@@ -120,9 +119,19 @@ def _index_buckets(slots: int) -> int:
     return 1 << max(4, (2 * slots - 1).bit_length())
 
 
+def _mix(x: int) -> int:
+    """A 64-bit finaliser (MurmurHash3's fmix64): every input bit moves every output bit."""
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _U64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _U64
+    return x ^ (x >> 33)
+
+
 def _bucket(k0: int, k1: int, mask: int) -> int:
-    # Both words mixed: keys are uniform hashes in use, but either word alone may be constant.
-    return ((((k0 ^ (k1 * _MIX)) & _U64) * _MIX & _U64) >> 32) & mask
+    # Both words, fully mixed: keys in use are uniform hashes, but keys that differ only in a
+    # few high bytes (sequential ids) must spread over the buckets too.
+    return _mix(k0 ^ _mix(k1)) & mask
 
 
 def _pid_alive(pid: int) -> bool:
