@@ -279,3 +279,21 @@ def test_the_key_index_spreads_keys_that_differ_in_a_few_bytes() -> None:
     ):
         used = {_bucket(*_key_words(k), buckets - 1) for k in keys}
         assert len(used) > 0.7 * len(keys), len(used)  # ~79% for uniform hashing at this load
+
+
+def test_a_key_index_left_half_built_by_a_dead_process_is_rebuilt_on_open(open_tier) -> None:
+    tier = open_tier("host", LAYOUT, blocks=4)
+    tier.put(key(1), pattern(1))
+    tier.put(key(2), pattern(2))
+    # As a process killed inside a rebuild leaves it: counter odd, table emptied.
+    tier._control[2] = int(tier._control[2]) | 1
+    tier._index[:] = 0
+    assert tier.contains(key(1))  # meanwhile readers still find blocks (cache, or a scan)
+    other = open_tier("host", LAYOUT, blocks=4)
+    assert int(other._control[2]) % 2 == 0
+    assert other._index_slots(*struct_words(key(2))) is not None
+    out = LAYOUT.empty()
+    other.get(key(2), out)
+    assert torch.equal(out, pattern(2))
+    other.delete(key(1))
+    assert not tier.contains(key(1)) and tier.contains(key(2))

@@ -179,6 +179,10 @@ class HostTier(Tier):
                 if os.fstat(self._fd).st_size == 0:
                     self._create(capacity_bytes)
                 self._attach()
+                if int(self._control[2]) % 2:
+                    # A process died rebuilding the key index (its lock went with it): redo it.
+                    log.warning("host pool %s: rebuilding a key index left half-built", self.path)
+                    self._index_rebuild()
                 self._reclaim_dead_writers()
             if pin if pin is not None else cuda_available():
                 self._pin()
@@ -428,12 +432,12 @@ class HostTier(Tier):
     def _index_rebuild(self) -> None:
         """Index every slot that has a key afresh, without tombstones."""
         control = self._control
-        control[2] += 1  # odd: readers probing now fall back to a scan
+        control[2] = int(control[2]) | 1  # odd: readers probing now fall back to a scan
         self._index[:] = INDEX_EMPTY
         for slot in np.flatnonzero(self._state != FREE):
             self._index_add(int(slot), int(self._keys[slot, 0]), int(self._keys[slot, 1]))
         control[1] = 0
-        control[2] += 1
+        control[2] = int(control[2]) + 1
 
     def _release(self, slot: int) -> None:
         if self._gen[slot] % 2 == 0:
