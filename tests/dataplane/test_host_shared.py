@@ -247,24 +247,20 @@ def test_a_pool_of_an_older_layout_version_is_refused_with_the_remedy(open_tier,
 
 
 def test_a_reader_that_meets_an_index_rebuild_scans_instead(open_tier) -> None:
+    from worker.dataplane.tiers.host import _key_words
+
     tier = open_tier("host", LAYOUT, blocks=4)
     tier.put(key(1), pattern(1))
     other = open_tier("host", LAYOUT, blocks=4)  # no cached slot numbers
     tier._control[2] += 1  # as another process does while it rebuilds the index
     try:
-        assert other._index_slots(*struct_words(key(1))) is None
+        assert other._index_slots(*_key_words(key(1))) is None
         assert other.contains(key(1)) and not other.contains(key(2))
         out = LAYOUT.empty()
         other.get(key(1), out)
         assert torch.equal(out, pattern(1))
     finally:
         tier._control[2] += 1
-
-
-def struct_words(k) -> tuple[int, int]:
-    from worker.dataplane.tiers.host import _key_words
-
-    return _key_words(k)
 
 
 def test_the_key_index_spreads_keys_that_differ_in_a_few_bytes() -> None:
@@ -285,6 +281,8 @@ def test_the_key_index_spreads_keys_that_differ_in_a_few_bytes() -> None:
 
 
 def test_a_key_index_left_half_built_by_a_dead_process_is_rebuilt_on_open(open_tier) -> None:
+    from worker.dataplane.tiers.host import _key_words
+
     tier = open_tier("host", LAYOUT, blocks=4)
     tier.put(key(1), pattern(1))
     tier.put(key(2), pattern(2))
@@ -294,7 +292,7 @@ def test_a_key_index_left_half_built_by_a_dead_process_is_rebuilt_on_open(open_t
     assert tier.contains(key(1))  # meanwhile readers still find blocks (cache, or a scan)
     other = open_tier("host", LAYOUT, blocks=4)
     assert int(other._control[2]) % 2 == 0
-    assert other._index_slots(*struct_words(key(2))) is not None
+    assert other._index_slots(*_key_words(key(2))) is not None
     out = LAYOUT.empty()
     other.get(key(2), out)
     assert torch.equal(out, pattern(2))

@@ -197,12 +197,11 @@ class ChecksumEngine:
         if not spans:
             return []
         work = list(spans) if digest else self._split_for_copy(spans)
-        total = sum(s.nbytes for s in work)
         if self.native:
-            if streaming is None:
-                streaming = total > CACHED_COPY_MAX_BYTES
-            results = self._run_native(work, digest, total, streaming)
-        elif self._pool is None or len(work) == 1 or total < PARALLEL_MIN_BYTES:
+            results = self._run_native(work, digest, streaming)
+        elif (
+            self._pool is None or len(work) == 1 or sum(s.nbytes for s in work) < PARALLEL_MIN_BYTES
+        ):
             results = self._run_group(work, digest)
         else:
             groups = self._partition(work)
@@ -211,11 +210,12 @@ class ChecksumEngine:
             results = first + [d for future in futures for d in future.result()]
         return results if digest else [b""] * len(spans)
 
-    def _run_native(
-        self, work: list[Span], digest: bool, total: int, streaming: bool
-    ) -> list[bytes]:
+    def _run_native(self, work: list[Span], digest: bool, streaming: bool | None) -> list[bytes]:
         # One prepared batch whose spans every thread claims one at a time: the native helpers
         # join within a microsecond and one that starts late simply takes fewer spans.
+        total = sum(s.nbytes for s in work)
+        if streaming is None:
+            streaming = total > CACHED_COPY_MAX_BYTES
         batch = CopyBatch(
             [s.src for s in work],
             [s.dst for s in work],
@@ -294,8 +294,7 @@ class ChecksumEngine:
 
     def _run_group(self, spans: Sequence[Span], digest: bool) -> list[bytes]:
         if self.native:
-            total = sum(s.nbytes for s in spans)
-            return self._run_native(list(spans), digest, total, total > CACHED_COPY_MAX_BYTES)
+            return self._run_native(list(spans), digest, None)
         chunk = self.chunk_bytes
         memmove = ctypes.memmove  # releases the GIL, so groups really run in parallel
         out = []

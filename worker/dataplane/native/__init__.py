@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -198,19 +199,18 @@ class CopyBatch:
     def run(self, *, shared: bool = True) -> None:
         """Work through the spans not yet claimed (with `shared` False: all of them, in order, on
         this thread alone)."""
-        status = _library.strata_copy_hash(  # type: ignore[union-attr]
-            *self._args, ctypes.byref(self._next) if shared else None
-        )
-        if status != 0:
-            raise RuntimeError(f"fused copy-and-hash failed with status {status}")
+        function = _library.strata_copy_hash  # type: ignore[union-attr]
+        self._call(function, ctypes.byref(self._next) if shared else None)
 
     def run_with_helpers(self) -> None:
         """Work through the spans on this thread and the native helper threads (`start_helpers`)
         together, returning when all of them are done; on this thread alone when there are no
         helpers or another thread's batch has them."""
-        status = _library.strata_copy_hash_pooled(  # type: ignore[union-attr]
-            *self._args, ctypes.byref(self._next)
-        )
+        function = _library.strata_copy_hash_pooled  # type: ignore[union-attr]
+        self._call(function, ctypes.byref(self._next))
+
+    def _call(self, function: Any, next_span: Any) -> None:
+        status = function(*self._args, next_span)
         if status != 0:
             raise RuntimeError(f"fused copy-and-hash failed with status {status}")
 

@@ -51,7 +51,6 @@ from worker.dataplane.checksum import (
     BlockChecksum,
     ChecksumEngine,
     Span,
-    layer_prefix,
     layer_prefixes,
 )
 from worker.dataplane.counters import Counters
@@ -555,8 +554,8 @@ class HostTier(Tier):
                     ].copy_(src)
                     if checksums[i] is None:
                         hashed += [
-                            (i, Span(src=dst + j * lb, nbytes=lb, prefix=layer_prefix(key, j)))
-                            for j in range(layout.layers)
+                            (i, Span(dst + j * lb, lb, prefix))
+                            for j, prefix in enumerate(layer_prefixes(key, range(layout.layers)))
                         ]
                     continue
                 base = src.data_ptr()
