@@ -20,7 +20,7 @@ import xxhash
 
 from worker.dataplane.buffers import address_view, tensor_bytes
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.native import CopyBatch, start_helpers
+from worker.dataplane.native import CopyBatch, PoolGeometry, pool_read, start_helpers
 from worker.dataplane.native import available as native_available
 
 CHECKSUM_BYTES = 16
@@ -229,6 +229,30 @@ class ChecksumEngine:
         else:
             batch.run(shared=False)
         return batch.digests()
+
+    def pool_read(
+        self,
+        geometry: PoolGeometry,
+        slots: Sequence[int],
+        keys: bytes,
+        destinations: Sequence[int],
+        layers: range,
+        layer_bytes: int,
+    ) -> tuple[list[int], list[int], bytes, bytes]:
+        """`native.pool_read` (the native engine only), its copies stored and shared as `run`
+        decides for the same spans."""
+        spans = len(slots) * len(layers)
+        total = spans * layer_bytes
+        return pool_read(
+            geometry,
+            slots,
+            keys,
+            destinations,
+            layers.start,
+            len(layers),
+            streaming=total > CACHED_COPY_MAX_BYTES,
+            helpers=bool(self._helpers) and spans > 1 and total >= HELPERS_MIN_BYTES,
+        )
 
     def run_async(self, spans: Sequence[Span]) -> Future[list[bytes]]:
         """Hash (and copy) `spans` on the engine's own thread and return at once, so the caller

@@ -66,6 +66,37 @@ def _choice() -> str:
     return value
 
 
+class PoolGeometry(ctypes.Structure):
+    """Where a host pool keeps what a verified read needs (see `pool_read`): the address of slot
+    0's metadata record and the record size, each field's offset in a record, the address of slot
+    0's bytes and the slot size, the block layout, and the state value of a readable slot."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "meta",
+            "stride",
+            "gen",
+            "state",
+            "key",
+            "nbytes",
+            "checksum",
+            "layer_sums",
+            "data",
+            "slot_bytes",
+            "layers",
+            "layer_bytes",
+            "block_bytes",
+            "ready",
+        )
+    ]
+
+
+READ_OK, READ_UNSETTLED, READ_TORN, READ_SIZE, READ_BLOCK_SUM = 0, -1, -2, -3, -4
+"""`pool_read` statuses; a positive status is 1 + the layer whose checksum did not match."""
+_WITH_HELPERS = 4
+
+
 def _load() -> ctypes.CDLL | None:
     if _choice() == "0":
         log.info("fused copy-and-hash disabled by STRATA_NATIVE_COPY=0; hashing in Python")
@@ -116,6 +147,23 @@ def _load() -> ctypes.CDLL | None:
     starter.restype = ctypes.c_int
     library.strata_pool_helper_spans.argtypes = []
     library.strata_pool_helper_spans.restype = ctypes.c_uint64
+    pool_reader = library.strata_pool_read
+    pool_reader.argtypes = [
+        ctypes.POINTER(PoolGeometry),
+        ctypes.c_size_t,
+        ctypes.c_void_p,  # slots (u32), an array.array's buffer
+        ctypes.c_char_p,  # keys, 16 bytes each
+        ctypes.c_void_p,  # destinations (u64)
+        ctypes.c_uint32,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_size_t,
+        ctypes.c_char_p,  # layer checksums out
+        ctypes.c_char_p,  # block checksums out
+        ctypes.c_void_p,  # generations out (u64)
+        ctypes.c_void_p,  # statuses out (i32)
+    ]
+    pool_reader.restype = ctypes.c_int
     return library
 
 
@@ -220,6 +268,58 @@ class CopyBatch:
             return []
         raw = self._out.raw
         return [raw[16 * i : 16 * i + 16] for i in range(self._count)]
+
+
+def pool_read(
+    geometry: PoolGeometry,
+    slots: Sequence[int],
+    keys: bytes,
+    destinations: Sequence[int],
+    first_layer: int,
+    layers: int,
+    *,
+    streaming: bool,
+    helpers: bool,
+) -> tuple[list[int], list[int], bytes, bytes]:
+    """Verified reads of layers [first_layer, first_layer + layers) of blocks out of a host pool
+    in one call without the interpreter lock: block i from slot `slots[i]`, its key the 16 bytes
+    at 16 i of `keys`, into `destinations[i]` (the layers back to back). The slot is checked
+    stable, READY and holding the key before the copy and unchanged after it; the copies are
+    hashed and compared with the stored checksums (and, for whole blocks, the block checksum with
+    its layers'). Returns per block a status (READ_*), the generation seen, and the stored layer
+    checksums (16 bytes x layers per block) and block checksums (16 bytes each) as read before
+    the copy. `streaming`: write past the cache; `helpers`: share the copies with the helper
+    threads (`start_helpers`)."""
+    if _library is None:
+        raise RuntimeError("the fused copy-and-hash library is not built")
+    count = len(slots)
+    if len(keys) != 16 * count or len(destinations) != count:
+        raise ValueError("pool_read needs one 16-byte key and one destination per slot")
+    slot_array = array.array("I", slots)
+    dst_array = array.array("Q", destinations)
+    sums = ctypes.create_string_buffer(16 * layers * count or 1)
+    block_sums = ctypes.create_string_buffer(16 * count or 1)
+    gens = array.array("Q", bytes(8 * count))
+    statuses = array.array("i", bytes(4 * count))
+    flags = (NONTEMPORAL if streaming else 0) | (_WITH_HELPERS if helpers else 0)
+    status = _library.strata_pool_read(
+        ctypes.byref(geometry),
+        count,
+        slot_array.buffer_info()[0],
+        keys,
+        dst_array.buffer_info()[0],
+        first_layer,
+        layers,
+        flags,
+        STREAMING_MIN_BYTES,
+        sums,
+        block_sums,
+        gens.buffer_info()[0],
+        statuses.buffer_info()[0],
+    )
+    if status != 0:
+        raise RuntimeError(f"verified pool read failed with status {status}")
+    return statuses.tolist(), gens.tolist(), sums.raw, block_sums.raw
 
 
 class ReadBatch:

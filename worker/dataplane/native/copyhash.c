@@ -15,6 +15,10 @@
  * stay awake a moment between batches (see below), so even one small block's copy runs on every
  * core.
  *
+ * strata_pool_read is the host tier's verified read of many blocks out of its shared pool in one
+ * call: the slot checks before and after the copy, the copy and hash, and the comparisons with
+ * the stored checksums, with no interpreter step per block or per layer.
+ *
  * Digests are the canonical (big-endian) XXH3 128-bit form, byte for byte what Python's
  * xxhash.xxh3_128(prefix + data).digest() returns. */
 
@@ -23,6 +27,7 @@
 
 #include <errno.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -387,4 +392,146 @@ int strata_copy_hash_pooled(size_t count, const uint64_t *src, const uint64_t *d
         status = __atomic_load_n(&strata_pool.status, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&strata_pool.submit);
     return status;
+}
+
+/* ---- Verified reads out of the host tier's shared pool -------------------------------------
+ *
+ * One call does what a host-tier read of many blocks otherwise does in the interpreter, step by
+ * step: for each block, check that its slot is stable (even generation), READY and holds its key;
+ * note the generation and the stored checksums; copy and hash every requested layer (shared with
+ * the helpers, as strata_copy_hash_pooled); then check the generation again (a writer or an
+ * eviction that raced the copy makes it torn: the caller retries) and compare the digests, the
+ * recorded size and, for a whole block, the block checksum over the layer checksums. The caller
+ * keeps every decision about retries, misses and quarantine; this only reports. */
+
+struct strata_pool_geometry {
+    uint64_t meta;   /* address of slot 0's metadata record */
+    uint64_t stride; /* bytes from one record to the next */
+    uint64_t gen, state, key, nbytes, checksum, layer_sums; /* field offsets in a record */
+    uint64_t data;   /* address of slot 0's bytes */
+    uint64_t slot_bytes;
+    uint64_t layers;      /* of a whole block */
+    uint64_t layer_bytes;
+    uint64_t block_bytes;
+    uint64_t ready;       /* the state value of a readable slot */
+};
+
+enum {
+    STRATA_READ_OK = 0,
+    STRATA_READ_UNSETTLED = -1, /* not READY with this key, or being changed: look again */
+    STRATA_READ_TORN = -2,      /* changed during the copy: the bytes were discarded */
+    STRATA_READ_SIZE = -3,      /* the slot records another size than the layout's */
+    STRATA_READ_BLOCK_SUM = -4, /* the block checksum does not match its layer checksums */
+    STRATA_READ_NO_MEMORY = -5,
+};
+#define STRATA_HELPERS 4 /* flag: share the copies with the helper threads */
+
+/* Reads layers [first, first + n) of `count` blocks: block i from slot slots[i], whose key is the
+ * 16 bytes at keys + 16 i, into dst[i] (the layers back to back). Per block: status[i] is
+ * STRATA_READ_OK, one of the negative codes above, or 1 + the block's layer whose checksum did
+ * not match; gens[i] the generation read (for the caller's quarantine); sums + 16 n i the n
+ * stored layer checksums and block_sums + 16 i the stored block checksum, as they were before
+ * the copy. flags: NONTEMPORAL (streaming stores for spans from streaming_min_bytes),
+ * STRATA_HELPERS. Returns 0, or -1 when out of memory or the hash failed (nothing is reported
+ * then). */
+int strata_pool_read(const struct strata_pool_geometry *g, size_t count, const uint32_t *slots,
+                     const unsigned char *keys, const uint64_t *dst, uint32_t first, uint32_t n,
+                     int flags, size_t streaming_min_bytes, unsigned char *sums,
+                     unsigned char *block_sums, uint64_t *gens, int32_t *status)
+{
+    size_t spans = 0, total = count * (size_t)n;
+    uint64_t *src = malloc(total * sizeof(uint64_t)), *to = malloc(total * sizeof(uint64_t));
+    uint64_t *sizes = malloc(total * sizeof(uint64_t));
+    uint64_t *prefix_offsets = malloc((total + 1) * sizeof(uint64_t));
+    uint64_t *recorded = malloc((count ? count : 1) * sizeof(uint64_t));
+    unsigned char *prefixes = malloc(total * 20 + 1), *digests = malloc(total * 16 + 1);
+    int result = 0;
+    if (!src || !to || !sizes || !prefix_offsets || !recorded || !prefixes || !digests) {
+        result = -1;
+        goto out;
+    }
+    for (size_t i = 0; i < count; i++) {
+        const char *record = (const char *)(uintptr_t)(g->meta + (uint64_t)slots[i] * g->stride);
+        uint64_t gen = __atomic_load_n((const uint64_t *)(record + g->gen), __ATOMIC_ACQUIRE);
+        uint32_t state = __atomic_load_n((const uint32_t *)(record + g->state), __ATOMIC_RELAXED);
+        gens[i] = gen;
+        if ((gen & 1) || state != g->ready || memcmp(record + g->key, keys + 16 * i, 16) != 0) {
+            status[i] = STRATA_READ_UNSETTLED;
+            continue;
+        }
+        status[i] = STRATA_READ_OK;
+        memcpy(&recorded[i], record + g->nbytes, sizeof(uint64_t));
+        memcpy(sums + 16 * (size_t)n * i, record + g->layer_sums + 16 * (size_t)first,
+               16 * (size_t)n);
+        memcpy(block_sums + 16 * i, record + g->checksum, 16);
+        uint64_t base = g->data + (uint64_t)slots[i] * g->slot_bytes;
+        for (uint32_t j = 0; j < n; j++, spans++) {
+            uint32_t layer = first + j;
+            src[spans] = base + (uint64_t)layer * g->layer_bytes;
+            to[spans] = dst[i] + (uint64_t)j * g->layer_bytes;
+            sizes[spans] = g->layer_bytes;
+            prefix_offsets[spans] = 20 * spans;
+            memcpy(prefixes + 20 * spans, keys + 16 * i, 16);
+            unsigned char le[4] = {(unsigned char)layer, (unsigned char)(layer >> 8),
+                                   (unsigned char)(layer >> 16), (unsigned char)(layer >> 24)};
+            memcpy(prefixes + 20 * spans + 16, le, 4);
+        }
+    }
+    prefix_offsets[spans] = 20 * spans;
+    if (spans) {
+        uint64_t next = 0;
+        int copy_flags = STRATA_DIGEST | (flags & STRATA_NONTEMPORAL);
+        int failed = (flags & STRATA_HELPERS) && spans > 1
+                         ? strata_copy_hash_pooled(spans, src, to, sizes, prefixes, prefix_offsets,
+                                                   copy_flags, streaming_min_bytes, digests, &next)
+                         : strata_copy_hash(spans, src, to, sizes, prefixes, prefix_offsets,
+                                            copy_flags, streaming_min_bytes, digests, NULL);
+        if (failed) {
+            result = -1;
+            goto out;
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copies above happen before the check below */
+    int whole = first == 0 && n == g->layers;
+    size_t span = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (status[i] != STRATA_READ_OK)
+            continue;
+        const char *record = (const char *)(uintptr_t)(g->meta + (uint64_t)slots[i] * g->stride);
+        const unsigned char *want = sums + 16 * (size_t)n * i, *got = digests + 16 * span;
+        span += n;
+        if (__atomic_load_n((const uint64_t *)(record + g->gen), __ATOMIC_ACQUIRE) != gens[i]) {
+            status[i] = STRATA_READ_TORN;
+            continue;
+        }
+        if (recorded[i] != g->block_bytes) {
+            status[i] = STRATA_READ_SIZE;
+            continue;
+        }
+        for (uint32_t j = 0; j < n; j++) {
+            if (memcmp(got + 16 * j, want + 16 * j, 16) != 0) {
+                status[i] = 1 + (int32_t)(first + j);
+                break;
+            }
+        }
+        if (status[i] == STRATA_READ_OK && whole) {
+            XXH3_state_t state;
+            XXH128_canonical_t canonical;
+            XXH3_128bits_reset(&state);
+            XXH3_128bits_update(&state, keys + 16 * i, 16);
+            XXH3_128bits_update(&state, want, 16 * (size_t)n);
+            XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
+            if (memcmp(canonical.digest, block_sums + 16 * i, 16) != 0)
+                status[i] = STRATA_READ_BLOCK_SUM;
+        }
+    }
+out:
+    free(src);
+    free(to);
+    free(sizes);
+    free(prefix_offsets);
+    free(recorded);
+    free(prefixes);
+    free(digests);
+    return result;
 }

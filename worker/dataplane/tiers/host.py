@@ -56,6 +56,7 @@ from worker.dataplane.checksum import (
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockCorrupt, BlockMissing, TierFull
 from worker.dataplane.layout import DTYPE_CODES, BlockLayout
+from worker.dataplane.native import READ_BLOCK_SUM, READ_OK, READ_SIZE, READ_TORN, PoolGeometry
 from worker.dataplane.tiers.base import PutResult, ReadResult, Tier, TierUsage
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,17 @@ def _meta_dtype(layers: int) -> np.dtype:
             "itemsize": round_up(base.itemsize, 64),
         }
     )
+
+
+_GEOMETRY_FIELDS = {
+    "gen": "gen",
+    "state": "state",
+    "key": "key",
+    "nbytes": "nbytes",
+    "checksum": "checksum",
+    "layer_sums": "layer_sums",
+}
+"""PoolGeometry's field offsets, by the metadata record's field names."""
 
 
 def _key_words(key: uuid.UUID) -> tuple[int, int]:
@@ -303,6 +315,19 @@ class HostTier(Tier):
         self._control = np.ndarray((8,), dtype="<u8", buffer=self._mm, offset=_CONTROL_OFFSET)
         self._index = np.ndarray((buckets,), dtype="<u4", buffer=self._mm, offset=index_offset)
         self._index_mask = buckets - 1
+        fields = meta.dtype.fields
+        assert fields is not None
+        self._pool_geometry = PoolGeometry(
+            meta=self._base + meta_offset,
+            stride=stride,
+            **{name: fields[field][1] for name, field in _GEOMETRY_FIELDS.items()},
+            data=self._base + data_offset,
+            slot_bytes=slot_bytes,
+            layers=layers,
+            layer_bytes=layer_bytes,
+            block_bytes=self.layout.block_bytes,
+            ready=READY,
+        )
         self._data = torch.frombuffer(
             self._mm, dtype=torch.uint8, offset=data_offset, count=slots * slot_bytes
         )
@@ -324,6 +349,7 @@ class HostTier(Tier):
             "_control",
             "_index",
             "_data",
+            "_pool_geometry",  # addresses in the mapping: a read after close must not use them
         ):
             self.__dict__.pop(name, None)
         if self._mm is not None:
@@ -657,6 +683,8 @@ class HostTier(Tier):
     def _read(
         self, keys: list[uuid.UUID], layers: range, dsts: list[torch.Tensor]
     ) -> list[ReadResult | Exception]:
+        if self.engine.native and all(dst.device.type == "cpu" for dst in dsts):
+            return self._read_native(keys, layers, dsts)
         layout = self.layout
         layer_bytes = layout.layer_bytes
         offset, nbytes = layout.span(layers)
@@ -750,7 +778,95 @@ class HostTier(Tier):
                         keys[i], slot, generation, f"layer {bad} checksum mismatch"
                     )
             pending = retry
-        for i in pending:
+        return self._finish_read(keys, results, pending)
+
+    def _read_native(
+        self, keys: list[uuid.UUID], layers: range, dsts: list[torch.Tensor]
+    ) -> list[ReadResult | Exception]:
+        """`_read` into host memory in one native call per attempt (`native.pool_read`): the
+        same checks in the same order (slot stable and holding the key, copy and hash, generation
+        unchanged, recorded size, layer checksums, block checksum), without the interpreter's
+        cost per block and per layer."""
+        layout = self.layout
+        nbytes = len(layers) * layout.layer_bytes
+        whole = len(layers) == layout.layers
+        results: list[ReadResult | Exception | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        cached = self._lookup
+        hits = 0
+        for attempt in range(READ_ATTEMPTS):
+            if not pending:
+                break
+            asked: list[int] = []
+            slots: list[int] = []
+            for i in pending:
+                # First from this process's cache, unchecked (the native call checks the slot
+                # itself); a retry looks the key up afresh.
+                slot = cached.get(keys[i]) if attempt == 0 else None
+                if slot is None:
+                    slot = self._find(keys[i])
+                    if slot is None:
+                        results[i] = BlockMissing(keys[i], tier=self.name)
+                        continue
+                asked.append(i)
+                slots.append(slot)
+            if not asked:
+                pending = []
+                break
+            statuses, generations, sums, block_sums = self.engine.pool_read(
+                self._pool_geometry,
+                slots,
+                b"".join(keys[i].bytes for i in asked),
+                [dsts[i].data_ptr() for i in asked],
+                layers,
+                layout.layer_bytes,
+            )
+            retry: list[int] = []
+            step = CHECKSUM_BYTES * len(layers)
+            for n, (i, slot, status) in enumerate(zip(asked, slots, statuses, strict=True)):
+                if status == READ_OK:
+                    hits += 1
+                    checksum = None
+                    if whole:
+                        stored = sums[n * step : (n + 1) * step]
+                        checksum = BlockChecksum(
+                            block=block_sums[n * CHECKSUM_BYTES : (n + 1) * CHECKSUM_BYTES],
+                            layers=tuple(
+                                stored[j : j + CHECKSUM_BYTES]
+                                for j in range(0, step, CHECKSUM_BYTES)
+                            ),
+                        )
+                    results[i] = ReadResult(
+                        key=keys[i], tier=self.name, layers=layers, nbytes=nbytes, checksum=checksum
+                    )
+                elif status < 0 and status != READ_SIZE and status != READ_BLOCK_SUM:
+                    if status == READ_TORN:
+                        # A writer or an eviction touched the slot during the copy: discard, retry.
+                        self.counters.add(f"{self.name}.torn_retries")
+                    retry.append(i)
+                else:
+                    if status == READ_SIZE:
+                        reason = f"slot records {int(self._nbytes[slot])} bytes"
+                    elif status == READ_BLOCK_SUM:
+                        reason = "block checksum does not match its layers"
+                    else:
+                        reason = f"layer {status - 1} checksum mismatch"
+                    results[i] = self._quarantine(keys[i], slot, generations[n], reason)
+            pending = retry
+        if hits:
+            self.counters.add(f"{self.name}.hits", hits)
+            self.counters.add(f"{self.name}.bytes_read", hits * nbytes)
+        return self._finish_read(keys, results, pending)
+
+    def _finish_read(
+        self,
+        keys: list[uuid.UUID],
+        results: list[ReadResult | Exception | None],
+        contended: list[int],
+    ) -> list[ReadResult | Exception]:
+        """The reads writers kept changing (`contended`, out of attempts) become misses; misses
+        are counted."""
+        for i in contended:
             self.counters.add(f"{self.name}.contended")
             results[i] = BlockMissing(keys[i], tier=self.name)
         misses = sum(isinstance(result, BlockMissing) for result in results)
