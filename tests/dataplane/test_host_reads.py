@@ -1,6 +1,6 @@
-"""Host tier reads into host memory: the native path (one call per attempt checks the slot, copies,
-hashes and compares) and the interpreter's path (no fused routine) give the same answers, the
-same errors and the same counts."""
+"""Host tier reads into and writes from host memory: the native path (one call per attempt checks
+the slot, copies, hashes and compares; one call per put copies, hashes and records) and the
+interpreter's path (no fused routine) give the same answers, the same errors and the same counts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 from dataplane_support import key, layout_of, make_block
 
-from worker.dataplane.checksum import ChecksumEngine
+from worker.dataplane import native
+from worker.dataplane.checksum import BlockChecksum, ChecksumEngine, layer_checksum
 from worker.dataplane.errors import BlockCorrupt, BlockMissing
 from worker.dataplane.native import available as native_available
 from worker.dataplane.tiers.host import HostTier
@@ -21,7 +22,9 @@ BIG = layout_of({"layers": 8, "kv_heads": 8, "head_dim": 128, "block_tokens": 25
 """8 MiB blocks: a copy long enough for another thread to change the slot during it."""
 
 PATHS = [
-    pytest.param(True, id="native", marks=pytest.mark.skipif(not native_available(), reason="not built")),
+    pytest.param(
+        True, id="native", marks=pytest.mark.skipif(not native_available(), reason="not built")
+    ),
     pytest.param(False, id="interpreter"),
 ]
 
@@ -57,7 +60,9 @@ def test_whole_blocks_and_layer_ranges_read_back_exactly_with_their_checksums(ho
         assert torch.equal(out, data)
         assert result.checksum == put[n].checksum and result.nbytes == LAYOUT.block_bytes
     outs = [LAYOUT.empty(layers=2) for _ in blocks]
-    results = [f.result(timeout=30) for f in tier.get_layers([key(n) for n in blocks], range(1, 3), outs)]
+    results = [
+        f.result(timeout=30) for f in tier.get_layers([key(n) for n in blocks], range(1, 3), outs)
+    ]
     for n, out in zip(blocks, outs, strict=True):
         assert torch.equal(out, blocks[n][LAYOUT.layer_bytes : 3 * LAYOUT.layer_bytes])
     assert all(r.checksum is None and r.nbytes == 2 * LAYOUT.layer_bytes for r in results)
@@ -169,3 +174,54 @@ def test_a_slot_changed_during_the_copy_is_retried_and_never_served_torn(host) -
     out.zero_()
     tier.get(key(1), out)
     assert torch.equal(out, data)
+
+
+def test_a_put_records_the_checksums_of_the_bytes_it_stored(host) -> None:
+    """Whether hashed by the put (alone or in a batch) or given by the caller, the slot records the
+    checksums of exactly the stored bytes, and the put returns them."""
+    tier = host(blocks=4)
+    blocks = {n: make_block(LAYOUT, seed=10 + n) for n in range(3)}
+
+    def reference(n: int) -> BlockChecksum:
+        data = blocks[n].numpy().tobytes()
+        lb = LAYOUT.layer_bytes
+        return BlockChecksum.from_layers(
+            key(n),
+            [layer_checksum(key(n), j, data[j * lb : (j + 1) * lb]) for j in range(LAYOUT.layers)],
+        )
+
+    assert tier.put(key(0), blocks[0]).checksum == reference(0)
+    futures = tier.put_many(
+        [(key(1), blocks[1]), (key(2), blocks[2])], checksums=[None, reference(2)]
+    )
+    assert [f.result(timeout=30).checksum for f in futures] == [reference(1), reference(2)]
+    for n in blocks:
+        slot = tier._find(key(n))
+        assert tier._block_sums[slot].tobytes() == reference(n).block
+        assert tier._sums[slot].tobytes() == b"".join(reference(n).layers)
+        assert int(tier._nbytes[slot]) == LAYOUT.block_bytes
+        out = LAYOUT.empty()
+        assert tier.get(key(n), out).checksum == reference(n)
+        assert torch.equal(out, blocks[n])
+
+
+@pytest.mark.skipif(not native_available(), reason="not built")
+def test_the_native_pool_calls_refuse_mismatched_arguments(host) -> None:
+    tier = host()
+    out = LAYOUT.empty()
+    with pytest.raises(ValueError, match="2 slots need 2 16-byte keys and 2 addresses, got 16 key"):
+        native.pool_read(
+            tier._pool_geometry,
+            [0, 1],
+            key(1).bytes,
+            [out.data_ptr()] * 2,
+            0,
+            1,
+            streaming=False,
+            helpers=False,
+        )
+    with pytest.raises(
+        ValueError, match="1 slots need 1 16-byte keys and 1 addresses, got 16 key bytes and 0"
+    ):
+        native.pool_fill(tier._pool_geometry, [0], key(1).bytes, [], streaming=True, helpers=False)
+    assert tier.usage().blocks == 0

@@ -20,7 +20,7 @@ import xxhash
 
 from worker.dataplane.buffers import address_view, tensor_bytes
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.native import CopyBatch, PoolGeometry, pool_read, start_helpers
+from worker.dataplane.native import CopyBatch, PoolGeometry, pool_fill, pool_read, start_helpers
 from worker.dataplane.native import available as native_available
 
 CHECKSUM_BYTES = 16
@@ -252,6 +252,26 @@ class ChecksumEngine:
             len(layers),
             streaming=total > CACHED_COPY_MAX_BYTES,
             helpers=bool(self._helpers) and spans > 1 and total >= HELPERS_MIN_BYTES,
+        )
+
+    def pool_fill(
+        self,
+        geometry: PoolGeometry,
+        slots: Sequence[int],
+        keys: bytes,
+        sources: Sequence[int],
+        layer_bytes: int,
+    ) -> tuple[bytes, bytes]:
+        """`native.pool_fill` (the native engine only): written past the cache, as a tier's own
+        storage is (`run` with streaming True), and shared as `run` decides."""
+        spans = len(slots) * int(geometry.layers)
+        return pool_fill(
+            geometry,
+            slots,
+            keys,
+            sources,
+            streaming=True,
+            helpers=bool(self._helpers) and spans > 1 and spans * layer_bytes >= HELPERS_MIN_BYTES,
         )
 
     def run_async(self, spans: Sequence[Span]) -> Future[list[bytes]]:

@@ -164,6 +164,19 @@ def _load() -> ctypes.CDLL | None:
         ctypes.c_void_p,  # statuses out (i32)
     ]
     pool_reader.restype = ctypes.c_int
+    pool_filler = library.strata_pool_fill
+    pool_filler.argtypes = [
+        ctypes.POINTER(PoolGeometry),
+        ctypes.c_size_t,
+        ctypes.c_void_p,  # slots (u32)
+        ctypes.c_char_p,  # keys, 16 bytes each
+        ctypes.c_void_p,  # sources (u64)
+        ctypes.c_int,
+        ctypes.c_size_t,
+        ctypes.c_char_p,  # layer checksums out
+        ctypes.c_char_p,  # block checksums out
+    ]
+    pool_filler.restype = ctypes.c_int
     return library
 
 
@@ -290,19 +303,12 @@ def pool_read(
     checksums (16 bytes x layers per block) and block checksums (16 bytes each) as read before
     the copy. `streaming`: write past the cache; `helpers`: share the copies with the helper
     threads (`start_helpers`)."""
-    if _library is None:
-        raise RuntimeError("the fused copy-and-hash library is not built")
-    count = len(slots)
-    if len(keys) != 16 * count or len(destinations) != count:
-        raise ValueError("pool_read needs one 16-byte key and one destination per slot")
-    slot_array = array.array("I", slots)
-    dst_array = array.array("Q", destinations)
+    count, slot_array, dst_array, flags = _pool_arguments(slots, keys, destinations, streaming, helpers)
     sums = ctypes.create_string_buffer(16 * layers * count or 1)
     block_sums = ctypes.create_string_buffer(16 * count or 1)
     gens = array.array("Q", bytes(8 * count))
     statuses = array.array("i", bytes(4 * count))
-    flags = (NONTEMPORAL if streaming else 0) | (_WITH_HELPERS if helpers else 0)
-    status = _library.strata_pool_read(
+    status = _library.strata_pool_read(  # type: ignore[union-attr]
         ctypes.byref(geometry),
         count,
         slot_array.buffer_info()[0],
@@ -320,6 +326,57 @@ def pool_read(
     if status != 0:
         raise RuntimeError(f"verified pool read failed with status {status}")
     return statuses.tolist(), gens.tolist(), sums.raw, block_sums.raw
+
+
+def _pool_arguments(
+    slots: Sequence[int], keys: bytes, addresses: Sequence[int], streaming: bool, helpers: bool
+) -> tuple[int, array.array[int], array.array[int], int]:
+    """What pool_read and pool_fill pass: the count, the slots (u32) and the addresses (u64) as
+    arrays, and the flags; one 16-byte key and one address per slot, or ValueError."""
+    if _library is None:
+        raise RuntimeError("the fused copy-and-hash library is not built")
+    count = len(slots)
+    if len(keys) != 16 * count or len(addresses) != count:
+        raise ValueError(
+            f"{count} slots need {count} 16-byte keys and {count} addresses, "
+            f"got {len(keys)} key bytes and {len(addresses)} addresses"
+        )
+    flags = (NONTEMPORAL if streaming else 0) | (_WITH_HELPERS if helpers else 0)
+    return count, array.array("I", slots), array.array("Q", addresses), flags
+
+
+def pool_fill(
+    geometry: PoolGeometry,
+    slots: Sequence[int],
+    keys: bytes,
+    sources: Sequence[int],
+    *,
+    streaming: bool,
+    helpers: bool,
+) -> tuple[bytes, bytes]:
+    """Writes of whole blocks into host pool slots the caller has allocated and still holds, in
+    one call without the interpreter lock: block i from the memory at `sources[i]` into slot
+    `slots[i]`, its key the 16 bytes at 16 i of `keys`, every layer hashed as it is copied; the
+    slot's metadata gets the layer checksums, the block checksum and the size. Returns the layer
+    checksums (16 bytes x layers per block) and the block checksums (16 bytes each). `streaming`
+    and `helpers` as in `pool_read`."""
+    count, slot_array, src_array, flags = _pool_arguments(slots, keys, sources, streaming, helpers)
+    sums = ctypes.create_string_buffer(16 * geometry.layers * count or 1)
+    block_sums = ctypes.create_string_buffer(16 * count or 1)
+    status = _library.strata_pool_fill(  # type: ignore[union-attr]
+        ctypes.byref(geometry),
+        count,
+        slot_array.buffer_info()[0],
+        keys,
+        src_array.buffer_info()[0],
+        flags,
+        STREAMING_MIN_BYTES,
+        sums,
+        block_sums,
+    )
+    if status != 0:
+        raise RuntimeError(f"verified pool write failed with status {status}")
+    return sums.raw, block_sums.raw
 
 
 class ReadBatch:

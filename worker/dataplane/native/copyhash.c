@@ -426,6 +426,98 @@ enum {
 };
 #define STRATA_HELPERS 4 /* flag: share the copies with the helper threads */
 
+/* The spans of one batch of pool copies: per layer, the pool's bytes and the caller's memory, and
+ * the layer's hash prefix (the block's key, then the layer number, little-endian). */
+struct strata_spans {
+    size_t count;
+    uint64_t *src, *dst, *sizes, *prefix_offsets;
+    unsigned char *prefixes, *digests;
+};
+
+static void strata_spans_free(struct strata_spans *s)
+{
+    free(s->src);
+    free(s->dst);
+    free(s->sizes);
+    free(s->prefix_offsets);
+    free(s->prefixes);
+    free(s->digests);
+}
+
+static int strata_spans_alloc(struct strata_spans *s, size_t most)
+{
+    s->count = 0;
+    s->src = malloc((most + 1) * sizeof(uint64_t));
+    s->dst = malloc((most + 1) * sizeof(uint64_t));
+    s->sizes = malloc((most + 1) * sizeof(uint64_t));
+    s->prefix_offsets = malloc((most + 1) * sizeof(uint64_t));
+    s->prefixes = malloc(most * 20 + 1);
+    s->digests = malloc(most * 16 + 1);
+    if (s->src && s->dst && s->sizes && s->prefix_offsets && s->prefixes && s->digests)
+        return 0;
+    strata_spans_free(s);
+    return -1;
+}
+
+/* Adds layers [first, first + n) of the block in `slot` (key at `key`): copied from the pool to
+ * `memory` (the layers back to back) with `to_pool` 0, from `memory` into the pool with 1. */
+static void strata_spans_add(struct strata_spans *s, const struct strata_pool_geometry *g,
+                             uint32_t slot, const unsigned char *key, uint32_t first, uint32_t n,
+                             uint64_t memory, int to_pool)
+{
+    uint64_t base = g->data + (uint64_t)slot * g->slot_bytes;
+    for (uint32_t j = 0; j < n; j++) {
+        size_t k = s->count++;
+        uint32_t layer = first + j;
+        uint64_t pool = base + (uint64_t)layer * g->layer_bytes;
+        uint64_t mine = memory + (uint64_t)j * g->layer_bytes;
+        s->src[k] = to_pool ? mine : pool;
+        s->dst[k] = to_pool ? pool : mine;
+        s->sizes[k] = g->layer_bytes;
+        s->prefix_offsets[k] = 20 * k;
+        unsigned char *prefix = s->prefixes + 20 * k;
+        memcpy(prefix, key, 16);
+        prefix[16] = (unsigned char)layer;
+        prefix[17] = (unsigned char)(layer >> 8);
+        prefix[18] = (unsigned char)(layer >> 16);
+        prefix[19] = (unsigned char)(layer >> 24);
+    }
+    s->prefix_offsets[s->count] = 20 * s->count;
+}
+
+/* Copies and hashes every span, with the helpers when `flags` asks for them. */
+static int strata_spans_run(struct strata_spans *s, int flags, size_t streaming_min_bytes)
+{
+    if (!s->count)
+        return 0;
+    uint64_t next = 0;
+    int copy_flags = STRATA_DIGEST | (flags & STRATA_NONTEMPORAL);
+    if ((flags & STRATA_HELPERS) && s->count > 1)
+        return strata_copy_hash_pooled(s->count, s->src, s->dst, s->sizes, s->prefixes,
+                                       s->prefix_offsets, copy_flags, streaming_min_bytes,
+                                       s->digests, &next);
+    return strata_copy_hash(s->count, s->src, s->dst, s->sizes, s->prefixes, s->prefix_offsets,
+                            copy_flags, streaming_min_bytes, s->digests, NULL);
+}
+
+/* The block checksum: xxh3-128 of the key, then the layer checksums. */
+static void strata_block_digest(const unsigned char *key, const unsigned char *layer_sums,
+                                size_t layers, unsigned char *digest)
+{
+    XXH3_state_t state;
+    XXH128_canonical_t canonical;
+    XXH3_128bits_reset(&state);
+    XXH3_128bits_update(&state, key, 16);
+    XXH3_128bits_update(&state, layer_sums, 16 * layers);
+    XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
+    memcpy(digest, canonical.digest, 16);
+}
+
+static char *strata_record(const struct strata_pool_geometry *g, uint32_t slot)
+{
+    return (char *)(uintptr_t)(g->meta + (uint64_t)slot * g->stride);
+}
+
 /* Reads layers [first, first + n) of `count` blocks: block i from slot slots[i], whose key is the
  * 16 bytes at keys + 16 i, into dst[i] (the layers back to back). Per block: status[i] is
  * STRATA_READ_OK, one of the negative codes above, or 1 + the block's layer whose checksum did
@@ -439,19 +531,14 @@ int strata_pool_read(const struct strata_pool_geometry *g, size_t count, const u
                      int flags, size_t streaming_min_bytes, unsigned char *sums,
                      unsigned char *block_sums, uint64_t *gens, int32_t *status)
 {
-    size_t spans = 0, total = count * (size_t)n;
-    uint64_t *src = malloc(total * sizeof(uint64_t)), *to = malloc(total * sizeof(uint64_t));
-    uint64_t *sizes = malloc(total * sizeof(uint64_t));
-    uint64_t *prefix_offsets = malloc((total + 1) * sizeof(uint64_t));
+    struct strata_spans spans;
     uint64_t *recorded = malloc((count ? count : 1) * sizeof(uint64_t));
-    unsigned char *prefixes = malloc(total * 20 + 1), *digests = malloc(total * 16 + 1);
-    int result = 0;
-    if (!src || !to || !sizes || !prefix_offsets || !recorded || !prefixes || !digests) {
-        result = -1;
-        goto out;
+    if (!recorded || strata_spans_alloc(&spans, count * (size_t)n) != 0) {
+        free(recorded);
+        return -1;
     }
     for (size_t i = 0; i < count; i++) {
-        const char *record = (const char *)(uintptr_t)(g->meta + (uint64_t)slots[i] * g->stride);
+        const char *record = strata_record(g, slots[i]);
         uint64_t gen = __atomic_load_n((const uint64_t *)(record + g->gen), __ATOMIC_ACQUIRE);
         uint32_t state = __atomic_load_n((const uint32_t *)(record + g->state), __ATOMIC_RELAXED);
         gens[i] = gen;
@@ -464,41 +551,17 @@ int strata_pool_read(const struct strata_pool_geometry *g, size_t count, const u
         memcpy(sums + 16 * (size_t)n * i, record + g->layer_sums + 16 * (size_t)first,
                16 * (size_t)n);
         memcpy(block_sums + 16 * i, record + g->checksum, 16);
-        uint64_t base = g->data + (uint64_t)slots[i] * g->slot_bytes;
-        for (uint32_t j = 0; j < n; j++, spans++) {
-            uint32_t layer = first + j;
-            src[spans] = base + (uint64_t)layer * g->layer_bytes;
-            to[spans] = dst[i] + (uint64_t)j * g->layer_bytes;
-            sizes[spans] = g->layer_bytes;
-            prefix_offsets[spans] = 20 * spans;
-            memcpy(prefixes + 20 * spans, keys + 16 * i, 16);
-            unsigned char le[4] = {(unsigned char)layer, (unsigned char)(layer >> 8),
-                                   (unsigned char)(layer >> 16), (unsigned char)(layer >> 24)};
-            memcpy(prefixes + 20 * spans + 16, le, 4);
-        }
+        strata_spans_add(&spans, g, slots[i], keys + 16 * i, first, n, dst[i], 0);
     }
-    prefix_offsets[spans] = 20 * spans;
-    if (spans) {
-        uint64_t next = 0;
-        int copy_flags = STRATA_DIGEST | (flags & STRATA_NONTEMPORAL);
-        int failed = (flags & STRATA_HELPERS) && spans > 1
-                         ? strata_copy_hash_pooled(spans, src, to, sizes, prefixes, prefix_offsets,
-                                                   copy_flags, streaming_min_bytes, digests, &next)
-                         : strata_copy_hash(spans, src, to, sizes, prefixes, prefix_offsets,
-                                            copy_flags, streaming_min_bytes, digests, NULL);
-        if (failed) {
-            result = -1;
-            goto out;
-        }
-    }
+    int result = strata_spans_run(&spans, flags, streaming_min_bytes) ? -1 : 0;
     __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copies above happen before the check below */
     int whole = first == 0 && n == g->layers;
     size_t span = 0;
-    for (size_t i = 0; i < count; i++) {
+    for (size_t i = 0; result == 0 && i < count; i++) {
         if (status[i] != STRATA_READ_OK)
             continue;
-        const char *record = (const char *)(uintptr_t)(g->meta + (uint64_t)slots[i] * g->stride);
-        const unsigned char *want = sums + 16 * (size_t)n * i, *got = digests + 16 * span;
+        const char *record = strata_record(g, slots[i]);
+        const unsigned char *want = sums + 16 * (size_t)n * i, *got = spans.digests + 16 * span;
         span += n;
         if (__atomic_load_n((const uint64_t *)(record + g->gen), __ATOMIC_ACQUIRE) != gens[i]) {
             status[i] = STRATA_READ_TORN;
@@ -515,23 +578,42 @@ int strata_pool_read(const struct strata_pool_geometry *g, size_t count, const u
             }
         }
         if (status[i] == STRATA_READ_OK && whole) {
-            XXH3_state_t state;
-            XXH128_canonical_t canonical;
-            XXH3_128bits_reset(&state);
-            XXH3_128bits_update(&state, keys + 16 * i, 16);
-            XXH3_128bits_update(&state, want, 16 * (size_t)n);
-            XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
-            if (memcmp(canonical.digest, block_sums + 16 * i, 16) != 0)
+            unsigned char block[16];
+            strata_block_digest(keys + 16 * i, want, n, block);
+            if (memcmp(block, block_sums + 16 * i, 16) != 0)
                 status[i] = STRATA_READ_BLOCK_SUM;
         }
     }
-out:
-    free(src);
-    free(to);
-    free(sizes);
-    free(prefix_offsets);
+    strata_spans_free(&spans);
     free(recorded);
-    free(prefixes);
-    free(digests);
+    return result;
+}
+
+/* The host tier's put of `count` whole blocks into slots the caller has allocated and holds
+ * (WRITING, odd generation): block i is copied from src[i] into slot slots[i], each layer hashed
+ * as it is copied (the bytes readers will verify, read once), and the slot's metadata gets the
+ * layer checksums, the block checksum over them and the size; sums + 16 layers i and
+ * block_sums + 16 i get them too. The caller publishes the slots. flags as strata_pool_read's.
+ * Returns 0, or -1 when out of memory or the hash failed (no metadata is written then). */
+int strata_pool_fill(const struct strata_pool_geometry *g, size_t count, const uint32_t *slots,
+                     const unsigned char *keys, const uint64_t *src, int flags,
+                     size_t streaming_min_bytes, unsigned char *sums, unsigned char *block_sums)
+{
+    struct strata_spans spans;
+    size_t layers = (size_t)g->layers;
+    if (strata_spans_alloc(&spans, count * layers) != 0)
+        return -1;
+    for (size_t i = 0; i < count; i++)
+        strata_spans_add(&spans, g, slots[i], keys + 16 * i, 0, (uint32_t)layers, src[i], 1);
+    int result = strata_spans_run(&spans, flags, streaming_min_bytes) ? -1 : 0;
+    for (size_t i = 0; result == 0 && i < count; i++) {
+        char *record = strata_record(g, slots[i]);
+        memcpy(sums + 16 * layers * i, spans.digests + 16 * layers * i, 16 * layers);
+        strata_block_digest(keys + 16 * i, sums + 16 * layers * i, layers, block_sums + 16 * i);
+        memcpy(record + g->layer_sums, sums + 16 * layers * i, 16 * layers);
+        memcpy(record + g->checksum, block_sums + 16 * i, 16);
+        memcpy(record + g->nbytes, &g->block_bytes, sizeof(uint64_t));
+    }
+    strata_spans_free(&spans);
     return result;
 }

@@ -120,6 +120,18 @@ _GEOMETRY_FIELDS = {
 """PoolGeometry's field offsets, by the metadata record's field names."""
 
 
+def _checksum_of(sums: bytes, block_sums: bytes, n: int, layers: int) -> BlockChecksum:
+    """Block n's checksum out of the native pool calls' outputs: `layers` layer checksums per
+    block back to back, and one block checksum per block."""
+    first = n * layers
+    return BlockChecksum(
+        block=block_sums[n * CHECKSUM_BYTES : (n + 1) * CHECKSUM_BYTES],
+        layers=tuple(
+            sums[k * CHECKSUM_BYTES : (k + 1) * CHECKSUM_BYTES] for k in range(first, first + layers)
+        ),
+    )
+
+
 def _key_words(key: uuid.UUID) -> tuple[int, int]:
     return struct.unpack("<QQ", key.bytes)
 
@@ -569,8 +581,12 @@ class HostTier(Tier):
             fused = self.engine.native or len(slots) * layout.block_bytes >= PARALLEL_MIN_BYTES
             hashed: list[tuple[int, Span]] = []
             copies: list[Span] = []
+            filled: list[int] = []  # blocks the native call copies, hashes and records
             for i, slot in slots.items():
                 key, src = items[i][0], srcs[i]
+                if self.engine.native and src.device.type == "cpu" and checksums[i] is None:
+                    filled.append(i)
+                    continue
                 dst = self._slot_address(slot)
                 if src.device.type != "cpu" or not fused:
                     # Device sources come down with one synchronous copy; small batches take a
@@ -602,7 +618,20 @@ class HostTier(Tier):
                 checksums[i] = BlockChecksum.from_layers(
                     items[i][0], digests[j : j + layout.layers]
                 )
+            if filled:
+                sums, block_sums = self.engine.pool_fill(
+                    self._pool_geometry,
+                    [slots[i] for i in filled],
+                    b"".join(items[i][0].bytes for i in filled),
+                    [srcs[i].data_ptr() for i in filled],
+                    lb,
+                )
+                for n, i in enumerate(filled):
+                    checksums[i] = _checksum_of(sums, block_sums, n, layout.layers)
+            recorded = set(filled)
             for i, slot in slots.items():
+                if i in recorded:
+                    continue  # the native call wrote the slot's checksums and size
                 checksum = checksums[i]
                 assert checksum is not None
                 self._nbytes[slot] = layout.block_bytes
@@ -822,20 +851,10 @@ class HostTier(Tier):
                 layout.layer_bytes,
             )
             retry: list[int] = []
-            step = CHECKSUM_BYTES * len(layers)
             for n, (i, slot, status) in enumerate(zip(asked, slots, statuses, strict=True)):
                 if status == READ_OK:
                     hits += 1
-                    checksum = None
-                    if whole:
-                        stored = sums[n * step : (n + 1) * step]
-                        checksum = BlockChecksum(
-                            block=block_sums[n * CHECKSUM_BYTES : (n + 1) * CHECKSUM_BYTES],
-                            layers=tuple(
-                                stored[j : j + CHECKSUM_BYTES]
-                                for j in range(0, step, CHECKSUM_BYTES)
-                            ),
-                        )
+                    checksum = _checksum_of(sums, block_sums, n, layout.layers) if whole else None
                     results[i] = ReadResult(
                         key=keys[i], tier=self.name, layers=layers, nbytes=nbytes, checksum=checksum
                     )
