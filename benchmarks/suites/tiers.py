@@ -242,11 +242,11 @@ class Bench:
                     future.result()
 
         def clear() -> None:
+            # Room for the next pass, as a cache makes it: the disk tier keeps the deleted files
+            # a while and the next pass writes its blocks over them (the raw pass writes over
+            # its own file of the pass before, in place), and unlinks nothing meanwhile.
             for k in self.keys:
                 tier.delete(k)
-            # The disk tier unlinks deleted files in the background: all of it before the timer
-            # starts, as the raw pass (which overwrites one file in place) frees nothing either.
-            tier.drain_deletes()
 
         step, name = self.ctx.step, tier.name
         measured = {
@@ -367,11 +367,9 @@ class Bench:
         block = self.layout.block_bytes
         try:
 
-            def unlink_raw() -> None:
-                raw_path.unlink(missing_ok=True)
-
             def raw_put() -> None:
-                fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
+                # Over the file of the pass before, in place: its extents are allocated once.
+                fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
                 try:
                     for i in range(self.blocks):
                         os.pwritev(fd, [host_view(self.source(i))], i * block)
@@ -392,7 +390,6 @@ class Bench:
                 repeats=media_repeats(self.ctx.repeats),
                 raw_put=raw_put,
                 raw_get=raw_get,
-                before_raw_put=unlink_raw,
             )
             mode = "O_DIRECT" if tier.direct_io else "buffered (O_DIRECT refused)"
             return measured, f"sequential {mode} pwritev/preadv of one file on the same filesystem"

@@ -36,6 +36,7 @@ def test_precedence_flag_over_env_over_yaml_over_default(tmp_path):
         ({"STRATA_NODE_NAME": "GPU 0"}, "STRATA_NODE_NAME: expected 1-63 lowercase"),
         ({"STRATA_WORKER_CONCURRENCY": "x"}, "STRATA_WORKER_CONCURRENCY: invalid literal"),
         ({"STRATA_DISK_IO_THREADS": "0"}, "STRATA_DISK_IO_THREADS: must be greater than zero"),
+        ({"STRATA_DISK_REUSE_SECONDS": "-1"}, "STRATA_DISK_REUSE_SECONDS: cannot be negative"),
     ],
 )
 def test_bad_values_name_the_option(environ, message):
@@ -65,3 +66,5 @@ def test_the_disk_and_remote_tiers_have_their_own_io_threads():
     config = load_config(environ={"STRATA_DISK_IO_THREADS": "6", "STRATA_IO_THREADS": "3"})
     assert (config.disk_io_threads, config.io_threads) == (6, 3)
     assert load_config(environ={}).disk_io_threads == 4
+    assert load_config(environ={"STRATA_DISK_REUSE_SECONDS": "0"}).disk_reuse_seconds == 0
+    assert load_config(environ={}).disk_reuse_seconds == 10.0

@@ -1,5 +1,5 @@
-"""Deleting a disk block: gone under its name at once, its file unlinked in the background with
-its bytes counted as pending until then; a put short of room waits for those bytes instead of
+"""Deleting a disk block: gone under its name at once, its file unlinked in the background (after
+a while for reuse: test_disk_reuse) with its bytes counted as pending until then; a put short of room waits for those bytes instead of
 refusing; a process that dies before the unlink leaves a temporary file the next reconcile removes."""
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def test_a_deleted_block_is_gone_at_once_and_its_bytes_pending_until_unlinked(
 def test_a_put_short_of_room_waits_for_deleted_bytes_instead_of_refusing(
     open_tier, block_cache, held_unlinks
 ) -> None:
-    tier = open_tier("disk", LAYOUT, capacity_bytes=0)
+    # Deleted files unlinked at once (not kept for reuse, see test_disk_reuse): the put must wait.
+    tier = open_tier("disk", LAYOUT, capacity_bytes=0, reuse_deleted_s=0)
     tier.capacity_bytes = 2 * tier.file_bytes
     tier.put(key(1), block_cache(LAYOUT, 1))
     tier.put(key(2), block_cache(LAYOUT, 2))

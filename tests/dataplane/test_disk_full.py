@@ -75,7 +75,10 @@ def test_a_really_full_filesystem_gives_tier_full_and_no_partial_file(
 def test_a_full_filesystem_waits_for_the_bytes_of_blocks_being_deleted(
     small_tmpfs, open_tier, block_cache, held_unlinks
 ) -> None:
-    tier = open_tier("disk", LAYOUT, capacity_bytes=1 << 30, path=small_tmpfs / "disk")
+    # Deleted files unlinked at once (not kept for reuse, see test_disk_reuse): the put must wait.
+    tier = open_tier(
+        "disk", LAYOUT, capacity_bytes=1 << 30, path=small_tmpfs / "disk", reuse_deleted_s=0
+    )
     tier.put(key(1), block_cache(LAYOUT, 1))
     tier.put(key(2), block_cache(LAYOUT, 2))
     tier.delete(key(1))  # its file is still on the filesystem until the unlink is released

@@ -210,7 +210,9 @@ class ChecksumEngine:
             results = first + [d for future in futures for d in future.result()]
         return results if digest else [b""] * len(spans)
 
-    def _run_native(self, work: list[Span], digest: bool, streaming: bool | None) -> list[bytes]:
+    def _run_native(
+        self, work: list[Span], digest: bool, streaming: bool | None, *, helpers: bool = True
+    ) -> list[bytes]:
         # One prepared batch whose spans every thread claims one at a time: the native helpers
         # join within a microsecond and one that starts late simply takes fewer spans.
         total = sum(s.nbytes for s in work)
@@ -224,7 +226,7 @@ class ChecksumEngine:
             digest=digest,
             streaming=streaming,
         )
-        if self._helpers and len(work) > 1 and total >= HELPERS_MIN_BYTES:
+        if helpers and self._helpers and len(work) > 1 and total >= HELPERS_MIN_BYTES:
             batch.run_with_helpers()
         else:
             batch.run(shared=False)
@@ -338,7 +340,9 @@ class ChecksumEngine:
 
     def _run_group(self, spans: Sequence[Span], digest: bool) -> list[bytes]:
         if self.native:
-            return self._run_native(list(spans), digest, None)
+            # On the engine's own thread, for a caller busy with I/O meanwhile (run_async): one
+            # core, so the caller keeps the other (helpers would take both).
+            return self._run_native(list(spans), digest, None, helpers=False)
         chunk = self.chunk_bytes
         memmove = ctypes.memmove  # releases the GIL, so groups really run in parallel
         out = []

@@ -216,6 +216,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("disk_direct_io", _parse_bool, True, "Use O_DIRECT for the disk tier where the filesystem allows it (else buffered I/O with posix_fadvise DONTNEED)."),
     Option("io_threads", _parse_int, 2, "I/O threads of the remote tier (outstanding reads and writes); a remote on a shared filesystem mount too.", _positive),
     Option("disk_io_threads", _parse_int, 4, "I/O threads of the disk tier: reads in flight at once, each hashed as it lands by the thread that read it.", _positive),
+    Option("disk_reuse_seconds", _parse_float, 10.0, "Seconds a deleted disk block's file is kept (its bytes counted as used) for a put of the same process to write over instead of creating a file; 0: unlinked at once.", _non_negative),
     Option("copy_threads", _parse_int, 0, "Threads that copy and checksum blocks in memory; 0 = min(4, CPU count).", _non_negative),
     Option("remote_cluster", _parse_bool, False, "remote_url points at a Redis Cluster (redis-py RedisCluster)."),
     Option("remote_timeout_seconds", _parse_float, 2.0, "Socket timeout of the remote tier; past it the tier is unavailable and callers recompute.", _positive),
@@ -265,6 +266,7 @@ class NodeConfig:
     disk_direct_io: bool = True
     io_threads: int = 2
     disk_io_threads: int = 4
+    disk_reuse_seconds: float = 10.0
     copy_threads: int = 0
     remote_cluster: bool = False
     remote_timeout_seconds: float = 2.0

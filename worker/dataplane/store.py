@@ -378,6 +378,7 @@ def build_store(
                         engine=engine,
                         io_threads=config.disk_io_threads,
                         direct_io=config.disk_direct_io,
+                        reuse_deleted_s=config.disk_reuse_seconds,
                     )
                 )
             else:
