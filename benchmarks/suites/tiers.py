@@ -10,7 +10,9 @@ The raw baseline moves the same bytes from and to the same reused buffers, one b
 * device, host: torch ``copy_`` into / out of a region of the same memory kind (a preallocated
   tensor; a /dev/shm mapping like the host pool's),
 * disk: sequential O_DIRECT ``pwritev`` / ``preadv`` of block-sized chunks of one file on the same
-  filesystem, with one fdatasync at the end of the writes (the medium's streaming limit),
+  filesystem, with one fdatasync at the end of the writes (the medium's streaming limit); the
+  writes go over the file of the pass before, in place, as the tier's puts go over the files of
+  the blocks the pass before deleted (REUSE_DELETED_S),
 * remote: redis-py SET / GET of values of the same size on the same client and server.
 
 Each comparison first runs one untimed pass of both, then alternates them (raw first on even
