@@ -219,7 +219,7 @@ def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50) -> di
         if step % log_every == 0 or step == steps - 1:
             history.append({"step": step, "loss": round(loss.item(), 4), "passages": shape["passages"],
                             "tokens": int(x.shape[1]), "seconds": round(time.time() - started, 1)})
-            print(f"step {step:5d}  loss {float(loss):.4f}  passages {shape['passages']:2d}  "
+            print(f"step {step:5d}  loss {loss.item():.4f}  passages {shape['passages']:2d}  "
                   f"tokens {x.shape[1]:5d}  {time.time() - started:6.1f}s", flush=True)
     model.eval()
     out.mkdir(parents=True, exist_ok=True)

@@ -111,10 +111,11 @@ REUSE_DELETED_S = 10.0
 """A deleted block's file is kept this long (under a temporary name, its bytes counted as pending)
 before it is unlinked, and a put of this process in that time writes its block over it instead
 of creating a file: on the dev box's ext4 creating a file took 0.3-0.7 ms and an O_DIRECT write
-into a new file's unallocated extents ~1.2 ms per 2 MiB, against ~0.7 ms into a written file's
-(/tmp/exp/prealloc.py). A cache tier deletes and puts all the time (evictions, moves), so most
-puts reuse a file. While files are kept, other processes sharing the directory see their bytes
-as used; a put of this process short of room unlinks them at once. 0 unlinks at once."""
+into a new file's unallocated extents ~1.2 ms per 2 MiB, against ~0.7 ms into a written file's.
+A cache tier deletes and puts all the time (evictions, moves), so most puts reuse a file. A put
+takes a kept file before it looks for room, so kept files never make this process refuse one;
+other processes sharing the directory see their bytes as used until they go. `drain_deletes`
+unlinks them at once. 0 unlinks every deleted file at once."""
 
 
 def host_token(name: str | None = None) -> str:

@@ -109,15 +109,8 @@ def _meta_dtype(layers: int) -> np.dtype:
     )
 
 
-_GEOMETRY_FIELDS = {
-    "gen": "gen",
-    "state": "state",
-    "key": "key",
-    "nbytes": "nbytes",
-    "checksum": "checksum",
-    "layer_sums": "layer_sums",
-}
-"""PoolGeometry's field offsets, by the metadata record's field names."""
+_GEOMETRY_FIELDS = ("gen", "state", "key", "nbytes", "checksum", "layer_sums")
+"""The metadata record's fields whose offsets PoolGeometry carries (under the same names)."""
 
 
 def _checksum_of(sums: bytes, block_sums: bytes, n: int, layers: int) -> BlockChecksum:
@@ -332,7 +325,7 @@ class HostTier(Tier):
         self._pool_geometry = PoolGeometry(
             meta=self._base + meta_offset,
             stride=stride,
-            **{name: fields[field][1] for name, field in _GEOMETRY_FIELDS.items()},
+            **{name: fields[name][1] for name in _GEOMETRY_FIELDS},
             data=self._base + data_offset,
             slot_bytes=slot_bytes,
             layers=layers,
