@@ -217,7 +217,7 @@ class ChecksumEngine:
         # join within a microsecond and one that starts late simply takes fewer spans.
         total = sum(s.nbytes for s in work)
         if streaming is None:
-            streaming = total > CACHED_COPY_MAX_BYTES
+            streaming = self._streaming(total)
         batch = CopyBatch(
             [s.src for s in work],
             [s.dst for s in work],
@@ -226,11 +226,20 @@ class ChecksumEngine:
             digest=digest,
             streaming=streaming,
         )
-        if helpers and self._helpers and len(work) > 1 and total >= HELPERS_MIN_BYTES:
+        if helpers and self._shared(len(work), total):
             batch.run_with_helpers()
         else:
             batch.run(shared=False)
         return batch.digests()
+
+    @staticmethod
+    def _streaming(total: int) -> bool:
+        """Whether copies of `total` bytes in one batch write past the cache."""
+        return total > CACHED_COPY_MAX_BYTES
+
+    def _shared(self, spans: int, total: int) -> bool:
+        """Whether a batch of `spans` spans, `total` bytes, is shared with the native helpers."""
+        return bool(self._helpers) and spans > 1 and total >= HELPERS_MIN_BYTES
 
     def pool_read(
         self,
@@ -252,8 +261,8 @@ class ChecksumEngine:
             destinations,
             layers.start,
             len(layers),
-            streaming=total > CACHED_COPY_MAX_BYTES,
-            helpers=bool(self._helpers) and spans > 1 and total >= HELPERS_MIN_BYTES,
+            streaming=self._streaming(total),
+            helpers=self._shared(spans, total),
         )
 
     def pool_fill(
@@ -273,7 +282,7 @@ class ChecksumEngine:
             keys,
             sources,
             streaming=True,
-            helpers=bool(self._helpers) and spans > 1 and spans * layer_bytes >= HELPERS_MIN_BYTES,
+            helpers=self._shared(spans, spans * layer_bytes),
         )
 
     def run_async(self, spans: Sequence[Span]) -> Future[list[bytes]]:

@@ -422,7 +422,6 @@ enum {
     STRATA_READ_TORN = -2,      /* changed during the copy: the bytes were discarded */
     STRATA_READ_SIZE = -3,      /* the slot records another size than the layout's */
     STRATA_READ_BLOCK_SUM = -4, /* the block checksum does not match its layer checksums */
-    STRATA_READ_NO_MEMORY = -5,
 };
 #define STRATA_HELPERS 4 /* flag: share the copies with the helper threads */
 

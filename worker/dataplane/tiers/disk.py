@@ -245,6 +245,7 @@ class _Unlinker:
                 self._busy -= 1
                 self._wake.notify_all()
 
+
 class _DirectorySyncer:
     """fsyncs the directories blocks were renamed into: in the background, DIRECTORY_SYNC_DELAY_S
     after the first rename of a quiet spell, or at once in `sync`. One pass at a time, so `sync`

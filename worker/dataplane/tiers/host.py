@@ -56,7 +56,14 @@ from worker.dataplane.checksum import (
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockCorrupt, BlockMissing, TierFull
 from worker.dataplane.layout import DTYPE_CODES, BlockLayout
-from worker.dataplane.native import READ_BLOCK_SUM, READ_OK, READ_SIZE, READ_TORN, PoolGeometry
+from worker.dataplane.native import (
+    READ_BLOCK_SUM,
+    READ_OK,
+    READ_SIZE,
+    READ_TORN,
+    READ_UNSETTLED,
+    PoolGeometry,
+)
 from worker.dataplane.tiers.base import PutResult, ReadResult, Tier, TierUsage
 
 log = logging.getLogger(__name__)
@@ -851,7 +858,7 @@ class HostTier(Tier):
                     results[i] = ReadResult(
                         key=keys[i], tier=self.name, layers=layers, nbytes=nbytes, checksum=checksum
                     )
-                elif status < 0 and status != READ_SIZE and status != READ_BLOCK_SUM:
+                elif status in (READ_UNSETTLED, READ_TORN):
                     if status == READ_TORN:
                         # A writer or an eviction touched the slot during the copy: discard, retry.
                         self.counters.add(f"{self.name}.torn_retries")
