@@ -27,10 +27,11 @@ CHECKSUM_BYTES = 16
 
 CHUNK_BYTES = 512 * 1024
 """Copy-then-hash granule of the Python fallback (the fused routine in `native` uses its own,
-hashing each 64 KiB of the source and copying it from cache with streaming stores). Measured on the 2-core dev box (32 MiB blocks, 2 threads): hashing
-each 256-512 KiB chunk right after copying it, while it is still in cache, runs at ~0.85x a
-2-thread torch memcpy; 64 KiB chunks drown in per-call overhead (0.57x), 2 MiB chunks fall out
-of cache (0.76x), and copying a whole block before hashing it runs at ~0.65x."""
+copying each 4 KiB of the source, then hashing it from L1). Measured on the 2-core dev box
+(32 MiB blocks, 2 threads): hashing each 256-512 KiB chunk right after copying it, while it is
+still in cache, runs at ~0.85x a 2-thread torch memcpy; 64 KiB chunks drown in per-call
+overhead (0.57x), 2 MiB chunks fall out of cache (0.76x), and copying a whole block before
+hashing it runs at ~0.65x."""
 
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 """Below this, handing work to another Python thread costs more than it saves: waking a pool
@@ -59,13 +60,17 @@ def _last_level_cache_bytes() -> int:
     return best or 32 * 1024 * 1024
 
 
-CACHED_COPY_MAX_BYTES = _last_level_cache_bytes() // 4
+CACHED_COPY_MAX_BYTES = min(_last_level_cache_bytes() // 4, 8 * 1024 * 1024)
 """A copy this small writes its destination through the cache, where its reader (the model
 layer that loads it, the next hash) finds it; a larger one uses streaming stores, since it
 would push everything else out of the cache anyway and skipping the destination's
-read-for-ownership saves a third of the memory traffic (the rule memcpy itself follows). On the
-2-core box (32 MiB L3): a 2 MiB block's verified copy ran at 29 GB/s cached against 21
-streaming; a 32 MiB block's at 1.09x memcpy streaming against 0.86x cached."""
+read-for-ownership saves a third of the memory traffic (the rule memcpy itself follows). A
+quarter of the last-level cache, and never more than 8 MiB: in a virtual machine that cache is
+the whole socket's, shared with every other guest on it (480 MiB on one 2-core dev box). On a
+2-core box with 32 MiB of L3: a 2 MiB block's verified copy ran at 29 GB/s cached against 21
+streaming; a 32 MiB block's at 1.09x memcpy streaming against 0.86x cached. On the one with
+480 MiB, a host-tier get of 32 MiB blocks ran at 0.97-1.06x memcpy streaming against 0.66-0.78x
+cached (the cached copies also pushed the reading thread's own state out of its 2 MiB L2)."""
 
 
 def layer_prefix(key: uuid.UUID, layer: int) -> bytes:
