@@ -151,6 +151,10 @@ class MovementOptions:
                    reconcile_grace_s=numbers["STRATA_RECONCILE_GRACE_S"])
 
 
+class _NothingToWrite(Exception):
+    """A source read into a target written in place failed: the target is given back unwritten."""
+
+
 class NoStore(RuntimeError):
     """The node serves no model, so it has no tiered store to move bytes with."""
 
@@ -196,6 +200,9 @@ class _Copy:
     check: Future[None] | None = None
     """The verification of the target, still running when the wave's writes are done: the next
     wave's copies start meanwhile, and the conclusion waits for it before anything is flipped."""
+    in_place: bool = False
+    """The source was read straight into the target (a tier written in place: `put_from`), so
+    the read was also the write."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,20 +554,20 @@ class MovementExecutor:
         ahead: dict[int, Future[ReadResult | None]] = {}
         for i in range(min(COPY_BUFFERS, len(jobs))):
             if offset + i not in reads:
-                reads[offset + i] = readers.submit(self._read_source, jobs[i], buffers[(offset + i) % COPY_BUFFERS])
+                reads[offset + i] = readers.submit(self._copy_source, jobs[i], buffers[(offset + i) % COPY_BUFFERS])
         try:
             for i, job in enumerate(jobs):
                 number = offset + i
                 buffer = buffers[number % COPY_BUFFERS]
                 read = reads.pop(number).result()
-                if read is not None:
+                if read is not None and not job.in_place:
                     self._write_target(job, buffer, read)
                 # The buffer is free again once the put returned.
                 following = number + COPY_BUFFERS
                 if i + COPY_BUFFERS < len(jobs):
-                    reads[following] = readers.submit(self._read_source, jobs[i + COPY_BUFFERS], buffer)
+                    reads[following] = readers.submit(self._copy_source, jobs[i + COPY_BUFFERS], buffer)
                 elif (next_job := upcoming.job(following)) is not None:
-                    ahead[following] = readers.submit(self._read_source, next_job, buffer)
+                    ahead[following] = readers.submit(self._copy_source, next_job, buffer)
                 if read is not None and job.written and not job.failure and job.error is None:
                     job.check = verifiers.submit(self._check_target, job)  # reads into its own buffer
         except BaseException:
@@ -571,6 +578,39 @@ class MovementExecutor:
             for future in reads.values():
                 future.exception()  # never leave a thread writing into a copy buffer after returning
         return ahead
+
+    def _copy_source(self, job: _Copy, buffer: Any) -> ReadResult | None:
+        """The copy stage's read of a job: into `buffer`, for the transfer to write to the target;
+        or, where the target tier is written in place (the host pool: `put_from`), straight into
+        the target, which that also writes (`job.in_place`; the block's bytes cross memory once
+        instead of twice). None (and the job says why) when there is nothing to write."""
+        put_from = getattr(self.store.tier(job.movement.dst_tier), "put_from", None)
+        if put_from is None:
+            return self._read_source(job, buffer)
+        job.in_place = True
+        reads: list[ReadResult] = []
+
+        def fill(target: Any) -> Any:
+            read = self._read_source(job, target)
+            if read is None or read.checksum is None:
+                raise _NothingToWrite  # the job says why (or the read was not of a whole block)
+            reads.append(read)
+            return read.checksum
+
+        try:
+            put_from(job.key, fill)
+        except _NothingToWrite:
+            if not job.failure and job.error is None:
+                job.error = RuntimeError("the source read returned no block checksum")
+            return None
+        except TierFull as exc:
+            job.failure = str(exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - handed to the conclusion
+            job.error, job.written = exc, True
+            return None
+        job.written = True
+        return reads[0]
 
     def _read_source(self, job: _Copy, buffer: Any) -> ReadResult | None:
         """Verified read of the source copy into `buffer`; None (and the job says why) on failure."""

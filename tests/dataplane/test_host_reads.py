@@ -206,6 +206,63 @@ def test_a_put_records_the_checksums_of_the_bytes_it_stored(host) -> None:
 
 
 @pytest.mark.skipif(not native_available(), reason="not built")
+def _fill_with(data: torch.Tensor, checksum: BlockChecksum):
+    def fill(slot: torch.Tensor) -> BlockChecksum:
+        slot.copy_(data.view(-1).view(torch.uint8))
+        return checksum
+
+    return fill
+
+
+def test_a_block_written_in_place_reads_back_and_replaces_the_older_copy(host) -> None:
+    tier = host(blocks=3)
+    engine = ChecksumEngine(threads=1)
+    old, new = make_block(LAYOUT, seed=1), make_block(LAYOUT, seed=2)
+    tier.put(key(1), old)
+    result = tier.put_from(key(1), _fill_with(new, engine.checksum(key(1), new, LAYOUT)))
+    out = LAYOUT.empty()
+    read = tier.get(key(1), out)
+    assert torch.equal(out, new) and read.checksum == result.checksum
+    assert tier.keys() == [key(1)] and tier.usage().used_bytes == LAYOUT.block_bytes
+
+
+def test_a_fill_that_fails_stores_nothing_and_gives_its_slot_back(host) -> None:
+    tier = host(blocks=2)
+    kept = make_block(LAYOUT, seed=3)
+    tier.put(key(1), kept)
+
+    def fails(slot: torch.Tensor) -> BlockChecksum:
+        slot.fill_(7)  # half-written when the source gives out
+        raise ConnectionError("the source went away")
+
+    with pytest.raises(ConnectionError, match="the source went away"):
+        tier.put_from(key(2), fails)
+    assert not tier.contains(key(2))
+    tier.put(key(3), make_block(LAYOUT, seed=4))  # the slot is free again: the pool holds two
+    out = LAYOUT.empty()
+    tier.get(key(1), out)
+    assert torch.equal(out, kept) and sorted(tier.keys()) == sorted([key(1), key(3)])
+
+
+def test_a_fill_with_a_checksum_of_other_layers_is_refused_and_stores_nothing(host) -> None:
+    tier = host(blocks=2)
+    data = make_block(LAYOUT, seed=5)
+    whole = ChecksumEngine(threads=1).checksum(key(1), data, LAYOUT)
+    short = BlockChecksum.from_layers(key(1), whole.layers[:2])
+    with pytest.raises(ValueError, match="checksum has 2 layers, the layout 4"):
+        tier.put_from(key(1), _fill_with(data, short))
+    assert not tier.contains(key(1)) and tier.usage().used_bytes == 0
+
+
+def test_a_fill_whose_checksum_is_not_of_its_bytes_is_never_served(host) -> None:
+    tier = host(blocks=2)
+    data, other = make_block(LAYOUT, seed=6), make_block(LAYOUT, seed=7)
+    tier.put_from(key(1), _fill_with(data, ChecksumEngine(threads=1).checksum(key(1), other, LAYOUT)))
+    with pytest.raises(BlockCorrupt, match="layer 0 checksum mismatch"):
+        tier.get(key(1), LAYOUT.empty())
+    assert not tier.contains(key(1))
+
+
 def test_the_native_pool_calls_refuse_mismatched_arguments(host) -> None:
     tier = host()
     out = LAYOUT.empty()

@@ -29,7 +29,7 @@ from tests.movements.conftest import (
     placements,
     random_block,
 )
-from worker.dataplane.errors import TierUnavailable
+from worker.dataplane.errors import TierFull, TierUnavailable
 from worker.movements import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES
@@ -308,6 +308,46 @@ def test_a_full_target_tier_fails_the_move_and_keeps_the_source(node, store_fact
     assert outcome.state == MovementState.FAILED and "full" in outcome.detail
     assert placements(block) == {("host", "gpu-0"): PlacementState.READY}
     assert small.contains(key) == ("host",)
+
+
+def test_a_warm_up_from_a_corrupt_remote_copy_leaves_nothing_in_the_host_pool(executor, store, stored_block):
+    # The host target is written in place (the remote value is received straight into its slot):
+    # a copy that fails its checksums there is never published, and its slot is given back.
+    block, _ = stored_block("remote", seed=16)
+    remote = store.tier("remote")
+    name = remote.key_name(block.prefix_key)
+    offset = remote.header_bytes + store.layout.layer_bytes + 3
+    byte = remote.client.getrange(name, offset, offset)
+    remote.client.setrange(name, offset, bytes([byte[0] ^ 0x80]))
+    free_before = store.tier("host").usage().free_bytes
+    warm = movement(block, MovementKind.WARM, "host")
+    [outcome] = executor.run("warm", [warm.id])
+    assert outcome.state == MovementState.FAILED and "quarantined" in outcome.detail
+    assert placements(block) == {("remote", ""): PlacementState.CORRUPT}
+    assert store.contains(block.prefix_key) == ()
+    assert store.tier("host").usage().free_bytes == free_before
+    assert invariants_check(stores={"gpu-0": store}).ok
+
+
+def test_a_warm_up_into_a_full_host_pool_fails_and_keeps_the_remote_copy(node, store_factory, make_blocks):
+    small = store_factory(blocks=2)
+    executor = MovementExecutor(node="gpu-0", store=small)
+    fillers = []
+    with pytest.raises(TierFull):
+        while True:
+            small.put(filler := uuid.uuid4(), random_block(small.layout, 17), tier="host")
+            fillers.append(filler)
+    key = uuid.uuid4()
+    data = random_block(small.layout, 18)
+    checksum = small.put(key, data, tier="remote").checksum.hex
+    block = make_blocks(1, tier="remote", node=None, keys=[key], checksums=[checksum])[0]
+    warm = movement(block, MovementKind.WARM, "host")
+    [outcome] = executor.run("warm", [warm.id])
+    assert outcome.state == MovementState.FAILED and "full" in outcome.detail
+    assert placements(block) == {("remote", ""): PlacementState.READY}
+    assert small.contains(key) == ("remote",)
+    assert fillers and all(small.contains(filler) == ("host",) for filler in fillers)
+    assert torch.equal(read(small, block, "remote"), data)
 
 
 def test_a_node_without_a_model_records_why_it_cannot_move(node, make_blocks):

@@ -36,7 +36,7 @@ import re
 import struct
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import cast
@@ -634,30 +634,66 @@ class HostTier(Tier):
                     continue  # the native call wrote the slot's checksums and size
                 checksum = checksums[i]
                 assert checksum is not None
-                self._nbytes[slot] = layout.block_bytes
-                self._sums[slot] = np.frombuffer(b"".join(checksum.layers), dtype=np.uint8).reshape(
-                    layout.layers, CHECKSUM_BYTES
-                )
-                self._block_sums[slot] = np.frombuffer(checksum.block, dtype=np.uint8)
+                self._record(slot, checksum)
         except BaseException:
             with self._locked():
                 for slot in slots.values():
                     self._release(slot)
             raise
-        with self._locked():
-            for i, slot in slots.items():
-                for old in self._ready_slots(items[i][0]):
-                    self._release(old)
-                self._state[slot] = READY
-                self._gen[slot] += 1  # even: stable, readable
-        for i, slot in slots.items():
-            self._lookup[items[i][0]] = slot
+        self._publish([(items[i][0], slot) for i, slot in slots.items()])
+        for i in slots:
             results[i] = PutResult(
                 key=items[i][0], tier=self.name, nbytes=layout.block_bytes, checksum=checksums[i]
             )
-        self.counters.add(f"{self.name}.puts", len(slots))
-        self.counters.add(f"{self.name}.bytes_written", len(slots) * layout.block_bytes)
         return cast(list[PutResult | BaseException], results)
+
+    def put_from(
+        self, key: uuid.UUID, fill: Callable[[torch.Tensor], BlockChecksum]
+    ) -> PutResult:
+        """Store a block whose bytes `fill` writes straight into its slot: `fill` gets the slot's
+        memory (a flat uint8 tensor of the block's size) and returns the checksum of what it
+        wrote, verified (a tier's `get` into it returns exactly that). No copy through a buffer
+        of the caller's: a block read from another tier lands here once. Until `fill` returns the
+        slot is being written, so no reader sees it; if `fill` raises, the slot is freed and the
+        error goes to the caller. TierFull as `put`."""
+        layout = self.layout
+        slot = self._allocate(key)
+        try:
+            start = slot * self.slot_bytes
+            checksum = fill(self._data[start : start + layout.block_bytes])
+            if len(checksum.layers) != layout.layers:
+                raise ValueError(
+                    f"checksum has {len(checksum.layers)} layers, the layout {layout.layers}"
+                )
+            self._record(slot, checksum)
+        except BaseException:
+            with self._locked():
+                self._release(slot)
+            raise
+        self._publish([(key, slot)])
+        return PutResult(key=key, tier=self.name, nbytes=layout.block_bytes, checksum=checksum)
+
+    def _record(self, slot: int, checksum: BlockChecksum) -> None:
+        """Write a filled slot's size and checksums into its metadata (the slot is held)."""
+        layout = self.layout
+        self._nbytes[slot] = layout.block_bytes
+        self._sums[slot] = np.frombuffer(b"".join(checksum.layers), dtype=np.uint8).reshape(
+            layout.layers, CHECKSUM_BYTES
+        )
+        self._block_sums[slot] = np.frombuffer(checksum.block, dtype=np.uint8)
+
+    def _publish(self, stored: list[tuple[uuid.UUID, int]]) -> None:
+        """Make filled and recorded slots readable, each replacing any older copy of its key."""
+        with self._locked():
+            for key, slot in stored:
+                for old in self._ready_slots(key):
+                    self._release(old)
+                self._state[slot] = READY
+                self._gen[slot] += 1  # even: stable, readable
+        for key, slot in stored:
+            self._lookup[key] = slot
+        self.counters.add(f"{self.name}.puts", len(stored))
+        self.counters.add(f"{self.name}.bytes_written", len(stored) * self.layout.block_bytes)
 
     def get(self, key: uuid.UUID, out: torch.Tensor) -> ReadResult:
         result = self._read([key], range(self.layout.layers), [self._block_bytes(out)])[0]
