@@ -46,9 +46,9 @@ FULL_MOVE_BYTES = 256 << 20
 FULL_BLOCKS = 1_000_000
 NODES = 8
 MOVE_REPEATS = 9
-"""Repetitions of each route at least: the media of this shared machine drift by 2x within a minute,
-so single repetitions' ratios spread widely (0.5-1.2 for the same code), and the median of 5 still
-moved by 0.2 between runs of one commit (remote -> host 0.709-0.896)."""
+"""Repetitions of each route at least: the media of this shared machine drift by 2x within a minute.
+Over five runs of the same code the median of 5 paired repetitions spread 0.832-1.117 (disk ->
+remote) and 0.709-0.896 (remote -> host); the median of 9, 0.919-0.939 and 0.824-0.888."""
 ROUTES = (("host", "disk"), ("disk", "remote"), ("remote", "host"))
 
 
