@@ -24,6 +24,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from django.db import (
@@ -561,7 +562,8 @@ class MovementExecutor:
                 buffer = buffers[number % COPY_BUFFERS]
                 read = reads.pop(number).result()
                 if read is not None and not job.in_place:
-                    self._write_target(job, buffer, read)
+                    target = self.store.tier(job.movement.dst_tier)
+                    self._write_target(job, partial(target.put, job.key, buffer, checksum=read.checksum))
                 # The buffer is free again once the put returned.
                 following = number + COPY_BUFFERS
                 if i + COPY_BUFFERS < len(jobs):
@@ -592,25 +594,13 @@ class MovementExecutor:
 
         def fill(target: Any) -> Any:
             read = self._read_source(job, target)
-            if read is None or read.checksum is None:
-                raise _NothingToWrite  # the job says why (or the read was not of a whole block)
+            if read is None:
+                raise _NothingToWrite  # the job says why
             reads.append(read)
             return read.checksum
 
-        try:
-            put_from(job.key, fill)
-        except _NothingToWrite:
-            if not job.failure and job.error is None:
-                job.error = RuntimeError("the source read returned no block checksum")
-            return None
-        except TierFull as exc:
-            job.failure = str(exc)
-            return None
-        except Exception as exc:  # noqa: BLE001 - handed to the conclusion
-            job.error, job.written = exc, True
-            return None
-        job.written = True
-        return reads[0]
+        self._write_target(job, partial(put_from, job.key, fill))
+        return reads[0] if job.written and job.error is None else None
 
     def _read_source(self, job: _Copy, buffer: Any) -> ReadResult | None:
         """Verified read of the source copy into `buffer`; None (and the job says why) on failure."""
@@ -631,9 +621,12 @@ class MovementExecutor:
             return None
         return read
 
-    def _write_target(self, job: _Copy, buffer: Any, read: ReadResult) -> None:
+    def _write_target(self, job: _Copy, write: Callable[[], object]) -> None:
+        """Run the put of a job's target copy (`write`); the job records what became of it."""
         try:
-            self.store.tier(job.movement.dst_tier).put(job.key, buffer, checksum=read.checksum)
+            write()
+        except _NothingToWrite:  # an in-place put whose source read failed: the job says why
+            return
         except TierFull as exc:
             job.failure = str(exc)
             return

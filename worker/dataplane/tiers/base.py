@@ -252,6 +252,13 @@ class Tier(abc.ABC):
             )
         return flat
 
+    def _check_layers(self, checksum: BlockChecksum) -> None:
+        """ValueError unless a given block checksum has one layer checksum per layer."""
+        if len(checksum.layers) != self.layout.layers:
+            raise ValueError(
+                f"checksum has {len(checksum.layers)} layers, the layout {self.layout.layers}"
+            )
+
     def _layer_outs(
         self, layers: range, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:

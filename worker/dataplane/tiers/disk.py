@@ -757,10 +757,8 @@ class DiskTier(Tier):
             # Hashed on the checksum engine's other thread while the bytes go to the file: the
             # header, which carries the checksum, is written last.
             hashing = self.engine.run_async(self._spans(key, src, range(layout.layers)))
-        elif len(checksum.layers) != layout.layers:
-            raise ValueError(
-                f"checksum has {len(checksum.layers)} layers, the layout {layout.layers}"
-            )
+        else:
+            self._check_layers(checksum)
         final = self.path_of(key)
         tmp = self._temp_path(final, key, self.file_bytes)
         direct = (

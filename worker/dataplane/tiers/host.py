@@ -565,10 +565,8 @@ class HostTier(Tier):
             try:
                 srcs[i] = self._block_bytes(data)
                 given = checksums[i]
-                if given is not None and len(given.layers) != layout.layers:
-                    raise ValueError(
-                        f"checksum has {len(given.layers)} layers, the layout {layout.layers}"
-                    )
+                if given is not None:
+                    self._check_layers(given)
             except ValueError as exc:
                 results[i] = exc
         slots: dict[int, int] = {}
@@ -661,10 +659,7 @@ class HostTier(Tier):
         try:
             start = slot * self.slot_bytes
             checksum = fill(self._data[start : start + layout.block_bytes])
-            if len(checksum.layers) != layout.layers:
-                raise ValueError(
-                    f"checksum has {len(checksum.layers)} layers, the layout {layout.layers}"
-                )
+            self._check_layers(checksum)
             self._record(slot, checksum)
         except BaseException:
             with self._locked():

@@ -212,10 +212,8 @@ class RemoteTier(Tier):
             computed = self.engine.checksum(key, src, layout)
             assert isinstance(computed, BlockChecksum)
             checksum = computed
-        elif len(checksum.layers) != layout.layers:
-            raise ValueError(
-                f"checksum has {len(checksum.layers)} layers, the layout {layout.layers}"
-            )
+        else:
+            self._check_layers(checksum)
         header = self._pack_header(key, checksum)
         name = self.key_name(key)
         size = self.value_bytes
