@@ -72,10 +72,18 @@ def memory_repeats(repeats: int) -> int:
     return 2 * repeats + 1
 
 
-def media_repeats(repeats: int) -> int:
-    """Disk and remote passes: at least 5, whose median outlasts the minute-long swings of this
-    shared machine's disk and Redis (3 gave ratios 0.72-0.92 for the same code on one day)."""
+def remote_repeats(repeats: int) -> int:
+    """Remote passes: at least 5, whose median outlasts the minute-long swings of this shared
+    machine's Redis (3 gave ratios 0.72-0.92 for the same code on one day)."""
     return max(5, repeats)
+
+
+def disk_repeats(repeats: int) -> int:
+    """Disk passes: at least 9. The disk's speed swings the most from one pass to the next: for
+    one commit on one day, single 32 MiB put ratios ran from 0.64 to 1.24, and over three runs
+    the median of the first 5 ranged 0.72-0.80 where that of all 9 ranged 0.75-0.80 (get:
+    0.84-0.95 against 0.84-0.90)."""
+    return max(9, repeats)
 
 
 @dataclasses.dataclass
@@ -389,7 +397,7 @@ class Bench:
 
             measured = self.measure(
                 tier,
-                repeats=media_repeats(self.ctx.repeats),
+                repeats=disk_repeats(self.ctx.repeats),
                 raw_put=raw_put,
                 raw_get=raw_get,
             )
@@ -424,7 +432,7 @@ class Bench:
 
             measured = self.measure(
                 tier,
-                repeats=media_repeats(self.ctx.repeats),
+                repeats=remote_repeats(self.ctx.repeats),
                 raw_put=raw_put,
                 raw_get=raw_get,
                 before_raw_put=clear_raw,
@@ -438,14 +446,18 @@ class Bench:
 
 def run(ctx: Context) -> list[Row]:
     repeats_memory = memory_repeats(ctx.repeats)
-    steps_per_layout = 4 * 2 * (2 * repeats_memory + 2 * media_repeats(ctx.repeats))  # ops x (raw, ours) x reps
+    # ops x (raw, ours) x reps of each tier
+    steps_per_layout = 4 * 2 * (
+        2 * repeats_memory + disk_repeats(ctx.repeats) + remote_repeats(ctx.repeats)
+    )
     ctx.plan(steps_per_layout * len(LAYOUTS))
     rows: list[Row] = []
     ctx.params.update(
         {
             "bytes_per_pass": int(FULL_BYTES * ctx.scale),
             "memory_tier_repeats": repeats_memory,
-            "media_tier_repeats": media_repeats(ctx.repeats),
+            "disk_tier_repeats": disk_repeats(ctx.repeats),
+            "remote_tier_repeats": remote_repeats(ctx.repeats),
             "layouts": {
                 name: {
                     "block_bytes": layout.block_bytes,
