@@ -74,7 +74,8 @@ def memory_repeats(repeats: int) -> int:
 
 def remote_repeats(repeats: int) -> int:
     """Remote passes: at least 5, whose median outlasts the minute-long swings of this shared
-    machine's Redis (3 gave ratios 0.72-0.92 for the same code on one day)."""
+    machine's Redis (3 repetitions of the disk and remote passes together gave ratios 0.72-0.92
+    for the same code on one day)."""
     return max(5, repeats)
 
 
