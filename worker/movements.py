@@ -586,8 +586,8 @@ class MovementExecutor:
         or, where the target tier is written in place (the host pool: `put_from`), straight into
         the target, which that also writes (`job.in_place`; the block's bytes cross memory once
         instead of twice). None (and the job says why) when there is nothing to write."""
-        put_from = getattr(self.store.tier(job.movement.dst_tier), "put_from", None)
-        if put_from is None:
+        target = self.store.tier(job.movement.dst_tier)
+        if not target.writes_in_place:
             return self._read_source(job, buffer)
         job.in_place = True
         reads: list[ReadResult] = []
@@ -599,7 +599,7 @@ class MovementExecutor:
             reads.append(read)
             return read.checksum
 
-        self._write_target(job, partial(put_from, job.key, fill))
+        self._write_target(job, partial(target.put_from, job.key, fill))
         return reads[0] if job.written and job.error is None else None
 
     def _read_source(self, job: _Copy, buffer: Any) -> ReadResult | None:

@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 if TYPE_CHECKING:
-    from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 
 class LoadFailed(RuntimeError):
@@ -115,7 +115,7 @@ class StrataCache(Cache):
     def __init__(self, *, layers: int, prefix_len: int = 0, source: PrefixSource | None = None,
                  gates: list[LayerGate] | None = None) -> None:
         self.stalls = [0.0] * layers
-        built: list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer] = [
+        built: list[CacheLayerMixin | LinearAttentionCacheLayerMixin] = [
             PrefixLayer(layer=i, prefix_len=prefix_len, source=source, gate=gates[i] if gates else None,
                         stalls=self.stalls)
             for i in range(layers)

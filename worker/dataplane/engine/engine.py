@@ -28,21 +28,18 @@ from worker.dataplane.counters import Counters
 from worker.dataplane.directory import (
     MAX_BATCH,
     BlockRegistration,
-    BlockTouch,
     Directory,
     DirectoryUnavailable,
-    PlacementChange,
 )
 from worker.dataplane.engine.cache import LoadFailed, StrataCache
-from worker.dataplane.engine.loader import Hit, LayerLoader, PrefixBuffers
+from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import WorkingSet
-from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
-from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
+from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
 from worker.dataplane.layout import ModelProfile
+from worker.dataplane.offload import Hit, OffloadManager, Throughput
 from worker.dataplane.store import TieredStore
-from worker.dataplane.tiers.base import TIER_NAMES
 
 log = logging.getLogger("strata.engine")
 
@@ -117,20 +114,6 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-class Throughput:
-    """An exponentially weighted estimate of a rate (bytes/s of a tier, tokens/s of prefill)."""
-
-    def __init__(self, initial: float | None = None, weight: float = 0.3) -> None:
-        self.value = initial
-        self.weight = weight
-
-    def observe(self, amount: float, seconds: float) -> None:
-        if seconds <= 0 or amount <= 0:
-            return
-        rate = amount / seconds
-        self.value = rate if self.value is None else (1 - self.weight) * self.value + self.weight * rate
-
-
 @dataclasses.dataclass
 class EngineOptions:
     block_tokens: int = 256
@@ -168,12 +151,7 @@ class Engine:
     ) -> None:
         self.model = model
         self.store = store
-        self.node = node
-        self.directory = directory
         self.options = options or EngineOptions()
-        if namespace_salt is None:
-            namespace_salt = directory.namespace_salt if directory is not None else (lambda name: name.encode())
-        self.namespace_salt = namespace_salt
         self.counters = counters or Counters()
         self.on_trace = on_trace
         self.profile = ModelProfile(
@@ -182,19 +160,19 @@ class Engine:
             revision=model.revision, rope_theta=model.rope_theta,
         )
         self.layout = self.profile.layout
-        if store.layout != self.layout:
-            raise ValueError(f"the store holds blocks of {store.layout.describe()}, the model needs {self.layout.describe()}")
-        if self.options.write_back_tier not in store.names:
-            raise ValueError(f"write_back_tier: the store has no tier {self.options.write_back_tier!r}")
-        self.model_key = model_key(self.profile)
-        self._fingerprinters: dict[str, Fingerprinter] = {}
+        # Lookup, the load-or-recompute decision, write-back to the tiers below L1 and quarantine:
+        # the same manager the vLLM connector calls.
+        self.offload = OffloadManager(
+            store=store, profile=self.profile, node=node, directory=directory, namespace_salt=namespace_salt,
+            counters=self.counters, decide=self.options.decide,
+            write_back_tier=self.options.write_back_tier,
+        )
+        self.model_key = self.offload.model_key
         self._turns = Turns()
         self._ids = itertools.count(1)
         # L1: the blocks kept in the device tier, each priority class within its share.
         self.working_set = (WorkingSet(store.tier("device"), counters=self.counters)
                             if "device" in store.names else None)
-        self.tier_speed = {name: Throughput() for name in TIER_NAMES}
-        self.prefill_speed = Throughput()
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
         # content key -> (storage key, position it was computed at) of blocks this node stored.
         self._content_index: collections.OrderedDict[uuid.UUID, tuple[uuid.UUID, int]] = collections.OrderedDict()
@@ -270,11 +248,33 @@ class Engine:
             self.tuner.close()
 
     def fingerprinter(self, namespace: str) -> Fingerprinter:
-        if namespace not in self._fingerprinters:
-            self._fingerprinters[namespace] = Fingerprinter(
-                ns_salt=self.namespace_salt(namespace), model_key=self.model_key, block_tokens=self.layout.block_tokens
-            )
-        return self._fingerprinters[namespace]
+        return self.offload.fingerprinter(namespace)
+
+    @property
+    def node(self) -> str:
+        return self.offload.node
+
+    @node.setter
+    def node(self, name: str) -> None:
+        self.offload.node = name
+
+    @property
+    def directory(self) -> Directory | None:
+        return self.offload.directory
+
+    @directory.setter
+    def directory(self, directory: Directory | None) -> None:
+        self.offload.directory = directory
+
+    @property
+    def tier_speed(self) -> dict[str, Throughput]:
+        """The measured read speed of each tier (bytes/s), as the load-or-recompute decision sees it."""
+        return self.offload.tier_speed
+
+    @property
+    def prefill_speed(self) -> Throughput:
+        """The measured prefill speed (tokens/s) of requests that reused nothing."""
+        return self.offload.prefill_speed
 
     # -- the request path ---------------------------------------------------------------------
     def _generate(self, prompt: list[int], max_tokens: int, namespace: str, use_cache: bool, trace: RequestTrace,
@@ -319,10 +319,11 @@ class Engine:
                 log.warning("request %s runs without the cache: %s", trace.request_id, exc)
                 self.counters.add("lookup_failures")
                 use_cache = False
-        hits = self._lookup(fingerprints, namespace) if fingerprints else []
+        hits = self.offload.lookup(fingerprints, namespace) if fingerprints else []
         trace.lookup_s = time.perf_counter() - start
         self.counters.add("lookup_tokens", len(prompt))
-        hits = self._decide(hits, len(prompt), trace)
+        hits, decision = self.offload.decide(hits, prompt_tokens=len(prompt), request=trace.request_id)
+        trace.decision = decision.choice
         fragments: list[Fragment] = []
         percent = 0.0
         if use_cache and use_blend:
@@ -468,74 +469,6 @@ class Engine:
             self.counters.add(f"fragment_blocks.{name}", blocks)
         return outcome.cache, outcome.logits
 
-    def _lookup(self, fingerprints: Sequence[BlockFingerprint], namespace: str) -> list[Hit]:
-        """The longest run of prompt blocks held somewhere: the node's own tiers first (in memory
-        and local files), then one directory round trip (or the remote tier itself) for the rest."""
-        keys = [fp.prefix_key for fp in fingerprints]
-        local = [name for name in self.store.names if name != "remote"]
-        found: dict[uuid.UUID, str] = {
-            key: names[0] for key, names in self.store.locate(keys, tiers=local).items() if names
-        }
-        # Only blocks before the first local miss can extend the prefix run.
-        first_miss = next((i for i, key in enumerate(keys) if key not in found), len(keys))
-        missing = keys[first_miss:]
-        if missing and "remote" in self.store.names:
-            try:
-                if self.directory is not None:
-                    located = self.directory.lookup(keys=missing, node=self.node, namespace=namespace,
-                                                    model_key=self.model_key)
-                    for key, tier_name in located.items():
-                        if tier_name == "remote":
-                            found[key] = tier_name
-                else:
-                    for key, present in zip(missing, self.store.tier("remote").contains_many(missing), strict=True):
-                        if present:
-                            found[key] = "remote"
-            except Exception as exc:  # noqa: BLE001 - an outage of the directory or L3 means recompute
-                log.warning("remote lookup failed, treating as a miss: %s", exc)
-                self.counters.add("lookup_failures")
-        hits = []
-        for fp in fingerprints:
-            tier = found.get(fp.prefix_key)
-            if tier is None:
-                break  # chained keys: nothing after a missing block can be a prefix hit
-            hits.append(Hit(index=fp.index, key=fp.prefix_key, tier=tier))
-        return hits
-
-    def _decide(self, hits: list[Hit], prompt_tokens: int, trace: RequestTrace) -> list[Hit]:
-        """Load the hits or recompute them, whichever the measured speeds say is faster.
-
-        Every request's decision is counted (`decision.<no_hit|load|recompute>`) and logged in one
-        line with the cached tokens, their tiers and both estimates: at INFO when cached tokens
-        are recomputed (an operator wants to see a tier too slow to be worth reading), at DEBUG
-        otherwise. The tiers read at once (each its share of the blocks), so the load takes as long
-        as the slowest tier's share; a tier not measured yet leaves the load time unknown, and an
-        unknown time is tried (loaded) so that it gets measured."""
-        tokens = len(hits) * self.layout.block_tokens
-        if not hits:
-            trace.decision = "no-hit"
-            self.counters.add("decision.no_hit")
-            log.debug("request %s: no-hit, 0 of %d prompt tokens cached", trace.request_id, prompt_tokens)
-            return hits
-        blocks = collections.Counter(h.tier for h in hits)
-        load_s: float | None = None
-        compute_s: float | None = None
-        if self.options.decide:
-            speeds = {name: speed for name in blocks if (speed := self.tier_speed[name].value) is not None}
-            if len(speeds) == len(blocks):
-                load_s = max(count * self.layout.block_bytes / speeds[name] for name, count in blocks.items())
-            if self.prefill_speed.value is not None:
-                compute_s = tokens / self.prefill_speed.value
-        recompute = load_s is not None and compute_s is not None and load_s > compute_s
-        trace.decision = "recompute" if recompute else "load"
-        self.counters.add(f"decision.{trace.decision}")
-        log.log(logging.INFO if recompute else logging.DEBUG,
-                "request %s: %s, %d of %d prompt tokens cached (%s): load %s, recompute %s%s",
-                trace.request_id, trace.decision, tokens, prompt_tokens,
-                ", ".join(f"{name} {count} blocks" for name, count in blocks.items()),
-                _estimate(load_s), _estimate(compute_s), "" if self.options.decide else " (deciding is off)")
-        return [] if recompute else hits
-
     def _prefill(self, prompt: list[int], hits: list[Hit], trace: RequestTrace) -> tuple[StrataCache, torch.Tensor]:
         model = self.model
         # At least the last prompt token is computed: its logits give the first output token.
@@ -564,9 +497,9 @@ class Engine:
             started = time.perf_counter()
             if split:
                 head = torch.tensor([prompt[:split]], device=model.device)
-                model.model(input_ids=head, cache=cache, use_cache=True, logits_to_keep=1)
+                model.model(input_ids=head, past_key_values=cache, use_cache=True, logits_to_keep=1)
             ids = torch.tensor([prompt[max(prefix_len, split):]], device=model.device)
-            out = model.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            out = model.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         except LoadFailed:
             if loader is not None:
                 loader.cancel()
@@ -589,7 +522,7 @@ class Engine:
                 trace.load_s = loader.finished_at - loader.started_at
             self._observe_load(loader)
         if not prefix_len:
-            self.prefill_speed.observe(len(prompt), prefill_s)
+            self.offload.observe_prefill(len(prompt), prefill_s)
         return cache, out.logits[0, -1]
 
     def _prefix_buffers(self, blocks: int) -> PrefixBuffers:
@@ -618,8 +551,7 @@ class Engine:
     def _observe_load(self, loader: LayerLoader) -> None:
         """Learn each tier's speed from a finished load, one tier or many (see
         `LayerLoader.tier_loads` for how bytes and time are attributed to each)."""
-        for served in loader.tier_loads():
-            self.tier_speed[served.tier].observe(served.bytes, served.seconds)
+        self.offload.observe_load(loader.tier_loads())
 
     def _decode(self, cache: StrataCache, logits: torch.Tensor, max_tokens: int, trace: RequestTrace,
                 stop_ids: set[int], on_token: Callable[[int], bool] | None, sampler: Sampler) -> list[int]:
@@ -640,7 +572,7 @@ class Engine:
             # One turn per token: a waiting prefill of another request runs before the next step.
             with self._turns.hold(Step.DECODE), torch.inference_mode():
                 ids = torch.tensor([[token]], device=self.model.device)
-                out = self.model.model(input_ids=ids, cache=cache, use_cache=True)
+                out = self.model.model(input_ids=ids, past_key_values=cache, use_cache=True)
                 token = sampler.pick(out.logits[0, -1])
         trace.decode_s = time.perf_counter() - started
         trace.output_tokens = len(output)
@@ -685,12 +617,8 @@ class Engine:
                 stored = fragment_key(ns_salt=fp.ns_salt, model_key=self.model_key, content_key=key, position=offset)
                 if self._store_block(stored, key, offset, cache, block, namespace, trace, registrations, already=None):
                     self._remember_content(key, stored, offset)
-        if self.directory is not None:
-            if registrations:
-                self.directory.register(blocks=registrations)
-            if hits:
-                self.directory.touch(touches=[BlockTouch(namespace=namespace, model_key=self.model_key,
-                                                         prefix_key=h.key) for h in hits])
+        self.offload.register(registrations)
+        self.offload.touch(namespace, [h.key for h in hits])
 
     def _remember_content(self, content_key: uuid.UUID, stored: uuid.UUID, position: int) -> None:
         self._content_index[content_key] = (stored, position)
@@ -704,7 +632,7 @@ class Engine:
         """Copy tokens [start, start + block) of every layer into `block` and keep it in the write-back
         tier (registered) and the device pool; True if some tier holds it afterwards."""
         size = self.layout.block_tokens
-        target = self.store.tier(self.options.write_back_tier)
+        target = self.offload.target
         if already == "device":
             self._device_touch(key)
             return True
@@ -725,23 +653,12 @@ class Engine:
             if self._device_put(key, block, namespace):
                 trace.written_blocks += 1
             return True
-        try:
-            result = target.put(key, block)
-        except TierFull as exc:
-            self.counters.add(f"write_back.{target.name}.full")
-            log.warning("write-back skipped: %s", exc)
-            return to_device
-        except MISSES as exc:
-            self.counters.add(f"write_back.{target.name}.failed")
-            log.warning("write-back failed: %s", exc)
+        registration = self.offload.store_block(key=key, content_key=content_key, position=start,
+                                                namespace=namespace, data=block)
+        if registration is None:
             return to_device
         trace.written_blocks += 1
-        registrations.append(BlockRegistration(
-            namespace=namespace, model_key=self.model_key, prefix_key=key,
-            content_key=content_key, position=start, tokens=size, tier=target.name,
-            node=None if target.name == "remote" else self.node, nbytes=self.layout.block_bytes,
-            checksum=result.checksum.hex if result.checksum else "",
-        ))
+        registrations.append(registration)
         return True
 
     def _device_put(self, key: uuid.UUID, block: torch.Tensor, namespace: str) -> bool:
@@ -759,18 +676,7 @@ class Engine:
         once, so no node is sent to it again before the reconciler runs."""
         if hit.tier == "device" and self.working_set is not None:
             self.working_set.forget(hit.key)
-        causes = getattr(cause, "causes", ()) or (cause,)
-        corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != "device"})
-        if corrupt and self.directory is not None:
-            self.directory.change_placements(changes=[
-                PlacementChange(namespace=namespace, model_key=self.model_key, prefix_key=hit.key, tier=tier,
-                                node=None if tier == "remote" else self.node, action="corrupt")
-                for tier in corrupt])
-            self.counters.add("quarantined", len(corrupt))
-
-
-def _estimate(seconds: float | None) -> str:
-    return "unknown" if seconds is None else f"~{seconds:.4f}s"
+        self.offload.quarantine(hit.key, cause, namespace)
 
 
 def _gaps(chosen: Sequence[Fragment], *, start: int, end: int) -> list[tuple[int, int]]:

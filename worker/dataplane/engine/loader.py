@@ -18,7 +18,6 @@ import functools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -28,20 +27,11 @@ from worker.dataplane.buffers import aligned_empty
 from worker.dataplane.engine.cache import LayerGate, LoadFailed
 from worker.dataplane.errors import MISSES
 from worker.dataplane.layout import BlockLayout
+from worker.dataplane.offload import Hit, TierLoad
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.base import ReadResult
 
 log = logging.getLogger("strata.engine")
-
-
-@dataclasses.dataclass(frozen=True)
-class Hit:
-    """One block of the prompt found in a tier."""
-
-    index: int
-    """Position of the block in the prompt (0 = first)."""
-    key: uuid.UUID
-    tier: str
 
 
 class PrefixBuffers:
@@ -87,15 +77,6 @@ class LayerTiming:
     started: float
     finished: float
     bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class TierLoad:
-    """What one tier contributed to a load: the bytes it served and the seconds it took."""
-
-    tier: str
-    bytes: int
-    seconds: float
 
 
 class LayerLoader:

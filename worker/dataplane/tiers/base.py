@@ -82,6 +82,9 @@ class Tier(abc.ABC):
     the bad copy is removed, counted as ``<tier>.corrupt`` and raised as BlockCorrupt."""
 
     name: str
+    writes_in_place: bool = False
+    """True when `put_from` fills the tier's own storage (the bytes land once), False when it
+    fills a buffer that a `put` then copies into the medium."""
 
     def __init__(
         self,
@@ -111,6 +114,19 @@ class Tier(abc.ABC):
         TierFull (no room) and TierUnavailable leave no partial block or reservation behind.
         A given `checksum` is trusted and stored (blocks moving down a tier keep theirs);
         otherwise it is computed from `data`."""
+
+    def put_from(
+        self, key: uuid.UUID, fill: Callable[[torch.Tensor], BlockChecksum]
+    ) -> PutResult:
+        """Store a block whose bytes `fill` writes into the memory it is handed (a flat uint8
+        tensor of the block's size) and whose checksum it returns, verified. If `fill` raises,
+        nothing is stored and the error goes to the caller; TierFull as `put`. This default fills
+        a buffer and puts it; a tier that can hand out its own storage overrides it
+        (`writes_in_place`)."""
+        buffer = self.layout.empty()
+        checksum = fill(buffer)
+        self._check_layers(checksum)
+        return self.put(key, buffer, checksum=checksum)
 
     def put_async(
         self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None

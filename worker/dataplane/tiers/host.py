@@ -176,6 +176,8 @@ class HostTier(Tier):
     as it is and must use the same layout. Closing never removes the pool (other processes may
     use it); `unlink` does."""
 
+    writes_in_place = True
+
     def __init__(
         self,
         *,
@@ -648,12 +650,9 @@ class HostTier(Tier):
     def put_from(
         self, key: uuid.UUID, fill: Callable[[torch.Tensor], BlockChecksum]
     ) -> PutResult:
-        """Store a block whose bytes `fill` writes straight into its slot: `fill` gets the slot's
-        memory (a flat uint8 tensor of the block's size) and returns the checksum of what it
-        wrote, verified (a tier's `get` into it returns exactly that). No copy through a buffer
-        of the caller's: a block read from another tier lands here once. Until `fill` returns the
-        slot is being written, so no reader sees it; if `fill` raises, the slot is freed and the
-        error goes to the caller. TierFull as `put`."""
+        """`Tier.put_from` straight into the block's slot: no copy through a buffer of the
+        caller's (a block read from another tier lands here once). Until `fill` returns the slot
+        is being written, so no reader sees it; if `fill` raises, the slot is freed."""
         layout = self.layout
         slot = self._allocate(key)
         try:

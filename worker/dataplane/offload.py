@@ -1,0 +1,312 @@
+"""The offload manager: lookup, the load-or-recompute decision, write-back and quarantine, for every engine.
+
+Both engines call it: Strata's own transformers engine (`engine.engine.Engine`) and the vLLM
+connector (`connectors.vllm`). It decides and records; the bytes it moves are whole blocks handed
+to a tier on write-back. Loading into an engine's memory is that engine's loader, and where a
+block goes after write-back is the control plane's business (movements).
+
+    fingerprints -> lookup (local tiers, then one directory round trip) -> decide -> [engine loads]
+    [engine computes] -> store_block (write-back tier) ... -> register (one batch) + touch
+    a failed load -> quarantine (the directory marks the copy corrupt at once)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from worker.dataplane.checksum import BlockChecksum
+from worker.dataplane.counters import Counters
+from worker.dataplane.directory import (
+    REMOTE,
+    BlockRegistration,
+    BlockTouch,
+    Directory,
+    PlacementChange,
+)
+from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
+from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
+from worker.dataplane.layout import BlockLayout, ModelProfile
+from worker.dataplane.store import TieredStore
+from worker.dataplane.tiers.base import TIER_NAMES, Tier
+
+log = logging.getLogger("strata.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """One block of the prompt found in a tier."""
+
+    index: int
+    """Position of the block in the prompt (0 = first)."""
+    key: uuid.UUID
+    tier: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TierLoad:
+    """What one tier contributed to a load: the bytes it served and the seconds it took."""
+
+    tier: str
+    bytes: int
+    seconds: float
+
+
+class Throughput:
+    """An exponentially weighted estimate of a rate (bytes/s of a tier, tokens/s of prefill)."""
+
+    def __init__(self, initial: float | None = None, weight: float = 0.3) -> None:
+        self.value = initial
+        self.weight = weight
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if seconds <= 0 or amount <= 0:
+            return
+        rate = amount / seconds
+        self.value = rate if self.value is None else (1 - self.weight) * self.value + self.weight * rate
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Load the hits or recompute them, and the two estimates behind the choice."""
+
+    choice: str
+    """no-hit, load or recompute."""
+    load_s: float | None = None
+    compute_s: float | None = None
+
+
+class OffloadManager:
+    """One model's blocks on one node: its tiers, the directory, and what it has measured of both.
+
+    Thread-safe for what engines do concurrently (lookups, write-backs and quarantines of
+    different requests); the speed estimates are plain floats, updated without a lock (a lost
+    update only delays what an estimate learns)."""
+
+    def __init__(
+        self,
+        *,
+        store: TieredStore,
+        profile: ModelProfile,
+        node: str = "local",
+        directory: Directory | None = None,
+        namespace_salt: Callable[[str], bytes] | None = None,
+        counters: Counters | None = None,
+        decide: bool = True,
+        write_back_tier: str = "host",
+    ) -> None:
+        self.store = store
+        self.profile = profile
+        self.layout: BlockLayout = profile.layout
+        if store.layout != self.layout:
+            raise ValueError(f"the store holds blocks of {store.layout.describe()}, the model needs "
+                             f"{self.layout.describe()}")
+        if write_back_tier not in store.names:
+            raise ValueError(f"write_back_tier: the store has no tier {write_back_tier!r}")
+        self.node = node
+        self.directory = directory
+        if namespace_salt is None:
+            namespace_salt = directory.namespace_salt if directory is not None else (lambda name: name.encode())
+        self.namespace_salt = namespace_salt
+        self.counters = counters if counters is not None else Counters()
+        self.decide_enabled = decide
+        self.write_back_tier = write_back_tier
+        self.model_key = model_key(profile)
+        self.tier_speed = {name: Throughput() for name in TIER_NAMES}
+        self.prefill_speed = Throughput()
+        self._fingerprinters: dict[str, Fingerprinter] = {}
+
+    # -- fingerprints ----------------------------------------------------------------------------
+    def fingerprinter(self, namespace: str) -> Fingerprinter:
+        """The namespace's fingerprinter; raises DirectoryUnavailable while its salt cannot be read."""
+        found = self._fingerprinters.get(namespace)
+        if found is None:
+            found = Fingerprinter(ns_salt=self.namespace_salt(namespace), model_key=self.model_key,
+                                  block_tokens=self.layout.block_tokens)
+            self._fingerprinters[namespace] = found
+        return found
+
+    def knows_salt(self, namespace: str) -> bool:
+        """True when `fingerprinter(namespace)` answers without a directory read."""
+        return namespace in self._fingerprinters
+
+    def fingerprints(self, tokens: Sequence[int], namespace: str) -> list[BlockFingerprint]:
+        return self.fingerprinter(namespace).blocks(tokens)
+
+    # -- lookup ----------------------------------------------------------------------------------
+    @property
+    def local_tiers(self) -> tuple[str, ...]:
+        return tuple(name for name in self.store.names if name != REMOTE)
+
+    def locate_local(self, keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, str]:
+        """The fastest of this node's own tiers (memory and local files) holding each key."""
+        return {key: names[0] for key, names in self.store.locate(keys, tiers=self.local_tiers).items() if names}
+
+    def locate_remote(self, keys: Sequence[uuid.UUID], namespace: str) -> dict[uuid.UUID, str]:
+        """Which of `keys` the shared remote tier holds: one directory round trip (or, without a
+        directory, one batched ask of the remote tier itself). An outage of either is no hit."""
+        if not keys or REMOTE not in self.store.names:
+            return {}
+        found: dict[uuid.UUID, str] = {}
+        try:
+            if self.directory is not None:
+                located = self.directory.lookup(keys=keys, node=self.node, namespace=namespace,
+                                                model_key=self.model_key)
+                found = {key: tier for key, tier in located.items() if tier == REMOTE}
+            else:
+                present = self.store.tier(REMOTE).contains_many(keys)
+                found = {key: REMOTE for key, here in zip(keys, present, strict=True) if here}
+        except Exception as exc:  # noqa: BLE001 - an outage of the directory or L3 means recompute
+            log.warning("remote lookup failed, treating as a miss: %s", exc)
+            self.counters.add("lookup_failures")
+        return found
+
+    @staticmethod
+    def first_miss(fingerprints: Sequence[BlockFingerprint], found: dict[uuid.UUID, str]) -> int:
+        """Index of the first block no tier in `found` holds (chained keys: no hit after it)."""
+        return next((i for i, fp in enumerate(fingerprints) if fp.prefix_key not in found), len(fingerprints))
+
+    @staticmethod
+    def prefix_hits(fingerprints: Sequence[BlockFingerprint], found: dict[uuid.UUID, str]) -> list[Hit]:
+        """The leading run of blocks held somewhere, as hits."""
+        hits = []
+        for fp in fingerprints:
+            tier = found.get(fp.prefix_key)
+            if tier is None:
+                break
+            hits.append(Hit(index=fp.index, key=fp.prefix_key, tier=tier))
+        return hits
+
+    def lookup(self, fingerprints: Sequence[BlockFingerprint], namespace: str) -> list[Hit]:
+        """The longest run of prompt blocks held somewhere: the node's own tiers first, then one
+        directory round trip (or the remote tier itself) for the blocks after the first local miss."""
+        found = self.locate_local([fp.prefix_key for fp in fingerprints])
+        rest = fingerprints[self.first_miss(fingerprints, found):]
+        found.update(self.locate_remote([fp.prefix_key for fp in rest], namespace))
+        return self.prefix_hits(fingerprints, found)
+
+    # -- deciding --------------------------------------------------------------------------------
+    def decide(self, hits: list[Hit], *, prompt_tokens: int, request: str) -> tuple[list[Hit], Decision]:
+        """Load the hits or recompute them, whichever the measured speeds say is faster.
+
+        Every decision is counted (`decision.<no_hit|load|recompute>`) and logged in one line with
+        the cached tokens, their tiers and both estimates: at INFO when cached tokens are
+        recomputed (an operator wants to see a tier too slow to be worth reading), at DEBUG
+        otherwise. The tiers read at once (each its share of the blocks), so the load takes as
+        long as the slowest tier's share; a tier not measured yet leaves the load time unknown,
+        and an unknown time is tried (loaded) so that it gets measured."""
+        tokens = len(hits) * self.layout.block_tokens
+        if not hits:
+            self.counters.add("decision.no_hit")
+            log.debug("request %s: no-hit, 0 of %d prompt tokens cached", request, prompt_tokens)
+            return hits, Decision("no-hit")
+        blocks = collections.Counter(h.tier for h in hits)
+        load_s: float | None = None
+        compute_s: float | None = None
+        if self.decide_enabled:
+            speeds = {name: speed for name in blocks if (speed := self.tier_speed[name].value) is not None}
+            if len(speeds) == len(blocks):
+                load_s = max(count * self.layout.block_bytes / speeds[name] for name, count in blocks.items())
+            if self.prefill_speed.value is not None:
+                compute_s = tokens / self.prefill_speed.value
+        recompute = load_s is not None and compute_s is not None and load_s > compute_s
+        decision = Decision("recompute" if recompute else "load", load_s=load_s, compute_s=compute_s)
+        self.counters.add(f"decision.{decision.choice}")
+        log.log(logging.INFO if recompute else logging.DEBUG,
+                "request %s: %s, %d of %d prompt tokens cached (%s): load %s, recompute %s%s",
+                request, decision.choice, tokens, prompt_tokens,
+                ", ".join(f"{name} {count} blocks" for name, count in blocks.items()),
+                _estimate(load_s), _estimate(compute_s), "" if self.decide_enabled else " (deciding is off)")
+        return ([] if recompute else hits), decision
+
+    def observe_load(self, loads: Iterable[TierLoad]) -> None:
+        """Learn each tier's speed from a finished load (bytes and seconds per tier that served it)."""
+        for served in loads:
+            self.tier_speed[served.tier].observe(served.bytes, served.seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Learn the engine's prefill speed from a prefill that reused nothing."""
+        self.prefill_speed.observe(tokens, seconds)
+
+    # -- write-back ------------------------------------------------------------------------------
+    @property
+    def target(self) -> Tier:
+        """The write-back tier."""
+        return self.store.tier(self.write_back_tier)
+
+    def holds(self, keys: Sequence[uuid.UUID]) -> list[bool]:
+        """Whether the write-back tier already holds each key (those need no write)."""
+        return self.target.contains_many(keys)
+
+    def store_block(
+        self,
+        *,
+        key: uuid.UUID,
+        content_key: uuid.UUID,
+        position: int,
+        namespace: str,
+        data: torch.Tensor | None = None,
+        fill: Callable[[torch.Tensor], BlockChecksum] | None = None,
+    ) -> BlockRegistration | None:
+        """Keep one block in the write-back tier and return its registration (None when the
+        tier refused it: full or failing, counted and logged). The bytes come as `data` (a whole
+        block), or from `fill`, which writes them into the memory `Tier.put_from` hands it (the host
+        pool's slot itself: the bytes land once)."""
+        target = self.target
+        if (data is None) == (fill is None):
+            raise ValueError("store_block: give the block's bytes (data) or a fill, not both or neither")
+        try:
+            if data is not None:
+                result = target.put(key, data)
+            else:
+                assert fill is not None
+                result = target.put_from(key, fill)
+        except TierFull as exc:
+            self.counters.add(f"write_back.{target.name}.full")
+            log.warning("write-back skipped: %s", exc)
+            return None
+        except MISSES as exc:
+            self.counters.add(f"write_back.{target.name}.failed")
+            log.warning("write-back failed: %s", exc)
+            return None
+        return BlockRegistration(
+            namespace=namespace, model_key=self.model_key, prefix_key=key, content_key=content_key,
+            position=position, tokens=self.layout.block_tokens, tier=target.name,
+            node=None if target.name == REMOTE else self.node, nbytes=self.layout.block_bytes,
+            checksum=result.checksum.hex if result.checksum else "",
+        )
+
+    def register(self, registrations: Sequence[BlockRegistration]) -> None:
+        """Record new blocks in the directory in one batch (write-behind: returns at once)."""
+        if registrations and self.directory is not None:
+            self.directory.register(blocks=registrations)
+
+    def touch(self, namespace: str, keys: Sequence[uuid.UUID]) -> None:
+        """Count one access of each reused block (write-behind; feeds the hotness ranking)."""
+        if keys and self.directory is not None:
+            self.directory.touch(touches=[BlockTouch(namespace=namespace, model_key=self.model_key, prefix_key=key)
+                                          for key in keys])
+
+    # -- failures --------------------------------------------------------------------------------
+    def quarantine(self, key: uuid.UUID, cause: BaseException, namespace: str) -> list[str]:
+        """A block that could not be loaded. The copies that failed their checksum (the tier has
+        already dropped the bytes) are marked corrupt in the directory at once, so no node is sent
+        to them again before the reconciler runs. Returns those tiers."""
+        causes = getattr(cause, "causes", ()) or (cause,)
+        corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != "device"})
+        if corrupt and self.directory is not None:
+            self.directory.change_placements(changes=[
+                PlacementChange(namespace=namespace, model_key=self.model_key, prefix_key=key, tier=tier,
+                                node=None if tier == REMOTE else self.node, action="corrupt")
+                for tier in corrupt])
+            self.counters.add("quarantined", len(corrupt))
+        return corrupt
+
+
+def _estimate(seconds: float | None) -> str:
+    return "unknown" if seconds is None else f"~{seconds:.4f}s"
