@@ -53,16 +53,11 @@ class NodeRuntime:
         from worker.dataplane.engine.engine import Engine, EngineOptions
         from worker.dataplane.engine.models import load_model
         from worker.dataplane.engine.server import NodeServer
-        from worker.dataplane.layout import ModelProfile
         from worker.dataplane.store import build_store
         from worker.directory import DjangoDirectory
 
         model = load_model(config.model, dtype=config.model_dtype or None)
-        profile = ModelProfile(
-            model_id=model.name, layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
-            dtype=str(model.dtype).removeprefix("torch."), block_tokens=config.block_tokens,
-            revision=model.revision, rope_theta=model.rope_theta,
-        )
+        profile = model.profile(config.block_tokens)
         modelprofile_ensure(profile=profile)
         namespace_ensure(name="default")
         for namespace in set(config.api_keys.values()):

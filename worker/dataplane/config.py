@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,25 @@ def _step_percent(value: Any) -> str | None:
     return None if 0 < value <= 100 else "must be more than 0 and at most 100 percent"
 
 
+ENGINES = ("strata", "vllm")
+
+
+def _parse_engine(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in ENGINES:
+        raise ValueError(f"expected one of {', '.join(ENGINES)}, got {value!r}")
+    return text
+
+
+def _parse_args(value: Any) -> tuple[str, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(str(item) for item in value)
+    try:
+        return tuple(shlex.split(str(value)))
+    except ValueError as exc:
+        raise ValueError(f"expected command-line arguments, got {value!r}: {exc}") from exc
+
+
 def _parse_selection(value: Any) -> str:
     text = str(value).strip().lower()
     if text not in SELECTIONS:
@@ -221,6 +241,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("remote_cluster", _parse_bool, False, "remote_url points at a Redis Cluster (redis-py RedisCluster)."),
     Option("remote_timeout_seconds", _parse_float, 2.0, "Socket timeout of the remote tier; past it the tier is unavailable and callers recompute.", _positive),
     Option("model", _parse_str, "", "Model the node's engine serves: a preset (tiny, small, bench, ...) or a local checkpoint directory. Empty: no engine."),
+    Option("engine", _parse_engine, "strata", "Engine serving the model: strata (the node's own server) or vllm (a vLLM OpenAI server on serve_port with Strata as its KV connector)."),
+    Option("vllm_args", _parse_args, (), "Extra arguments of the vLLM server (engine vllm), as on its command line, e.g. --max-model-len 16384 --num-gpu-blocks-override 256."),
+    Option("status_port", _parse_int, 0, "Port of a vLLM node's Strata endpoints (/metrics, /v1/strata/requests): the node's address for the control plane; 0 = serve_port + 1000.", _non_negative),
     Option("model_dtype", _parse_str, "", "Model dtype (float32, bfloat16, float16); empty: the preset's or checkpoint's own."),
     Option("block_tokens", _parse_int, 256, "Tokens per KV block.", _positive),
     Option("serve_host", _parse_str, "127.0.0.1", "Interface the node's OpenAI-compatible server listens on."),
@@ -272,6 +295,9 @@ class NodeConfig:
     remote_timeout_seconds: float = 2.0
     model: str = ""
     model_dtype: str = ""
+    engine: str = "strata"
+    vllm_args: tuple[str, ...] = ()
+    status_port: int = 0
     block_tokens: int = 256
     serve_host: str = "127.0.0.1"
     serve_port: int = 9100
@@ -297,6 +323,11 @@ class NodeConfig:
     def node_disk_path(self) -> Path:
         var = os.environ.get("STRATA_VAR_DIR") or "var"
         return Path(str(self.disk_path).replace("{node}", self.node_name).replace("{var}", var))
+
+    @property
+    def node_status_port(self) -> int:
+        """The port of a vLLM node's Strata endpoints."""
+        return self.status_port or self.serve_port + 1000
 
     @property
     def node_host_pool_name(self) -> str:

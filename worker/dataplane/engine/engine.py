@@ -37,53 +37,10 @@ from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
-from worker.dataplane.layout import ModelProfile
-from worker.dataplane.offload import Hit, OffloadManager, Throughput
+from worker.dataplane.offload import Hit, OffloadManager, RequestTrace, Throughput
 from worker.dataplane.store import TieredStore
 
 log = logging.getLogger("strata.engine")
-
-
-@dataclasses.dataclass
-class RequestTrace:
-    """What happened to one request: where each block came from and where time went."""
-
-    request_id: str
-    namespace: str
-    prompt_tokens: int
-    cached_tokens: int = 0
-    hit_blocks_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
-    decision: str = "no-hit"
-    layerwise: bool = True
-    load_failures: int = 0
-    lookup_s: float = 0.0
-    ttft_s: float = 0.0
-    load_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    output_tokens: int = 0
-    finish_reason: str = "length"
-    layer_stall_s: list[float] = dataclasses.field(default_factory=list)
-    layer_loaded_at_s: list[float] = dataclasses.field(default_factory=list)
-    written_blocks: int = 0
-    started_at: float = 0.0
-    prefix_tokens: int = 0
-    """Reused tokens of the leading run of prefix blocks (exact reuse)."""
-    fragment_tokens: int = 0
-    """Tokens of fragments reused from elsewhere in the prompt (re-aligned, partly recomputed)."""
-    recomputed_tokens: int = 0
-    """Fragment tokens recomputed by selective recompute."""
-    recompute_ratio: float = 0.0
-    """recomputed_tokens / fragment_tokens (0 without fragments)."""
-    fragment_blocks_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
-    blend: str = "off"
-    """off (not enabled or not asked), blend, prefix-only (fallen back for the namespace), or no-fragment."""
-    blend_percent: float = 0.0
-    """The namespace's r when the request ran."""
-    segments: int = 0
-
-    def as_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -154,11 +111,7 @@ class Engine:
         self.options = options or EngineOptions()
         self.counters = counters or Counters()
         self.on_trace = on_trace
-        self.profile = ModelProfile(
-            model_id=model.name, layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
-            dtype=str(model.dtype).removeprefix("torch."), block_tokens=self.options.block_tokens,
-            revision=model.revision, rope_theta=model.rope_theta,
-        )
+        self.profile = model.profile(self.options.block_tokens)
         self.layout = self.profile.layout
         # Lookup, the load-or-recompute decision, write-back to the tiers below L1 and quarantine:
         # the same manager the vLLM connector calls.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,8 @@ from transformers import (
 )
 
 from worker.dataplane.engine.attention import register as register_attention
-from worker.dataplane.engine.tokenizer import BYTE_OFFSET, ByteTokenizer
+from worker.dataplane.engine.tokenizer import BYTE_OFFSET, ByteTokenizer, byte_level_tokenizer
+from worker.dataplane.layout import ModelProfile, dtype_name, parse_dtype
 
 log = logging.getLogger("strata.engine")
 
@@ -92,12 +95,65 @@ class LoadedModel:
         if isinstance(self.tokenizer, ByteTokenizer):
             return self.tokenizer.apply_chat_template(messages)
         if getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids))
+
+    def profile(self, block_tokens: int) -> ModelProfile:
+        """What this model's KV blocks are: the profile its model key hashes."""
+        return ModelProfile(model_id=self.name, layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                            dtype=dtype_name(self.dtype), block_tokens=block_tokens, revision=self.revision,
+                            rope_theta=self.rope_theta)
+
+
+def _shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformer config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+def checkpoint_profile(path: str | Path, *, dtype: str | torch.dtype | None = None, block_tokens: int) -> ModelProfile:
+    """The model profile of a checkpoint directory without loading its weights: the one
+    `load_model(path).profile(block_tokens)` gives, so an engine that loads the weights itself
+    (vLLM) keys its blocks as Strata's own engine does. `dtype` is the dtype the engine runs in
+    (default: the checkpoint's)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {path} is not a checkpoint directory (no config.json)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    layers, kv_heads, head_dim = _shape(config)
+    chosen = dtype if dtype is not None else (getattr(config, "dtype", None) or "float32")
+    return ModelProfile(model_id=path.resolve().name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                        dtype=dtype_name(parse_dtype(chosen)), block_tokens=block_tokens,
+                        revision=getattr(config, "_commit_hash", None) or checkpoint_revision(path),
+                        rope_theta=_rope_theta(config))
+
+
+def save_preset(name: str, path: str | Path, *, seed: int = 0) -> Path:
+    """Save a preset as a checkpoint directory: its random weights (those `load_model(name, seed=seed)`
+    makes) as safetensors, its config, and the byte tokenizer as tokenizer files with its chat
+    template, so an engine that loads checkpoints (vLLM) serves the very model and token ids of the
+    preset. Writes into a temporary directory beside `path` and renames it, so a half-written
+    checkpoint never stands under the name."""
+    path = Path(path)
+    loaded = load_model(name, seed=seed, device="cpu")
+    config = loaded.model.config
+    config._attn_implementation = "sdpa"  # the registered Strata attention is a name only this process knows
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if staging.exists():
+        shutil.rmtree(staging)
+    loaded.model.save_pretrained(staging, safe_serialization=True)
+    byte_level_tokenizer().save_pretrained(staging)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(staging, path)
+    log.info("preset %s saved as a checkpoint at %s", name, path)
+    return path
 
 
 def _rope_theta(config: PretrainedConfig) -> float:
@@ -110,13 +166,11 @@ def _rope_theta(config: PretrainedConfig) -> float:
 
 def _describe(name: str, model: PreTrainedModel, tokenizer: Any, device: torch.device, revision: str) -> LoadedModel:
     config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers, kv_heads, head_dim = _shape(config)
     return LoadedModel(
         name=name, model=model, tokenizer=tokenizer, dtype=next(model.parameters()).dtype, device=device,
-        layers=config.num_hidden_layers, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, max_context=config.max_position_embeddings, rope_theta=_rope_theta(config),
-        revision=revision,
+        layers=layers, kv_heads=kv_heads, head_dim=head_dim, max_context=config.max_position_embeddings,
+        rope_theta=_rope_theta(config), revision=revision,
     )
 
 
