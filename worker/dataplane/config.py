@@ -243,6 +243,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("model", _parse_str, "", "Model the node's engine serves: a preset (tiny, small, bench, ...) or a local checkpoint directory. Empty: no engine."),
     Option("engine", _parse_engine, "strata", "Engine serving the model: strata (the node's own server) or vllm (a vLLM OpenAI server on serve_port with Strata as its KV connector)."),
     Option("vllm_args", _parse_args, (), "Extra arguments of the vLLM server (engine vllm), as on its command line, e.g. --max-model-len 16384 --num-gpu-blocks-override 256."),
+    Option("vllm_launch", _parse_bool, True, "With engine vllm: the node starts (and stops) the vLLM server itself; false: a vLLM server started elsewhere with the connector serves, and the node runs its worker beside it."),
     Option("status_port", _parse_int, 0, "Port of a vLLM node's Strata endpoints (/metrics, /v1/strata/requests): the node's address for the control plane; 0 = serve_port + 1000.", _non_negative),
     Option("model_dtype", _parse_str, "", "Model dtype (float32, bfloat16, float16); empty: the preset's or checkpoint's own."),
     Option("block_tokens", _parse_int, 256, "Tokens per KV block.", _positive),
@@ -297,6 +298,7 @@ class NodeConfig:
     model_dtype: str = ""
     engine: str = "strata"
     vllm_args: tuple[str, ...] = ()
+    vllm_launch: bool = True
     status_port: int = 0
     block_tokens: int = 256
     serve_host: str = "127.0.0.1"

@@ -41,11 +41,12 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
+from prometheus_client.core import GaugeMetricFamily
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -258,6 +259,7 @@ class Tracked:
     """Leading blocks known to be stored (held before, or saved since)."""
     pages: list[int] = dataclasses.field(default_factory=list)
     scheduled: bool = False
+    first_step_at: float = 0.0
     prefilled: bool = False
 
 
@@ -277,8 +279,8 @@ class SchedulerHalf:
         self.worker_store_events = Counters()
         self.metrics = EngineMetrics(self.manager, runtime.config.node_name, model=runtime.profile.model_id,
                                      store_events=self.worker_store_events)
+        self.metrics.registry.register(_Followed(self))
         self.server: StatusServer | None = None
-        self._completing: dict[str, float] = {}
 
     def serve_status(self) -> None:
         config = self.runtime.config
@@ -419,8 +421,11 @@ class SchedulerHalf:
         return meta
 
     def _step(self, tracked: Tracked, computed: int, scheduled: int, meta: StrataMetadata) -> None:
-        tracked.scheduled = True
         request, size = tracked.request, self.block_tokens
+        if not tracked.scheduled:
+            tracked.scheduled = True
+            tracked.first_step_at = time.time()
+            tracked.trace.cached_tokens = computed  # vLLM's own prefix cache and what Strata loads
         if tracked.load_tokens > 0 and tracked.plan is not None and tracked.namespace is not None:
             start, end = computed - tracked.load_tokens, computed
             first, last = start // size, -(-end // size)
@@ -433,8 +438,6 @@ class SchedulerHalf:
             tracked.trace.hit_blocks_by_tier = dict(collections.Counter(h.tier for h in hits))
             self.manager.touch(tracked.namespace, [h.key for h in hits])
             tracked.load_tokens = 0
-        if not tracked.trace.cached_tokens and not tracked.prefilled:
-            tracked.trace.cached_tokens = computed
         done = min(computed + scheduled, request.num_tokens)
         full = done // size
         if tracked.namespace is not None and full > tracked.stored:
@@ -483,6 +486,9 @@ class SchedulerHalf:
                 continue
             trace.layer_stall_s, trace.layer_loaded_at_s, trace.load_s = report.stalls, report.loaded_at, report.load_s
             if report.failure:
+                if tracked is not None and tracked.load is not None:
+                    # vLLM recomputes the loaded range: its blocks are saved again as they complete.
+                    tracked.stored = min(tracked.stored, tracked.load.first_block)
                 trace.load_failures += 1
                 trace.prefix_tokens = 0
                 trace.cached_tokens = 0
@@ -492,9 +498,12 @@ class SchedulerHalf:
             if trace is not None:
                 trace.written_blocks += count
         for request_id in meta.prefills_done:
-            trace = self._trace(request_id)
+            tracked = self.requests.get(request_id)
+            trace = tracked.trace if tracked is not None else self._finished_trace(request_id)
             if trace is not None and not trace.ttft_s:
                 trace.ttft_s = max(0.0, now - trace.started_at)
+                if tracked is not None and tracked.first_step_at:
+                    trace.prefill_s = max(0.0, now - tracked.first_step_at)
 
     def _trace(self, request_id: str) -> RequestTrace | None:
         tracked = self.requests.get(request_id)
@@ -520,6 +529,24 @@ class SchedulerHalf:
         if trace.ttft_s:
             trace.decode_s = max(0.0, time.time() - trace.started_at - trace.ttft_s)
         self.traces.append(trace)
+
+
+class _Followed:
+    """Gauges of the scheduler half's own state: what it follows now (nothing once vLLM is idle)."""
+
+    def __init__(self, half: SchedulerHalf) -> None:
+        self.half = half
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        node = self.half.runtime.config.node_name
+        tracked = list(self.half.requests.values())
+        followed = GaugeMetricFamily("strata_connector_requests", "Requests the vLLM connector follows (from their "
+                                     "first lookup to their end).", labels=["node"])
+        followed.add_metric([node], len(tracked))
+        pending = GaugeMetricFamily("strata_connector_lookups_in_flight", "Lookups of the vLLM connector waiting on "
+                                    "the directory or the remote tier.", labels=["node"])
+        pending.add_metric([node], sum(1 for t in tracked if t.pending is not None))
+        yield from (followed, pending)
 
 
 def _continue(fingerprinter: Fingerprinter, have: Sequence[BlockFingerprint], tokens: Sequence[int],

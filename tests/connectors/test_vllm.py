@@ -1,0 +1,246 @@
+"""StrataConnector inside a real vLLM: hits from every tier give vLLM's own greedy tokens, a bad block
+is recomputed and quarantined, namespaces stay apart, vLLM's own cache goes first, preempted requests
+leave nothing behind, and serving goes on without Redis (real PostgreSQL, Redis and vLLM processes)."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BLOCK = 256
+
+
+def prompt_of(tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, 259) for _ in range(tokens - 1)]
+
+
+def generate(llm: Any, prompt: list[int], *, salt: str | None = None, max_tokens: int = 8) -> tuple[list[int], int]:
+    """Greedy tokens and the prompt tokens vLLM did not compute (its own cache plus Strata's)."""
+    from vllm import SamplingParams
+
+    request: dict[str, Any] = {"prompt_token_ids": prompt}
+    if salt is not None:
+        request["cache_salt"] = salt
+    out = llm.generate([request], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+
+def fresh(llm: Any, prompt: list[int], **kwargs: Any) -> tuple[list[int], int]:
+    """`generate` with vLLM's own prefix cache emptied first: whatever is reused comes from Strata."""
+    assert llm.reset_prefix_cache()
+    return generate(llm, prompt, **kwargs)
+
+
+def status(node: Any, path: str) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.extra['status_port']}{path}", timeout=10) as answer:
+        return bytes(answer.read())
+
+
+def newest(node: Any) -> dict[str, Any]:
+    return json.loads(status(node, "/v1/strata/requests"))["requests"][0]
+
+
+def metric(node: Any, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(status(node, "/metrics").decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+@pytest.fixture(scope="module")
+def profile(node) -> Any:
+    from worker.dataplane.engine.models import checkpoint_profile
+
+    return checkpoint_profile(node.checkpoint, dtype="float32", block_tokens=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def store(node, profile) -> Iterator[Any]:
+    """The node's tiers opened by the test: the same host pool, disk directory and remote prefix."""
+    from worker.dataplane.store import build_store
+
+    opened = build_store(node.config(), profile=profile, environ={})
+    yield opened
+    opened.close()
+
+
+def keys_of(profile: Any, prompt: list[int], namespace: str = "default") -> list[uuid.UUID]:
+    from controlplane.directory.models import Namespace
+    from worker.dataplane.hashing import Fingerprinter
+
+    salt = Namespace.objects.get(name=namespace).salt_bytes
+    return Fingerprinter.for_profile(profile, ns_salt=salt).prefix_keys(prompt)
+
+
+def move(store: Any, profile: Any, node: Any, keys: list[uuid.UUID], *, source: str, target: str) -> None:
+    """Move blocks between the node's tiers as a movement does: copy (verified), record the new
+    copy, forget the old one."""
+    from controlplane.directory.services import blocks_register, placements_change
+    from worker.dataplane.directory import BlockRegistration, PlacementChange
+    from worker.dataplane.hashing import model_key
+
+    registrations, changes = [], []
+    for index, key in enumerate(keys):
+        copied = store.copy(key, source=source, target=target)
+        store.delete(key, tier=source)
+        registrations.append(BlockRegistration(
+            namespace="default", model_key=model_key(profile), prefix_key=key, content_key=uuid.uuid4(),
+            position=index * BLOCK, tokens=BLOCK, tier=target, node=None if target == "remote" else node.name,
+            nbytes=profile.layout.block_bytes, checksum=copied.checksum.hex))
+        changes.append(PlacementChange(namespace="default", model_key=model_key(profile), prefix_key=key,
+                                       tier=source, node=None if source == "remote" else node.name, action="delete"))
+    blocks_register(registrations=registrations)
+    placements_change(changes=changes)
+
+
+def placements(node: Any, keys: list[uuid.UUID], tier: str, state: str = "ready") -> int:
+    from controlplane.directory.models import Placement
+
+    rows = Placement.objects.filter(block__prefix_key__in=keys, tier=tier, state=state)
+    return rows.filter(node__isnull=True).count() if tier == "remote" else rows.filter(node__name=node.name).count()
+
+
+def test_hits_from_host_disk_and_remote_give_vllm_s_own_tokens(plain, strata, node, store, profile):
+    prompt = prompt_of(5 * BLOCK + 20, seed=1)
+    want, _ = generate(plain, prompt)
+    cold, cached = fresh(strata, prompt)
+    assert (cold, cached) == (want, 0)
+    keys = keys_of(profile, prompt)
+    # Written back to the host tier and registered in one batch, behind the request.
+    wait_for(lambda: placements(node, keys, "host") == 5, timeout=30, what="the 5 blocks registered on host")
+    assert newest(node)["written_blocks"] == 5
+    for tier in ("host", "disk", "remote"):
+        if tier == "disk":
+            move(store, profile, node, keys, source="host", target="disk")
+        elif tier == "remote":
+            move(store, profile, node, keys, source="disk", target="remote")
+        got, cached = fresh(strata, prompt)
+        assert got == want, f"a hit from {tier} changed the tokens"
+        assert cached == 5 * BLOCK
+        trace = newest(node)
+        assert trace["hit_blocks_by_tier"] == {tier: 5} and trace["prefix_tokens"] == 5 * BLOCK
+        assert trace["load_failures"] == 0 and len(trace["layer_stall_s"]) == profile.layers
+        assert trace["ttft_s"] > 0 and trace["decision"] == "load"
+    assert metric(node, "strata_hit_blocks_total", tier="remote") >= 5
+
+
+def test_a_corrupt_or_vanished_block_is_recomputed_counted_and_quarantined(plain, strata, node, store, profile):
+    prompt = prompt_of(4 * BLOCK + 9, seed=2)
+    want, _ = generate(plain, prompt)
+    assert fresh(strata, prompt)[0] == want
+    keys = keys_of(profile, prompt)
+    wait_for(lambda: placements(node, keys, "host") == 4, timeout=30, what="the blocks registered on host")
+    move(store, profile, node, keys, source="host", target="disk")
+    failures = metric(node, "strata_load_failures_total")
+    path = store.tier("disk").path_of(keys[2])
+    with open(path, "r+b") as blob:  # one flipped bit in the block's last bytes
+        blob.seek(-100, 2)
+        byte = blob.read(1)
+        blob.seek(-100, 2)
+        blob.write(bytes([byte[0] ^ 0x10]))
+    got, _ = fresh(strata, prompt)
+    assert got == want, "a corrupt block must be recomputed, never served"
+    assert newest(node)["load_failures"] == 1
+    assert metric(node, "strata_load_failures_total") == failures + 1
+    # The bad copy is marked corrupt at once (and its bytes dropped by the tier).
+    wait_for(lambda: placements(node, keys[2:3], "disk", state="corrupt") == 1, timeout=30,
+             what="the corrupt copy quarantined")
+    assert not store.tier("disk").contains(keys[2])
+    # The recomputed blocks are stored again: the next request finds all of them.
+    got, cached = fresh(strata, prompt)
+    assert got == want and cached == 4 * BLOCK
+
+    # A block the directory places in the remote tier whose bytes are gone: a miss, recomputed.
+    again = prompt_of(3 * BLOCK + 5, seed=3)
+    want, _ = generate(plain, again)
+    assert fresh(strata, again)[0] == want
+    keys = keys_of(profile, again)
+    wait_for(lambda: placements(node, keys, "host") == 3, timeout=30, what="the blocks registered on host")
+    move(store, profile, node, keys, source="host", target="remote")
+    store.tier("remote").delete(keys[1])
+    got, cached = fresh(strata, again)
+    assert got == want
+    assert newest(node)["load_failures"] == 1
+    assert metric(node, "strata_load_failures_total") == failures + 2
+
+
+def test_two_namespaces_never_share_blocks(plain, strata, node):
+    prompt = prompt_of(3 * BLOCK + 40, seed=4)
+    want, _ = generate(plain, prompt)
+    assert fresh(strata, prompt, salt="tenant-a") == (want, 0)
+    got, cached = fresh(strata, prompt, salt="tenant-b")
+    assert (got, cached) == (want, 0), "tenant-b must not hit tenant-a's blocks"
+    assert newest(node)["namespace"] == "tenant-b" and newest(node)["decision"] == "no-hit"
+    assert fresh(strata, prompt, salt="tenant-a") == (want, 3 * BLOCK)
+    # A namespace the directory does not know, or a name that is no namespace: served, uncached.
+    for salt in ("tenant-unknown", "not a namespace!"):
+        assert fresh(strata, prompt, salt=salt) == (want, 0)
+
+
+def test_a_prompt_vllm_holds_already_loads_nothing(plain, strata, node):
+    prompt = prompt_of(4 * BLOCK + 3, seed=5)
+    want, _ = generate(plain, prompt)
+    assert fresh(strata, prompt)[0] == want
+    hits = metric(node, "strata_hit_tokens_total")
+    got, cached = generate(strata, prompt)  # vLLM's own prefix cache still holds it
+    assert got == want and cached >= 4 * BLOCK
+    trace = newest(node)
+    assert trace["prefix_tokens"] == 0 and trace["hit_blocks_by_tier"] == {}
+    assert metric(node, "strata_hit_tokens_total") == hits
+
+
+def test_preempted_requests_load_again_and_leave_nothing_behind(plain, strata, node, store):
+    from vllm import SamplingParams
+
+    prompts = [prompt_of(5 * BLOCK + 7, seed=10 + i) for i in range(6)]
+    for prompt in prompts:
+        fresh(strata, prompt, max_tokens=1)  # stored: the burst below loads them
+    assert strata.reset_prefix_cache()
+    preempted = _preemptions(strata)
+    params = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+    # Six requests that outgrow the 64 pages while decoding: vLLM preempts some of them, and
+    # each comes back through a new lookup and a new load.
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    got = [list(o.outputs[0].token_ids) for o in strata.generate(requests, params, use_tqdm=False)]
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(requests, params, use_tqdm=False)]
+    assert got == want
+    assert _preemptions(strata) > preempted, "the burst was meant to preempt"
+    wait_for(lambda: metric(node, "strata_connector_requests") == 0, timeout=10, what="no request followed")
+    assert metric(node, "strata_connector_lookups_in_flight") == 0
+    host = store.tier("host").usage()
+    assert host.pending_bytes == 0, "a slot left half-written"
+
+
+def _preemptions(llm: Any) -> float:
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def test_serving_goes_on_when_redis_stops(plain, strata, node, store, profile):
+    prompt = prompt_of(3 * BLOCK + 11, seed=6)
+    want, _ = generate(plain, prompt)
+    assert fresh(strata, prompt)[0] == want
+    keys = keys_of(profile, prompt)
+    wait_for(lambda: placements(node, keys, "host") == 3, timeout=30, what="the blocks registered on host")
+    move(store, profile, node, keys, source="host", target="remote")
+    node.remote.stop()
+    try:
+        got, cached = fresh(strata, prompt)
+        assert got == want and newest(node)["load_failures"] == 1
+        other = prompt_of(2 * BLOCK + 1, seed=7)
+        assert fresh(strata, other)[0] == generate(plain, other)[0]
+    finally:
+        node.remote.start()
