@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
 import shutil
@@ -117,7 +116,7 @@ class NodeRuntime:
     def checkpoint(self) -> Path:
         """The checkpoint directory vLLM loads: the model option's, or for a preset, the preset
         saved once under {var}/checkpoints/<preset> (random weights and the byte tokenizer)."""
-        from worker.dataplane.engine.models import PRESETS, save_preset
+        from worker.dataplane.engine.models import PRESETS, preset_checkpoint
 
         spec = self.config.model
         if spec not in PRESETS:
@@ -126,14 +125,7 @@ class NodeRuntime:
                 raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                                  f"checkpoint directory")
             return path.resolve()
-        path = (Path(os.environ.get("STRATA_VAR_DIR") or "var") / "checkpoints" / spec).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{spec}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # two nodes of one machine save it once
-            if not (path / "config.json").is_file():
-                log.info("saving preset %s as a checkpoint for vLLM at %s", spec, path)
-                save_preset(spec, path)
-        return path
+        return preset_checkpoint(spec, Path(os.environ.get("STRATA_VAR_DIR") or "var") / "checkpoints")
 
     def _tier_environ(self) -> dict[str, str]:
         from django.conf import settings

@@ -47,7 +47,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 DESCRIPTION = "directory hit detection (service, node client, REST) and registration at 1M blocks (--scale 10: 10M)"
 
@@ -69,7 +68,7 @@ TARGETS = {
 # -- the harness side ------------------------------------------------------------------------------
 
 def run(ctx: Any) -> list[Any]:
-    from benchmarks.harness import run_child
+    from benchmarks.harness import bench_database, run_child
     from controlplane.runtime.environment import load_environment
 
     # At least twice the chains a 16-chain prompt spans across every namespace and model.
@@ -82,7 +81,7 @@ def run(ctx: Any) -> list[Any]:
     # One database per run, so two runs at once (two engineers, one server) never drop each other's.
     name = f"{BENCH_DB_PREFIX}_{os.getpid()}"
     ctx.params.update(blocks=blocks, database=name)
-    with _bench_database(server, name) as url:
+    with bench_database(server, name) as url:
         env = {
             **os.environ,
             "DATABASE_URL": url,
@@ -94,30 +93,6 @@ def run(ctx: Any) -> list[Any]:
         }
         rows = run_child(ctx, "benchmarks.suites.directory", spec, env, notes=TARGETS)
     return rows
-
-
-@contextlib.contextmanager
-def _bench_database(server: dict[str, Any], name: str) -> Iterator[str]:
-    """A fresh database for the benchmark on the configured server; yields its DATABASE_URL."""
-    import psycopg
-
-    with psycopg.connect(dbname="postgres", autocommit=True, **server) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{name}"')
-    user = quote(server.get("user", "postgres"), safe="")
-    password = quote(server.get("password", ""), safe="")
-    auth = f"{user}:{password}@" if password else f"{user}@"
-    host = server.get("host", "")
-    if host.startswith("/"):
-        url = f"postgresql://{auth}/{name}?host={quote(host, safe='/')}"
-    else:
-        url = f"postgresql://{auth}{host or '127.0.0.1'}:{server.get('port', 5432)}/{name}"
-    try:
-        yield url
-    finally:
-        if os.environ.get("STRATA_BENCH_KEEP_DB") != "1":
-            with psycopg.connect(dbname="postgres", autocommit=True, **server) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # -- the child process (Django configured for the bench database) --------------------------------

@@ -145,12 +145,17 @@ class PagedKV:
     def gather(self, block: torch.Tensor, *, index: int, pages: Sequence[int]) -> None:
         """Copy block `index` of a request (its tokens [index * block_tokens, (index + 1) *
         block_tokens)) from its pages into `block`, a whole block's bytes in our layout."""
+        for layer, (k_dst, v_dst) in enumerate(self.layout.kv_views(block)):
+            self.gather_layer(layer, k_dst, v_dst, index=index, pages=pages)
+
+    def gather_layer(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor, *, index: int,
+                     pages: Sequence[int], non_blocking: bool = False) -> None:
+        """One layer of block `index` into K and V ([block_tokens, kv_heads, head_dim]); with
+        `non_blocking`, a device-to-pinned-host copy queued on the current stream."""
         per, n = self.pages_per_block, self.page_tokens
         self._check(pages, (index + 1) * self.layout.block_tokens)
-        ids = pages[index * per:(index + 1) * per]
-        runs = page_runs(ids)
         heads, dim = self.layout.kv_heads, self.layout.head_dim
-        for layer, (k_dst, v_dst) in enumerate(self.layout.kv_views(block)):
-            for dst, src in ((k_dst, self.k[layer]), (v_dst, self.v[layer])):
-                for page, at, count in runs:
-                    dst[at * n:(at + count) * n].view(count, n, heads, dim).copy_(src[page:page + count])
+        for dst, src in ((k_dst, self.k[layer]), (v_dst, self.v[layer])):
+            for page, at, count in page_runs(pages[index * per:(index + 1) * per]):
+                dst[at * n:(at + count) * n].view(count, n, heads, dim).copy_(src[page:page + count],
+                                                                              non_blocking=non_blocking)

@@ -36,6 +36,7 @@ subclass (`worker.vllm_connector.StrataConnector`) provides.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import re
@@ -560,6 +561,18 @@ def _continue(fingerprinter: Fingerprinter, have: Sequence[BlockFingerprint], to
 
 # -- the worker's half -----------------------------------------------------------------------------
 @dataclasses.dataclass
+class PendingSave:
+    """A block being gathered layer by layer as the forward pass writes it (layer-wise saves)."""
+
+    spec: SaveSpec
+    index: int
+    key: uuid.UUID
+    content_key: uuid.UUID
+    buffer: torch.Tensor
+    layers: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
 class ActiveLoad:
     spec: LoadSpec
     loader: LayerLoader
@@ -570,10 +583,22 @@ class ActiveLoad:
 
 
 class WorkerHalf:
-    """Moves the bytes: loads into vLLM's pages layer by layer, saves full blocks from them."""
+    """Moves the bytes: loads into vLLM's pages layer by layer, saves full blocks from them.
 
-    def __init__(self, runtime: Runtime) -> None:
+    Saves take one of two paths. On the CPU each new block is gathered from the pages straight
+    into its slot of the host pool once the forward pass is done (one copy, then hashed). On a GPU
+    (`layerwise_saves`) each layer is copied as soon as its attention has written it, on a stream
+    of its own that waits for that layer only (an event per layer), into pinned host memory, so
+    the copies overlap the layers still computing; once the step is done the blocks are
+    verified into the write-back tier."""
+
+    def __init__(self, runtime: Runtime, *, layerwise_saves: bool | None = None) -> None:
         self.runtime = runtime
+        self.layerwise_saves = layerwise_saves
+        """None: decided when the KV caches register (layer-wise where they live on a GPU)."""
+        self.pending: list[PendingSave] | None = None
+        self._stream: Any = None
+        self._free_buffers: list[torch.Tensor] = []
         self.manager = runtime.manager
         self.layout = runtime.profile.layout
         self.paged: PagedKV | None = None
@@ -594,11 +619,16 @@ class WorkerHalf:
             raise ValueError(f"StrataConnector: the layers use different attention backends ({sorted(set(backends.values()))})")
         self.paged = PagedKV([kv_caches[name] for name in names], kind=kinds.pop(), layout=self.layout)
         self.layer_of = {name: i for i, name in enumerate(names)}
+        if self.layerwise_saves is None:
+            self.layerwise_saves = self.paged.device.type == "cuda"
+        if self.paged.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.paged.device)
         log.info("StrataConnector: %d layers of %d-token pages (%s layout, %s) as %s blocks",
                  len(names), self.paged.page_tokens, self.paged.kind, self.paged.device, self.layout.describe())
 
     def bind(self, meta: StrataMetadata) -> None:
         self.meta = meta
+        self.pending = None
         self.step_started = time.perf_counter()
 
     def start_loads(self) -> None:
@@ -640,6 +670,50 @@ class WorkerHalf:
                 log.exception("request %s: load failed at layer %d", spec.request_id, layer)
                 self._fail(load, LoadFailed(layer, 0, exc))
 
+    def save_layer(self, layer_name: str) -> None:
+        """Layer-wise saves: copy this layer of every block the step completes, now that its
+        attention has written it."""
+        meta, paged = self.meta, self.paged
+        if not self.layerwise_saves or meta is None or not meta.saves or paged is None:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is None:
+            return
+        if self.pending is None:
+            self.pending = self._pending(meta.saves)
+        if not self.pending:
+            return
+        stream = self._stream
+        if stream is not None:
+            written = torch.cuda.Event()
+            written.record()  # on the compute stream, after this layer's attention
+            stream.wait_event(written)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for save in self.pending:
+                k_dst, v_dst = self.layout.kv_views(save.buffer)[layer]
+                paged.gather_layer(layer, k_dst, v_dst, index=save.index, pages=save.spec.pages,
+                                   non_blocking=stream is not None)
+                save.layers.add(layer)
+
+    def _pending(self, saves: Sequence[SaveSpec]) -> list[PendingSave]:
+        pending = []
+        for spec in saves:
+            try:
+                held = self.manager.holds([key for _, key, _ in spec.blocks])
+            except Exception as exc:  # noqa: BLE001 - a tier that cannot answer takes no write either
+                log.warning("request %s: blocks not saved: %s", spec.request_id, exc)
+                continue
+            for (index, key, content_key), have in zip(spec.blocks, held, strict=True):
+                if not have:
+                    pending.append(PendingSave(spec, index, key, content_key, self._buffer()))
+        return pending
+
+    def _buffer(self) -> torch.Tensor:
+        if self._free_buffers:
+            return self._free_buffers.pop()
+        with torch.inference_mode(False):
+            return self.layout.empty(pin=self._stream is not None)
+
     def _fail(self, load: ActiveLoad, failure: LoadFailed) -> None:
         load.failure = failure
         load.loader.cancel()
@@ -665,7 +739,9 @@ class WorkerHalf:
         for load in self.loads:
             self._settle(load)
         self.loads = []
-        if meta.saves and self.paged is not None:
+        if self.layerwise_saves:
+            self._commit_layerwise()
+        elif meta.saves and self.paged is not None:
             self._save(meta.saves)
         forward_s = time.perf_counter() - self.step_started
         if not meta.loads and meta.scheduled_tokens >= self.layout.block_tokens:
@@ -716,6 +792,27 @@ class WorkerHalf:
             if written:
                 self.report.saved[spec.request_id] = self.report.saved.get(spec.request_id, 0) + written
         manager.register(registrations)
+
+    def _commit_layerwise(self) -> None:
+        """Store the blocks gathered layer by layer in this step (once their copies are done)."""
+        pending, self.pending = self.pending or [], None
+        if not pending:
+            return
+        if self._stream is not None:
+            self._stream.synchronize()
+        registrations = []
+        for save in pending:
+            if len(save.layers) == self.layout.layers:
+                registration = self.manager.store_block(
+                    key=save.key, content_key=save.content_key, position=save.index * self.layout.block_tokens,
+                    namespace=save.spec.namespace, data=save.buffer)
+                if registration is not None:
+                    registrations.append(registration)
+                    self.report.saved[save.spec.request_id] = self.report.saved.get(save.spec.request_id, 0) + 1
+            else:  # a layer the model never handed over (a step without attention metadata)
+                self.manager.counters.add("write_back.incomplete")
+            self._free_buffers.append(save.buffer)
+        self.manager.register(registrations)
 
     def _filler(self, key: uuid.UUID, index: int, pages: list[int]) -> Callable[[torch.Tensor], BlockChecksum]:
         paged, layout = self.paged, self.layout
@@ -872,8 +969,13 @@ class StrataConnectorBase(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Nothing per layer: the step's full blocks are gathered once the forward pass is done
-        (wait_for_save), straight into the write-back tier."""
+        """Layer-wise saves copy the layer now (on a GPU); otherwise the step's full blocks are
+        gathered once the forward pass is done (wait_for_save), straight into the write-back tier."""
+        assert self.worker is not None
+        try:
+            self.worker.save_layer(layer_name)
+        except Exception:  # noqa: BLE001 - a save that fails is a future miss, never an engine error
+            log.exception("layer %s of this step's blocks was not saved", layer_name)
 
     def wait_for_save(self) -> None:
         assert self.worker is not None

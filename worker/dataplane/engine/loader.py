@@ -111,11 +111,11 @@ class LayerLoader:
         self._served_lock = threading.Lock()
         self._served_bytes: collections.Counter[str] = collections.Counter()
         self._served_until: dict[str, float] = {}
-        # Off the CPU, blocks outside the device tier are read into host memory and copied to the
-        # buffers by the loader (`_copy_staged`); device-tier blocks, and everything on the CPU,
-        # are read in place.
-        self._staged = ([j for j, hit in enumerate(self.hits) if hit.tier != "device"]
-                        if self.device.type != "cpu" and not inline else [])
+        # Off the CPU, blocks of tiers that read into host memory are read into pinned host memory
+        # and copied to the buffers by the loader (`_copy_staged`); those of tiers that read into
+        # device memory (the device tier, the disk with GPUDirect Storage), and everything on
+        # the CPU, are read in place.
+        self._staged = staged_hits(store, self.hits) if self.device.type != "cpu" and not inline else []
         self._staging: torch.Tensor | None = None
         self._staged_runs = _runs(self._staged)
         if self._staged:
@@ -301,6 +301,13 @@ class LayerLoader:
         for gate in self.gates[layer:]:
             if not gate.is_set():
                 gate.fail(error)
+
+
+def staged_hits(store: TieredStore, hits: Sequence[Hit]) -> list[int]:
+    """The hits a load onto a GPU reads into pinned host memory and copies itself: those whose
+    tier cannot read into device memory (see `Tier.reads_into_device`)."""
+    direct = {name: store.tier(name).reads_into_device for name in {hit.tier for hit in hits}}
+    return [j for j, hit in enumerate(hits) if not direct[hit.tier]]
 
 
 def _runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
@@ -132,6 +133,18 @@ def checkpoint_profile(path: str | Path, *, dtype: str | torch.dtype | None = No
                         dtype=dtype_name(parse_dtype(chosen)), block_tokens=block_tokens,
                         revision=getattr(config, "_commit_hash", None) or checkpoint_revision(path),
                         rope_theta=_rope_theta(config))
+
+
+def preset_checkpoint(name: str, directory: str | Path) -> Path:
+    """The checkpoint of preset `name` under `directory` (`directory/name`), saved there the first
+    time (`save_preset`); processes that ask at once save it once."""
+    path = (Path(directory) / name).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            save_preset(name, path)
+    return path
 
 
 def save_preset(name: str, path: str | Path, *, seed: int = 0) -> Path:

@@ -86,6 +86,13 @@ class Tier(abc.ABC):
     """True when `put_from` fills the tier's own storage (the bytes land once), False when it
     fills a buffer that a `put` then copies into the medium."""
 
+    @property
+    def reads_into_device(self) -> bool:
+        """True when a read into GPU memory goes there straight from the medium (device copies,
+        GPUDirect Storage); False when it lands in host memory first, so a loader that stages
+        reads in pinned memory and copies them on a stream of its own loses nothing."""
+        return False
+
     def __init__(
         self,
         *,

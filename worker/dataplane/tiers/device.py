@@ -41,6 +41,10 @@ def default_device() -> torch.device:
 class DeviceTier(Tier):
     """Fixed-size pages in one preallocated tensor; `capacity_bytes // block_bytes` pages."""
 
+    @property
+    def reads_into_device(self) -> bool:
+        return True
+
     def __init__(
         self,
         *,

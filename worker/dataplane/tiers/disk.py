@@ -1026,6 +1026,12 @@ class DiskTier(Tier):
                 os.unlink(tmp)
             state[1] -= self.file_bytes
 
+    @property
+    def reads_into_device(self) -> bool:
+        """With kvikio (CUDA): reads into GPU memory go through CuFile (GPUDirect Storage where
+        the platform has it)."""
+        return self._kvikio is not None
+
     def _kvikio_write(self, fd: int, tmp: Path, header: torch.Tensor, src: torch.Tensor) -> None:
         assert self._kvikio is not None  # only called when `_stage_once` chose kvikio, which needs it
         os.pwrite(fd, host_view(header), 0)

@@ -1,0 +1,107 @@
+"""Suite `vllm`: vLLM with Strata against vLLM alone (and against ExampleConnector, vLLM's reference
+storage connector), on the seeds' workloads, served by vLLM's OpenAI server on the CPU backend.
+
+The checkpoint is the `bench` preset saved as one (hidden 1024, 8 layers, bf16, a byte-level
+tokenizer), under var/checkpoints. vLLM's KV space is 160 pages of 128 tokens (20480 tokens), so
+the workloads' sessions overflow it as HBM overflows on a GPU node. Each configuration is a fresh
+server (see benchmarks.vllm_serving); the Strata ones run as nodes of a scratch control-plane
+database (`strata_node --engine vllm`). Every workload runs once per configuration and the ratios
+divide the same workload's numbers in the same run.
+
+Sizes at scale 1: multi-turn with 4 and with 8 clients, 10 conversations x 6 turns (60 requests),
+each a 1536-token private context, 160-token user turns and 32-token answers; long documents: 3 of
+10240 tokens asked once, then again after the others pushed them out (the second asks measured);
+no reuse: 16 unique 1024-token prompts with 4 clients.
+"""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.harness import Context, Row, bench_database
+from benchmarks.vllm_serving import CONFIGS, Server, Shape, free_port, run_config
+
+DESCRIPTION = "vLLM + Strata (host, disk) vs vLLM alone and vs ExampleConnector: multi-turn, long docs, no reuse"
+
+TARGETS = {
+    "ttft_vs_vllm": "target <= 0.3 (mean TTFT)",
+    "tpot_vs_vllm": "target <= 0.7",
+    "throughput_vs_vllm.strata_host": "target >= 2.08",
+    "throughput_vs_vllm.strata_disk": "target >= 1.68",
+    "ttft_vs_example": "target <= 0.5",
+    "nohit": "target <= 1.05",
+}
+ORDER = ("vllm", "strata_host", "example", "strata_disk")
+"""The configurations in the order they run (alternating with and without Strata)."""
+
+
+def run(ctx: Context) -> list[Row]:
+    import subprocess
+    import sys
+
+    from controlplane.runtime.environment import REPO_ROOT, load_environment
+    from worker.dataplane.engine.models import preset_checkpoint
+
+    assert set(ORDER) == set(CONFIGS)
+    shape = Shape.at(ctx.scale)
+    environment = load_environment()
+    checkpoint = preset_checkpoint("bench", environment.var_dir / "checkpoints")
+    ctx.params.update(checkpoint=str(checkpoint), pages=shape.pages, conversations=shape.conversations,
+                      turns=shape.turns, context_tokens=shape.context_tokens, documents=shape.documents,
+                      document_tokens=shape.document_tokens)
+    database = environment.database
+    server = {"host": database.host or None, "port": database.port or None, "user": database.user or "postgres",
+              "password": database.password or None, **database.options}
+    server = {k: v for k, v in server.items() if v is not None}
+    ctx.plan(len(ORDER) + 1)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    with bench_database(server, f"strata_bench_vllm_{os.getpid()}") as url:
+        env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": environment.redis.url,
+               "DJANGO_SETTINGS_MODULE": "controlplane.settings.dev", "STRATA_LOG_LEVEL": "WARNING",
+               "STRATA_VAR_DIR": str(environment.var_dir)}
+        subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env,
+                       check=True)
+        subprocess.run([sys.executable, "manage.py", "strata_namespace", "default"], cwd=REPO_ROOT, env=env,
+                       check=True, capture_output=True)
+        ctx.step("scratch database migrated")
+        for config in ORDER:
+            with Server(config, checkpoint=checkpoint, port=free_port(), shape=shape, scratch=ctx.scratch, env=env,
+                        status_port=free_port()) as served:
+                results[config] = run_config(served, shape, ctx.log)
+            ctx.step(f"{config} done")
+    return rows_of(results)
+
+
+def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
+    rows: list[Row] = []
+    for config, workloads in results.items():
+        for workload, numbers in workloads.items():
+            prefix = f"vllm.{workload}.{config}"
+            rows += [
+                Row(f"{prefix}.ttft_mean_s", numbers["ttft_mean_s"], "s"),
+                Row(f"{prefix}.tpot_ms", numbers["tpot_ms"], "ms"),
+                Row(f"{prefix}.throughput_tok_s", numbers["throughput_tok_s"], "tok/s",
+                    note=f"{numbers['requests']:.0f} requests in {numbers['wall_s']:.1f} s, "
+                         f"{numbers['cached_share']:.0%} of prompt tokens not computed"),
+            ]
+
+    def ratio(workload: str, config: str, metric: str, versus: str, name: str, target: str) -> None:
+        numerator = results[config][workload][metric]
+        baseline = results[versus][workload][metric]
+        rows.append(Row(name, numerator / baseline if baseline else 0.0, "x",
+                        baseline=f"vllm.{workload}.{versus}.{metric}", note=target))
+
+    for config in ("strata_host", "strata_disk"):
+        for clients in (4, 8):
+            workload = f"multiturn.c{clients}"
+            ratio(workload, config, "ttft_mean_s", "vllm", f"vllm.{workload}.{config}.ttft_vs_vllm", TARGETS["ttft_vs_vllm"])
+            ratio(workload, config, "tpot_ms", "vllm", f"vllm.{workload}.{config}.tpot_vs_vllm", TARGETS["tpot_vs_vllm"])
+            ratio(workload, config, "throughput_tok_s", "vllm", f"vllm.{workload}.{config}.throughput_vs_vllm",
+                  TARGETS[f"throughput_vs_vllm.{config}"])
+        ratio("longdoc", config, "ttft_mean_s", "vllm", f"vllm.longdoc.{config}.ttft_vs_vllm",
+              "documents asked again after they left vLLM's KV space")
+        ratio("longdoc", config, "throughput_tok_s", "vllm", f"vllm.longdoc.{config}.throughput_vs_vllm", "")
+    ratio("multiturn.c4", "strata_host", "ttft_mean_s", "example", "vllm.multiturn.c4.strata_host.ttft_vs_example",
+          TARGETS["ttft_vs_example"])
+    ratio("nohit", "strata_host", "ttft_mean_s", "vllm", "vllm.nohit.strata.ttft_vs_vllm", TARGETS["nohit"])
+    return rows

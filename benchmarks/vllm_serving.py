@@ -1,0 +1,315 @@
+"""vLLM serving: one vLLM OpenAI server per configuration, driven through the seeds' workloads by an
+openai-client driver (prompts as token ids, streamed answers, client-side TTFT).
+
+Configurations, each a fresh server on the same checkpoint and KV space:
+
+    vllm          vLLM alone (its own prefix cache in its KV space)
+    example       vLLM + ExampleConnector, vLLM's reference storage connector, on the same disk
+    strata_host   vLLM + StrataConnector writing back to the host tier (a node: strata_node --engine vllm)
+    strata_disk   vLLM + StrataConnector writing back to the disk tier
+
+Workloads (every prompt unique to its workload, so one server runs them all in turn):
+
+    multiturn     conversations of a private context and turns of a user message and the answer,
+                  the next turn asked when the answer is in, conversations taken round-robin by the
+                  clients: between two turns of one conversation the others fill the KV space.
+    longdoc       documents asked once, then asked again after the others pushed them out of
+                  vLLM's KV space; the second asks are measured.
+    nohit         unique prompts, nothing to reuse: what the connector costs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("vllm", "example", "strata_host", "strata_disk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The sizes of one run (scale 1: the issue's)."""
+
+    pages: int = 160
+    """vLLM's KV space in 128-token pages (20480 tokens): what HBM is on a GPU node."""
+    max_model_len: int = 16384
+    conversations: int = 10
+    turns: int = 6
+    context_tokens: int = 1536
+    user_tokens: int = 160
+    answer_tokens: int = 32
+    documents: int = 3
+    document_tokens: int = 10240
+    question_tokens: int = 32
+    doc_answer_tokens: int = 16
+    nohit_requests: int = 16
+    nohit_tokens: int = 1024
+    nohit_answer_tokens: int = 16
+
+    @classmethod
+    def at(cls, scale: float) -> Shape:
+        if scale >= 1:
+            return cls()
+        return cls(conversations=max(4, int(10 * scale)), turns=max(2, int(6 * scale)),
+                   context_tokens=max(256, int(1536 * scale)), documents=2,
+                   document_tokens=max(1024, int(10240 * scale)), nohit_requests=max(4, int(16 * scale)),
+                   nohit_tokens=max(256, int(1024 * scale)))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tokens(count: int, seed: int) -> list[int]:
+    """A prompt piece of byte-tokenizer ids (printable bytes), reproducible from `seed`."""
+    rng = random.Random(seed)
+    return [rng.randrange(35, 130) for _ in range(count)]
+
+
+@dataclasses.dataclass
+class Outcome:
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+# -- the servers -----------------------------------------------------------------------------------
+class Server:
+    """One vLLM OpenAI server of a configuration, started and stopped with its process group."""
+
+    def __init__(self, config: str, *, checkpoint: Path, port: int, shape: Shape, scratch: Path,
+                 env: dict[str, str], status_port: int) -> None:
+        self.config = config
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = scratch / f"{config}.log"
+        vllm_args = ["--max-model-len", str(shape.max_model_len), "--num-gpu-blocks-override", str(shape.pages),
+                     "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+        self.env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+        if config.startswith("strata_"):
+            tier = config.removeprefix("strata_")
+            name = f"bench-{config.replace('_', '-')}"
+            self.command = [sys.executable, "manage.py", "strata_node", "--name", name, "--engine", "vllm",
+                            "--model", str(checkpoint), "--serve-port", str(port), "--status-port", str(status_port),
+                            "--tiers", tier, "--disk-path", str(scratch / f"{name}-disk"), "--disk-bytes", "8GiB",
+                            "--host-bytes", "3GiB", "--heartbeat-seconds", "5"]
+            self.env.update(STRATA_VLLM_ARGS=" ".join(vllm_args), STRATA_HOST_POOL_NAME=f"strata-{name}-{os.getpid()}")
+        else:
+            self.command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+                            "--port", str(port), "--dtype", "bfloat16", *vllm_args]
+            if config == "example":
+                storage = scratch / "example-storage"
+                storage.mkdir(parents=True, exist_ok=True)
+                self.command += ["--kv-transfer-config", json.dumps({
+                    "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(storage)}})]
+        self.process: subprocess.Popen[bytes] | None = None
+        self.model = str(checkpoint)
+
+    def __enter__(self) -> Server:
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, env=self.env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the {self.config} server exited at start (code {self.process.returncode}); "
+                                   f"see {self.log_path}:\n{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.base + "/v1/models", timeout=5) as answer:
+                    self.model = json.loads(answer.read())["data"][0]["id"]
+                    return self
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"the {self.config} server did not answer within 600 s; see {self.log_path}")
+
+    def __exit__(self, *exc: object) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        # vLLM's engine processes are in the group too: make sure none outlives the run.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+# -- the driver ------------------------------------------------------------------------------------
+Step = Callable[[list[int]], tuple[list[int], int]]
+"""Given the conversation so far (prompt and answer ids of its last turn), the next prompt and its
+answer length."""
+
+
+def complete(client: Any, model: str, prompt: list[int], max_tokens: int) -> tuple[Outcome, list[int]]:
+    """One streamed completion of token ids: its timings and the answer's ids."""
+    sent = time.perf_counter()
+    first: float | None = None
+    answer: list[int] = []
+    usage: Any = None
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            ids = (choice.model_extra or {}).get("token_ids") or []
+            if (ids or choice.text) and first is None:
+                first = time.perf_counter()
+            answer.extend(ids)
+    done = time.perf_counter()
+    details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
+    cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+    produced = int(usage.completion_tokens) if usage is not None else len(answer)
+    return Outcome(ttft_s=(first or done) - sent, e2e_s=done - sent, output_tokens=produced,
+                   prompt_tokens=len(prompt), cached_tokens=cached), answer
+
+
+def drive(base: str, model: str, sessions: Sequence[Sequence[Step]], clients: int) -> tuple[list[Outcome], float]:
+    """Run every session's steps in order, each after the previous one's answer; `clients` requests
+    in flight at once, the ready steps taken round-robin across sessions. Returns the outcomes and
+    the wall time."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=900, max_retries=0)
+    ready: collections.deque[tuple[int, int, list[int]]] = collections.deque((i, 0, []) for i in range(len(sessions)))
+    lock = threading.Condition()
+    in_flight = 0
+    outcomes: list[Outcome] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        nonlocal in_flight
+        while True:
+            with lock:
+                while not ready and in_flight and not errors:
+                    lock.wait()
+                if not ready or errors:
+                    lock.notify_all()
+                    return
+                session, step, history = ready.popleft()
+                in_flight += 1
+            try:
+                prompt, max_tokens = sessions[session][step](history)
+                outcome, answer = complete(client, model, prompt, max_tokens)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller once every client stops
+                with lock:
+                    errors.append(exc)
+                    in_flight -= 1
+                    lock.notify_all()
+                return
+            with lock:
+                outcomes.append(outcome)
+                in_flight -= 1
+                if step + 1 < len(sessions[session]):
+                    ready.append((session, step + 1, prompt + answer))
+                lock.notify_all()
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker, name=f"client-{i}") for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return outcomes, time.perf_counter() - started
+
+
+# -- the workloads -----------------------------------------------------------------------------------
+def multiturn_sessions(shape: Shape, seed: int) -> list[list[Step]]:
+    def session(index: int) -> list[Step]:
+        context = [1, *tokens(shape.context_tokens, seed=seed * 1000 + index)]
+
+        def turn(number: int) -> Step:
+            def make(history: list[int]) -> tuple[list[int], int]:
+                user = tokens(shape.user_tokens, seed=seed * 1000 + 100 * index + number + 1)
+                return (history or context) + user, shape.answer_tokens
+            return make
+        return [turn(t) for t in range(shape.turns)]
+
+    return [session(i) for i in range(shape.conversations)]
+
+
+def longdoc_sessions(shape: Shape, seed: int, ask: int) -> list[list[Step]]:
+    """One single-step session per document: its `ask`-th question about it."""
+    def ask_doc(doc: int) -> list[Step]:
+        document = [1, *tokens(shape.document_tokens, seed=seed * 1000 + doc)]
+        question = tokens(shape.question_tokens, seed=seed * 1000 + 100 + 10 * doc + ask)
+        return [lambda _history: (document + question, shape.doc_answer_tokens)]
+    return [ask_doc(d) for d in range(shape.documents)]
+
+
+def nohit_sessions(shape: Shape, seed: int) -> list[list[Step]]:
+    def one(index: int) -> list[Step]:
+        prompt = [1, *tokens(shape.nohit_tokens, seed=seed * 1000 + index)]
+        return [lambda _history: (prompt, shape.nohit_answer_tokens)]
+    return [one(i) for i in range(shape.nohit_requests)]
+
+
+def summary(outcomes: Sequence[Outcome], wall: float) -> dict[str, float]:
+    ttft = [o.ttft_s for o in outcomes]
+    tpot = [(o.e2e_s - o.ttft_s) / (o.output_tokens - 1) for o in outcomes if o.output_tokens > 1]
+    return {
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_p50_s": statistics.median(ttft),
+        "tpot_ms": 1000 * statistics.mean(tpot) if tpot else 0.0,
+        "throughput_tok_s": sum(o.output_tokens for o in outcomes) / wall,
+        "requests_per_s": len(outcomes) / wall,
+        "cached_share": sum(o.cached_tokens for o in outcomes) / max(1, sum(o.prompt_tokens for o in outcomes)),
+        "wall_s": wall,
+        "requests": float(len(outcomes)),
+    }
+
+
+def run_config(server: Server, shape: Shape, progress: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """Every workload against one server; per workload, its summary. A fresh server compiles its
+    kernels for the shapes it meets first: a few untimed requests of the workloads' sizes (prompts
+    no workload shares) go first."""
+    progress(f"vllm: {server.config}: warming up")
+    warm = [[lambda _h, n=n, i=i: ([1, *tokens(n, seed=900 + i)], 8)] for i, n in
+            enumerate((shape.context_tokens, shape.nohit_tokens, 300, shape.document_tokens // 2))]
+    drive(server.base, server.model, warm, clients=2)
+    results: dict[str, dict[str, float]] = {}
+    for clients in (4, 8):
+        sessions = multiturn_sessions(shape, seed=10 + clients)
+        progress(f"vllm: {server.config}: multi-turn, {clients} clients, {shape.conversations} conversations x "
+                 f"{shape.turns} turns")
+        results[f"multiturn.c{clients}"] = summary(*drive(server.base, server.model, sessions, clients))
+    progress(f"vllm: {server.config}: long documents ({shape.documents} x {shape.document_tokens} tokens), "
+             "asked once, then again")
+    drive(server.base, server.model, longdoc_sessions(shape, seed=30, ask=0), clients=1)
+    results["longdoc"] = summary(*drive(server.base, server.model, longdoc_sessions(shape, seed=30, ask=1), clients=1))
+    progress(f"vllm: {server.config}: {shape.nohit_requests} prompts with nothing to reuse")
+    results["nohit"] = summary(*drive(server.base, server.model, nohit_sessions(shape, seed=40), clients=4))
+    return results
