@@ -46,9 +46,11 @@ CONFIGS = ("vllm", "example", "strata_host", "strata_disk")
 class Shape:
     """The sizes of one run (scale 1: the issue's)."""
 
-    pages: int = 160
-    """vLLM's KV space in 128-token pages (20480 tokens): what HBM is on a GPU node."""
-    max_model_len: int = 16384
+    pages: int = 96
+    """vLLM's KV space in 128-token pages (12288 tokens): what HBM is on a GPU node, a few
+    running requests' worth, far less than the sessions' state."""
+    max_model_len: int = 11264
+    """The long documents' prompts fit; vLLM wants a little more KV space than one request of it."""
     conversations: int = 10
     turns: int = 6
     context_tokens: int = 1536
@@ -99,11 +101,12 @@ class Server:
     """One vLLM OpenAI server of a configuration, started and stopped with its process group."""
 
     def __init__(self, config: str, *, checkpoint: Path, port: int, shape: Shape, scratch: Path,
-                 env: dict[str, str], status_port: int) -> None:
+                 env: dict[str, str], status_port: int, logs: Path) -> None:
         self.config = config
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
-        self.log_path = scratch / f"{config}.log"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"{config}.log"
         vllm_args = ["--max-model-len", str(shape.max_model_len), "--num-gpu-blocks-override", str(shape.pages),
                      "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
         self.env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}

@@ -179,6 +179,15 @@ class NodeRuntime:
             return self.config.node_address or self.server.address
         return self.config.node_address or self.status_address
 
+    @property
+    def engine_address(self) -> str:
+        """host:port of vLLM's own server (its OpenAI API and /metrics) on a vLLM node."""
+        if not (self.config.model and self.config.engine == "vllm"):
+            return ""
+        # Where the node is reached (its address's host), else where vLLM listens.
+        host = self.config.node_address.rpartition(":")[0] or self.config.serve_host
+        return f"{host}:{self.config.serve_port}"
+
     def prepare(self) -> None:
         """Create the node's local tier directories; fail loudly if they cannot exist."""
         disk = self.config.node_disk_path
@@ -221,6 +230,8 @@ class NodeRuntime:
             heartbeat_seconds=self.config.heartbeat_seconds,
             tiers=[TierReport(**report) for report in self.tier_reports()],
             group=self.config.node_group,
+            engine=self.config.engine if self.config.model else "strata",
+            engine_address=self.engine_address,
         )
 
     def shutdown(self) -> None:

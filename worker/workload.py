@@ -40,8 +40,10 @@ class Client:
             return str(json.loads(response.read())["data"][0]["id"])
 
     def chat(self, messages: list[dict[str, str]], *, max_tokens: int, namespace: str) -> tuple[str, dict, float]:
+        # The namespace goes as the header Strata's node server reads and as vLLM's cache_salt,
+        # which StrataConnector reads (each server ignores the other's).
         body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
+                           "stream_options": {"include_usage": True}, "cache_salt": namespace}).encode()
         request = urllib.request.Request(self.base + "/v1/chat/completions", data=body, headers={
             "Content-Type": "application/json", "X-Strata-Namespace": namespace})
         sent = time.perf_counter()
@@ -102,7 +104,7 @@ def drive(client: Client, stream: Iterator[tuple[str, list[dict[str, str]]]], *,
             continue
         if messages[-1]["role"] == "user" and kind == "chat":
             messages.append({"role": "assistant", "content": text})
-        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         log.info("%-5s %s ns=%-6s prompt=%5d cached=%5d ttft=%6.0f ms", kind, client.base.rsplit(":", 1)[-1],
                  namespace, usage.get("prompt_tokens", 0), cached, ttft * 1000)
         done += 1

@@ -2,11 +2,14 @@
 storage connector), on the seeds' workloads, served by vLLM's OpenAI server on the CPU backend.
 
 The checkpoint is the `bench` preset saved as one (hidden 1024, 8 layers, bf16, a byte-level
-tokenizer), under var/checkpoints. vLLM's KV space is 160 pages of 128 tokens (20480 tokens), so
+tokenizer), under var/checkpoints. vLLM's KV space is 96 pages of 128 tokens (12288 tokens; requests up to 11264), so
 the workloads' sessions overflow it as HBM overflows on a GPU node. Each configuration is a fresh
 server (see benchmarks.vllm_serving); the Strata ones run as nodes of a scratch control-plane
-database (`strata_node --engine vllm`). Every workload runs once per configuration and the ratios
+database (`strata_node --engine vllm`); the servers' logs are kept in var/bench-logs/vllm/. Every workload runs once per configuration and the ratios
 divide the same workload's numbers in the same run.
+
+STRATA_BENCH_VLLM_CONFIGS (default: all) runs some of vllm, strata_host, example, strata_disk;
+the ratios of configurations left out are not reported.
 
 Sizes at scale 1: multi-turn with 4 and with 8 clients, 10 conversations x 6 turns (60 requests),
 each a 1536-token private context, 160-token user turns and 32-token answers; long documents: 3 of
@@ -43,6 +46,11 @@ def run(ctx: Context) -> list[Row]:
     from worker.dataplane.engine.models import preset_checkpoint
 
     assert set(ORDER) == set(CONFIGS)
+    chosen = [c.strip() for c in os.environ.get("STRATA_BENCH_VLLM_CONFIGS", ",".join(ORDER)).split(",") if c.strip()]
+    unknown = sorted(set(chosen) - set(CONFIGS))
+    if unknown:
+        raise ValueError(f"STRATA_BENCH_VLLM_CONFIGS: unknown configuration(s) {', '.join(unknown)}; "
+                         f"expected some of {', '.join(ORDER)}")
     shape = Shape.at(ctx.scale)
     environment = load_environment()
     checkpoint = preset_checkpoint("bench", environment.var_dir / "checkpoints")
@@ -53,7 +61,7 @@ def run(ctx: Context) -> list[Row]:
     server = {"host": database.host or None, "port": database.port or None, "user": database.user or "postgres",
               "password": database.password or None, **database.options}
     server = {k: v for k, v in server.items() if v is not None}
-    ctx.plan(len(ORDER) + 1)
+    ctx.plan(len(chosen) + 1)
     results: dict[str, dict[str, dict[str, float]]] = {}
     with bench_database(server, f"strata_bench_vllm_{os.getpid()}") as url:
         env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": environment.redis.url,
@@ -64,9 +72,9 @@ def run(ctx: Context) -> list[Row]:
         subprocess.run([sys.executable, "manage.py", "strata_namespace", "default"], cwd=REPO_ROOT, env=env,
                        check=True, capture_output=True)
         ctx.step("scratch database migrated")
-        for config in ORDER:
+        for config in [c for c in ORDER if c in chosen]:
             with Server(config, checkpoint=checkpoint, port=free_port(), shape=shape, scratch=ctx.scratch, env=env,
-                        status_port=free_port()) as served:
+                        status_port=free_port(), logs=environment.var_dir / "bench-logs" / "vllm") as served:
                 results[config] = run_config(served, shape, ctx.log)
             ctx.step(f"{config} done")
     return rows_of(results)
@@ -86,6 +94,8 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
             ]
 
     def ratio(workload: str, config: str, metric: str, versus: str, name: str, target: str) -> None:
+        if config not in results or versus not in results:
+            return  # a configuration left out of this run (STRATA_BENCH_VLLM_CONFIGS)
         numerator = results[config][workload][metric]
         baseline = results[versus][workload][metric]
         rows.append(Row(name, numerator / baseline if baseline else 0.0, "x",

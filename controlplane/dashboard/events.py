@@ -23,7 +23,7 @@ SEQUENCE_KEY = "strata:dashboard:seq"
 # Every event type and the fields its payload carries; a test checks real events against this.
 EVENT_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "node.heartbeat": {
-        "name": str, "host": str, "address": str, "state": str, "last_seen": str,
+        "name": str, "host": str, "address": str, "engine": str, "engine_address": str, "state": str, "last_seen": str,
         "heartbeat_seconds": (int, float), "tiers": list,
     },
     "node.state": {"name": str, "state": str, "previous": str},

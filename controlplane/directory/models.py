@@ -21,6 +21,12 @@ class Node(models.Model):
     name = models.SlugField(max_length=63, unique=True)
     host = models.CharField(max_length=255, help_text="Host name the node runs on.")
     address = models.CharField(max_length=255, blank=True, help_text="host:port of the node's engine server.")
+    engine = models.CharField(max_length=16, default="strata", db_default="strata",
+                              help_text="Engine serving the node's model: strata (the node server) or vllm.")
+    engine_address = models.CharField(
+        max_length=255, blank=True, db_default="",
+        help_text="host:port of the engine's own server where it is not Strata's (vLLM's OpenAI API and its "
+                  "/metrics); the node's Strata endpoints stay at `address`.")
     group = models.SlugField(max_length=63, default="default", db_default="default",
                              help_text="Node group: tier policies for this group override the fleet-wide ones.")
     state = models.CharField(max_length=8, choices=NodeState.choices, default=NodeState.UP)

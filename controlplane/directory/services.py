@@ -30,6 +30,7 @@ from controlplane.directory.errors import (
 )
 from controlplane.directory.models import Block, ModelProfile, Namespace, Node, NodeTier, Placement
 from controlplane.directory.selectors import sql_cursor
+from worker.dataplane.config import ENGINES
 from worker.dataplane.directory import BlockRegistration, BlockTouch, PlacementChange
 
 
@@ -57,6 +58,8 @@ def node_payload(node: Node) -> dict[str, object]:
         "name": node.name,
         "host": node.host,
         "address": node.address,
+        "engine": node.engine,
+        "engine_address": node.engine_address,
         "state": node.state,
         "last_seen": node.last_seen.isoformat(),
         "heartbeat_seconds": node.heartbeat_seconds,
@@ -78,14 +81,20 @@ def node_heartbeat(
     heartbeat_seconds: float,
     tiers: list[TierReport],
     group: str | None = None,
+    engine: str = "strata",
+    engine_address: str = "",
     now: datetime | None = None,
 ) -> Node:
     """Record a heartbeat: upsert the node and its tiers, bring a stale node back up. `group` (the
-    node's group for tier policies) is kept as it was when not given; a new node starts in "default"."""
+    node's group for tier policies) is kept as it was when not given; a new node starts in "default".
+    `engine` names what serves the model (strata or vllm) and `engine_address` that engine's own
+    server where it is not Strata's."""
     if heartbeat_seconds <= 0:
         raise ValueError("heartbeat_seconds: must be greater than zero")
     if group is not None and not re.fullmatch(r"[-a-zA-Z0-9_]{1,63}", group):
         raise ValueError(f"group: expected 1-63 letters, digits, '-' or '_', got {group!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     now = now or timezone.now()
     stale_after = now + timedelta(seconds=heartbeat_seconds * settings.STRATA_STALE_AFTER_MISSED)
     node = Node.objects.select_for_update().filter(name=name).first()
@@ -102,6 +111,8 @@ def node_heartbeat(
             previous = node.state
     node.host = host
     node.address = address
+    node.engine = engine
+    node.engine_address = engine_address
     if group is not None:
         node.group = group
     node.pid = pid

@@ -42,7 +42,26 @@ def _manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, str(REPO_ROOT / "manage.py"), *args], env=env, check=True, cwd=REPO_ROOT)
 
 
-def _procfile(port: int, model: str, first_node_port: int, api_port: int) -> list[tuple[str, str]]:
+ENGINES = ("strata", "vllm")
+VLLM_ARGS = "--max-model-len 8192 --num-gpu-blocks-override 96 --enable-prompt-tokens-details"
+"""vLLM nodes of the demo: a KV space of 96 pages (12288 tokens, as a GPU's HBM is small next to
+its sessions), so Strata's tiers serve what vLLM's own cache lets go."""
+
+
+def demo_engines(value: str) -> list[str]:
+    """The engine of each demo node from STRATA_DEMO_ENGINE: one name for every node, or one per node."""
+    names = [part.strip().lower() for part in value.split(",") if part.strip()] or ["strata"]
+    if len(names) == 1:
+        names *= len(NODES)
+    unknown = sorted(set(names) - set(ENGINES))
+    if unknown or len(names) != len(NODES):
+        raise ConfigurationError(f"STRATA_DEMO_ENGINE: expected strata or vllm, once or once per node "
+                                 f"({', '.join(NODES)}), got {value!r}")
+    return names
+
+
+def _procfile(port: int, model: str, first_node_port: int, api_port: int,
+              engines: list[str] | None = None) -> list[tuple[str, str]]:
     python = shlex.quote(sys.executable)
     celery = f"{python} -m celery -A controlplane.celery_app"
     processes = [
@@ -52,7 +71,9 @@ def _procfile(port: int, model: str, first_node_port: int, api_port: int) -> lis
     ]
     node_urls = []
     for index, name in enumerate(NODES):
-        serve = f" --model {shlex.quote(model)} --serve-port {first_node_port + index}" if model else ""
+        engine = (engines or ["strata"] * len(NODES))[index]
+        serve = (f" --model {shlex.quote(model)} --serve-port {first_node_port + index} --engine {engine}"
+                 if model else "")
         processes.append((name, f"{python} manage.py strata_node --name {name}{serve}"))
         node_urls.append(f"--node http://127.0.0.1:{first_node_port + index}")
     if model:
@@ -65,7 +86,7 @@ def _procfile(port: int, model: str, first_node_port: int, api_port: int) -> lis
     return processes
 
 
-def run(port: int, model: str, api_port: int) -> int:
+def run(port: int, model: str, api_port: int, engines: list[str] | None = None) -> int:
     from honcho.manager import Manager
 
     env_vars = dict(os.environ)
@@ -89,6 +110,9 @@ def run(port: int, model: str, api_port: int) -> int:
     # One shared-memory pool per node of this demo (its var/ directory), not per machine.
     env_vars.setdefault("STRATA_HOST_POOL_NAME", f"{_pool_prefix(env.var_dir)}-{{node}}")
     env_vars.setdefault("STRATA_HOST_BYTES", "512MiB")
+    if "vllm" in (engines or []):
+        env_vars.setdefault("STRATA_VLLM_ARGS", VLLM_ARGS)
+        env_vars.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     _manage("migrate", "--noinput", "-v", "0", env=env_vars)
     _manage("collectstatic", "--noinput", "-v", "0", env=env_vars)
     _manage("strata_admin", env=env_vars)
@@ -97,7 +121,7 @@ def run(port: int, model: str, api_port: int) -> int:
     pid_file.write_text(str(os.getpid()))
     manager = Manager()
     first_node_port = int(os.environ.get("STRATA_DEMO_NODE_PORT", "9100"))
-    for name, command in _procfile(port, model, first_node_port, api_port):
+    for name, command in _procfile(port, model, first_node_port, api_port, engines):
         manager.add_process(name, command, env=env_vars, cwd=str(REPO_ROOT))
     base = f"http://127.0.0.1:{port}"
     print(
@@ -109,7 +133,8 @@ def run(port: int, model: str, api_port: int) -> int:
         f"  admin      {base}/admin/\n"
         f"  health     {base}/readyz   metrics {base}/metrics\n"
         + (f"  node APIs  http://127.0.0.1:{first_node_port}/v1 and http://127.0.0.1:{first_node_port + 1}/v1"
-           f" (OpenAI-compatible, model {model}; a workload driver sends chats and document questions)\n"
+           f" (OpenAI-compatible, model {model}, engines {', '.join(engines or ['strata'] * len(NODES))}; "
+           "a workload driver sends chats and document questions)\n"
            if model else "")
         + "Ctrl-C (or `make stop` elsewhere) stops everything.\n",
         flush=True,
@@ -164,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         api_port = _port("STRATA_API_PORT", str(port + 1))
         if api_port == port:
             raise ConfigurationError(f"STRATA_API_PORT: {api_port} is the dashboard's port (STRATA_HTTP_PORT)")
-        return run(port, os.environ.get("STRATA_DEMO_MODEL", "bench"), api_port)
+        engines = demo_engines(os.environ.get("STRATA_DEMO_ENGINE", "strata"))
+        return run(port, os.environ.get("STRATA_DEMO_MODEL", "bench"), api_port, engines)
     except ConfigurationError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2

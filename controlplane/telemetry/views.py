@@ -38,10 +38,14 @@ def metrics(request: HttpRequest) -> HttpResponse:
 @never_cache
 @require_GET
 def prometheus_nodes(request: HttpRequest) -> HttpResponse:
-    """Prometheus HTTP service discovery: the engine server of every node that is not down, labelled
-    with its name, so a new node is scraped without editing prometheus.yml."""
+    """Prometheus HTTP service discovery: the Strata endpoints of every node that is not down, and
+    the engine's own server where it is not Strata's (vLLM's /metrics), labelled with the node's
+    name (the engine's with `exporter` too), so a new node is scraped without editing prometheus.yml."""
     from controlplane.directory.choices import NodeState
     from controlplane.directory.models import Node
 
     nodes = Node.objects.exclude(address="").exclude(state=NodeState.DOWN).order_by("name")
-    return JsonResponse([{"targets": [node.address], "labels": {"node": node.name}} for node in nodes], safe=False)
+    targets = [{"targets": [node.address], "labels": {"node": node.name}} for node in nodes]
+    targets += [{"targets": [node.engine_address], "labels": {"node": node.name, "exporter": node.engine}}
+                for node in nodes if node.engine_address]
+    return JsonResponse(targets, safe=False)

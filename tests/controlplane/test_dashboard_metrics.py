@@ -107,3 +107,18 @@ def test_prometheus_discovers_the_engine_servers_of_nodes_not_down(client):
     answer = client.get("/metrics/nodes")
     assert answer.status_code == 200
     assert answer.json() == [{"targets": ["10.0.0.1:9100"], "labels": {"node": "sd-a"}}]
+
+
+@pytest.mark.django_db
+def test_prometheus_discovers_vllm_s_own_metrics_beside_a_vllm_node_s_strata_endpoints(client):
+    node_heartbeat(name="sd-v", host="h", heartbeat_seconds=1.0, address="10.0.0.4:10100", tiers=[],
+                   engine="vllm", engine_address="10.0.0.4:9100")
+    answer = client.get("/metrics/nodes")
+    assert answer.json() == [{"targets": ["10.0.0.4:10100"], "labels": {"node": "sd-v"}},
+                             {"targets": ["10.0.0.4:9100"], "labels": {"node": "sd-v", "exporter": "vllm"}}]
+
+
+@pytest.mark.django_db
+def test_a_heartbeat_names_an_engine_strata_knows():
+    with pytest.raises(ValueError, match="engine: expected one of strata, vllm, got 'sglang'"):
+        node_heartbeat(name="sd-x", host="h", heartbeat_seconds=1.0, tiers=[], engine="sglang")

@@ -28,7 +28,7 @@ class NodeSerializer(serializers.ModelSerializer[Node]):
     class Meta:
         model = Node
         fields = [
-            "name", "group", "host", "address", "state", "queue", "pid", "version", "heartbeat_seconds",
+            "name", "group", "host", "address", "engine", "engine_address", "state", "queue", "pid", "version", "heartbeat_seconds",
             "heartbeats", "registered_at", "last_seen", "stale_after", "tiers",
         ]
 
