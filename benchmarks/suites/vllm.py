@@ -8,6 +8,8 @@ server (see benchmarks.vllm_serving); the Strata ones run as nodes of a scratch 
 database (`strata_node --engine vllm`); the servers' logs are kept in var/bench-logs/vllm/. Every workload runs once per configuration and the ratios
 divide the same workload's numbers in the same run.
 
+ExampleConnector does not run the long documents (benchmarks.vllm_serving.SKIPPED says why). A
+configuration that fails is reported (params.failed) and the others' rows are kept.
 STRATA_BENCH_VLLM_CONFIGS (default: all) runs some of vllm, strata_host, example, strata_disk;
 the ratios of configurations left out are not reported.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import os
 
 from benchmarks.harness import Context, Row, bench_database
-from benchmarks.vllm_serving import CONFIGS, Server, Shape, free_port, run_config
+from benchmarks.vllm_serving import CONFIGS, SKIPPED, Server, Shape, free_port, run_config
 
 DESCRIPTION = "vLLM + Strata (host, disk) vs vLLM alone and vs ExampleConnector: multi-turn, long docs, no reuse"
 
@@ -63,6 +65,7 @@ def run(ctx: Context) -> list[Row]:
     server = {k: v for k, v in server.items() if v is not None}
     ctx.plan(len(chosen) + 1)
     results: dict[str, dict[str, dict[str, float]]] = {}
+    logs = environment.var_dir / "bench-logs" / "vllm"
     with bench_database(server, f"strata_bench_vllm_{os.getpid()}") as url:
         env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": environment.redis.url,
                "DJANGO_SETTINGS_MODULE": "controlplane.settings.dev", "STRATA_LOG_LEVEL": "WARNING",
@@ -72,11 +75,20 @@ def run(ctx: Context) -> list[Row]:
         subprocess.run([sys.executable, "manage.py", "strata_namespace", "default"], cwd=REPO_ROOT, env=env,
                        check=True, capture_output=True)
         ctx.step("scratch database migrated")
+        failures: dict[str, str] = {}
         for config in [c for c in ORDER if c in chosen]:
-            with Server(config, checkpoint=checkpoint, port=free_port(), shape=shape, scratch=ctx.scratch, env=env,
-                        status_port=free_port(), logs=environment.var_dir / "bench-logs" / "vllm") as served:
-                results[config] = run_config(served, shape, ctx.log)
+            # One configuration failing (its server dying) must not lose the others' numbers.
+            try:
+                with Server(config, checkpoint=checkpoint, port=free_port(), shape=shape, scratch=ctx.scratch,
+                            env=env, status_port=free_port(), logs=logs) as served:
+                    results[config] = run_config(served, shape, ctx.log)
+            except Exception as exc:  # noqa: BLE001 - reported below and in the results' params
+                failures[config] = f"{type(exc).__name__}: {exc}"
+                ctx.log(f"[red]vllm: {config} failed ({failures[config]}); its log: {logs / (config + '.log')}")
             ctx.step(f"{config} done")
+    ctx.params.update(failed=failures, skipped=SKIPPED)
+    if not results:
+        raise RuntimeError(f"every configuration failed: {failures}")
     return rows_of(results)
 
 
@@ -94,8 +106,8 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
             ]
 
     def ratio(workload: str, config: str, metric: str, versus: str, name: str, target: str) -> None:
-        if config not in results or versus not in results:
-            return  # a configuration left out of this run (STRATA_BENCH_VLLM_CONFIGS)
+        if workload not in results.get(config, {}) or workload not in results.get(versus, {}):
+            return  # left out of this run (STRATA_BENCH_VLLM_CONFIGS), failed, or not served (SKIPPED)
         numerator = results[config][workload][metric]
         baseline = results[versus][workload][metric]
         rows.append(Row(name, numerator / baseline if baseline else 0.0, "x",

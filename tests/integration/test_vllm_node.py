@@ -162,7 +162,13 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
     wait_for(lambda: _metric(node.status("/metrics").decode(), "strata_connector_requests") == 0, timeout=60,
              what="the aborted request forgotten")
 
-    # The worker moves the prompt's blocks to disk and is killed between copy and flip.
+    # The worker moves the prompt's blocks to disk and is killed between copy and flip. The planner
+    # works from the directory and the heartbeat: both hold the prompt's blocks first.
+    block_bytes = 524288  # the small preset's 256-token block: 4 layers x K, V x 2 kv heads x 32 x fp32
+    wait_for(lambda: Placement.objects.filter(node__name=node.name, tier="host", state="ready").count() >= 4,
+             what="the prompt's blocks registered on host")
+    wait_for(lambda: row.tiers.filter(tier="host", used_bytes__gte=4 * block_bytes).exists(),
+             what="the blocks' bytes in a heartbeat")
     result = plan(snapshot=DRAIN_HOST, node=node.name, reason="manual")
     assert result.written
     wait_for(lambda: "held at after-copy" in log.read_text(), timeout=60, what="a movement held after its copy")
