@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,15 @@ def subprocess_env(settings) -> Iterator[dict[str, str]]:  # type: ignore[no-unt
         PYTHONUNBUFFERED="1",
     )
     yield env
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    """A unique /dev/shm pool name; every pool starting with it is removed after the test."""
+    name = f"strata-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    for pool in Path("/dev/shm").glob(f"{name}*"):
+        pool.unlink(missing_ok=True)
 
 
 @pytest.fixture

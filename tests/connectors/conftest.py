@@ -147,11 +147,3 @@ def strata(node, vllm_environment) -> Iterator[Any]:
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
-
-@pytest.fixture
-def shm_name() -> Iterator[str]:
-    """A unique /dev/shm pool name; every pool starting with it is removed after the test."""
-    name = f"strata-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    for pool in Path("/dev/shm").glob(f"{name}*"):
-        pool.unlink(missing_ok=True)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.dataplane.connectors.pages import PagedKV, UnsupportedLayout, layout_of, page_runs
+from worker.dataplane.buffers import runs
+from worker.dataplane.connectors.pages import PagedKV, UnsupportedLayout, layout_of
 from worker.dataplane.layout import BlockLayout
 
 LAYOUT = BlockLayout(layers=3, kv_heads=2, head_dim=8, block_tokens=32, dtype=torch.float32)
@@ -114,5 +115,5 @@ def test_layouts_it_cannot_read_are_refused_by_name():
 
 
 def test_page_runs_group_consecutive_pages():
-    assert page_runs([4, 5, 6, 9, 10, 2]) == [(4, 0, 3), (9, 3, 2), (2, 5, 1)]
-    assert page_runs([]) == []
+    assert runs([4, 5, 6, 9, 10, 2]) == [(4, 0, 3), (9, 3, 2), (2, 5, 1)]
+    assert runs([]) == []

@@ -7,7 +7,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,14 +27,6 @@ def engine() -> Iterator[ChecksumEngine]:
     with ChecksumEngine(threads=2) as eng:
         yield eng
 
-
-@pytest.fixture
-def shm_name() -> Iterator[str]:
-    """A unique /dev/shm pool name; every pool starting with it is removed after the test."""
-    name = f"strata-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    for pool in Path("/dev/shm").glob(f"{name}*"):
-        pool.unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import torch
 from tests.engine.conftest import BLOCK_TOKENS, engine_for
 from tests.engine.test_engine import prompt_of
 from worker.dataplane.engine import engine as engine_module
-from worker.dataplane.engine import loader as loader_module
 from worker.dataplane.engine.cache import LayerGate, LoadFailed
 from worker.dataplane.engine.loader import Hit, LayerLoader, PrefixBuffers
 from worker.dataplane.layout import BlockLayout
@@ -211,7 +210,9 @@ def test_off_the_cpu_blocks_below_l1_are_staged_in_host_memory_and_copied_per_ru
 
 @pytest.mark.parametrize(("staged", "runs"), [([], []), ([0], [(0, 0, 1)]), ([1, 2, 3, 5, 7, 8], [(1, 0, 3), (5, 3, 1), (7, 4, 2)])])
 def test_staged_blocks_are_copied_in_runs_of_neighbours(staged, runs):
-    assert loader_module._runs(staged) == runs
+    from worker.dataplane.buffers import runs as runs_of
+
+    assert runs_of(staged) == runs
 
 
 def test_a_gate_opened_with_an_event_makes_the_compute_stream_of_its_device_wait(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -75,3 +76,16 @@ def is_aligned(*values: int, alignment: int = DIRECT_IO_ALIGNMENT) -> bool:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def runs(values: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first value, its index in `values`, count) of each run of consecutive integers: one copy
+    per run of consecutive blocks or pages, not one per item."""
+    found: list[tuple[int, int, int]] = []
+    for index, value in enumerate(values):
+        if found and found[-1][0] + found[-1][2] == value:
+            first, at, count = found[-1]
+            found[-1] = (first, at, count + 1)
+        else:
+            found.append((value, index, 1))
+    return found

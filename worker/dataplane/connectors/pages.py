@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from worker.dataplane.buffers import runs
 from worker.dataplane.layout import BlockLayout, dtype_name
 
 BACKEND_LAYOUTS: dict[str, str] = {
@@ -65,18 +66,6 @@ def page_views(kind: str, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if kind == "split":
         return layer[..., :head_dim].permute(0, 2, 1, 3), layer[..., head_dim:].permute(0, 2, 1, 3)
     raise UnsupportedLayout(f"unknown page layout {kind!r}; expected one of {', '.join(sorted(set(BACKEND_LAYOUTS.values())))}")
-
-
-def page_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first page, its index in `pages`, count) of each run of consecutive page numbers."""
-    runs: list[tuple[int, int, int]] = []
-    for index, page in enumerate(pages):
-        if runs and runs[-1][0] + runs[-1][2] == page:
-            first, at, count = runs[-1]
-            runs[-1] = (first, at, count + 1)
-        else:
-            runs.append((page, index, 1))
-    return runs
 
 
 class PagedKV:
@@ -137,8 +126,8 @@ class PagedKV:
         first_page = start // n
         for dst, src in ((self.k[layer], blocks[:, 0]), (self.v[layer], blocks[:, 1])):
             tokens = src.reshape(-1, heads, dim)[offset:offset + count]
-            for page, at, runs in page_runs(pages[first_page:first_page + full]):
-                dst[page:page + runs].copy_(tokens[at * n:(at + runs) * n].view(runs, n, heads, dim))
+            for page, at, length in runs(pages[first_page:first_page + full]):
+                dst[page:page + length].copy_(tokens[at * n:(at + length) * n].view(length, n, heads, dim))
             if count > full * n:
                 dst[pages[first_page + full], :count - full * n].copy_(tokens[full * n:])
 
@@ -156,6 +145,6 @@ class PagedKV:
         self._check(pages, (index + 1) * self.layout.block_tokens)
         heads, dim = self.layout.kv_heads, self.layout.head_dim
         for dst, src in ((k_dst, self.k[layer]), (v_dst, self.v[layer])):
-            for page, at, count in page_runs(pages[index * per:(index + 1) * per]):
+            for page, at, count in runs(pages[index * per:(index + 1) * per]):
                 dst[at * n:(at + count) * n].view(count, n, heads, dim).copy_(src[page:page + count],
                                                                               non_blocking=non_blocking)

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 import torch
 
-from worker.dataplane.buffers import aligned_empty
+from worker.dataplane.buffers import aligned_empty, runs
 from worker.dataplane.engine.cache import LayerGate, LoadFailed
 from worker.dataplane.errors import MISSES
 from worker.dataplane.layout import BlockLayout
@@ -117,7 +117,7 @@ class LayerLoader:
         # the CPU, are read in place.
         self._staged = staged_hits(store, self.hits) if self.device.type != "cpu" and not inline else []
         self._staging: torch.Tensor | None = None
-        self._staged_runs = _runs(self._staged)
+        self._staged_runs = runs(self._staged)
         if self._staged:
             layer_bytes = buffers.layout.layer_bytes
             # A normal tensor even when the engine builds the loader in inference mode: the tiers'
@@ -308,17 +308,3 @@ def staged_hits(store: TieredStore, hits: Sequence[Hit]) -> list[int]:
     tier cannot read into device memory (see `Tier.reads_into_device`)."""
     direct = {name: store.tier(name).reads_into_device for name in {hit.tier for hit in hits}}
     return [j for j, hit in enumerate(hits) if not direct[hit.tier]]
-
-
-def _runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first block, first staging row, count) of each run of consecutive staged blocks (rows are
-    the blocks' places in `blocks`): one copy per run, not one per block."""
-    runs: list[tuple[int, int, int]] = []
-    for row, block in enumerate(blocks):
-        if runs and runs[-1][0] + runs[-1][2] == block:
-            first, first_row, count = runs[-1]
-            runs[-1] = (first, first_row, count + 1)
-        else:
-            runs.append((block, row, 1))
-    return runs
-
