@@ -109,7 +109,14 @@ class Server:
         self.log_path = logs / f"{config}.log"
         vllm_args = ["--max-model-len", str(shape.max_model_len), "--num-gpu-blocks-override", str(shape.pages),
                      "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
-        self.env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+        # vLLM's CPU backend keeps cores out of its compute for its scheduler process: one alone,
+        # two with a KV connector, and where the machine has no more than that, none. Left to
+        # itself on 2 cores, vLLM alone would compute on one core and every connector on two;
+        # every configuration computes on every core here, as a GPU's compute is the same for all.
+        self.env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        self.pool: str | None = None
+        """The node's host pool in /dev/shm (Strata configurations): a node keeps it for its next
+        start, a benchmark server has none, so it is removed with the server."""
         if config.startswith("strata_"):
             tier = config.removeprefix("strata_")
             name = f"bench-{config.replace('_', '-')}"
@@ -117,7 +124,8 @@ class Server:
                             "--model", str(checkpoint), "--serve-port", str(port), "--status-port", str(status_port),
                             "--tiers", tier, "--disk-path", str(scratch / f"{name}-disk"), "--disk-bytes", "8GiB",
                             "--host-bytes", "3GiB", "--heartbeat-seconds", "5"]
-            self.env.update(STRATA_VLLM_ARGS=" ".join(vllm_args), STRATA_HOST_POOL_NAME=f"strata-{name}-{os.getpid()}")
+            self.pool = f"strata-{name}-{os.getpid()}"
+            self.env.update(STRATA_VLLM_ARGS=" ".join(vllm_args), STRATA_HOST_POOL_NAME=self.pool)
         else:
             self.command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
                             "--port", str(port), "--dtype", "bfloat16", *vllm_args]
@@ -131,9 +139,16 @@ class Server:
         self.model = str(checkpoint)
 
     def __enter__(self) -> Server:
-        log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, env=self.env, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__()  # a server that never answered is stopped, and its pool removed, too
+            raise
+
+    def _start(self) -> Server:
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -148,6 +163,14 @@ class Server:
         raise RuntimeError(f"the {self.config} server did not answer within 600 s; see {self.log_path}")
 
     def __exit__(self, *exc: object) -> None:
+        try:
+            self._stop()
+        finally:
+            if self.pool is not None:
+                for path in Path("/dev/shm").glob(f"{self.pool}*"):
+                    path.unlink(missing_ok=True)
+
+    def _stop(self) -> None:
         process = self.process
         if process is None or process.poll() is not None:
             return

@@ -79,10 +79,21 @@ def directory_db(django_db_setup, django_db_blocker) -> Iterator[None]:
     """Committed access to the test database for the whole module (vLLM's processes write to it
     too); every table is emptied when the module ends."""
     from django.core.management import call_command
+    from django.db import connection
+    from django.test.utils import setup_databases, teardown_databases
 
     with django_db_blocker.unblock():
-        yield
-        call_command("flush", interactive=False, verbosity=0)
+        # pytest-django creates the test database only for sessions that collected a test marked
+        # for it; run alone, this module's tests are not, and would write the configured database.
+        created = None
+        if connection.settings_dict["NAME"] != connection.creation._get_test_db_name():
+            created = setup_databases(verbosity=0, interactive=False, aliases={"default"})
+        try:
+            yield
+        finally:
+            call_command("flush", interactive=False, verbosity=0)
+            if created is not None:
+                teardown_databases(created, verbosity=0)
 
 
 @pytest.fixture(scope="module")

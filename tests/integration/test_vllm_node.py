@@ -7,6 +7,7 @@ the movement."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -97,7 +98,15 @@ class VllmNode:
                 except subprocess.TimeoutExpired:
                     worker.kill()
         if self.vllm is not None and self.vllm.is_running():
-            os.killpg(self.vllm.pid, signal.SIGKILL)
+            # Its first worker was killed, so nobody stops this vLLM but the test: asked to stop,
+            # it removes its shared-memory queues, which a SIGKILL would leave in /dev/shm.
+            os.killpg(self.vllm.pid, signal.SIGTERM)
+            try:
+                self.vllm.wait(60)
+            except psutil.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.vllm.pid, signal.SIGKILL)
         for pool in Path("/dev/shm").glob(f"strata-test-{self.name}*"):
             pool.unlink(missing_ok=True)
 
