@@ -7,6 +7,8 @@ Configurations, each a fresh server on the same checkpoint and KV space:
     example       vLLM + ExampleConnector, vLLM's reference storage connector, on the same disk
     strata_host   vLLM + StrataConnector writing back to the host tier (a node: strata_node --engine vllm)
     strata_disk   vLLM + StrataConnector writing back to the disk tier
+    floor         vLLM alone with a KV space that holds every session (nothing is evicted, no
+                  request waits for room): a bound no KV offload reaches on the same workloads
 
 Workloads (every prompt unique to its workload, so one server runs them all in turn):
 
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("vllm", "example", "strata_host", "strata_disk")
+CONFIGS = ("vllm", "example", "strata_host", "strata_disk", "floor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,8 @@ class Shape:
     pages: int = 96
     """vLLM's KV space in 128-token pages (12288 tokens): what HBM is on a GPU node, a few
     running requests' worth, far less than the sessions' state."""
+    floor_pages: int = 512
+    """The floor configuration's KV space (65536 tokens): every workload's sessions at once."""
     max_model_len: int = 11264
     """The long documents' prompts fit; vLLM wants a little more KV space than one request of it."""
     conversations: int = 10
@@ -60,7 +64,7 @@ class Shape:
     document_tokens: int = 10240
     question_tokens: int = 32
     doc_answer_tokens: int = 16
-    nohit_requests: int = 16
+    nohit_requests: int = 48
     nohit_tokens: int = 1024
     nohit_answer_tokens: int = 16
 
@@ -70,7 +74,7 @@ class Shape:
             return cls()
         return cls(conversations=max(4, int(10 * scale)), turns=max(2, int(6 * scale)),
                    context_tokens=max(256, int(1536 * scale)), documents=2,
-                   document_tokens=max(1024, int(10240 * scale)), nohit_requests=max(4, int(16 * scale)),
+                   document_tokens=max(1024, int(10240 * scale)), nohit_requests=max(4, int(48 * scale)),
                    nohit_tokens=max(256, int(1024 * scale)))
 
 
@@ -94,6 +98,8 @@ class Outcome:
     output_tokens: int
     prompt_tokens: int
     cached_tokens: int
+    step: int = 0
+    """The request's place in its session (0: a conversation's first turn, which nothing precedes)."""
 
 
 # -- the servers -----------------------------------------------------------------------------------
@@ -107,7 +113,8 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{config}.log"
-        vllm_args = ["--max-model-len", str(shape.max_model_len), "--num-gpu-blocks-override", str(shape.pages),
+        pages = shape.floor_pages if config == "floor" else shape.pages
+        vllm_args = ["--max-model-len", str(shape.max_model_len), "--num-gpu-blocks-override", str(pages),
                      "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
         # vLLM's CPU backend keeps cores out of its compute for its scheduler process: one alone,
         # two with a KV connector, and where the machine has no more than that, none. Left to
@@ -137,6 +144,8 @@ class Server:
                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}})]
         self.process: subprocess.Popen[bytes] | None = None
         self.model = str(checkpoint)
+        self.status = f"http://127.0.0.1:{status_port}" if config.startswith("strata_") else None
+        self.logs = logs
 
     def __enter__(self) -> Server:
         try:
@@ -161,6 +170,16 @@ class Server:
             except OSError:
                 time.sleep(1)
         raise RuntimeError(f"the {self.config} server did not answer within 600 s; see {self.log_path}")
+
+    def keep_traces(self) -> Path | None:
+        """The connector's request timelines (lookup, per-layer stall, load and save counts, TTFT
+        as the connector saw it) written beside the server's log, for reading a run afterwards."""
+        if self.status is None:
+            return None
+        with urllib.request.urlopen(self.status + "/v1/strata/requests?limit=1000", timeout=30) as answer:
+            path = self.logs / f"{self.config}-requests.json"
+            path.write_bytes(answer.read())
+        return path
 
     def __exit__(self, *exc: object) -> None:
         try:
@@ -248,6 +267,7 @@ def drive(base: str, model: str, sessions: Sequence[Sequence[Step]], clients: in
             try:
                 prompt, max_tokens = sessions[session][step](history)
                 outcome, answer = complete(client, model, prompt, max_tokens)
+                outcome.step = step
             except BaseException as exc:  # noqa: BLE001 - handed to the caller once every client stops
                 with lock:
                     errors.append(exc)
@@ -305,10 +325,12 @@ def nohit_sessions(shape: Shape, seed: int) -> list[list[Step]]:
 
 def summary(outcomes: Sequence[Outcome], wall: float) -> dict[str, float]:
     ttft = [o.ttft_s for o in outcomes]
+    later = [o.ttft_s for o in outcomes if o.step > 0]
     tpot = [(o.e2e_s - o.ttft_s) / (o.output_tokens - 1) for o in outcomes if o.output_tokens > 1]
     return {
         "ttft_mean_s": statistics.mean(ttft),
         "ttft_p50_s": statistics.median(ttft),
+        "ttft_later_mean_s": statistics.mean(later) if later else 0.0,
         "tpot_ms": 1000 * statistics.mean(tpot) if tpot else 0.0,
         "throughput_tok_s": sum(o.output_tokens for o in outcomes) / wall,
         "requests_per_s": len(outcomes) / wall,
@@ -349,4 +371,7 @@ def run_config(server: Server, shape: Shape, progress: Callable[[str], None]) ->
                                             clients=1))
     progress(f"vllm: {server.config}: {shape.nohit_requests} prompts with nothing to reuse")
     results["nohit"] = summary(*drive(server.base, server.model, nohit_sessions(shape, seed=40), clients=4))
+    kept = server.keep_traces()
+    if kept is not None:
+        progress(f"vllm: {server.config}: the connector's request timelines are in {kept}")
     return results

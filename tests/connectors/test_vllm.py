@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -244,3 +245,38 @@ def test_serving_goes_on_when_redis_stops(plain, strata, node, store, profile):
         assert fresh(strata, other)[0] == generate(plain, other)[0]
     finally:
         node.remote.start()
+
+
+def test_serving_goes_on_while_postgresql_refuses_connections(plain, strata, node, profile):
+    from django.db import connection
+
+    held = prompt_of(3 * BLOCK + 13, seed=8)
+    want, _ = generate(plain, held)
+    assert fresh(strata, held)[0] == want
+    keys = keys_of(profile, held)
+    wait_for(lambda: placements(node, keys, "host") == 3, timeout=30, what="the blocks registered on host")
+    new = prompt_of(2 * BLOCK + 30, seed=9)
+    new_want, _ = generate(plain, new)
+    new_keys = keys_of(profile, new)
+    settings = connection.settings_dict
+    database = connection.ops.quote_name(settings["NAME"])
+    # The outage as vLLM's processes see it: their connections dropped, new ones refused (the
+    # database can only be closed from another one; this test's own connection stays).
+    maintenance = psycopg.connect(dbname="postgres", host=settings["HOST"] or None, port=settings["PORT"] or None,
+                                  user=settings["USER"], password=settings["PASSWORD"] or None, autocommit=True)
+    maintenance.execute(f"ALTER DATABASE {database} ALLOW_CONNECTIONS false")
+    maintenance.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
+                        (settings["NAME"], connection.connection.info.backend_pid))
+    try:
+        got, cached = fresh(strata, held)  # the node's own tiers answer without the directory
+        assert (got, cached) == (want, 3 * BLOCK)
+        assert newest(node)["hit_blocks_by_tier"] == {"host": 3}
+        failures = metric(node, "strata_lookup_failures_total")
+        assert fresh(strata, new) == (new_want, 0)  # its lookup needs the directory: a miss
+        assert metric(node, "strata_lookup_failures_total") > failures
+    finally:
+        maintenance.execute(f"ALTER DATABASE {database} ALLOW_CONNECTIONS true")
+        maintenance.close()
+    # What was saved meanwhile is registered once the database answers again: nothing is lost.
+    wait_for(lambda: placements(node, new_keys, "host") == 2, timeout=90, what="the outage's blocks registered")
+    assert fresh(strata, new) == (new_want, 2 * BLOCK)

@@ -62,6 +62,10 @@ class EngineMetrics:
         decisions = CounterMetricFamily("strata_load_decisions", "Load-or-recompute decisions.", labels=["node", "decision"])
         failures = CounterMetricFamily("strata_load_failures", "Loads that failed (block missing or corrupt) and were recomputed.", labels=["node"])
         failures.add_metric([self.node], counts.get("load_failures", 0))
+        lookup_failures = CounterMetricFamily(
+            "strata_lookup_failures", "Lookups served as misses because the directory could not be asked "
+            "(database down) or the request named no valid namespace.", labels=["node"])
+        lookup_failures.add_metric([self.node], counts.get("lookup_failures", 0))
         for name, value in counts.items():
             if name.startswith("hit_blocks."):
                 blocks.add_metric([self.node, name.removeprefix("hit_blocks.")], value)
@@ -80,7 +84,7 @@ class EngineMetrics:
         for name, usage in self.offload.store.usage().items():
             used.add_metric([self.node, name], usage.used_bytes)
             capacity.add_metric([self.node, name], usage.capacity_bytes)
-        yield from (lookup, hits, blocks, tier_tokens, decisions, failures, store, used, capacity)
+        yield from (lookup, hits, blocks, tier_tokens, decisions, failures, lookup_failures, store, used, capacity)
         yield from self._blend(counts)
 
     def _blend(self, counts: Mapping[str, int]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

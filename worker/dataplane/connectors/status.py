@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import urllib.parse
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +22,8 @@ from worker.dataplane.offload import RequestTrace
 log = logging.getLogger("strata.server")
 
 RECENT = 50
-"""Request timelines answered by /v1/strata/requests, newest first."""
+"""Request timelines answered by /v1/strata/requests, newest first (`?limit=N` asks for up to
+all that the engine keeps)."""
 
 
 class StatusServer:
@@ -76,11 +78,18 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(body).encode(), "application/json")
 
     def do_GET(self) -> None:  # noqa: N802 - the base class's name
-        path = self.path.split("?", 1)[0]
+        url = urllib.parse.urlsplit(self.path)
+        path = url.path
         if path == "/metrics":
             self._send(HTTPStatus.OK, self.app.metrics.render(), "text/plain; version=0.0.4")
         elif path == "/v1/strata/requests":
-            recent = [trace.as_dict() for trace in self.app.traces()[-RECENT:]]
+            limit = urllib.parse.parse_qs(url.query, keep_blank_values=True).get("limit", [str(RECENT)])[-1]
+            if not limit.isdigit() or int(limit) < 1:
+                self._json(HTTPStatus.BAD_REQUEST, {"error": {
+                    "message": f"limit must be a whole number of requests, at least 1; got {limit!r}",
+                    "type": "invalid_request_error"}})
+                return
+            recent = [trace.as_dict() for trace in self.app.traces()[-int(limit):]]
             self._json(HTTPStatus.OK, {"node": self.app.node, "requests": recent[::-1]})
         elif path == "/livez":
             self._json(HTTPStatus.OK, {"status": "ok"})
