@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SHM = Path("/dev/shm")
 CONFIGS = ("vllm", "example", "strata_host", "strata_disk", "floor")
 
 
@@ -121,6 +122,7 @@ class Server:
         # itself on 2 cores, vLLM alone would compute on one core and every connector on two;
         # every configuration computes on every core here, as a GPU's compute is the same for all.
         self.env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        self.shm_before: set[Path] = set()
         self.pool: str | None = None
         """The node's host pool in /dev/shm (Strata configurations): a node keeps it for its next
         start, a benchmark server has none, so it is removed with the server."""
@@ -155,6 +157,7 @@ class Server:
             raise
 
     def _start(self) -> Server:
+        self.shm_before = set(SHM.glob("psm_*"))
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, env=self.env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -186,7 +189,13 @@ class Server:
             self._stop()
         finally:
             if self.pool is not None:
-                for path in Path("/dev/shm").glob(f"{self.pool}*"):
+                for path in SHM.glob(f"{self.pool}*"):
+                    path.unlink(missing_ok=True)
+            # vLLM's shared-memory queues (hundreds of MiB) outlive it when a process of the group
+            # ends before their owner unlinks them: those it made and nobody maps any more go too.
+            mapped = _mapped_shm()
+            for path in set(SHM.glob("psm_*")) - self.shm_before:
+                if path.name not in mapped:
                     path.unlink(missing_ok=True)
 
     def _stop(self) -> None:
@@ -203,6 +212,16 @@ class Server:
         # vLLM's engine processes are in the group too: make sure none outlives the run.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def _mapped_shm() -> set[str]:
+    """Names of the /dev/shm files some process maps now."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            names.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps.read_text().splitlines()
+                         if "/dev/shm/" in line)
+    return names
 
 
 def _tail(path: Path, lines: int = 30) -> str:

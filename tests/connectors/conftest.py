@@ -104,16 +104,16 @@ def node(directory_db, checkpoint) -> Iterator[Node]:
     # Unix socket paths are limited to 107 bytes: not under pytest's temp root.
     work = Path(tempfile.mkdtemp(prefix="strata-vllm-"))
     remote = RedisServer(directory=work)
-    remote.start()
-    node_heartbeat(name=name, host="test", heartbeat_seconds=3600.0,
-                   tiers=[TierReport(tier=t, capacity_bytes=1 << 30, used_bytes=0) for t in ("host", "disk")])
-    for namespace in ("default", "tenant-a", "tenant-b"):
-        namespace_ensure(name=namespace)
-    extra = {"node_name": name, "tiers": "host,disk,remote", "host_pool_name": f"strata-test-{name}",
-             "host_bytes": "64MiB", "disk_path": str(work / "disk"), "disk_bytes": "256MiB",
-             "remote_url": remote.url, "remote_prefix": f"strata-test-{name}", "remote_bytes": "256MiB",
-             "status_port": free_port()}
     try:
+        remote.start()
+        node_heartbeat(name=name, host="test", heartbeat_seconds=3600.0,
+                       tiers=[TierReport(tier=t, capacity_bytes=1 << 30, used_bytes=0) for t in ("host", "disk")])
+        for namespace in ("default", "tenant-a", "tenant-b"):
+            namespace_ensure(name=namespace)
+        extra = {"node_name": name, "tiers": "host,disk,remote", "host_pool_name": f"strata-test-{name}",
+                 "host_bytes": "64MiB", "disk_path": str(work / "disk"), "disk_bytes": "256MiB",
+                 "remote_url": remote.url, "remote_prefix": f"strata-test-{name}", "remote_bytes": "256MiB",
+                 "status_port": free_port()}
         yield Node(name=name, extra=extra, remote=remote, checkpoint=checkpoint)
     finally:
         remote.stop()
