@@ -833,7 +833,7 @@ class MovementExecutor:
                 read = self.store.tier(tier).get(key, self._buffer("verify"))
                 got = read.checksum.hex if read.checksum is not None else ""
             else:
-                stored = self.store.tier(tier).checksum(key) if hasattr(self.store.tier(tier), "checksum") else None
+                stored = self.store.tier(tier).checksum(key)
                 if stored is None:
                     read = self.store.tier(tier).get(key, self._buffer("verify"))
                     stored = read.checksum
@@ -976,13 +976,7 @@ class MovementExecutor:
 
     # -- reconcile ----------------------------------------------------------------------------
     def _keys(self, tier: str) -> set[uuid.UUID]:
-        backend = self.store.tier(tier)
-        if hasattr(backend, "keys"):
-            return set(backend.keys())
-        # A Redis remote tier: walk its key space without blocking the server.
-        prefix = f"{backend.prefix}:blk:"
-        return {uuid.UUID(hex=name.decode()[len(prefix):])
-                for name in backend.client.scan_iter(match=f"{prefix}*", count=1000)}
+        return set(self.store.tier(tier).keys())
 
     def reconcile(self, tier: str, *, now: float | None = None) -> ReconcileReport:
         """Bytes without a placement row are deleted (after the grace period: seen orphaned by a

@@ -4,9 +4,8 @@ I1: every READY placement points at bytes that exist, have the recorded size and
 checksum. I2: a copy found corrupt is never READY (it is quarantined, so never served). I3: no
 block has two movements in flight. I4: no bytes without a placement row (after a reconcile).
 
-The bytes are read straight from the media (disk files, Redis values) and hashed here, apart from
-the tiers' own read path, so a bug there cannot hide a violation; the host pool is read through
-its tier. Used by the fault tests and the soak test, and by an operator's audit.
+The bytes are read as the media hold them (`Tier.stored_bytes`) and hashed here, apart from the
+tiers' own read path, so a bug there cannot hide a violation. Used by the fault tests and the soak test, and by an operator's audit.
 """
 
 from __future__ import annotations
@@ -56,37 +55,6 @@ def _checksum_of(key: uuid.UUID, data: memoryview, layout: Any) -> str:
     return BlockChecksum.from_layers(key, sums).hex
 
 
-def _raw_bytes(backend: Any, key: uuid.UUID) -> bytes | None:
-    """The block's data bytes as stored, or None when there are none (never via the tier's read,
-    which would quarantine what it finds corrupt)."""
-    layout = backend.layout
-    if hasattr(backend, "path_of"):  # disk (and a filesystem remote)
-        try:
-            with open(backend.path_of(key), "rb") as f:
-                f.seek(backend.header_bytes)
-                return f.read(layout.block_bytes + 1)
-        except FileNotFoundError:
-            return None
-    if hasattr(backend, "client"):  # Redis remote
-        value = backend.client.getrange(backend.key_name(key), backend.header_bytes, -1)
-        return bytes(value) if value else None
-    out = layout.empty()  # host pool: through its verified read
-    from worker.dataplane.errors import BlockCorrupt, BlockMissing
-
-    try:
-        backend.get(key, out)
-    except (BlockCorrupt, BlockMissing):
-        return None
-    return out.numpy().tobytes()
-
-
-def _keys(backend: Any) -> set[uuid.UUID]:
-    if hasattr(backend, "keys"):
-        return set(backend.keys())
-    prefix = f"{backend.prefix}:blk:"
-    return {uuid.UUID(hex=name.decode()[len(prefix):]) for name in backend.client.scan_iter(match=f"{prefix}*")}
-
-
 def invariants_check(*, stores: Mapping[str, Any], orphans: bool = True) -> InvariantReport:
     """Check I1-I4 for the nodes whose stores are given (node name -> TieredStore of that node,
     opened on the same media), and for the shared remote tier through the first store that has it."""
@@ -112,7 +80,7 @@ def invariants_check(*, stores: Mapping[str, Any], orphans: bool = True) -> Inva
             if p.size_bytes != backend.layout.block_bytes:
                 continue  # another model's block: not this store's layout
             report.checked += 1
-            raw = _raw_bytes(backend, key)
+            raw = backend.stored_bytes(key)
             problem = ""
             if raw is None:
                 problem = "bytes missing"
@@ -123,7 +91,7 @@ def invariants_check(*, stores: Mapping[str, Any], orphans: bool = True) -> Inva
             if problem:
                 report.violations.append(Violation("I1", p.block_id, p.id, tier, node, problem))
         if orphans:
-            for key in sorted(_keys(backend) - known):
+            for key in sorted(set(backend.keys()) - known):
                 report.orphans.append((node, tier, key))
     with connection.cursor() as cursor:
         cursor.execute("SELECT block_id FROM movements_movement WHERE state = ANY(%s) GROUP BY block_id "

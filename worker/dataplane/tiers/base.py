@@ -195,6 +195,22 @@ class Tier(abc.ABC):
         return self.get_layers(keys, slice(None), outs)
 
     @abc.abstractmethod
+    def checksum(self, key: uuid.UUID) -> BlockChecksum | None:
+        """The checksum stored with a block, without reading its data; BlockMissing when no
+        block is stored under `key`. None only from the device tier when none was handed in."""
+
+    @abc.abstractmethod
+    def keys(self) -> list[uuid.UUID]:
+        """Keys of every complete block stored (a snapshot, for the reconciler and audits); a
+        shared medium walks its key space without blocking other clients."""
+
+    @abc.abstractmethod
+    def stored_bytes(self, key: uuid.UUID) -> bytes | None:
+        """The block's data bytes exactly as the medium holds them, unverified and with no side
+        effect (a verified read would quarantine a corrupt copy), or None when none are stored.
+        For audits that check the bytes apart from the tier's own read path."""
+
+    @abc.abstractmethod
     def contains(self, key: uuid.UUID) -> bool:
         """True when a complete block is stored under `key` (not yet verified)."""
 

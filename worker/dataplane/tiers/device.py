@@ -299,6 +299,17 @@ class DeviceTier(Tier):
                 raise BlockMissing(key, tier=self.name)
             return entry.checksum
 
+    def keys(self) -> list[uuid.UUID]:
+        with self._lock:
+            return list(self._index)
+
+    def stored_bytes(self, key: uuid.UUID) -> bytes | None:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            return bytes(self._pool[entry.index].cpu().numpy())
+
     def contains(self, key: uuid.UUID) -> bool:
         with self._lock:
             return key in self._index

@@ -1326,6 +1326,19 @@ class DiskTier(Tier):
             os.close(fd)
         return header.checksum
 
+    def stored_bytes(self, key: uuid.UUID) -> bytes | None:
+        """The file's data bytes (after the header; the alignment padding of a full-size file
+        left out), read with plain buffered I/O apart from the tier's read paths."""
+        try:
+            with open(self.path_of(key), "rb") as f:
+                f.seek(self.header_bytes)
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        if len(data) == self.file_bytes - self.header_bytes:
+            return data[: self.layout.block_bytes]
+        return data
+
     def contains(self, key: uuid.UUID) -> bool:
         return self.path_of(key).exists()
 

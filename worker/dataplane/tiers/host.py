@@ -963,6 +963,23 @@ class HostTier(Tier):
                 return BlockChecksum(block=block_sum, layers=tuple(layers))
         raise BlockMissing(key, tier=self.name)
 
+    def stored_bytes(self, key: uuid.UUID) -> bytes | None:
+        """The slot's data bytes as stored (the recorded size of them), copied between two looks
+        at its generation so a writer or an eviction meanwhile is never mixed in."""
+        for _attempt in range(READ_ATTEMPTS):
+            slot = self._find(key)
+            if slot is None:
+                return None
+            generation = self._settled(slot, key)
+            if generation is None:
+                continue
+            start = slot * self.slot_bytes
+            nbytes = min(int(self._nbytes[slot]), self.slot_bytes)
+            data = bytes(self._data[start : start + nbytes].numpy())
+            if int(self._gen[slot]) == generation:
+                return data
+        return None
+
     def contains(self, key: uuid.UUID) -> bool:
         return self._find(key) is not None
 

@@ -570,6 +570,24 @@ class RemoteTier(Tier):
             raise BlockMissing(key, tier=self.name)
         return self._parse_header(key, header)
 
+    def keys(self) -> list[uuid.UUID]:
+        """Keys of every stored block, walking the key space with SCAN (never blocking the
+        server the way KEYS would)."""
+        prefix = self.key_name(uuid.UUID(int=0))[: -32]
+        with self._medium():
+            names = list(self.client.scan_iter(match=prefix + b"*", count=1000))
+        found = []
+        for name in names:
+            with contextlib.suppress(ValueError):
+                found.append(uuid.UUID(hex=name[len(prefix) :].decode()))
+        return found
+
+    def stored_bytes(self, key: uuid.UUID) -> bytes | None:
+        """The value's data bytes (after the header), fetched with GETRANGE."""
+        with self._medium():
+            value = cast(bytes, self.client.getrange(self.key_name(key), self.header_bytes, -1))
+        return bytes(value) if value else None
+
     # -- the rest -------------------------------------------------------------------------
     def contains(self, key: uuid.UUID) -> bool:
         with self._medium():
