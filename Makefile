@@ -71,6 +71,8 @@ bench-scale: setup  # the directory and the movement planner at 10M blocks (the 
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) tools/check_imports.py
 	$(VENV)/bin/mypy controlplane worker
 
 clean: stop
