@@ -116,7 +116,7 @@ def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 32, model_name: st
                             options=dataclasses.replace(options, write_back_tier=name))
             progress(f"engine: hit from {name}")
             # One untimed hit first: the first run of a process's hit path pays for one-time work
-            # (kernel set-up for the suffix's shapes, the allocator growing) - 0.4 s against 0.1 s.
+            # (kernel set-up for the suffix's shapes, the allocator growing).
             engine.generate(prompt, max_tokens=1)
             results = {}
             for layerwise in (True, False):
@@ -148,7 +148,7 @@ def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 32, model_name: st
 
 THROTTLED_READ_BPS = 200_000_000
 """The slower medium of the throttled balanced case: 200 MB/s, a network volume's or a busy cloud
-disk's rate, against this machine's 1-3 GB/s local disk."""
+disk's rate, well below a local SSD's."""
 
 
 THROTTLED_MODEL = "bench-deep"
@@ -163,8 +163,8 @@ THROTTLED_COMPUTE_THREADS = 1
 core is left to the medium's I/O, as a GPU node's compute never shares its processor with the
 loader. With both cores computing, every read's completion (interrupt, wake-up, the hash of the
 layer) takes a core from one of torch's two threads, and the other waits for it at each
-operation: measured on the dev box, the layer-wise run's compute stretched from 0.65 s to
-0.75-1.08 s with no stall at all, 0.59-0.65 of load-then-compute; one thread: 0.56-0.58."""
+operation, which stretches the layer-wise run's compute with no stall at all (figures in
+benchmarks/README.md)."""
 
 
 @contextmanager
@@ -208,8 +208,8 @@ def _balanced_case(model_name: str, workdir: Path, options: EngineOptions,
     computing the suffix: the case pipelining is for. The suffix length is calibrated here from
     the measured load time of the prefix and the measured compute time of the suffix.
 
-    The model runs in float32, as a CPU deployment would run it: this CPU has no bfloat16
-    arithmetic, so in bfloat16 every layer's weights cost far more than any load (and a balanced
+    The model runs in float32, as a CPU deployment would run it: on a CPU without bfloat16
+    arithmetic every layer's weights cost far more than any load in bfloat16 (and a balanced
     case cannot be built at any suffix length)."""
     model = load_model(model_name, dtype="float32")
     layout = _layout(model)

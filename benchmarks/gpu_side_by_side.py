@@ -82,8 +82,8 @@ DESCRIPTIONS = {
 }
 VLLM_VERSION = "0.32.0"
 LMCACHE_VERSION = "0.5.6"
-"""The newest LMCache on PyPI when this was written; its vLLM adapter's imports all exist in vLLM
-0.32 (read, not run: `install` imports it and says so if it does not load)."""
+"""The LMCache release installed: its vLLM adapter's imports all exist in vLLM 0.32 (checked by
+reading them; `install` imports it and says so if it does not load)."""
 RUNTIME_DEPS = ("xxhash", "psutil", "PyYAML", "prometheus-client", "numpy", "rich", "openai", "redis")
 """What the connector and this driver import beyond vLLM's own dependencies (torch, transformers);
 the repository itself goes in with --no-deps, since its pins are the CPU build's."""

@@ -27,8 +27,8 @@ BUFFERS) of a 64-key lookup, of a touch batch and (with WAL) of the two statemen
 4096 new blocks, at full size, goes to the log and the results.
 
 The server's settings are its own: the embedded one sizes its shared buffers and checkpoints for
-this workload (controlplane.runtime.embedded.server_settings) when it starts; one started before
-those settings existed needs a restart to use them.
+this workload (controlplane.runtime.embedded.server_settings) when it starts; one already running
+with other settings keeps them until it restarts.
 """
 
 from __future__ import annotations
@@ -381,7 +381,7 @@ def _registration(namespace: str, model_key: uuid.UUID, i: int, **extra: Any) ->
 def _two_writers(world: World, ns_index: int, batches: int) -> float:
     """Blocks per second registered by two threads at once, each with its own database
     connection and `batches` calls of 4096 new blocks: what the directory takes when several
-    nodes' write-behind clients flush together (the client's Python is a sixth of a call)."""
+    nodes' write-behind clients flush together, without the client's own Python time."""
     import threading
 
     from django.db import connection

@@ -3,14 +3,15 @@ floor (layer-wise loading on and off, and a case built so that loading takes as 
 `balanced_*` on the local disk, and `balanced_throttled_*` with the disk's reads held to 200 MB/s
 by the kernel's block throttle, so that the load is the medium's time rather than CPU and memory
 traffic competing with the compute, on `bench-deep`, the bench model with Llama-3-8B's 32 layers;
-as root, where a cgroup block controller exists), then the
-seeds' serving workloads - multi-turn chat and long-document QA - under four setups.
+as root, where a cgroup block controller exists), then the seeds' serving workloads - multi-turn
+chat and long-document QA - under four setups.
 
-Sizes at scale 1: an 8192+32-token prompt (an 8K document and a short question) on the `bench` model (hidden 1024, 8 layers, bf16; 10K
-does not fit the time a 2-core machine gives a benchmark); the workloads on the `small` model
-(hidden 256, 4 layers, fp32) so that the no-cache runs finish in minutes: multi-turn chat with 4
-and with 8 clients, 60 requests each time, over a 2048-token shared system prompt (96-token user turns), long-document QA with 4 clients,
-4 documents of 8192 tokens asked 3 questions each in shuffled order, 32-token answers.
+Sizes at scale 1: an 8192+32-token prompt (an 8K document and a short question) on the `bench`
+model (hidden 1024, 8 layers, bf16; 10K does not fit the time a 2-core machine gives a
+benchmark); the workloads on the `small` model (hidden 256, 4 layers, fp32) so that the no-cache
+runs finish in minutes: multi-turn chat with 4 and with 8 clients, 60 requests each time, over a
+2048-token shared system prompt (96-token user turns), long-document QA with 4 clients, 4
+documents of 8192 tokens asked 3 questions each in shuffled order, 32-token answers.
 """
 
 from __future__ import annotations

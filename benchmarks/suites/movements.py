@@ -12,17 +12,17 @@ migrates it and measures in a child process whose Django points at it:
 * ``raw_gbps_<src>_<dst>``: what the media can do for the same operation, in the same run: the
   slower of the source's raw read and the destination's raw write of the same bytes, and with
   ``verify full`` plus the destination's raw read (that verification reads every byte of the
-  copy back from the destination medium, which the write shares: measured on the dev box's
-  virtio disk, O_DIRECT writes and reads running together move ~2.2 GB/s in all, what writes
-  alone do). Raw I/O: torch copy_ out of / into a /dev/shm mapping (host), sequential O_DIRECT
-  preadv / pwritev + fdatasync of one file (disk), SET through redis-py (it sends the buffer as
-  it is) and GET received straight into a buffer with recv_into (remote: redis-py's parser
-  copies a big reply twice and would make the medium look 3-5x slower than it is).
+  copy back from the destination medium, which the write shares: a disk's reads and writes
+  together move about what its writes alone do). Raw I/O: torch copy_ out of / into a /dev/shm
+  mapping (host), sequential O_DIRECT preadv / pwritev + fdatasync of one file (disk), SET
+  through redis-py (it sends the buffer as it is) and GET received straight into a buffer with
+  recv_into (remote: redis-py's parser copies a big reply twice and would make the medium look
+  several times slower than it is).
   ``_vs_raw`` rows divide the two (the median of per-repetition ratios, ours and raw run back
   to back, alternating which goes first). Target: >= 0.8. The remote tier is a private
   redis-server without persistence, as an L3 cache store runs (the broker's append-only Redis
-  rewrites its log in a fork of the whole dataset at moments of its own choosing, which made
-  passes of the same size differ by 2x).
+  rewrites its log in a fork of the whole dataset at moments of its own choosing, which would
+  make passes of the same size differ widely).
 * ``plan_ms``: ``plan(dry_run=True)`` for one node whose host tier is over its high watermark, in
   a directory of 1M blocks over 8 nodes (a third each on host, disk and remote).
 """
@@ -46,9 +46,9 @@ FULL_MOVE_BYTES = 256 << 20
 FULL_BLOCKS = 1_000_000
 NODES = 8
 MOVE_REPEATS = 9
-"""Repetitions of each route at least: the media of this shared machine drift by 2x within a minute.
-Over five runs of the same code the median of 5 paired repetitions spread 0.832-1.117 (disk ->
-remote) and 0.709-0.896 (remote -> host); the median of 9, 0.919-0.939 and 0.824-0.888."""
+"""Repetitions of each route at least: the media of a shared machine drift within a minute, and
+the median of 9 paired repetitions varies far less from run to run than that of 5 (figures in
+benchmarks/README.md)."""
 ROUTES = (("host", "disk"), ("disk", "remote"), ("remote", "host"))
 
 
@@ -135,7 +135,7 @@ class _Raw:
     def remote_clear(self) -> None:
         """Untimed, before each raw remote write: the moves write blocks Redis has not held
         before, so the raw pass writes new keys too (an overwrite reuses the old values' memory,
-        which a fresh value has to be given, page by page, by this VM's hypervisor)."""
+        which a fresh value has to be given, page by page, by a virtual machine's hypervisor)."""
         self.redis.delete(*[f"strata-bench-raw:{i}" for i in range(self.blocks)])
 
     def remote_write(self) -> None:

@@ -73,17 +73,15 @@ def memory_repeats(repeats: int) -> int:
 
 
 def remote_repeats(repeats: int) -> int:
-    """Remote passes: at least 5, whose median outlasts the minute-long swings of this shared
-    machine's Redis (3 repetitions of the disk and remote passes together gave ratios 0.72-0.92
-    for the same code on one day)."""
+    """Remote passes: at least 5, whose median outlasts the minute-long swings of a Redis on a
+    shared machine (the spread of fewer is in benchmarks/README.md)."""
     return max(5, repeats)
 
 
 def disk_repeats(repeats: int) -> int:
-    """Disk passes: at least 9. The disk's speed swings the most from one pass to the next: for
-    one commit on one day, single 32 MiB put ratios ran from 0.64 to 1.24, and over three runs
-    the median of the first 5 ranged 0.72-0.80 where that of all 9 ranged 0.75-0.80 (get:
-    0.84-0.95 against 0.84-0.90)."""
+    """Disk passes: at least 9. The disk's speed swings the most from one pass to the next, and
+    the median of 9 paired passes varies less from run to run than that of 5 (figures in
+    benchmarks/README.md)."""
     return max(9, repeats)
 
 
@@ -111,9 +109,9 @@ def interleave(
     label: str,
 ) -> Measured:
     measured = Measured()
-    # One untimed pass of each first: on this VM, memory not touched for a while runs several
-    # times slower on its first pass (the hypervisor backs guest pages lazily), and the raw
-    # and the tier's passes use different regions of the same kind of memory.
+    # One untimed pass of each first: in a virtual machine, memory not touched for a while runs
+    # slower on its first pass (the hypervisor backs guest pages lazily), and the raw and the
+    # tier's passes use different regions of the same kind of memory.
     for run, before in ((raw, before_raw), (ours, before_ours)):
         if before is not None:
             before()

@@ -2,11 +2,12 @@
 storage connector), on the seeds' workloads, served by vLLM's OpenAI server on the CPU backend.
 
 The checkpoint is the `bench` preset saved as one (hidden 1024, 8 layers, bf16, a byte-level
-tokenizer), under var/checkpoints. vLLM's KV space is 96 pages of 128 tokens (12288 tokens; requests up to 11264), so
-the workloads' sessions overflow it as HBM overflows on a GPU node. Each configuration is a fresh
-server (see benchmarks.vllm_serving); the Strata ones run as nodes of a scratch control-plane
-database (`strata_node --engine vllm`); the servers' logs are kept in var/bench-logs/vllm/. Every workload runs once per configuration and the ratios
-divide the same workload's numbers in the same run.
+tokenizer), under var/checkpoints. vLLM's KV space is 96 pages of 128 tokens (12288 tokens;
+requests up to 11264), so the workloads' sessions overflow it as HBM overflows on a GPU node.
+Each configuration is a fresh server (see benchmarks.vllm_serving); the Strata ones run as nodes
+of a scratch control-plane database (`strata_node --engine vllm`); the servers' logs are kept in
+var/bench-logs/vllm/. Every workload runs once per configuration and the ratios divide the same
+workload's numbers in the same run.
 
 `floor` is vLLM alone with a KV space of 512 pages, which holds every session: no prompt is ever
 recomputed for lack of room, nothing is loaded, and no request waits for room. An offload loads
