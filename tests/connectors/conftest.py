@@ -62,7 +62,7 @@ class Node:
     checkpoint: Path
 
     def config(self) -> Any:
-        from worker.dataplane.connectors.vllm import node_options
+        from worker.dataplane.connectors.vllm.runtime import node_options
 
         return node_options(self.extra)
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from worker.dataplane.config import load_config
-from worker.dataplane.connectors.vllm import Runtime, SchedulerHalf
+from worker.dataplane.connectors.vllm.runtime import Runtime
+from worker.dataplane.connectors.vllm.scheduler_half import SchedulerHalf
 from worker.dataplane.directory import DirectoryUnavailable, LookupResult
 from worker.dataplane.layout import ModelProfile
 from worker.dataplane.offload import OffloadManager

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from tests.support import free_port
-from worker.dataplane.connectors.status import RECENT, StatusServer
+from worker.dataplane.connectors.status import StatusServer
+from worker.dataplane.engine.timelines import RECENT
 from worker.dataplane.offload import RequestTrace
 
 

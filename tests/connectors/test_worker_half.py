@@ -13,7 +13,9 @@ import torch
 
 from worker.dataplane.config import load_config
 from worker.dataplane.connectors.pages import PagedKV
-from worker.dataplane.connectors.vllm import LoadSpec, Runtime, SaveSpec, StrataMetadata, WorkerHalf
+from worker.dataplane.connectors.vllm.metadata import LoadSpec, SaveSpec, StrataMetadata
+from worker.dataplane.connectors.vllm.runtime import Runtime
+from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
 from worker.dataplane.engine.loader import staged_hits
 from worker.dataplane.layout import ModelProfile
 from worker.dataplane.offload import Hit, OffloadManager

@@ -11,6 +11,8 @@ import pytest
 
 from tests.engine.conftest import engine_for
 from worker.dataplane.engine.server import NodeServer
+from worker.dataplane.engine.timelines import RECENT
+from worker.dataplane.offload import RequestTrace
 
 
 @pytest.fixture
@@ -164,6 +166,36 @@ def test_metrics_and_request_timeline(client, server):
     assert latest["cached_tokens"] > 0 and len(latest["layer_stall_s"]) == 2
     connection.close()
 
+
+
+def _get_json(server: NodeServer, path: str) -> tuple[int, dict]:
+    host, port = server.address.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_request_timelines_take_a_limit(server):
+    server.engine.traces.extend(RequestTrace(request_id=f"r{i}", namespace="default", prompt_tokens=i)
+                                for i in range(RECENT + 10))
+    status, body = _get_json(server, "/v1/strata/requests")
+    assert status == 200 and body["node"] == "test-node"
+    assert [r["request_id"] for r in body["requests"]] == [f"r{i}" for i in range(RECENT + 9, 9, -1)]
+    status, body = _get_json(server, "/v1/strata/requests?limit=2")
+    assert status == 200 and [r["request_id"] for r in body["requests"]] == [f"r{RECENT + 9}", f"r{RECENT + 8}"]
+    status, body = _get_json(server, "/v1/strata/requests?limit=500")
+    assert status == 200 and len(body["requests"]) == RECENT + 10 and body["requests"][-1]["request_id"] == "r0"
+
+
+@pytest.mark.parametrize("limit", ["0", "-3", "ten", ""])
+def test_a_bad_request_timeline_limit_is_refused_naming_it(server, limit):
+    status, body = _get_json(server, f"/v1/strata/requests?limit={limit}")
+    assert status == 400 and body["error"]["param"] == "limit"
+    assert body["error"]["message"].startswith("limit must be a whole number") and repr(limit) in body["error"]["message"]
 
 def test_a_node_without_fragment_reuse_says_so(models, make_store):
     model = models("tiny")

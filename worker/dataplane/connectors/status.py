@@ -16,15 +16,11 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
+from worker.dataplane.engine import timelines
 from worker.dataplane.metrics import EngineMetrics
 from worker.dataplane.offload import RequestTrace
 
 log = logging.getLogger("strata.server")
-
-RECENT = 50
-"""Request timelines answered by /v1/strata/requests, newest first (`?limit=N` asks for up to
-all that the engine keeps)."""
-
 
 class StatusServer:
     """Serves one engine's Strata metrics and recent request timelines over HTTP on a thread."""
@@ -82,15 +78,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = url.path
         if path == "/metrics":
             self._send(HTTPStatus.OK, self.app.metrics.render(), "text/plain; version=0.0.4")
-        elif path == "/v1/strata/requests":
-            limit = urllib.parse.parse_qs(url.query, keep_blank_values=True).get("limit", [str(RECENT)])[-1]
-            if not limit.isdigit() or int(limit) < 1:
-                self._json(HTTPStatus.BAD_REQUEST, {"error": {
-                    "message": f"limit must be a whole number of requests, at least 1; got {limit!r}",
-                    "type": "invalid_request_error"}})
-                return
-            recent = [trace.as_dict() for trace in self.app.traces()[-int(limit):]]
-            self._json(HTTPStatus.OK, {"node": self.app.node, "requests": recent[::-1]})
+        elif path == timelines.PATH:
+            self._json(*timelines.requests_answer(url.query, node=self.app.node, traces=self.app.traces()))
         elif path == "/livez":
             self._json(HTTPStatus.OK, {"status": "ok"})
         else:

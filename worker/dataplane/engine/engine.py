@@ -1,4 +1,5 @@
-"""Cache-aware generation: fingerprint -> lookup -> layer-wise load -> prefill the rest -> decode -> write back."""
+"""Cache-aware generation: fingerprint -> lookup -> layer-wise load -> prefill the rest -> decode -> write back
+(`write_back.BlockWriter`: the new blocks into the write-back tier and the device working set)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import dataclasses
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,7 +18,6 @@ from worker.dataplane.blend.matching import (
     check_segments,
     choose,
     content_keys_at,
-    fragment_key,
     segment_windows,
 )
 from worker.dataplane.blend.options import BlendOptions
@@ -27,7 +26,6 @@ from worker.dataplane.blend.tuner import BLEND, BlendTuner
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import (
     MAX_BATCH,
-    BlockRegistration,
     Directory,
     DirectoryUnavailable,
 )
@@ -36,6 +34,7 @@ from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import WorkingSet
+from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
 from worker.dataplane.offload import Hit, OffloadManager, RequestTrace, Throughput
 from worker.dataplane.store import TieredStore
@@ -127,8 +126,9 @@ class Engine:
         self.working_set = (WorkingSet(store.tier("device"), counters=self.counters)
                             if "device" in store.names else None)
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
-        # content key -> (storage key, position it was computed at) of blocks this node stored.
-        self._content_index: collections.OrderedDict[uuid.UUID, tuple[uuid.UUID, int]] = collections.OrderedDict()
+        self.content_index = ContentIndex(self.options.content_index_entries)
+        self.writer = BlockWriter(offload=self.offload, store=store, layout=self.layout, working_set=self.working_set,
+                                  content_index=self.content_index, keep_in_device=self.options.keep_in_device)
         self.blend_options = self.options.blend
         self.tuner: BlendTuner | None = None
         if self.blend_options.enabled:
@@ -242,17 +242,17 @@ class Engine:
         early = use_cache and write_back and not use_blend
         if early:
             with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
-                self._write_back(prompt, hits, cache, namespace, trace)
+                self.writer.write_back(prompt, hits, cache, namespace, trace)
         output = self._decode(cache, logits, max_tokens, trace, stop_ids, on_token, sampler)
         with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
             if fragments and self.tuner is not None:
                 self.tuner.offer(namespace, prompt, logits, percent)
             if use_cache and write_back:
                 # (hits were touched by the early write-back; they all lie in the prompt)
-                self._write_back(prompt + output[:-1], [] if early else hits, cache, namespace, trace,
-                                 exact_until=exact_until,
-                                 segments=segments if use_blend else [], fragments_too=use_blend,
-                                 stored_until=len(prompt) if early else 0)
+                self.writer.write_back(prompt + output[:-1], [] if early else hits, cache, namespace, trace,
+                                       exact_until=exact_until,
+                                       segments=segments if use_blend else [], fragments_too=use_blend,
+                                       stored_until=len(prompt) if early else 0)
             self.traces.append(trace)
             if self.on_trace is not None:
                 self.on_trace(trace)
@@ -345,7 +345,7 @@ class Engine:
         fp = self.fingerprinter(namespace)
         keys = content_keys_at(prompt, offsets, ns_salt=fp.ns_salt, model_key=self.model_key, block_tokens=size)
         candidates: dict[int, Fragment] = {}
-        known = {offset: self._content_index[key] for offset, key in keys.items() if key in self._content_index}
+        known = {offset: self.content_index[key] for offset, key in keys.items() if key in self.content_index}
         if known:
             located = self.store.locate(list({stored for stored, _ in known.values()}))
             for offset, (stored, position) in known.items():
@@ -531,98 +531,7 @@ class Engine:
         trace.output_tokens = len(output)
         return output
 
-    # -- write-back ---------------------------------------------------------------------------
-    def _write_back(self, tokens: list[int], hits: list[Hit], cache: StrataCache, namespace: str, trace: RequestTrace,
-                    *, exact_until: int | None = None, segments: Sequence[tuple[int, int]] = (),
-                    fragments_too: bool = False, stored_until: int = 0) -> None:
-        """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch.
-
-        Only blocks whose KV is exactly what a plain prefill computes (before `exact_until`, the
-        first fused fragment) are stored under their prefix keys. With fragment reuse on, blocks
-        aligned to the request's segments and the blocks after `exact_until` are also stored,
-        under fragment keys that only a content match can find. Blocks ending at or before
-        `stored_until` were stored by an earlier write-back of this request and are skipped."""
-        fp = self.fingerprinter(namespace)
-        fingerprints = fp.blocks(tokens)
-        size = self.layout.block_tokens
-        exact = len(tokens) if exact_until is None else exact_until
-        hit_tiers = {h.key: h.tier for h in hits}
-        registrations: list[BlockRegistration] = []
-        with torch.inference_mode(False):
-            block = self.layout.empty()
-        for print_ in fingerprints:
-            if print_.start + size > exact:
-                break
-            if print_.start + size <= stored_until:
-                continue
-            self._remember_content(print_.content_key, print_.prefix_key, print_.start)
-            self._store_block(print_.prefix_key, print_.content_key, print_.start, cache, block, namespace, trace,
-                              registrations, already=hit_tiers.get(print_.prefix_key))
-        if fragments_too:
-            offsets = segment_windows(segments, block_tokens=size, limit=len(tokens))
-            offsets += [p.start for p in fingerprints if p.start + size > exact]
-            content = content_keys_at(tokens, sorted(set(offsets)), ns_salt=fp.ns_salt, model_key=self.model_key,
-                                      block_tokens=size)
-            for offset, key in content.items():
-                if key in self._content_index:
-                    self._content_index.move_to_end(key)
-                    continue  # a copy of these tokens is kept already
-                stored = fragment_key(ns_salt=fp.ns_salt, model_key=self.model_key, content_key=key, position=offset)
-                if self._store_block(stored, key, offset, cache, block, namespace, trace, registrations, already=None):
-                    self._remember_content(key, stored, offset)
-        self.offload.register(registrations)
-        self.offload.touch(namespace, [h.key for h in hits])
-
-    def _remember_content(self, content_key: uuid.UUID, stored: uuid.UUID, position: int) -> None:
-        self._content_index[content_key] = (stored, position)
-        self._content_index.move_to_end(content_key)
-        while len(self._content_index) > self.options.content_index_entries:
-            self._content_index.popitem(last=False)
-
-    def _store_block(self, key: uuid.UUID, content_key: uuid.UUID, start: int, cache: StrataCache, block: torch.Tensor,
-                     namespace: str, trace: RequestTrace, registrations: list[BlockRegistration], *,
-                     already: str | None) -> bool:
-        """Copy tokens [start, start + block) of every layer into `block` and keep it in the write-back
-        tier (registered) and the device pool; True if some tier holds it afterwards."""
-        size = self.layout.block_tokens
-        target = self.offload.target
-        if already == "device":
-            self._device_touch(key)
-            return True
-        to_target = already is None and not target.contains(key)
-        to_device = self.options.keep_in_device and target.name != "device" and "device" in self.store.names
-        if not to_target and not to_device:
-            return True
-        for layer, (k_dst, v_dst) in enumerate(self.layout.kv_views(block)):
-            keys, values = cache.layer_kv(layer)
-            k_dst.copy_(keys[0, :, start : start + size].transpose(0, 1))
-            v_dst.copy_(values[0, :, start : start + size].transpose(0, 1))
-        if to_device:
-            self._device_put(key, block, namespace)
-        if not to_target:
-            return True
-        if target.name == "device":
-            # L1 is the node's working set, not registered in the directory: LRU within capacity.
-            if self._device_put(key, block, namespace):
-                trace.written_blocks += 1
-            return True
-        registration = self.offload.store_block(key=key, content_key=content_key, position=start,
-                                                namespace=namespace, data=block)
-        if registration is None:
-            return to_device
-        trace.written_blocks += 1
-        registrations.append(registration)
-        return True
-
-    def _device_put(self, key: uuid.UUID, block: torch.Tensor, namespace: str) -> bool:
-        """Keep a copy in the device pool (the working set evicts least recently used blocks, and
-        holds the namespace's priority class to its share)."""
-        return self.working_set.put(key, block, namespace=namespace) if self.working_set is not None else False
-
-    def _device_touch(self, key: uuid.UUID) -> None:
-        if self.working_set is not None:
-            self.working_set.touch(key)
-
+    # -- failed loads -------------------------------------------------------------------------
     def _forget(self, hit: Hit, cause: BaseException, namespace: str) -> None:
         """A hit that could not be loaded. A device copy leaves the working set; a copy that failed
         its checksum (the tier has already dropped its bytes) is quarantined in the directory at

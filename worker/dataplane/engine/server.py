@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping
 from email.message import Message
@@ -19,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
 from worker.dataplane.blend.options import BlendError, check_namespace_key, check_percent
+from worker.dataplane.engine import timelines
 from worker.dataplane.engine.engine import Engine, RequestTrace
 from worker.dataplane.metrics import EngineMetrics
 
@@ -356,6 +358,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802 - the base class's name
+        url = urllib.parse.urlsplit(self.path)
         if self.path == "/v1/models":
             self._send_json(HTTPStatus.OK, {"object": "list", "data": [
                 {"id": self.app.model_name, "object": "model", "created": 0, "owned_by": "strata",
@@ -367,9 +370,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-        elif self.path.startswith("/v1/strata/requests"):
-            traces = [t.as_dict() for t in list(self.app.engine.traces)[-50:]]
-            self._send_json(HTTPStatus.OK, {"node": self.app.node, "requests": traces[::-1]})
+        elif url.path == timelines.PATH:
+            self._send_json(*timelines.requests_answer(url.query, node=self.app.node, traces=self.app.engine.traces))
         elif self.path == "/v1/strata/blend":
             self._send_json(HTTPStatus.OK, self.app.blend_report())
         elif self.path == "/livez":

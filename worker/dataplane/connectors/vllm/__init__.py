@@ -1,0 +1,31 @@
+"""StrataConnector: vLLM's KV connector (v1) backed by Strata's tiers, directory and offload manager.
+
+vLLM loads the connector class by module path and name: `StrataConnectorBase` from this package
+(the node's tiers alone), or `worker.vllm_connector.StrataConnector` (with the fleet's
+directory). vLLM runs the connector twice, in two processes, and each module holds one part:
+
+    connector.py        StrataConnectorBase: vLLM's hooks, each guarded, handed to the half of
+                        the role the process runs
+    scheduler_half.py   the scheduler's half: lookups (never waiting on the database), the
+                        load-or-recompute decision, each step's loads and saves, the request
+                        timelines
+    worker_half.py      the worker's half: layer-wise loads into vLLM's pages, saves from them
+                        into the write-back tier, load errors, the step's measurements
+    metadata.py         what the halves send each other every step (pickled)
+    runtime.py          what a half opens (options, profile, tiers, directory, manager) and the
+                        checks of vLLM's settings
+
+Every hook is guarded: an error inside Strata (database or Redis down, a bug) becomes a miss and
+a log line, never an exception in vLLM's engine loop. The engine must run with
+kv_load_failure_policy "recompute" (a failed load is recomputed, never served, never fatal) and
+one tensor-parallel rank (a block holds every kv head of a layer).
+
+The options are the node's (`dataplane.config`): STRATA_* variables, STRATA_CONFIG_FILE, and the
+connector's kv_connector_extra_config, whose keys are option names and take precedence. The
+package knows no Django: the directory comes from `open_directory`, which the control plane's
+subclass (`worker.vllm_connector.StrataConnector`) provides.
+"""
+
+from worker.dataplane.connectors.vllm.connector import StrataConnectorBase
+
+__all__ = ["StrataConnectorBase"]

@@ -1,0 +1,199 @@
+"""StrataConnectorBase, the KV connector class vLLM loads: each of vLLM's hooks, guarded so that an
+error inside Strata is a miss and a log line, never an exception in vLLM's engine loop, handed
+to the half of the role it runs in (`scheduler_half`, `worker_half`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from worker.dataplane.config import NodeConfig
+from worker.dataplane.connectors.vllm.metadata import StrataMetadata
+from worker.dataplane.connectors.vllm.runtime import (
+    Runtime,
+    check_engine,
+    node_options,
+    profile_for,
+)
+from worker.dataplane.connectors.vllm.scheduler_half import SchedulerHalf
+from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
+from worker.dataplane.directory import Directory
+from worker.dataplane.layout import ModelProfile
+from worker.dataplane.offload import OffloadManager
+from worker.dataplane.store import build_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("strata.vllm")
+
+class StrataConnectorBase(KVConnectorBase_V1):
+    """The KV connector. Subclasses give it the fleet's directory (`open_directory`); without one,
+    it serves from the node's tiers alone (the remote tier asked directly)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_engine(vllm_config)
+        config = node_options(self._kv_transfer_config.kv_connector_extra_config or {})
+        profile = profile_for(vllm_config, config.block_tokens)
+        self.runtime = self._open(config, profile, role)
+        self.scheduler: SchedulerHalf | None = None
+        self.worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerHalf(self.runtime, page_tokens=vllm_config.cache_config.block_size)
+            self.scheduler.serve_status()
+        else:
+            self.worker = WorkerHalf(self.runtime)
+        log.info("StrataConnector (%s) for %s on node %s: tiers %s, write-back to %s, directory %s",
+                 role.name.lower(), profile.model_id, config.node_name, ",".join(self.runtime.store.names),
+                 self.runtime.manager.write_back_tier, "on" if self.runtime.directory is not None else "off")
+
+    def _open(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Runtime:
+        tiers = [name for name in config.tiers if name != "device"]  # vLLM's pages are L1
+        if not tiers:
+            raise ValueError("StrataConnector: tiers lists no tier below L1 (host, disk or remote)")
+        config = dataclasses.replace(config, tiers=type(config.tiers)(tiers))
+        directory = self.open_directory(config, profile, role)
+        try:
+            store = build_store(config, profile=profile, environ=self.store_environ())
+        except BaseException:
+            if directory is not None:
+                directory.close()
+            raise
+        write_back = "host" if "host" in store.names else store.names[0]
+        manager = OffloadManager(store=store, profile=profile, node=config.node_name, directory=directory,
+                                 write_back_tier=write_back)
+        return Runtime(config=config, profile=profile, store=store, directory=directory, manager=manager)
+
+    # -- hooks for the control plane's subclass ---------------------------------------------------
+    def open_directory(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Directory | None:
+        """The fleet's block directory (None: the node's tiers alone)."""
+        return None
+
+    def store_environ(self) -> Mapping[str, str] | None:
+        """Environment the tiers are built from (None: this process's)."""
+        return None
+
+    # -- scheduler -----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        try:
+            return self.scheduler.matched_tokens(request, num_computed_tokens), False
+        except Exception:  # noqa: BLE001 - a failing lookup is a miss, never an engine error
+            log.exception("request %s: lookup failed, recomputing", request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.allocated(request, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        assert self.scheduler is not None
+        try:
+            return self.scheduler.hit_sources(request, num_external_tokens)
+        except Exception:  # noqa: BLE001 - statistics only
+            log.exception("request %s: hit sources unknown", request.request_id)
+            return {}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        try:
+            return self.scheduler.build(scheduler_output)
+        except Exception:  # noqa: BLE001 - a step without Strata work: requests promised a load are
+            # then not loaded, and vLLM recomputes them (no load means no pages filled: see
+            # WorkerHalf._settle, which fails a load whose layers never arrived).
+            log.exception("building this step's connector work failed")
+            return StrataMetadata()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        try:
+            self.scheduler.update(connector_output)
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            log.exception("the worker's report could not be read")
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        try:
+            self.scheduler.finished(request)
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            log.exception("request %s: end not recorded", request.request_id)
+        return False, None
+
+    # -- worker --------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        assert self.worker is not None
+        context = self._vllm_config.compilation_config.static_forward_context
+        backends = {name: context[name].attn_backend.get_name() for name in kv_caches}
+        self.worker.register(kv_caches, backends, extract_layer_index)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, StrataMetadata):
+            self.worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self.worker is not None
+        self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Layer-wise saves copy the layer now (on a GPU); otherwise the step's full blocks are
+        gathered once the forward pass is done (wait_for_save), straight into the write-back tier."""
+        assert self.worker is not None
+        try:
+            self.worker.save_layer(layer_name)
+        except Exception:  # noqa: BLE001 - a save that fails is a future miss, never an engine error
+            log.exception("layer %s of this step's blocks was not saved", layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        try:
+            self.worker.finish_step()
+        except Exception:  # noqa: BLE001 - a save that fails is a future miss, never an engine error
+            log.exception("this step's blocks were not saved")
+        finally:
+            self.worker.meta = None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.take_invalid()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self.worker is not None
+        try:
+            return self.worker.take_report()
+        except Exception:  # noqa: BLE001 - statistics only
+            log.exception("the step's report could not be built")
+            return None
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+        self.runtime.close()

@@ -1,0 +1,89 @@
+"""What the connector's two halves tell each other, pickled between vLLM's processes: each step's
+work, scheduler -> worker (`StrataMetadata`: the loads and saves), and what the step measured,
+worker -> scheduler (`StrataWorkerMeta`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """Load tokens [start, end) of a request into its pages: they lie in the blocks `keys`, which
+    are the request's blocks first_block, first_block + 1, ... (in `tiers`)."""
+
+    request_id: str
+    namespace: str
+    keys: list[uuid.UUID]
+    tiers: list[str]
+    first_block: int
+    start: int
+    end: int
+    pages: list[int]
+
+
+@dataclasses.dataclass
+class SaveSpec:
+    """Save full blocks of a request from its pages: (index in the request, prefix key, content key)."""
+
+    request_id: str
+    namespace: str
+    blocks: list[tuple[int, uuid.UUID, uuid.UUID]]
+    pages: list[int]
+
+
+@dataclasses.dataclass
+class StrataMetadata(KVConnectorMetadata):
+    """One step's work for the worker half."""
+
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    prefills_done: list[str] = dataclasses.field(default_factory=list)
+    """Requests whose prefill this step completes (echoed back: their first token is out then)."""
+    scheduled_tokens: int = 0
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """How one request's load went, as the worker saw it."""
+
+    stalls: list[float]
+    loaded_at: list[float]
+    load_s: float
+    tier_loads: list[tuple[str, int, float]]
+    blocks_by_tier: dict[str, int]
+    failure: str = ""
+
+
+@dataclasses.dataclass
+class StrataWorkerMeta(KVConnectorWorkerMetadata):
+    """One step's results, from the worker half back to the scheduler half."""
+
+    loads: dict[str, LoadReport] = dataclasses.field(default_factory=dict)
+    saved: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefills_done: list[str] = dataclasses.field(default_factory=list)
+    prefill: tuple[int, float] | None = None
+    """(tokens, seconds) of a step that loaded nothing: what the prefill speed is learned from."""
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The worker's counters since its last report (loads, hits, write-back, quarantines)."""
+    store_events: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Its store's tier events since its last report (corrupt, unavailable, ...)."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, StrataWorkerMeta):
+            return self
+        self.loads.update(other.loads)
+        for name, count in other.saved.items():
+            self.saved[name] = self.saved.get(name, 0) + count
+        self.prefills_done.extend(r for r in other.prefills_done if r not in self.prefills_done)
+        self.prefill = self.prefill or other.prefill
+        for mine, theirs in ((self.counts, other.counts), (self.store_events, other.store_events)):
+            for name, count in theirs.items():
+                mine[name] = mine.get(name, 0) + count
+        return self

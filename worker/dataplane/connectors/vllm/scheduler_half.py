@@ -1,0 +1,395 @@
+"""The connector's scheduler half: what each request can load from Strata and what each step saves.
+
+    get_num_new_matched_tokens: fingerprint the request (our chained, salted keys; the namespace
+    from kv_transfer_params' strata_namespace, else cache_salt, else default), find its blocks in
+    the node's tiers, then with one batched directory lookup; answer None ("ask again next step")
+    while that lookup is in flight, so the scheduler loop never waits on the database. The
+    offload manager decides load or recompute.
+    build_connector_meta: per scheduled request, the blocks to load this step (tokens, keys,
+    tiers, pages) and the full blocks its step completes, to save.
+    update_connector_output: the worker's step report folds into the request timelines and the
+    speed estimates; the timelines and the metrics are served by `connectors.status`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import re
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import GaugeMetricFamily
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from worker.dataplane.connectors.status import StatusServer
+from worker.dataplane.connectors.vllm.metadata import (
+    LoadSpec,
+    SaveSpec,
+    StrataMetadata,
+    StrataWorkerMeta,
+)
+from worker.dataplane.connectors.vllm.runtime import Runtime
+from worker.dataplane.counters import Counters
+from worker.dataplane.directory import DirectoryUnavailable
+from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
+from worker.dataplane.metrics import EngineMetrics
+from worker.dataplane.offload import Decision, Hit, RequestTrace, TierLoad
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("strata.vllm")
+
+DEFAULT_NAMESPACE = "default"
+NAMESPACE_PARAM = "strata_namespace"
+"""The key of kv_transfer_params naming a request's namespace (else its cache_salt names it)."""
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+HIT_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+"""vLLM's name for the tier that served a hit (it has none for a distributed store)."""
+
+
+def namespace_of(request: Request) -> str:
+    """The namespace a request's blocks belong to: kv_transfer_params' strata_namespace, else
+    its cache_salt, else the default. ValueError naming the value when it is not a namespace name."""
+    params = request.kv_transfer_params or {}
+    name = params.get(NAMESPACE_PARAM) if isinstance(params, Mapping) else None
+    name = name or request.cache_salt or DEFAULT_NAMESPACE
+    if not isinstance(name, str) or not _NAMESPACE_RE.match(name):
+        raise ValueError(f"namespace {name!r} (kv_transfer_params.{NAMESPACE_PARAM} or cache_salt) must be 1-63 "
+                         f"letters, digits, '.', '_' or '-'")
+    return name
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a lookup found for a request: its blocks' keys, how many leading blocks some tier
+    holds, and the hits the manager decided to load."""
+
+    fingerprints: list[BlockFingerprint]
+    held: int
+    hits: list[Hit]
+    decision: Decision
+    lookup_s: float
+
+
+@dataclasses.dataclass
+class Tracked:
+    """A request as the scheduler's half follows it, from its first lookup to its end."""
+
+    request: Request
+    namespace: str | None
+    trace: RequestTrace
+    fingerprints: list[BlockFingerprint] = dataclasses.field(default_factory=list)
+    plan: Plan | None = None
+    pending: Future[Plan] | None = None
+    load_tokens: int = 0
+    load: LoadSpec | None = None
+    stored: int = 0
+    """Leading blocks known to be stored (held before, or saved since)."""
+    pages: list[int] = dataclasses.field(default_factory=list)
+    scheduled: bool = False
+    first_step_at: float = 0.0
+    prefilled: bool = False
+
+
+class SchedulerHalf:
+    """Decides, per request, what vLLM can load from Strata and what to save."""
+
+    def __init__(self, runtime: Runtime, *, page_tokens: int) -> None:
+        self.runtime = runtime
+        self.manager = runtime.manager
+        self.block_tokens = runtime.profile.block_tokens
+        if self.block_tokens % page_tokens:
+            raise ValueError(f"StrataConnector: vLLM's block size {page_tokens} must divide Strata's block_tokens "
+                             f"{self.block_tokens}")
+        self.requests: dict[str, Tracked] = {}
+        self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
+        self.lookups = ThreadPoolExecutor(2, thread_name_prefix="strata-lookup")
+        self.worker_store_events = Counters()
+        self.metrics = EngineMetrics(self.manager, runtime.config.node_name, model=runtime.profile.model_id,
+                                     store_events=self.worker_store_events)
+        self.metrics.registry.register(_Followed(self))
+        self.server: StatusServer | None = None
+
+    def serve_status(self) -> None:
+        config = self.runtime.config
+        self.server = StatusServer(metrics=self.metrics, traces=lambda: list(self.traces), node=config.node_name,
+                                   host=config.serve_host, port=config.node_status_port).start()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.lookups.shutdown(wait=False, cancel_futures=True)
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def _track(self, request: Request) -> Tracked:
+        tracked = self.requests.get(request.request_id)
+        if tracked is None:
+            trace = RequestTrace(request_id=request.request_id, namespace="", prompt_tokens=request.num_prompt_tokens,
+                                 started_at=float(request.arrival_time))
+            namespace: str | None = None
+            if request.prompt_token_ids is None or request.mm_features:
+                log.debug("request %s: prompt embeddings or media are not cached", request.request_id)
+            else:
+                try:
+                    namespace = namespace_of(request)
+                except ValueError as exc:
+                    log.warning("request %s runs without the cache: %s", request.request_id, exc)
+                    self.manager.counters.add("lookup_failures")
+            trace.namespace = namespace or ""
+            tracked = Tracked(request=request, namespace=namespace, trace=trace)
+            self.requests[request.request_id] = tracked
+        return tracked
+
+    def matched_tokens(self, request: Request, computed: int) -> int | None:
+        """Tokens beyond `computed` (vLLM's own prefix cache) that Strata can load; None while the
+        lookup is still running."""
+        tracked = self._track(request)
+        if tracked.namespace is None:
+            return 0
+        if tracked.scheduled:
+            # Preempted and back: its pages are gone and its tokens grew; look it up anew.
+            tracked.plan, tracked.scheduled, tracked.load, tracked.load_tokens = None, False, None, 0
+        if tracked.plan is None:
+            if tracked.pending is None:
+                tracked.pending = self._start_lookup(tracked)
+            if not tracked.pending.done():
+                return None
+            tracked.plan, tracked.pending = tracked.pending.result(), None
+            self._record_plan(tracked)
+        hit_tokens = min(len(tracked.plan.hits) * self.block_tokens, request.num_tokens - 1)
+        return max(0, hit_tokens - computed)
+
+    def _start_lookup(self, tracked: Tracked) -> Future[Plan]:
+        """The lookup, here if it needs no round trip (the salt is known and the node's own tiers
+        answer for every block, or there is nothing remote to ask), else on a lookup thread."""
+        tokens = list(tracked.request.all_token_ids)
+        namespace = tracked.namespace
+        assert namespace is not None
+        manager = self.manager
+        if manager.knows_salt(namespace):
+            fingerprints = manager.fingerprints(tokens, namespace)
+            found = manager.locate_local([fp.prefix_key for fp in fingerprints])
+            if manager.first_miss(fingerprints, found) == len(fingerprints) or "remote" not in manager.store.names:
+                done: Future[Plan] = Future()
+                done.set_result(self._plan(tracked, fingerprints, found, time.perf_counter()))
+                return done
+        return self.lookups.submit(self._lookup, tracked, tokens, time.perf_counter())
+
+    def _lookup(self, tracked: Tracked, tokens: list[int], started: float) -> Plan:
+        namespace = tracked.namespace
+        assert namespace is not None
+        try:
+            fingerprints = self.manager.fingerprints(tokens, namespace)
+            found = self.manager.locate_local([fp.prefix_key for fp in fingerprints])
+            rest = fingerprints[self.manager.first_miss(fingerprints, found):]
+            found.update(self.manager.locate_remote([fp.prefix_key for fp in rest], namespace))
+        except (DirectoryUnavailable, ValueError) as exc:  # the database is down; an unknown namespace
+            log.warning("request %s runs without the cache: %s", tracked.request.request_id, exc)
+            self.manager.counters.add("lookup_failures")
+            return Plan([], 0, [], Decision("no-hit"), time.perf_counter() - started)
+        except Exception:  # noqa: BLE001 - a lookup that fails is a miss, never an engine error
+            log.exception("request %s: lookup failed, recomputing", tracked.request.request_id)
+            self.manager.counters.add("lookup_failures")
+            return Plan([], 0, [], Decision("no-hit"), time.perf_counter() - started)
+        return self._plan(tracked, fingerprints, found, started)
+
+    def _plan(self, tracked: Tracked, fingerprints: list[BlockFingerprint], found: dict[uuid.UUID, str],
+              started: float) -> Plan:
+        held = self.manager.prefix_hits(fingerprints, found)
+        hits, decision = self.manager.decide(list(held), prompt_tokens=tracked.request.num_tokens,
+                                             request=tracked.request.request_id)
+        return Plan(fingerprints, len(held), hits, decision, time.perf_counter() - started)
+
+    def _record_plan(self, tracked: Tracked) -> None:
+        plan = tracked.plan
+        assert plan is not None
+        tracked.fingerprints = plan.fingerprints
+        tracked.stored = plan.held
+        tracked.trace.decision = plan.decision.choice
+        tracked.trace.lookup_s = plan.lookup_s
+        self.manager.counters.add("lookup_tokens", tracked.request.num_tokens)
+
+    def allocated(self, request: Request, external: int) -> None:
+        tracked = self.requests.get(request.request_id)
+        if tracked is not None:
+            tracked.load_tokens = external
+
+    def hit_sources(self, request: Request, external: int) -> dict[CacheHitSource, int]:
+        tracked = self.requests.get(request.request_id)
+        if tracked is None or tracked.plan is None or external <= 0:
+            return {}
+        sources: collections.Counter[CacheHitSource] = collections.Counter()
+        end = min(len(tracked.plan.hits) * self.block_tokens, tracked.request.num_tokens - 1)
+        start = end - external
+        for hit in tracked.plan.hits:
+            lo, hi = max(start, hit.index * self.block_tokens), min(end, (hit.index + 1) * self.block_tokens)
+            if hi > lo:
+                sources[HIT_SOURCES.get(hit.tier, CacheHitSource.EXTERNAL_UNSPECIFIED)] += hi - lo
+        return dict(sources)
+
+    # -- each step -------------------------------------------------------------------------------
+    def build(self, output: SchedulerOutput) -> StrataMetadata:
+        meta = StrataMetadata(scheduled_tokens=output.total_num_scheduled_tokens)
+        for new in output.scheduled_new_reqs:
+            tracked = self.requests.get(new.req_id)
+            if tracked is not None:
+                tracked.pages = list(new.block_ids[0])
+                self._step(tracked, new.num_computed_tokens, output.num_scheduled_tokens[new.req_id], meta)
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self.requests.get(req_id)
+            if tracked is None:
+                continue
+            added = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.pages = list(added[0]) if added is not None else []
+            elif added is not None:
+                tracked.pages.extend(added[0])
+            self._step(tracked, cached.num_computed_tokens[i], output.num_scheduled_tokens[req_id], meta)
+        return meta
+
+    def _step(self, tracked: Tracked, computed: int, scheduled: int, meta: StrataMetadata) -> None:
+        request, size = tracked.request, self.block_tokens
+        if not tracked.scheduled:
+            tracked.scheduled = True
+            tracked.first_step_at = time.time()
+            tracked.trace.cached_tokens = computed  # vLLM's own prefix cache and what Strata loads
+        if tracked.load_tokens > 0 and tracked.plan is not None and tracked.namespace is not None:
+            start, end = computed - tracked.load_tokens, computed
+            first, last = start // size, -(-end // size)
+            hits = tracked.plan.hits[first:last]
+            tracked.load = LoadSpec(request_id=request.request_id, namespace=tracked.namespace,
+                                    keys=[h.key for h in hits], tiers=[h.tier for h in hits], first_block=first,
+                                    start=start, end=end, pages=list(tracked.pages))
+            meta.loads.append(tracked.load)
+            tracked.trace.prefix_tokens = end - start
+            tracked.trace.hit_blocks_by_tier = dict(collections.Counter(h.tier for h in hits))
+            self.manager.touch(tracked.namespace, [h.key for h in hits])
+            tracked.load_tokens = 0
+        done = min(computed + scheduled, request.num_tokens)
+        full = done // size
+        if tracked.namespace is not None and full > tracked.stored:
+            fingerprints = self._fingerprints(tracked, full)
+            if fingerprints is not None:
+                meta.saves.append(SaveSpec(
+                    request_id=request.request_id, namespace=tracked.namespace, pages=list(tracked.pages),
+                    blocks=[(fp.index, fp.prefix_key, fp.content_key) for fp in fingerprints[tracked.stored:full]]))
+                tracked.stored = full
+        if not tracked.prefilled and done >= request.num_prompt_tokens:
+            tracked.prefilled = True
+            meta.prefills_done.append(request.request_id)
+
+    def _fingerprints(self, tracked: Tracked, blocks: int) -> list[BlockFingerprint] | None:
+        """The request's first `blocks` block keys (its output tokens too, as they grow)."""
+        have = tracked.fingerprints
+        if len(have) < blocks:
+            assert tracked.namespace is not None
+            try:
+                fingerprinter = self.manager.fingerprinter(tracked.namespace)
+            except DirectoryUnavailable as exc:
+                log.warning("request %s: blocks not saved: %s", tracked.request.request_id, exc)
+                return None
+            tokens = list(tracked.request.all_token_ids)
+            have.extend(_continue(fingerprinter, have, tokens, blocks))
+        return have
+
+    def update(self, output: KVConnectorOutput) -> None:
+        """Fold one step's worker report into the request timelines and the estimates."""
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, StrataWorkerMeta):
+            return
+        now = time.time()
+        manager = self.manager
+        for name, count in meta.counts.items():
+            manager.counters.add(name, count)
+        for name, count in meta.store_events.items():
+            self.worker_store_events.add(name, count)
+        if meta.prefill is not None:
+            manager.observe_prefill(*meta.prefill)
+        for request_id, report in meta.loads.items():
+            manager.observe_load(TierLoad(tier, nbytes, seconds) for tier, nbytes, seconds in report.tier_loads)
+            tracked = self.requests.get(request_id)
+            trace = tracked.trace if tracked is not None else self._finished_trace(request_id)
+            if trace is None:
+                continue
+            trace.layer_stall_s, trace.layer_loaded_at_s, trace.load_s = report.stalls, report.loaded_at, report.load_s
+            if report.failure:
+                if tracked is not None and tracked.load is not None:
+                    # vLLM recomputes the loaded range: its blocks are saved again as they complete.
+                    tracked.stored = min(tracked.stored, tracked.load.first_block)
+                trace.load_failures += 1
+                trace.prefix_tokens = 0
+                trace.cached_tokens = 0
+                trace.hit_blocks_by_tier = {}
+        for request_id, count in meta.saved.items():
+            trace = self._trace(request_id)
+            if trace is not None:
+                trace.written_blocks += count
+        for request_id in meta.prefills_done:
+            tracked = self.requests.get(request_id)
+            trace = tracked.trace if tracked is not None else self._finished_trace(request_id)
+            if trace is not None and not trace.ttft_s:
+                trace.ttft_s = max(0.0, now - trace.started_at)
+                if tracked is not None and tracked.first_step_at:
+                    trace.prefill_s = max(0.0, now - tracked.first_step_at)
+
+    def _trace(self, request_id: str) -> RequestTrace | None:
+        tracked = self.requests.get(request_id)
+        return tracked.trace if tracked is not None else self._finished_trace(request_id)
+
+    def _finished_trace(self, request_id: str) -> RequestTrace | None:
+        # A step's report can arrive after its request finished (the last step of a short answer).
+        for trace in reversed(self.traces):
+            if trace.request_id == request_id:
+                return trace
+        return None
+
+    def finished(self, request: Request) -> None:
+        tracked = self.requests.pop(request.request_id, None)
+        if tracked is None:
+            return
+        if tracked.pending is not None:
+            tracked.pending.cancel()
+        trace = tracked.trace
+        trace.output_tokens = request.num_output_tokens
+        reason = request.get_finished_reason()
+        trace.finish_reason = str(reason) if reason is not None else "abort"
+        if trace.ttft_s:
+            trace.decode_s = max(0.0, time.time() - trace.started_at - trace.ttft_s)
+        self.traces.append(trace)
+
+
+class _Followed:
+    """Gauges of the scheduler half's own state: what it follows now (nothing once vLLM is idle)."""
+
+    def __init__(self, half: SchedulerHalf) -> None:
+        self.half = half
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        node = self.half.runtime.config.node_name
+        tracked = list(self.half.requests.values())
+        followed = GaugeMetricFamily("strata_connector_requests", "Requests the vLLM connector follows (from their "
+                                     "first lookup to their end).", labels=["node"])
+        followed.add_metric([node], len(tracked))
+        pending = GaugeMetricFamily("strata_connector_lookups_in_flight", "Lookups of the vLLM connector waiting on "
+                                    "the directory or the remote tier.", labels=["node"])
+        pending.add_metric([node], sum(1 for t in tracked if t.pending is not None))
+        yield from (followed, pending)
+
+
+def _continue(fingerprinter: Fingerprinter, have: Sequence[BlockFingerprint], tokens: Sequence[int],
+              blocks: int) -> list[BlockFingerprint]:
+    """The keys of blocks len(have) .. blocks - 1 of `tokens`, chained onto `have`."""
+    size = fingerprinter.block_tokens
+    start = len(have) * size
+    more = fingerprinter.blocks(tokens[start:blocks * size], parent=have[-1].prefix_key if have else None)
+    return [dataclasses.replace(fp, index=fp.index + len(have), start=fp.start + start) for fp in more]

@@ -1,0 +1,329 @@
+"""The connector's worker half: moves the bytes between vLLM's pages and Strata's tiers.
+
+    start_load_kv: one layer-wise loader per request (layer 0 of every hit block, then layer 1,
+    ...); wait_for_layer_load(layer) waits for that layer only, then scatters it into vLLM's
+    pages (one copy); the wait is the layer's stall.
+    wait_for_save: the new full blocks, gathered from the pages straight into the write-back tier
+    (the host pool's slot: one copy, then hashed), registered in one batch behind the request
+    path. A load that failed (a block corrupt or vanished) reports its pages
+    (get_block_ids_with_load_errors): vLLM recomputes them.
+    build_connector_worker_meta: what the step measured (stalls, tier speeds, prefill speed,
+    counters), back to the scheduler half.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from worker.dataplane.checksum import BlockChecksum
+from worker.dataplane.connectors.pages import PagedKV, layout_of
+from worker.dataplane.connectors.vllm.metadata import (
+    LoadReport,
+    LoadSpec,
+    SaveSpec,
+    StrataMetadata,
+    StrataWorkerMeta,
+)
+from worker.dataplane.connectors.vllm.runtime import Runtime
+from worker.dataplane.engine.cache import LoadFailed
+from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
+from worker.dataplane.offload import Hit
+
+log = logging.getLogger("strata.vllm")
+
+@dataclasses.dataclass
+class PendingSave:
+    """A block being gathered layer by layer as the forward pass writes it (layer-wise saves)."""
+
+    spec: SaveSpec
+    index: int
+    key: uuid.UUID
+    content_key: uuid.UUID
+    buffer: torch.Tensor
+    layers: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class ActiveLoad:
+    spec: LoadSpec
+    loader: LayerLoader
+    buffers: PrefixBuffers
+    stalls: list[float]
+    failure: LoadFailed | None = None
+    scattered: int = 0
+
+
+class WorkerHalf:
+    """Moves the bytes: loads into vLLM's pages layer by layer, saves full blocks from them.
+
+    Saves take one of two paths. On the CPU each new block is gathered from the pages straight
+    into its slot of the host pool once the forward pass is done (one copy, then hashed). On a GPU
+    (`layerwise_saves`) each layer is copied as soon as its attention has written it, on a stream
+    of its own that waits for that layer only (an event per layer), into pinned host memory, so
+    the copies overlap the layers still computing; once the step is done the blocks are
+    verified into the write-back tier."""
+
+    def __init__(self, runtime: Runtime, *, layerwise_saves: bool | None = None) -> None:
+        self.runtime = runtime
+        self.layerwise_saves = layerwise_saves
+        """None: decided when the KV caches register (layer-wise where they live on a GPU)."""
+        self.pending: list[PendingSave] | None = None
+        self._stream: Any = None
+        self._free_buffers: list[torch.Tensor] = []
+        self.manager = runtime.manager
+        self.layout = runtime.profile.layout
+        self.paged: PagedKV | None = None
+        self.layer_of: dict[str, int] = {}
+        self.meta: StrataMetadata | None = None
+        self.loads: list[ActiveLoad] = []
+        self.invalid: set[int] = set()
+        self.report = StrataWorkerMeta()
+        self.step_started = 0.0
+        self._shipped_counts: dict[str, int] = {}
+        self._shipped_events: dict[str, int] = {}
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor], backends: Mapping[str, str],
+                 layer_index: Callable[[str], int]) -> None:
+        names = sorted(kv_caches, key=layer_index)
+        kinds = {layout_of(backends[name]) for name in names}
+        if len(kinds) != 1:
+            raise ValueError(f"StrataConnector: the layers use different attention backends ({sorted(set(backends.values()))})")
+        self.paged = PagedKV([kv_caches[name] for name in names], kind=kinds.pop(), layout=self.layout)
+        self.layer_of = {name: i for i, name in enumerate(names)}
+        if self.layerwise_saves is None:
+            self.layerwise_saves = self.paged.device.type == "cuda"
+        if self.paged.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.paged.device)
+        log.info("StrataConnector: %d layers of %d-token pages (%s layout, %s) as %s blocks",
+                 len(names), self.paged.page_tokens, self.paged.kind, self.paged.device, self.layout.describe())
+
+    def bind(self, meta: StrataMetadata) -> None:
+        self.meta = meta
+        self.pending = None
+        self.step_started = time.perf_counter()
+
+    def start_loads(self) -> None:
+        meta, paged = self.meta, self.paged
+        if meta is None or paged is None:
+            return
+        for spec in meta.loads:
+            try:
+                hits = [Hit(index=spec.first_block + i, key=key, tier=tier)
+                        for i, (key, tier) in enumerate(zip(spec.keys, spec.tiers, strict=True))]
+                with torch.inference_mode(False):
+                    buffers = PrefixBuffers(layout=self.layout, blocks=len(hits), device=paged.device)
+                loader = LayerLoader(store=self.manager.store, hits=hits, buffers=buffers).start()
+            except Exception as exc:  # noqa: BLE001 - a load that cannot start is recomputed
+                log.exception("request %s: load could not start, recomputing", spec.request_id)
+                self._invalidate(spec)
+                self.report.loads[spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=str(exc))
+                continue
+            self.loads.append(ActiveLoad(spec, loader, buffers, [0.0] * self.layout.layers))
+
+    def wait_layer(self, layer_name: str) -> None:
+        if not self.loads or self.paged is None:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is None:
+            return
+        for load in self.loads:
+            if load.failure is not None:
+                continue
+            spec = load.spec
+            try:
+                load.stalls[layer] = load.loader.gates[layer].wait()
+                self.paged.scatter(layer, load.buffers.typed[layer], first_block=spec.first_block, start=spec.start,
+                                   end=spec.end, pages=spec.pages)
+                load.scattered += 1
+            except LoadFailed as failure:
+                self._fail(load, failure)
+            except Exception as exc:  # noqa: BLE001 - never an engine error: the pages are recomputed
+                log.exception("request %s: load failed at layer %d", spec.request_id, layer)
+                self._fail(load, LoadFailed(layer, 0, exc))
+
+    def save_layer(self, layer_name: str) -> None:
+        """Layer-wise saves: copy this layer of every block the step completes, now that its
+        attention has written it."""
+        meta, paged = self.meta, self.paged
+        if not self.layerwise_saves or meta is None or not meta.saves or paged is None:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is None:
+            return
+        if self.pending is None:
+            self.pending = self._pending(meta.saves)
+        if not self.pending:
+            return
+        stream = self._stream
+        if stream is not None:
+            written = torch.cuda.Event()
+            written.record()  # on the compute stream, after this layer's attention
+            stream.wait_event(written)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for save in self.pending:
+                k_dst, v_dst = self.layout.kv_views(save.buffer)[layer]
+                paged.gather_layer(layer, k_dst, v_dst, index=save.index, pages=save.spec.pages,
+                                   non_blocking=stream is not None)
+                save.layers.add(layer)
+
+    def _pending(self, saves: Sequence[SaveSpec]) -> list[PendingSave]:
+        pending = []
+        for spec in saves:
+            try:
+                held = self.manager.holds([key for _, key, _ in spec.blocks])
+            except Exception as exc:  # noqa: BLE001 - a tier that cannot answer takes no write either
+                log.warning("request %s: blocks not saved: %s", spec.request_id, exc)
+                continue
+            for (index, key, content_key), have in zip(spec.blocks, held, strict=True):
+                if not have:
+                    pending.append(PendingSave(spec, index, key, content_key, self._buffer()))
+        return pending
+
+    def _buffer(self) -> torch.Tensor:
+        if self._free_buffers:
+            return self._free_buffers.pop()
+        with torch.inference_mode(False):
+            return self.layout.empty(pin=self._stream is not None)
+
+    def _fail(self, load: ActiveLoad, failure: LoadFailed) -> None:
+        load.failure = failure
+        load.loader.cancel()
+        spec = load.spec
+        self._invalidate(spec)
+        self.manager.counters.add("load_failures")
+        if failure.block_index < len(spec.keys):
+            self.manager.quarantine(spec.keys[failure.block_index], failure.cause, spec.namespace)
+        log.warning("request %s: load failed (%s); vLLM recomputes its %d tokens", spec.request_id, failure,
+                    spec.end - spec.start)
+
+    def _invalidate(self, spec: LoadSpec) -> None:
+        """Every page the load was to fill: vLLM recomputes from the first of them."""
+        assert self.paged is not None
+        n = self.paged.page_tokens
+        self.invalid.update(spec.pages[spec.start // n:-(-spec.end // n)])
+
+    def finish_step(self) -> None:
+        """After the forward pass: settle the loads, then save the step's new full blocks."""
+        meta = self.meta
+        if meta is None:
+            return
+        for load in self.loads:
+            self._settle(load)
+        self.loads = []
+        if self.layerwise_saves:
+            self._commit_layerwise()
+        elif meta.saves and self.paged is not None:
+            self._save(meta.saves)
+        forward_s = time.perf_counter() - self.step_started
+        if not meta.loads and meta.scheduled_tokens >= self.layout.block_tokens:
+            self.report.prefill = (meta.scheduled_tokens, forward_s)
+        self.report.prefills_done.extend(meta.prefills_done)
+
+    def _settle(self, load: ActiveLoad) -> None:
+        loader, spec = load.loader, load.spec
+        loader.join()
+        if load.failure is None and load.scattered < self.layout.layers:
+            # A layer the model never asked for (a step without attention metadata): not loaded.
+            self._fail(load, LoadFailed(load.scattered, 0, RuntimeError("layers were not loaded in this step")))
+        blocks = dict(collections.Counter(spec.tiers))
+        report = LoadReport(
+            stalls=load.stalls, loaded_at=[t.finished - loader.started_at for t in loader.timings],
+            load_s=max(0.0, loader.finished_at - loader.started_at),
+            tier_loads=[(t.tier, t.bytes, t.seconds) for t in loader.tier_loads()], blocks_by_tier=blocks,
+            failure="" if load.failure is None else str(load.failure))
+        self.report.loads[spec.request_id] = report
+        if load.failure is None:
+            tokens = spec.end - spec.start
+            self.manager.counters.add("hit_tokens", tokens)
+            self.manager.counters.add("reused_tokens.prefix", tokens)
+            for tier, count in blocks.items():
+                self.manager.counters.add(f"hit_blocks.{tier}", count)
+
+    def _save(self, saves: Sequence[SaveSpec]) -> None:
+        manager, paged = self.manager, self.paged
+        assert paged is not None
+        registrations = []
+        for spec in saves:
+            keys = [key for _, key, _ in spec.blocks]
+            try:
+                held = manager.holds(keys)
+            except Exception as exc:  # noqa: BLE001 - a tier that cannot answer takes no write either
+                log.warning("request %s: blocks not saved: %s", spec.request_id, exc)
+                continue
+            written = 0
+            for (index, key, content_key), have in zip(spec.blocks, held, strict=True):
+                if have:
+                    continue
+                registration = manager.store_block(
+                    key=key, content_key=content_key, position=index * self.layout.block_tokens,
+                    namespace=spec.namespace, fill=self._filler(key, index, spec.pages))
+                if registration is not None:
+                    registrations.append(registration)
+                    written += 1
+            if written:
+                self.report.saved[spec.request_id] = self.report.saved.get(spec.request_id, 0) + written
+        manager.register(registrations)
+
+    def _commit_layerwise(self) -> None:
+        """Store the blocks gathered layer by layer in this step (once their copies are done)."""
+        pending, self.pending = self.pending or [], None
+        if not pending:
+            return
+        if self._stream is not None:
+            self._stream.synchronize()
+        registrations = []
+        for save in pending:
+            if len(save.layers) == self.layout.layers:
+                registration = self.manager.store_block(
+                    key=save.key, content_key=save.content_key, position=save.index * self.layout.block_tokens,
+                    namespace=save.spec.namespace, data=save.buffer)
+                if registration is not None:
+                    registrations.append(registration)
+                    self.report.saved[save.spec.request_id] = self.report.saved.get(save.spec.request_id, 0) + 1
+            else:  # a layer the model never handed over (a step without attention metadata)
+                self.manager.counters.add("write_back.incomplete")
+            self._free_buffers.append(save.buffer)
+        self.manager.register(registrations)
+
+    def _filler(self, key: uuid.UUID, index: int, pages: list[int]) -> Callable[[torch.Tensor], BlockChecksum]:
+        paged, layout = self.paged, self.layout
+        assert paged is not None
+        hasher = self.manager.target.engine  # the write-back tier's checksum engine
+
+        def fill(block: torch.Tensor) -> BlockChecksum:
+            paged.gather(block, index=index, pages=pages)
+            checksum = hasher.checksum(key, block, layout)
+            assert isinstance(checksum, BlockChecksum)  # a whole block
+            return checksum
+
+        return fill
+
+    def take_invalid(self) -> set[int]:
+        invalid, self.invalid = self.invalid, set()
+        return invalid
+
+    def take_report(self) -> StrataWorkerMeta | None:
+        report, self.report = self.report, StrataWorkerMeta()
+        report.counts = _delta(self.manager.counters.snapshot(), self._shipped_counts)
+        report.store_events = _delta(self.manager.store.stats(), self._shipped_events)
+        if not (report.loads or report.saved or report.prefills_done or report.prefill or report.counts
+                or report.store_events):
+            return None
+        return report
+
+
+def _delta(now: dict[str, int], shipped: dict[str, int]) -> dict[str, int]:
+    """What grew since `shipped` (which becomes `now`)."""
+    grown = {name: value - shipped.get(name, 0) for name, value in now.items() if value != shipped.get(name, 0)}
+    shipped.clear()
+    shipped.update(now)
+    return grown

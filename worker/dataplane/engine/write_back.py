@@ -1,0 +1,154 @@
+"""Write-back: a request's full new blocks, copied out of its KV cache into the write-back tier
+(registered in the directory in one batch) and the device working set, and the content index
+that fragment matching reads.
+
+    tokens -> fingerprints -> per full block not yet held: copy every layer's tokens into one
+    block buffer -> device working set (LRU) and/or the write-back tier (`store_block`, hashed)
+    -> register (one batch) + touch the hits
+
+With fragment reuse on, blocks aligned to the request's segments (and those after the first
+fused fragment) are stored as well, under fragment keys that only a content match finds.
+"""
+
+from __future__ import annotations
+
+import collections
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from worker.dataplane.blend.matching import content_keys_at, fragment_key, segment_windows
+from worker.dataplane.directory import BlockRegistration
+from worker.dataplane.engine.cache import StrataCache
+from worker.dataplane.engine.working_set import WorkingSet
+from worker.dataplane.layout import BlockLayout
+from worker.dataplane.offload import Hit, OffloadManager, RequestTrace
+from worker.dataplane.store import TieredStore
+
+
+class ContentIndex:
+    """Content key -> (storage key, position it was computed at) of the blocks this node stored,
+    the least recently used forgotten first beyond `entries`."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._stored: collections.OrderedDict[uuid.UUID, tuple[uuid.UUID, int]] = collections.OrderedDict()
+
+    def __contains__(self, content_key: object) -> bool:
+        return content_key in self._stored
+
+    def __getitem__(self, content_key: uuid.UUID) -> tuple[uuid.UUID, int]:
+        return self._stored[content_key]
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def touch(self, content_key: uuid.UUID) -> None:
+        self._stored.move_to_end(content_key)
+
+    def remember(self, content_key: uuid.UUID, stored: uuid.UUID, position: int) -> None:
+        self._stored[content_key] = (stored, position)
+        self._stored.move_to_end(content_key)
+        while len(self._stored) > self.entries:
+            self._stored.popitem(last=False)
+
+
+class BlockWriter:
+    """Stores one engine's new blocks: into the offload manager's write-back tier (registered) and,
+    with `keep_in_device`, into the device working set."""
+
+    def __init__(self, *, offload: OffloadManager, store: TieredStore, layout: BlockLayout,
+                 working_set: WorkingSet | None, content_index: ContentIndex, keep_in_device: bool) -> None:
+        self.offload = offload
+        self.store = store
+        self.layout = layout
+        self.working_set = working_set
+        self.content_index = content_index
+        self.keep_in_device = keep_in_device
+
+    def write_back(self, tokens: list[int], hits: list[Hit], cache: StrataCache, namespace: str, trace: RequestTrace,
+                   *, exact_until: int | None = None, segments: Sequence[tuple[int, int]] = (),
+                   fragments_too: bool = False, stored_until: int = 0) -> None:
+        """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch.
+
+        Only blocks whose KV is exactly what a plain prefill computes (before `exact_until`, the
+        first fused fragment) are stored under their prefix keys. With fragment reuse on, blocks
+        aligned to the request's segments and the blocks after `exact_until` are also stored,
+        under fragment keys that only a content match can find. Blocks ending at or before
+        `stored_until` were stored by an earlier write-back of this request and are skipped."""
+        fp = self.offload.fingerprinter(namespace)
+        fingerprints = fp.blocks(tokens)
+        size = self.layout.block_tokens
+        model_key = self.offload.model_key
+        exact = len(tokens) if exact_until is None else exact_until
+        hit_tiers = {h.key: h.tier for h in hits}
+        registrations: list[BlockRegistration] = []
+        with torch.inference_mode(False):
+            block = self.layout.empty()
+        for fingerprint in fingerprints:
+            if fingerprint.start + size > exact:
+                break
+            if fingerprint.start + size <= stored_until:
+                continue
+            self.content_index.remember(fingerprint.content_key, fingerprint.prefix_key, fingerprint.start)
+            self._store_block(fingerprint.prefix_key, fingerprint.content_key, fingerprint.start, cache, block,
+                              namespace, trace, registrations, already=hit_tiers.get(fingerprint.prefix_key))
+        if fragments_too:
+            offsets = segment_windows(segments, block_tokens=size, limit=len(tokens))
+            offsets += [p.start for p in fingerprints if p.start + size > exact]
+            content = content_keys_at(tokens, sorted(set(offsets)), ns_salt=fp.ns_salt, model_key=model_key,
+                                      block_tokens=size)
+            for offset, key in content.items():
+                if key in self.content_index:
+                    self.content_index.touch(key)
+                    continue  # a copy of these tokens is kept already
+                stored = fragment_key(ns_salt=fp.ns_salt, model_key=model_key, content_key=key, position=offset)
+                if self._store_block(stored, key, offset, cache, block, namespace, trace, registrations, already=None):
+                    self.content_index.remember(key, stored, offset)
+        self.offload.register(registrations)
+        self.offload.touch(namespace, [h.key for h in hits])
+
+    def _store_block(self, key: uuid.UUID, content_key: uuid.UUID, start: int, cache: StrataCache, block: torch.Tensor,
+                     namespace: str, trace: RequestTrace, registrations: list[BlockRegistration], *,
+                     already: str | None) -> bool:
+        """Copy tokens [start, start + block) of every layer into `block` and keep it in the write-back
+        tier (registered) and the device pool; True if some tier holds it afterwards."""
+        size = self.layout.block_tokens
+        target = self.offload.target
+        if already == "device":
+            self._device_touch(key)
+            return True
+        to_target = already is None and not target.contains(key)
+        to_device = self.keep_in_device and target.name != "device" and "device" in self.store.names
+        if not to_target and not to_device:
+            return True
+        for layer, (k_dst, v_dst) in enumerate(self.layout.kv_views(block)):
+            keys, values = cache.layer_kv(layer)
+            k_dst.copy_(keys[0, :, start : start + size].transpose(0, 1))
+            v_dst.copy_(values[0, :, start : start + size].transpose(0, 1))
+        if to_device:
+            self._device_put(key, block, namespace)
+        if not to_target:
+            return True
+        if target.name == "device":
+            # L1 is the node's working set, not registered in the directory: LRU within capacity.
+            if self._device_put(key, block, namespace):
+                trace.written_blocks += 1
+            return True
+        registration = self.offload.store_block(key=key, content_key=content_key, position=start,
+                                                namespace=namespace, data=block)
+        if registration is None:
+            return to_device
+        trace.written_blocks += 1
+        registrations.append(registration)
+        return True
+
+    def _device_put(self, key: uuid.UUID, block: torch.Tensor, namespace: str) -> bool:
+        """Keep a copy in the device pool (the working set evicts least recently used blocks, and
+        holds the namespace's priority class to its share)."""
+        return self.working_set.put(key, block, namespace=namespace) if self.working_set is not None else False
+
+    def _device_touch(self, key: uuid.UUID) -> None:
+        if self.working_set is not None:
+            self.working_set.touch(key)
