@@ -82,10 +82,11 @@ class HostTier(HostReads):
         engine: ChecksumEngine | None = None,
         pin: bool | None = None,
         shm_dir: Path = SHM_DIR,
+        name: str = "host",
     ) -> None:
         if not _NAME_RE.match(pool_name):
             raise ValueError(f"pool name {pool_name!r} must be letters, digits, '.', '_' or '-'")
-        super().__init__(name="host", layout=layout, counters=counters, engine=engine, io_threads=1)
+        super().__init__(name=name, layout=layout, counters=counters, engine=engine, io_threads=1)
         self.path = shm_dir / pool_name
         self._thread_lock = threading.Lock()
         self._lookup = {}
