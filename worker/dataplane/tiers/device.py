@@ -236,7 +236,8 @@ class DeviceTier(Tier):
                             rows.copy_(gathered, non_blocking=self._stream is not None)
                     else:
                         places = torch.tensor([i for i, _ in held], dtype=torch.long, device=rows.device)
-                        rows.index_copy_(0, places, torch.index_select(source, 0, pages.to(source.device)).to(rows.device))
+                        picked = torch.index_select(source, 0, pages.to(source.device))
+                        rows.index_copy_(0, places, picked.to(rows.device))
                 if self._stream is not None:
                     self._stream.synchronize()
         finally:

@@ -6,9 +6,9 @@ to a temporary name, fdatasync'ed and renamed, so no partial block is ever visib
 final name; the directory is fsynced after the rename by a background pass within
 DIRECTORY_SYNC_DELAY_S (one sync covers every rename into that directory meanwhile), or at once
 by `sync()`, which a movement calls before it records a copy as READY. Its bytes are hashed on
-the checksum engine's other thread while they are written, and the header goes last. Reads go straight into the destination tensor (no
-bounce copy), the header with the first piece, in pieces hashed while the next is read, or just
-the requested layers at their fixed offset.
+the checksum engine's other thread while they are written, and the header goes last. Reads go
+straight into the destination tensor (no bounce copy), the header with the first piece, in
+pieces hashed while the next is read, or just the requested layers at their fixed offset.
 
 I/O is O_DIRECT by default (large, aligned, page-cache free, the speed of the device); where the
 filesystem refuses it, the tier logs that once and uses buffered I/O followed by
@@ -21,8 +21,8 @@ Capacity is shared by every process using the directory through a small ledger f
 temporary file's name carries the writer's host, pid and reservation, so opening the tier
 reconciles the ledger with the directory and removes what crashed writers left behind.
 
-The same class serves as the `remote` tier on a shared filesystem mount (CephFS, NFS, Lustre,
-3FS): see `worker.dataplane.tiers.mediums.FileDirectory`. There several hosts write into one
+The same tier serves the `remote` level on a shared filesystem mount (CephFS, NFS, Lustre,
+3FS): see `worker.dataplane.tiers.mediums.remote_medium`. There several hosts write into one
 directory, and a pid says nothing about another host's processes: a temporary file of another
 host is kept (and its reservation counted) until it has not changed for
 FOREIGN_TEMP_GRACE_SECONDS, then removed as abandoned.

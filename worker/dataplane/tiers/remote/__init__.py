@@ -8,4 +8,12 @@
 from worker.dataplane.tiers.remote.client import UNAVAILABLE_ERRORS, RedisClient, redis_client
 from worker.dataplane.tiers.remote.tier import MAGIC, PIPELINE_BYTES, READ_CHUNK_BYTES, RemoteTier
 
-__all__ = ["MAGIC", "PIPELINE_BYTES", "READ_CHUNK_BYTES", "UNAVAILABLE_ERRORS", "RedisClient", "RemoteTier", "redis_client"]
+__all__ = [
+    "MAGIC",
+    "PIPELINE_BYTES",
+    "READ_CHUNK_BYTES",
+    "UNAVAILABLE_ERRORS",
+    "RedisClient",
+    "RemoteTier",
+    "redis_client",
+]

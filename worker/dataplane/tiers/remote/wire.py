@@ -34,8 +34,9 @@ def kernel_waits(sock: socket.socket) -> Iterator[bool]:
     recv calls (one per socket buffer, ~200 KiB on a unix socket), each of which takes the GIL
     back; with another Python thread busy (a movement's database work) each handover can wait
     a whole switch interval (measured: a 32 MiB GET took 21 ms alone and over a second beside a
-    busy thread; received this way, 0.26 s, most of it the hashing that follows). Inside this block the socket is blocking with the same timeout kept by the
-    kernel (SO_RCVTIMEO / SO_SNDTIMEO), so a receive with MSG_WAITALL or a sendall waits for all
+    busy thread; received this way, 0.26 s, most of it the hashing that follows). Inside this
+    block the socket is blocking with the same timeout kept by the kernel (SO_RCVTIMEO /
+    SO_SNDTIMEO), so a receive with MSG_WAITALL or a sendall waits for all
     of its bytes in one call, and a stalled server still times out. Yields False (nothing
     changed) for TLS sockets, which take no flags, and sockets without a timeout."""
     timeout = sock.gettimeout()
