@@ -205,16 +205,16 @@ def test_disk_layer_reads_of_many_blocks_fail_only_the_bad_ones(
     # Layer-wise loading reads one layer of many blocks at once; without the fused routine each
     # block is read and hashed on its own. Either way a missing, truncated or flipped block fails
     # its own future, is counted and quarantined, and every other block arrives exact.
-    from worker.dataplane.tiers import disk as disk_module  # noqa: PLC0415
+    from worker.dataplane import native  # noqa: PLC0415
 
     calls = []
     if fused:
-        real = disk_module.native.ReadBatch.read
+        real = native.ReadBatch.read
         monkeypatch.setattr(
-            disk_module.native.ReadBatch, "read", lambda batch: calls.append(len(batch._sizes)) or real(batch)
+            native.ReadBatch, "read", lambda batch: calls.append(len(batch._sizes)) or real(batch)
         )
     else:
-        monkeypatch.setattr(disk_module.native, "available", lambda: False)
+        monkeypatch.setattr(native, "available", lambda: False)
     tier = open_tier("disk", LAYOUT, blocks=8, io_threads=2)
     for n in range(1, 7):
         tier.put(key(n), block_cache(LAYOUT, n))

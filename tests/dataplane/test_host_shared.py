@@ -247,14 +247,14 @@ def test_a_pool_of_an_older_layout_version_is_refused_with_the_remedy(open_tier,
 
 
 def test_a_reader_that_meets_an_index_rebuild_scans_instead(open_tier) -> None:
-    from worker.dataplane.tiers.host import _key_words
+    from worker.dataplane.tiers.host.key_index import key_words
 
     tier = open_tier("host", LAYOUT, blocks=4)
     tier.put(key(1), pattern(1))
     other = open_tier("host", LAYOUT, blocks=4)  # no cached slot numbers
     tier._control[2] += 1  # as another process does while it rebuilds the index
     try:
-        assert other._index_slots(*_key_words(key(1))) is None
+        assert other._index_slots(*key_words(key(1))) is None
         assert other.contains(key(1)) and not other.contains(key(2))
         out = LAYOUT.empty()
         other.get(key(1), out)
@@ -268,20 +268,21 @@ def test_the_key_index_spreads_keys_that_differ_in_a_few_bytes() -> None:
     # a weak hash put them all in one bucket, and every probe walked the whole cluster.
     import uuid
 
-    from worker.dataplane.tiers.host import _bucket, _index_buckets, _key_words
+    from worker.dataplane.tiers.host.key_index import bucket_of, key_words
+    from worker.dataplane.tiers.host.pool_layout import index_buckets
 
-    buckets = _index_buckets(512)
+    buckets = index_buckets(512)
     for keys in (
         [uuid.UUID(int=n + 1) for n in range(512)],
         [key(n) for n in range(512)],
         [uuid.UUID(int=n << 120) for n in range(1, 256)] + [uuid.UUID(int=n << 56) for n in range(1, 256)],
     ):
-        used = {_bucket(*_key_words(k), buckets - 1) for k in keys}
+        used = {bucket_of(*key_words(k), buckets - 1) for k in keys}
         assert len(used) > 0.7 * len(keys), len(used)  # ~79% for uniform hashing at this load
 
 
 def test_a_key_index_left_half_built_by_a_dead_process_is_rebuilt_on_open(open_tier) -> None:
-    from worker.dataplane.tiers.host import _key_words
+    from worker.dataplane.tiers.host.key_index import key_words
 
     tier = open_tier("host", LAYOUT, blocks=4)
     tier.put(key(1), pattern(1))
@@ -292,7 +293,7 @@ def test_a_key_index_left_half_built_by_a_dead_process_is_rebuilt_on_open(open_t
     assert tier.contains(key(1))  # meanwhile readers still find blocks (cache, or a scan)
     other = open_tier("host", LAYOUT, blocks=4)
     assert int(other._control[2]) % 2 == 0
-    assert other._index_slots(*_key_words(key(2))) is not None
+    assert other._index_slots(*key_words(key(2))) is not None
     out = LAYOUT.empty()
     other.get(key(2), out)
     assert torch.equal(out, pattern(2))

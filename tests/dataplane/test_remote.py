@@ -22,7 +22,8 @@ from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.layout import ModelProfile
 from worker.dataplane.store import TieredStore, build_store
 from worker.dataplane.tiers.disk import DiskTier
-from worker.dataplane.tiers.remote import RemoteTier, open_remote_tier, redis_client
+from worker.dataplane.tiers.mediums import open_remote_tier
+from worker.dataplane.tiers.remote import RemoteTier, redis_client
 
 PROFILE = ModelProfile(model_id="test/small", dtype="bf16", **SMALL)
 LAYOUT = layout_of(SMALL, "bfloat16")

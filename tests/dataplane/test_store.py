@@ -13,7 +13,8 @@ from worker.dataplane.config import ConfigError, load_config
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.hashing import model_key
 from worker.dataplane.layout import ModelProfile
-from worker.dataplane.store import TieredStore, build_store
+from worker.dataplane.store import LEVEL_MEDIUMS, TieredStore, build_store
+from worker.dataplane.tiers.base import TIER_NAMES
 from worker.dataplane.tiers.remote import RemoteTier
 
 PROFILE = ModelProfile(model_id="test/small", dtype="bf16", **SMALL)
@@ -101,6 +102,10 @@ def test_copy_moves_a_block_down_with_its_verified_checksum(store) -> None:
     assert store.tier("remote").checksum(key(1)) == put.checksum
     assert store.delete(key(1)) == ("host", "disk", "remote")
     assert store.locate([key(1)]) == {key(1): ()}
+
+
+def test_every_tier_level_has_a_medium() -> None:
+    assert tuple(LEVEL_MEDIUMS) == TIER_NAMES
 
 
 def test_puts_are_refused_when_a_tier_is_full(store) -> None:

@@ -31,16 +31,14 @@ from tests.movements.procs import (
     write_blocks,
 )
 from tests.support import wait_for
-from worker.dataplane.buffers import DIRECT_IO_ALIGNMENT, round_up
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.tiers.header import header_length
+from worker.dataplane.tiers.disk import block_file_bytes
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 # The tiny preset's block at 16 tokens: 2 layers x K,V x 16 tokens x 2 KV heads x 16 dims, float32.
 TINY_LAYOUT = BlockLayout(layers=2, kv_heads=2, head_dim=16, block_tokens=16, dtype="float32")
-DISK_FILE_BYTES = round_up(header_length(TINY_LAYOUT), DIRECT_IO_ALIGNMENT) + round_up(TINY_LAYOUT.block_bytes,
-                                                                                        DIRECT_IO_ALIGNMENT)
+DISK_FILE_BYTES = block_file_bytes(TINY_LAYOUT)
 
 DRAIN_DISK = PolicySnapshot(version=2, mode="", classes=(), tiers=(
     TierPolicySpec(tier="disk", capacity_bytes=1, high_watermark=0.9, low_watermark=0.5),))

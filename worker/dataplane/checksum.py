@@ -20,7 +20,7 @@ import xxhash
 
 from worker.dataplane.buffers import address_view, tensor_bytes
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.native import CopyBatch, PoolGeometry, pool_fill, pool_read, start_helpers
+from worker.dataplane.native import CopyBatch, start_helpers
 from worker.dataplane.native import available as native_available
 
 CHECKSUM_BYTES = 16
@@ -146,6 +146,15 @@ class Span(NamedTuple):
     dst: int | None = None
 
 
+class CopyMode(NamedTuple):
+    """How the engine runs a batch of verified copies (`ChecksumEngine.copy_mode`)."""
+
+    streaming: bool
+    """Copies write past the cache (streaming stores)."""
+    helpers: bool
+    """The batch is shared with the process's native helper threads."""
+
+
 class ChecksumEngine:
     """Copies and hashes spans of memory on a few threads, chunk by chunk, so a verified copy
     runs at memcpy speed. The caller's thread does a share of the work itself.
@@ -246,49 +255,11 @@ class ChecksumEngine:
         """Whether a batch of `spans` spans, `total` bytes, is shared with the native helpers."""
         return bool(self._helpers) and spans > 1 and total >= HELPERS_MIN_BYTES
 
-    def pool_read(
-        self,
-        geometry: PoolGeometry,
-        slots: Sequence[int],
-        keys: bytes,
-        destinations: Sequence[int],
-        layers: range,
-        layer_bytes: int,
-    ) -> tuple[list[int], list[int], bytes, bytes]:
-        """`native.pool_read` (the native engine only), its copies stored and shared as `run`
-        decides for the same spans."""
-        spans = len(slots) * len(layers)
-        total = spans * layer_bytes
-        return pool_read(
-            geometry,
-            slots,
-            keys,
-            destinations,
-            layers.start,
-            len(layers),
-            streaming=self._streaming(total),
-            helpers=self._shared(spans, total),
-        )
-
-    def pool_fill(
-        self,
-        geometry: PoolGeometry,
-        slots: Sequence[int],
-        keys: bytes,
-        sources: Sequence[int],
-        layer_bytes: int,
-    ) -> tuple[bytes, bytes]:
-        """`native.pool_fill` (the native engine only): written past the cache, as a tier's own
-        storage is (`run` with streaming True), and shared as `run` decides."""
-        spans = len(slots) * int(geometry.layers)
-        return pool_fill(
-            geometry,
-            slots,
-            keys,
-            sources,
-            streaming=True,
-            helpers=self._shared(spans, spans * layer_bytes),
-        )
+    def copy_mode(self, spans: int, nbytes: int) -> CopyMode:
+        """How `run` copies a batch of `spans` spans, `nbytes` bytes in all (past the cache or
+        through it, shared with the native helper threads or not), for a caller that runs its
+        own native batch on the engine's threads (the host tier's pool reads and fills)."""
+        return CopyMode(streaming=self._streaming(nbytes), helpers=self._shared(spans, nbytes))
 
     def run_async(self, spans: Sequence[Span]) -> Future[list[bytes]]:
         """Hash (and copy) `spans` on the engine's own thread and return at once, so the caller

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import cast
 
@@ -32,10 +32,14 @@ from worker.dataplane.tiers.base import (
     TierUsage,
     failed,
 )
-from worker.dataplane.tiers.device import DeviceTier
-from worker.dataplane.tiers.disk import DiskTier
-from worker.dataplane.tiers.host import HostTier
-from worker.dataplane.tiers.remote import RedisClient, RemoteTier, open_remote_tier
+from worker.dataplane.tiers.mediums import (
+    DevicePages,
+    FileDirectory,
+    Medium,
+    SharedMemoryPool,
+    remote_medium,
+)
+from worker.dataplane.tiers.remote import RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +160,8 @@ class TieredStore:
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
         order = self._order(tiers)
-        local = [tier for tier in order if not isinstance(tier, RemoteTier)]
-        remote = [tier for tier in order if isinstance(tier, RemoteTier)]
+        local = [tier for tier in order if tier.lookups_are_cheap]
+        remote = [tier for tier in order if not tier.lookups_are_cheap]
         results: list[Future[ReadResult]] = [None] * len(keys)  # type: ignore[list-item]  # all set below
         groups: dict[str, list[int]] = {}
         candidates: list[list[Tier]] = []
@@ -208,7 +212,7 @@ class TieredStore:
                              f"{len(keys) * nbytes} bytes, got {out.dtype} {list(out.shape)}")
         rows = out.view(len(keys), nbytes)
         order = self._order(tiers)
-        local = [tier for tier in order if not isinstance(tier, RemoteTier)]
+        local = [tier for tier in order if tier.lookups_are_cheap]
         holds = local[0].contains_many(keys) if local and keys else []
         if not holds or not all(holds):
             futures = self.get_layers(keys, layers=selected, outs=list(rows.unbind(0)) if keys else [], tiers=tiers)
@@ -228,7 +232,8 @@ class TieredStore:
             for i, future in zip(retry, futures, strict=True):
                 error = future.exception()
                 if error is not None:
-                    causes = (errors[i], *(getattr(error, "causes", ()) or (error,)))
+                    later_causes = error.causes if isinstance(error, BlockMissing) else ()
+                    causes = (errors[i], *(later_causes or (error,)))
                     errors[i] = BlockMissing(keys[i], causes=tuple(c for c in causes if c is not None))
                 else:
                     errors[i] = None
@@ -327,6 +332,71 @@ class TieredStore:
         self.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreSetting:
+    """What the medium of a level is chosen from: the node options, the process environment
+    (REDIS_URL), the store's model and device, and a ready Redis client if one is given."""
+
+    config: NodeConfig
+    profile: ModelProfile
+    environ: Mapping[str, str]
+    remote_client: RedisClient | None
+    device: torch.device | str | None
+
+
+def _device_medium(setting: StoreSetting) -> Medium:
+    return DevicePages(capacity_bytes=setting.config.device_bytes, device=setting.device)
+
+
+def _host_medium(setting: StoreSetting) -> Medium:
+    """The host pool is `<host_pool_name>-<model key>` in /dev/shm, shared by every process of
+    the node that builds the same store."""
+    config = setting.config
+    return SharedMemoryPool(
+        capacity_bytes=config.host_bytes,
+        pool_name=f"{config.node_host_pool_name}-{model_key(setting.profile).hex[:12]}",
+    )
+
+
+def _disk_medium(setting: StoreSetting) -> Medium:
+    config = setting.config
+    return FileDirectory(
+        capacity_bytes=config.disk_bytes,
+        path=config.node_disk_path,
+        io_threads=config.disk_io_threads,
+        direct_io=config.disk_direct_io,
+        reuse_deleted_s=config.disk_reuse_seconds,
+    )
+
+
+def _remote_medium(setting: StoreSetting) -> Medium:
+    """Redis/Valkey or a shared filesystem mount, by the URL (`remote_url`, else REDIS_URL)."""
+    config = setting.config
+    url = config.remote_url or setting.environ.get("REDIS_URL", "")
+    if not url and setting.remote_client is None:
+        raise ConfigError(
+            "remote_url: the remote tier is enabled but neither STRATA_REMOTE_URL nor REDIS_URL is set"
+        )
+    return remote_medium(
+        url,
+        capacity_bytes=config.remote_bytes,
+        prefix=config.remote_prefix,
+        io_threads=config.io_threads,
+        cluster=config.remote_cluster,
+        timeout_s=config.remote_timeout_seconds,
+        client=setting.remote_client,
+    )
+
+
+LEVEL_MEDIUMS: Mapping[str, Callable[[StoreSetting], Medium]] = {
+    "device": _device_medium,
+    "host": _host_medium,
+    "disk": _disk_medium,
+    "remote": _remote_medium,
+}
+"""The medium of each tier level (`TIER_NAMES`), from the store's setting."""
+
+
 def build_store(
     config: NodeConfig,
     *,
@@ -336,10 +406,16 @@ def build_store(
     device: torch.device | str | None = None,
 ) -> TieredStore:
     """The node's store for one model, from the node options: the tiers in `config.tiers`,
-    sized by `*_bytes`. The host pool is `<host_pool_name>-<model key>` in /dev/shm, shared by
-    every process of the node that builds the same store. Fails loudly: a tier that cannot
-    start (no remote URL, Redis not answering, /dev/shm too small) raises, it is never dropped."""
-    environ = os.environ if environ is None else environ
+    each on the medium `LEVEL_MEDIUMS` gives its level, sized by `*_bytes`. Fails loudly: a
+    tier that cannot start (no remote URL, Redis not answering, /dev/shm too small) raises, it
+    is never dropped."""
+    setting = StoreSetting(
+        config=config,
+        profile=profile,
+        environ=os.environ if environ is None else environ,
+        remote_client=remote_client,
+        device=device,
+    )
     layout = profile.layout
     counters = Counters()
     engine = ChecksumEngine(threads=config.copy_threads or None)
@@ -348,60 +424,10 @@ def build_store(
         for name in config.tiers:
             if name not in TIER_NAMES:
                 raise ConfigError(f"tiers: unknown tier {name!r}")
-            if name == "device":
-                built.append(
-                    DeviceTier(
-                        layout=layout,
-                        capacity_bytes=config.device_bytes,
-                        device=device,
-                        counters=counters,
-                        engine=engine,
-                    )
-                )
-            elif name == "host":
-                built.append(
-                    HostTier(
-                        layout=layout,
-                        capacity_bytes=config.host_bytes,
-                        pool_name=f"{config.node_host_pool_name}-{model_key(profile).hex[:12]}",
-                        counters=counters,
-                        engine=engine,
-                    )
-                )
-            elif name == "disk":
-                built.append(
-                    DiskTier(
-                        layout=layout,
-                        capacity_bytes=config.disk_bytes,
-                        path=config.node_disk_path,
-                        counters=counters,
-                        engine=engine,
-                        io_threads=config.disk_io_threads,
-                        direct_io=config.disk_direct_io,
-                        reuse_deleted_s=config.disk_reuse_seconds,
-                    )
-                )
-            else:
-                url = config.remote_url or environ.get("REDIS_URL", "")
-                if not url and remote_client is None:
-                    raise ConfigError(
-                        "remote_url: the remote tier is enabled but neither STRATA_REMOTE_URL nor REDIS_URL is set"
-                    )
-                tier = open_remote_tier(
-                    url,
-                    layout=layout,
-                    capacity_bytes=config.remote_bytes,
-                    prefix=config.remote_prefix,
-                    counters=counters,
-                    engine=engine,
-                    io_threads=config.io_threads,
-                    cluster=config.remote_cluster,
-                    timeout_s=config.remote_timeout_seconds,
-                    client=remote_client,
-                )
-                built.append(tier)
-                if isinstance(tier, RemoteTier):
-                    tier.ping()
+            medium = LEVEL_MEDIUMS[name](setting)
+            tier: Tier = medium.open(name=name, layout=layout, counters=counters, engine=engine)
+            built.append(tier)
+            tier.ping()
     except BaseException:
         for tier in built:
             tier.close()

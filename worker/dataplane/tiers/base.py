@@ -86,6 +86,11 @@ class Tier(abc.ABC):
     """True when `put_from` fills the tier's own storage (the bytes land once), False when it
     fills a buffer that a `put` then copies into the medium."""
 
+    lookups_are_cheap: bool = True
+    """True when `contains_many` costs little next to a read (a medium on this node), so the
+    store asks such a tier which blocks it holds before reading from it; False for a medium a
+    network round trip away, which the store reads at once, a miss falling through."""
+
     @property
     def reads_into_device(self) -> bool:
         """True when a read into GPU memory goes there straight from the medium (device copies,
@@ -226,6 +231,11 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> TierUsage:
         """Capacity and current use (stored + pending bytes)."""
+
+    def ping(self) -> None:  # noqa: B027 - a medium on this node always answers
+        """Raise TierUnavailable unless the medium answers now (a store checks each tier it
+        opens, so one that cannot serve fails loudly at start-up). Local media have nothing to
+        ask."""
 
     def sync(self) -> None:  # noqa: B027 - tiers with nothing to make durable keep this
         """Make every put that has returned survive a crash of the machine, for a tier whose puts

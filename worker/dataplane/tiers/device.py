@@ -53,10 +53,9 @@ class DeviceTier(Tier):
         device: torch.device | str | None = None,
         counters: Counters | None = None,
         engine: ChecksumEngine | None = None,
+        name: str = "device",
     ) -> None:
-        super().__init__(
-            name="device", layout=layout, counters=counters, engine=engine, io_threads=1
-        )
+        super().__init__(name=name, layout=layout, counters=counters, engine=engine, io_threads=1)
         self.device = torch.device(device) if device is not None else default_device()
         self.pages = capacity_bytes // layout.block_bytes
         # Zeroed, not just reserved: on the CPU that makes every page resident now, as GPU
@@ -237,7 +236,8 @@ class DeviceTier(Tier):
                             rows.copy_(gathered, non_blocking=self._stream is not None)
                     else:
                         places = torch.tensor([i for i, _ in held], dtype=torch.long, device=rows.device)
-                        rows.index_copy_(0, places, torch.index_select(source, 0, pages.to(source.device)).to(rows.device))
+                        picked = torch.index_select(source, 0, pages.to(source.device))
+                        rows.index_copy_(0, places, picked.to(rows.device))
                 if self._stream is not None:
                     self._stream.synchronize()
         finally:

@@ -1,4 +1,4 @@
-"""L3 remote tier: blocks as Redis/Valkey strings (standalone or cluster), one layer readable by GETRANGE.
+"""The remote tier on Redis/Valkey: blocks as strings (standalone or cluster), one layer readable by GETRANGE.
 
 A value is ``[header][block bytes]``; the header (a multiple of 64 bytes) holds the key, the
 layout, the block and per-layer checksums and a hash of itself, so the checksum travels with
@@ -15,49 +15,32 @@ lives in the hash ``<prefix>:usage`` (fields ``bytes`` and ``blocks``), shared b
 * Redis down (connection refused, timeout, loading, cluster down) raises TierUnavailable and is
   counted; redis-py reconnects on the next call, so the tier recovers when Redis returns.
 
-The remote tier can also be a shared filesystem mount (CephFS, NFS, Lustre, 3FS): give
-`open_remote_tier` a directory path (or file:// URL) instead of a redis:// or unix:// URL and it
-returns the disk backend (`DiskTier` named ``remote``), with O_DIRECT where the filesystem
-allows it and buffered I/O plus posix_fadvise(DONTNEED) where it refuses (logged once).
+The `remote` level can also be a shared filesystem mount (CephFS, NFS, Lustre, 3FS), served by
+the disk tier: `worker.dataplane.tiers.mediums.remote_medium` picks the medium from the URL.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import socket
-import ssl
-import struct
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from pathlib import Path
-from typing import Any, cast
-from urllib.parse import urlparse
+from typing import cast
 
 import redis
-import redis.backoff
-import redis.cluster
 import redis.exceptions
-import redis.retry
 import torch
 
 from worker.dataplane.buffers import aligned_empty, buffer_address, host_view, round_up
-from worker.dataplane.checksum import (
-    BlockChecksum,
-    ChecksumEngine,
-    Span,
-    layer_prefix,
-)
+from worker.dataplane.checksum import BlockChecksum, ChecksumEngine, Span, layer_prefix
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.tiers.base import PutResult, ReadResult, Tier, TierUsage
-from worker.dataplane.tiers.disk import DiskTier
 from worker.dataplane.tiers.header import HeaderInvalid, header_length, pack_header, parse_header
-
-log = logging.getLogger(__name__)
+from worker.dataplane.tiers.remote.client import ACCOUNTING_ERRORS, UNAVAILABLE_ERRORS, RedisClient
+from worker.dataplane.tiers.remote.wire import receive_value, set_without_join
 
 MAGIC = b"STRATARM"
 READ_CHUNK_BYTES = 2 * 1024 * 1024
@@ -69,76 +52,11 @@ at 0.42 GB/s, sixteen 2 MiB GETRANGEs of it at 0.92 GB/s, and pipelining 32 MiB 
 once was slower than not pipelining. Small replies (headers, small layers) still share round
 trips, which is what pipelining is for over a real network."""
 
-UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
-    redis.exceptions.ConnectionError,  # includes BusyLoadingError (Redis restarting)
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.MasterDownError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.RedisClusterException,
-)
-
-_ACCOUNTING_ERRORS = (*UNAVAILABLE_ERRORS, redis.exceptions.OutOfMemoryError)
-"""Quota bookkeeping that fails after the data operation is dropped: the data is what counts."""
-
-RedisClient = redis.Redis | redis.cluster.RedisCluster
-
-
-class _ValueLength(Exception):
-    """A GET reply whose length is not a block value's; the reply is left unread."""
-
-    def __init__(self, length: int) -> None:
-        super().__init__(length)
-        self.length = length
-
-
-@contextlib.contextmanager
-def _kernel_waits(sock: socket.socket) -> Iterator[bool]:
-    """Let one recv/send call move a whole block while this thread does not hold the GIL.
-
-    A socket with a timeout is non-blocking underneath, so a 32 MiB value comes in a few hundred
-    recv calls (one per socket buffer, ~200 KiB on a unix socket), each of which takes the GIL
-    back; with another Python thread busy (a movement's database work) each handover can wait
-    a whole switch interval (measured: a 32 MiB GET took 21 ms alone and over a second beside a
-    busy thread; received this way, 0.26 s, most of it the hashing that follows). Inside this block the socket is blocking with the same timeout kept by the
-    kernel (SO_RCVTIMEO / SO_SNDTIMEO), so a receive with MSG_WAITALL or a sendall waits for all
-    of its bytes in one call, and a stalled server still times out. Yields False (nothing
-    changed) for TLS sockets, which take no flags, and sockets without a timeout."""
-    timeout = sock.gettimeout()
-    if isinstance(sock, ssl.SSLSocket) or not timeout:
-        yield False
-        return
-    limit = struct.pack("ll", int(timeout), int((timeout % 1) * 1_000_000))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-    sock.settimeout(None)
-    try:
-        yield True
-    finally:
-        sock.settimeout(timeout)
-        unset = struct.pack("ll", 0, 0)
-        with contextlib.suppress(OSError):  # a socket the server closed meanwhile
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, unset)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, unset)
-
-
-def redis_client(url: str, *, cluster: bool = False, timeout_s: float = 2.0) -> RedisClient:
-    """A redis-py client for the remote tier: short timeouts and one quick retry, so a dead
-    server turns into TierUnavailable within a few seconds instead of hanging the loader."""
-    retry = redis.retry.Retry(redis.backoff.ExponentialBackoff(cap=0.05, base=0.005), retries=1)
-    options: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "retry": retry,
-    }
-    if cluster:
-        return redis.cluster.RedisCluster.from_url(url, **options)
-    return redis.Redis.from_url(url, **options)
-
 
 class RemoteTier(Tier):
     """Blocks in a Redis/Valkey deployment under `prefix`, `capacity_bytes` of them in all."""
+
+    lookups_are_cheap = False
 
     def __init__(
         self,
@@ -235,7 +153,7 @@ class RemoteTier(Tier):
             self._pending += size
         try:
             with self._medium():
-                self._set_without_join(name, header, host_view(src))
+                set_without_join(self.client, name, header, host_view(src))
         except redis.exceptions.OutOfMemoryError as exc:
             self._release_reservation(size)
             self.counters.add(f"{self.name}.full")
@@ -246,7 +164,7 @@ class RemoteTier(Tier):
         finally:
             with self._pending_lock:
                 self._pending -= size
-        with contextlib.suppress(*_ACCOUNTING_ERRORS):
+        with contextlib.suppress(*ACCOUNTING_ERRORS):
             # The block is stored either way; a lost correction only skews the quota a little.
             if old_len:
                 self.client.hincrby(self._usage_key, "bytes", -old_len)
@@ -281,45 +199,8 @@ class RemoteTier(Tier):
         return futures
 
     def _release_reservation(self, size: int) -> None:
-        with contextlib.suppress(*_ACCOUNTING_ERRORS):
+        with contextlib.suppress(*ACCOUNTING_ERRORS):
             self.client.hincrby(self._usage_key, "bytes", -size)
-
-    def _set_without_join(self, name: bytes, header: bytes, data: memoryview) -> None:
-        """SET name (header + data), sending `data` from its own memory."""
-        target: redis.Redis | None
-        if isinstance(self.client, redis.cluster.RedisCluster):
-            node = self.client.get_node_from_key(name)
-            target = node.redis_connection if node is not None else None
-        else:
-            target = self.client
-        if target is None:
-            self.client.set(name, header + bytes(data))
-            return
-        command = [
-            b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s"
-            % (len(name), name, len(header) + len(data), header),
-            data,
-            b"\r\n",
-        ]
-        for attempt in range(2):
-            pool = target.connection_pool
-            connection = pool.get_connection()
-            try:
-                connection.connect()  # a no-op on a connected connection; the socket is needed below
-                with _kernel_waits(cast(socket.socket, connection._sock)):  # set by connect()
-                    connection.send_packed_command(command, check_health=False)
-                connection.read_response()
-                return
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                connection.disconnect()
-                if attempt:
-                    raise  # a second failure on a fresh connection: the server is really gone
-            except redis.exceptions.AskError:
-                # The cluster moved the slot; the ordinary path follows the redirection.
-                self.client.set(name, header + bytes(data))
-                return
-            finally:
-                pool.release(connection)
 
     # -- reads ----------------------------------------------------------------------------
     def _host_out(self, dst: torch.Tensor) -> torch.Tensor:
@@ -349,7 +230,9 @@ class RemoteTier(Tier):
         if header is None:
             header = self._local.header = bytearray(self.header_bytes)
         with self._medium():
-            length = self._receive_value(self.key_name(key), memoryview(header), host_view(dst))
+            # `get` receives directly with a single-server client only.
+            length = receive_value(cast(redis.Redis, self.client), self.key_name(key), memoryview(header),
+                                   host_view(dst))
         if length is None:
             self.counters.add(f"{self.name}.misses")
             raise BlockMissing(key, tier=self.name)
@@ -365,80 +248,6 @@ class RemoteTier(Tier):
         return ReadResult(
             key=key, tier=self.name, layers=layers, nbytes=layout.block_bytes, checksum=checksum
         )
-
-    def _receive_value(self, name: bytes, header: memoryview, data: memoryview) -> int | None:
-        """GET `name` on a pooled connection, receiving a value of exactly header + data bytes
-        into them; returns the value's length (another length is left unread, the connection
-        dropped), None when the key does not exist. A broken connection is retried once."""
-        # Only `_get_direct` calls this, which `get` uses with a single-server client only.
-        pool = cast(redis.Redis, self.client).connection_pool
-        for attempt in range(2):
-            connection = pool.get_connection()
-            try:
-                connection.send_command("GET", name)
-                return self._receive_bulk(connection, [header, data])
-            except _ValueLength as wrong:
-                connection.disconnect()
-                return wrong.length
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                connection.disconnect()
-                if attempt:
-                    raise  # a second failure on a fresh connection: the server is really gone
-            except BaseException:
-                connection.disconnect()
-                raise
-            finally:
-                pool.release(connection)
-        raise AssertionError("unreachable")
-
-    @staticmethod
-    def _receive_bulk(connection: Any, parts: list[memoryview]) -> int | None:
-        """Read one RESP bulk-string reply from the connection's socket into `parts`, in order."""
-        sock = connection._sock
-        if sock is None:
-            raise redis.exceptions.ConnectionError("the connection closed before the reply")
-
-        def recv_into(view: memoryview, flags: int = 0) -> int:
-            try:
-                n = sock.recv_into(view, 0, flags)
-            except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO ran out
-                raise redis.exceptions.TimeoutError(f"Timeout reading from socket: {exc}") from exc
-            except OSError as exc:
-                raise redis.exceptions.ConnectionError(f"Error reading from socket: {exc}") from exc
-            if n == 0:
-                raise redis.exceptions.ConnectionError("Connection closed by server.")
-            return n
-
-        head = bytearray(64)
-        got = 0
-        while (end := head.find(b"\r\n", 0, got)) < 0:
-            if got == len(head):
-                raise redis.exceptions.InvalidResponse(f"reply line too long: {bytes(head[:20])!r}")
-            got += recv_into(memoryview(head)[got:])
-        kind, line = head[:1], bytes(head[1:end])
-        if kind == b"-":
-            raise connection._parser.parse_error(line.decode(errors="replace"))
-        if kind == b"_" or (kind == b"$" and line == b"-1"):
-            return None
-        if kind != b"$":
-            raise redis.exceptions.InvalidResponse(f"unexpected reply {bytes(head[:got])!r} to GET")
-        length = int(line)
-        if length != sum(len(part) for part in parts):
-            raise _ValueLength(length)
-        rest = memoryview(head)[end + 2 : got]
-        tail = bytearray(2)
-        # The reply's length is known now: each part can wait for all of its bytes at once.
-        with _kernel_waits(sock) as whole:
-            flags = socket.MSG_WAITALL if whole else 0
-            for part in [*parts, memoryview(tail)]:
-                filled = min(len(rest), len(part))
-                part[:filled] = rest[:filled]
-                rest = rest[filled:]
-                while filled < len(part):
-                    filled += recv_into(part[filled:], flags)
-        if tail != b"\r\n":
-            raise redis.exceptions.InvalidResponse("a bulk reply did not end with CRLF")
-        return length
 
     def get_layers(
         self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
@@ -610,7 +419,7 @@ class RemoteTier(Tier):
             pipe.delete(name)
             length, removed = pipe.execute()
         if removed:
-            with contextlib.suppress(*_ACCOUNTING_ERRORS):
+            with contextlib.suppress(*ACCOUNTING_ERRORS):
                 pipe = self.client.pipeline(transaction=False)
                 pipe.hincrby(self._usage_key, "bytes", -int(length))
                 pipe.hincrby(self._usage_key, "blocks", -1)
@@ -637,49 +446,3 @@ class RemoteTier(Tier):
         super().close()
         self.client.close()
 
-
-def is_filesystem_url(url: str) -> bool:
-    """True for a directory path or file:// URL (a shared filesystem mount), False for Redis."""
-    scheme = urlparse(url).scheme
-    return scheme in ("", "file")
-
-
-def open_remote_tier(
-    url: str,
-    *,
-    layout: BlockLayout,
-    capacity_bytes: int,
-    prefix: str,
-    counters: Counters | None = None,
-    engine: ChecksumEngine | None = None,
-    io_threads: int = 2,
-    cluster: bool = False,
-    timeout_s: float = 2.0,
-    client: RedisClient | None = None,
-) -> Tier:
-    """The remote tier for `url`: redis://, rediss:// or unix:// (Redis/Valkey, `cluster` for a
-    Redis Cluster), or a directory path / file:// URL of a shared filesystem mount, served by
-    the disk backend under `<path>/<prefix>`. A ready client may be passed instead of a URL."""
-    if client is None and is_filesystem_url(url):
-        root = Path(urlparse(url).path if url.startswith("file:") else url).expanduser() / prefix
-        return DiskTier(
-            layout=layout,
-            capacity_bytes=capacity_bytes,
-            path=root,
-            counters=counters,
-            engine=engine,
-            io_threads=io_threads,
-            direct_io=True,
-            name="remote",
-        )
-    return RemoteTier(
-        layout=layout,
-        capacity_bytes=capacity_bytes,
-        client=client
-        if client is not None
-        else redis_client(url, cluster=cluster, timeout_s=timeout_s),
-        prefix=prefix,
-        counters=counters,
-        engine=engine,
-        io_threads=io_threads,
-    )
