@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory import queries
-from controlplane.directory.choices import NodeState, PlacementState, Tier
+from controlplane.directory.choices import NodeState, PlacementState, TierLevel
 from controlplane.directory.errors import (
     DirectoryError,
     InUse,
@@ -44,8 +44,8 @@ class TierReport:
     available: bool = True
 
     def __post_init__(self) -> None:
-        if self.tier not in Tier.values:
-            raise ValueError(f"tier: unknown tier {self.tier!r}; expected one of {', '.join(Tier.values)}")
+        if self.tier not in TierLevel.values:
+            raise ValueError(f"tier: unknown tier {self.tier!r}; expected one of {', '.join(TierLevel.values)}")
         if self.capacity_bytes < 0:
             raise ValueError(f"capacity_bytes of tier {self.tier}: cannot be negative")
         if self.used_bytes < 0:
@@ -65,7 +65,7 @@ def node_payload(node: Node) -> dict[str, object]:
         "heartbeat_seconds": node.heartbeat_seconds,
         "tiers": [
             {"tier": t.tier, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "available": t.available}
-            for t in sorted(node.tiers.all(), key=lambda t: Tier.values.index(t.tier))
+            for t in sorted(node.tiers.all(), key=lambda t: TierLevel.values.index(t.tier))
         ],
     }
 
@@ -343,9 +343,10 @@ def blocks_purge(*, namespace: str, model: str | None = None) -> PurgeCounts:
 # -- placements ------------------------------------------------------------------------------------
 
 def _node_for(tier: str, node: str | None) -> Node | None:
-    if tier not in Tier.values:
-        raise DirectoryError(f"tier: unknown tier {tier!r}; expected one of {', '.join(Tier.values)}", field="tier")
-    if tier == Tier.REMOTE:
+    if tier not in TierLevel.values:
+        raise DirectoryError(f"tier: unknown tier {tier!r}; expected one of {', '.join(TierLevel.values)}",
+                             field="tier")
+    if tier == TierLevel.REMOTE:
         if node:
             raise DirectoryError("node: a remote placement belongs to no node", field="node")
         return None
@@ -567,10 +568,10 @@ def placements_create_pending_many(*, copies: Sequence[PendingCopy],
         try:
             if copy.size_bytes < 0:
                 raise DirectoryError("size_bytes: cannot be negative", field="size_bytes")
-            if copy.tier not in Tier.values:
-                raise DirectoryError(f"tier: unknown tier {copy.tier!r}; expected one of {', '.join(Tier.values)}",
+            if copy.tier not in TierLevel.values:
+                raise DirectoryError(f"tier: unknown tier {copy.tier!r}; expected one of {', '.join(TierLevel.values)}",
                                      field="tier")
-            if (copy.tier == Tier.REMOTE) != (not copy.node):
+            if (copy.tier == TierLevel.REMOTE) != (not copy.node):
                 raise DirectoryError("node: a remote placement belongs to no node" if copy.node else
                                      f"node: a {copy.tier} placement needs the node that holds it", field="node")
             if copy.node and copy.node not in node_ids:
