@@ -17,7 +17,6 @@ class TierLevel(models.TextChoices):
 
 TIER_ORDER: tuple[TierLevel, ...] = tuple(TierLevel(name) for name in protocol.TIER_ORDER)
 """Tier levels, fastest first: the data plane's order, every one a TierLevel."""
-assert tuple(TierLevel) == TIER_ORDER, "TierLevel must list the data plane's tiers in its order"
 
 Tier = TierLevel
 """Former name of TierLevel, kept importable for the worker glue; new code names TierLevel."""
@@ -39,7 +38,7 @@ class PlacementState(models.TextChoices):
 
 
 class Dtype(models.TextChoices):
-    """KV dtypes the data plane stores (worker.dataplane.layout)."""
+    """KV dtypes the data plane stores (worker.dataplane.profile.KV_DTYPES)."""
 
     FLOAT32 = "float32", "float32"
     FLOAT16 = "float16", "float16"

@@ -276,9 +276,8 @@ def _next_tiers(load: ManagedTier, tiers: dict[tuple[str, str], ManagedTier],
     """Tiers a victim of `load` may go to, in order of preference: the policy's demote tier, or
     else every slower tier the node has, nearest first."""
     below = DEMOTION_ORDER[DEMOTION_ORDER.index(load.tier) + 1:]
-    demote = getattr(spec, "demote_tier", "")
-    if demote:
-        below = tuple(t for t in below if t == demote)
+    if spec.demote_tier:
+        below = tuple(t for t in below if t == spec.demote_tier)
     found = []
     for tier in below:
         key = ("", tier) if tier == TierLevel.REMOTE else (load.node, tier)
