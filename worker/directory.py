@@ -24,6 +24,8 @@ from typing import Any
 import psycopg
 
 from controlplane.directory import queries
+from controlplane.directory.registrations import placement_changes_write, registrations_write, runs
+from controlplane.directory.services import blocks_registered_announce
 from worker.dataplane.directory import (
     BlockRegistration,
     BlockTouch,
@@ -108,14 +110,15 @@ class _Touch:
     count: int
 
 
-class DjangoDirectory:
-    """The data plane's Directory backed by the control plane's PostgreSQL."""
+class PostgresDirectory:
+    """The data plane's Directory backed by the control plane's PostgreSQL, over raw psycopg
+    connections (Django's settings name the database; no ORM on this path)."""
 
     def __init__(self, *, connect: Connect | None = None, options: DirectoryOptions | None = None,
                  announce: Callable[..., None] | None = None, source: str = "node") -> None:
         self.options = options or DirectoryOptions()
         self._connect_raw = connect or django_connect(connect_timeout_s=self.options.connect_timeout_s)
-        self._announce = announce if announce is not None else _announce_event
+        self._announce = announce if announce is not None else blocks_registered_announce
         self._source = source
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -427,28 +430,20 @@ class DjangoDirectory:
         now = datetime.now(tz=UTC)
         conn = self._writer_conn()
         with conn.transaction(), conn.cursor() as cur:
-            for kind, run in _runs(batch):
+            for kind, run in _kinds(batch):
                 if kind == "register":
-                    scope = queries.resolve(cur, namespaces=[r.namespace for r in run],
-                                            model_keys=[r.model_key for r in run],
-                                            nodes=[r.node for r in run if r.node])
-                    rows, rejected = queries.registration_rows(scope, run)
-                    unknown.extend(run[index] for index, _ in rejected)
-                    written = queries.register(cur, rows=rows, now=now)
-                    counts.update(flushed=len(rows), registered=len(rows), new_blocks=written.blocks,
-                                  new_placements=written.placements)
+                    written = registrations_write(cur, registrations=run, now=now, all_or_nothing=False)
+                    unknown.extend(run[index] for index, _ in written.rejected)
+                    counts.update(flushed=written.written, registered=written.written,
+                                  new_blocks=written.counts.blocks, new_placements=written.counts.placements)
                 else:
-                    for action, changes in _actions(run):
-                        rows_ = [queries.ChangeRow(namespace=c.namespace, model_key=c.model_key,
-                                                   prefix_key=c.prefix_key, tier=c.tier, node=c.node,
-                                                   expected_epoch=c.expected_epoch) for c in changes]
-                        changed = queries.placements_change(cur, rows=rows_, action=action, now=now)
-                        counts.update(flushed=len(changes), refused_changes=max(len(changes) - changed, 0))
+                    changed = placement_changes_write(cur, changes=run, now=now)
+                    counts.update(flushed=len(run), refused_changes=max(len(run) - changed, 0))
         with self._lock:
             self._unannounced.update(blocks=counts["registered"], new=counts["new_blocks"],
                                      placements=counts["new_placements"])
             parked = {id(reg) for reg in unknown}
-            for reg in (r for kind, run in _runs(batch) if kind == "register" for r in run):
+            for reg in (r for kind, run in _kinds(batch) if kind == "register" for r in run):
                 if id(reg) not in parked:
                     self._unknown_since.pop(id(reg), None)
         for name in ("registered", "new_blocks", "new_placements"):
@@ -493,16 +488,10 @@ class DjangoDirectory:
             log.warning("could not announce registered blocks: %s", exc)
 
 
-def _announce_event(**payload: Any) -> None:
-    from controlplane.directory.services import blocks_registered_announce
-
-    blocks_registered_announce(**payload)
-
-
-def _runs(batch: list[tuple[str, Any]]) -> list[tuple[str, list[Any]]]:
+def _kinds(batch: list[tuple[str, Any]]) -> list[tuple[str, list[Any]]]:
     """Consecutive writes of one kind, in order: a change never overtakes a registration queued before it."""
-    return [(kind, [item for _, item in group]) for kind, group in itertools.groupby(batch, key=lambda w: w[0])]
+    return [(kind, [item for _, item in run]) for kind, run in runs(batch, key=lambda w: w[0])]
 
 
-def _actions(changes: list[PlacementChange]) -> list[tuple[str, list[PlacementChange]]]:
-    return [(action, list(group)) for action, group in itertools.groupby(changes, key=lambda c: c.action)]
+DjangoDirectory = PostgresDirectory
+"""Former name of PostgresDirectory, kept importable for the node runtime and the vLLM connector."""

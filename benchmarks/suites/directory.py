@@ -423,7 +423,7 @@ def child(spec: dict[str, Any]) -> None:
 
     from controlplane.directory.selectors import blocks_lookup
     from controlplane.directory.services import blocks_register
-    from worker.directory import DirectoryOptions, DjangoDirectory, django_connect
+    from worker.directory import DirectoryOptions, PostgresDirectory, django_connect
 
     repeats = spec["repeats"]
     small = spec["scale"] < 0.1
@@ -437,7 +437,7 @@ def child(spec: dict[str, Any]) -> None:
     _row("directory.seed_blocks_per_s", world.blocks / seconds, "blocks/s", blocks=world.blocks)
     _emit(step=f"seeded {world.blocks} blocks in {seconds:.0f}s")
     token = _engine_token()
-    node = DjangoDirectory(options=DirectoryOptions(), announce=lambda **_: None, source="bench")
+    node = PostgresDirectory(options=DirectoryOptions(), announce=lambda **_: None, source="bench")
     for _ in range(200):  # warm the plan caches and a share of the buffers
         ns, mk, keys = world.prompt(1)
         blocks_lookup(namespace=ns, model_key=mk, node="gpu-0", prefix_keys=keys)

@@ -23,7 +23,7 @@ migrates it and measures in a child process whose Django points at it:
   redis-server without persistence, as an L3 cache store runs (the broker's append-only Redis
   rewrites its log in a fork of the whole dataset at moments of its own choosing, which would
   make passes of the same size differ widely).
-* ``plan_ms``: ``plan(dry_run=True)`` for one node whose host tier is over its high watermark, in
+* ``plan_ms``: ``movements_plan(dry_run=True)`` for one node whose host tier is over its high watermark, in
   a directory of 1M blocks over 8 nodes (a third each on host, disk and remote).
 """
 
@@ -309,7 +309,8 @@ def _plan_ms(spec: dict[str, Any]) -> None:
 
     from controlplane.directory.models import ModelProfile, Namespace, Node
     from controlplane.directory.services import TierReport, node_heartbeat
-    from controlplane.movements.planner import candidates_params, candidates_sql, plan
+    from controlplane.movements.planner import candidates_params, candidates_sql
+    from controlplane.movements.services import movements_plan
     from controlplane.policies.snapshot import PolicySnapshot, TierPolicySpec
 
     total = spec["blocks"]
@@ -344,7 +345,7 @@ def _plan_ms(spec: dict[str, Any]) -> None:
     times = []
     for rep in range(max(3, spec["repeats"])):
         started = time.perf_counter()
-        result = plan(snapshot=snapshot, node="plan-3", reason="schedule", dry_run=True)
+        result = movements_plan(snapshot=snapshot, node="plan-3", reason="schedule", dry_run=True)
         times.append((time.perf_counter() - started) * 1000)
         _emit(step=f"plan {rep + 1}")
     spec_host = snapshot.tier("host")

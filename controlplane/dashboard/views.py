@@ -15,6 +15,9 @@ from django.shortcuts import render
 
 from controlplane.accounts.roles import Role, role_of
 from controlplane.dashboard.consumers import FLUSH_INTERVAL_S
+from controlplane.directory.choices import TierLevel
+from controlplane.movements.choices import MovementKind, MovementReason, MovementState
+from controlplane.policies.choices import Algorithm, ModeKind
 
 PAGES = [
     ("overview", "/", "Overview"),
@@ -27,11 +30,7 @@ PAGES = [
 
 
 def _choices() -> dict[str, Any]:
-    from controlplane.directory.choices import Tier
-    from controlplane.movements.choices import MovementKind, MovementReason, MovementState
-    from controlplane.policies.choices import Algorithm, ModeKind
-
-    return {"tiers": Tier.choices, "algorithms": Algorithm.choices, "mode_kinds": ModeKind.choices,
+    return {"tiers": TierLevel.choices, "algorithms": Algorithm.choices, "mode_kinds": ModeKind.choices,
             "movement_states": MovementState.choices, "movement_kinds": MovementKind.choices,
             "movement_reasons": MovementReason.choices}
 

@@ -1,10 +1,13 @@
-"""Enumerations of the directory."""
+"""Enumerations of the directory, and the control plane's one definition of the tier order, the
+batch limit and the default class."""
 
 from django.db import models
 
+from worker.dataplane import directory as protocol
 
-class Tier(models.TextChoices):
-    """Storage tiers, fastest first."""
+
+class TierLevel(models.TextChoices):
+    """Storage tier levels, fastest first (the data plane's `directory.TIER_ORDER`)."""
 
     DEVICE = "device", "L1 device (GPU memory)"
     HOST = "host", "L2 host (CPU DRAM)"
@@ -12,7 +15,11 @@ class Tier(models.TextChoices):
     REMOTE = "remote", "L3 remote (distributed store)"
 
 
-TIER_ORDER = [Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE]
+TIER_ORDER: tuple[TierLevel, ...] = tuple(TierLevel(name) for name in protocol.TIER_ORDER)
+"""Tier levels, fastest first: the data plane's order, every one a TierLevel."""
+
+Tier = TierLevel
+"""Former name of TierLevel, kept importable for the worker glue; new code names TierLevel."""
 
 
 class NodeState(models.TextChoices):
@@ -31,7 +38,7 @@ class PlacementState(models.TextChoices):
 
 
 class Dtype(models.TextChoices):
-    """KV dtypes the data plane stores (worker.dataplane.layout)."""
+    """KV dtypes the data plane stores (worker.dataplane.profile.KV_DTYPES)."""
 
     FLOAT32 = "float32", "float32"
     FLOAT16 = "float16", "float16"
@@ -59,8 +66,9 @@ BLOCK_ORDERING_COLUMNS: dict[str, tuple[str, ...]] = {
     BlockOrdering.IDLE: ("last_access_at", "id"),
 }
 
-DEFAULT_PRIORITY = "default"
-"""Priority class of a block until the policies app says otherwise."""
+DEFAULT_CLASS = "default"
+"""Priority class of a block until the policies app says otherwise; the class that holds every
+namespace no other class names."""
 
-MAX_BATCH = 4096
+MAX_BATCH = protocol.MAX_BATCH
 """Most keys (or blocks) one lookup or registration may carry."""

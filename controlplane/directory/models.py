@@ -5,7 +5,13 @@ import secrets
 from django.db import models
 from django.db.models import Q
 
-from controlplane.directory.choices import DEFAULT_PRIORITY, Dtype, NodeState, PlacementState, Tier
+from controlplane.directory.choices import (
+    DEFAULT_CLASS,
+    Dtype,
+    NodeState,
+    PlacementState,
+    TierLevel,
+)
 
 SALT_BYTES = 16
 
@@ -54,7 +60,7 @@ class NodeTier(models.Model):
     """Capacity and use of one tier of one node, as its last heartbeat reported."""
 
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="tiers")
-    tier = models.CharField(max_length=8, choices=Tier.choices)
+    tier = models.CharField(max_length=8, choices=TierLevel.choices)
     capacity_bytes = models.PositiveBigIntegerField()
     used_bytes = models.PositiveBigIntegerField()
     available = models.BooleanField(default=True, help_text="False when the node reports the tier unusable.")
@@ -162,7 +168,7 @@ class Block(models.Model):
     position = models.PositiveBigIntegerField(help_text="Offset of the block's first token in its prefix chain.")
     token_count = models.PositiveIntegerField()
     size_bytes = models.PositiveBigIntegerField()
-    priority = models.SlugField(max_length=63, default=DEFAULT_PRIORITY, db_index=False,
+    priority = models.SlugField(max_length=63, default=DEFAULT_CLASS, db_index=False,
                                 help_text="Priority class (the policies app defines them).")
     created_at = models.DateTimeField()
     last_access_at = models.DateTimeField()
@@ -190,7 +196,7 @@ class Placement(models.Model):
 
     block = models.ForeignKey(Block, on_delete=models.CASCADE, related_name="placements", db_index=False,
                               db_constraint=False)
-    tier = models.CharField(max_length=8, choices=Tier.choices)
+    tier = models.CharField(max_length=8, choices=TierLevel.choices)
     node = models.ForeignKey(Node, on_delete=models.CASCADE, null=True, blank=True, related_name="placements",
                              db_index=False, db_constraint=False,
                              help_text="Node holding the bytes; empty for the shared remote tier.")
@@ -210,7 +216,8 @@ class Placement(models.Model):
             models.UniqueConstraint(fields=["block", "tier", "node"], name="placement_block_tier_node_uniq",
                                     nulls_distinct=False),
             models.CheckConstraint(
-                condition=(Q(tier=Tier.REMOTE) & Q(node__isnull=True)) | (~Q(tier=Tier.REMOTE) & Q(node__isnull=False)),
+                condition=((Q(tier=TierLevel.REMOTE) & Q(node__isnull=True))
+                           | (~Q(tier=TierLevel.REMOTE) & Q(node__isnull=False))),
                 name="placement_node_iff_local",
             ),
         ]

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from controlplane.directory.choices import TIER_ORDER, PlacementState, Tier
+from controlplane.directory.choices import TIER_ORDER, PlacementState, TierLevel
 from controlplane.directory.errors import (
     DirectoryError,
     UnknownModel,
@@ -39,6 +39,11 @@ def uuids(values: Iterable[uuid.UUID]) -> str:
 def ints(values: Iterable[int | None]) -> str:
     """A bigint[] (or integer[]) literal; None is NULL."""
     return "{" + ",".join("NULL" if v is None else str(int(v)) for v in values) + "}"
+
+
+def floats(values: Iterable[float | None]) -> str:
+    """A float8[] literal; None is NULL."""
+    return "{" + ",".join("NULL" if v is None else repr(float(v)) for v in values) + "}"
 
 
 def texts(values: Iterable[str | None]) -> str:
@@ -381,7 +386,7 @@ _CHANGE_TARGETS = f"""
     JOIN {BLOCK_TABLE} b ON b.prefix_key = r.prefix_key AND b.namespace_id = ns.id AND b.model_id = m.id
     LEFT JOIN {NODE_TABLE} nd ON nd.name = r.node
     JOIN {PLACEMENT_TABLE} p ON p.block_id = b.id AND p.tier = r.tier
-         AND ((r.tier = '{Tier.REMOTE.value}' AND p.node_id IS NULL) OR p.node_id = nd.id)
+         AND ((r.tier = '{TierLevel.REMOTE.value}' AND p.node_id IS NULL) OR p.node_id = nd.id)
     WHERE r.epoch IS NULL OR p.epoch = r.epoch
     ORDER BY p.id
 """
@@ -458,7 +463,7 @@ def registration_rows(
         elif model_id is None:
             rejected.append((index, UnknownModel(f"model_key: no model profile with key {reg.model_key}",
                                                  field="model_key")))
-        elif reg.tier != Tier.REMOTE and node_id is None:
+        elif reg.tier != TierLevel.REMOTE and node_id is None:
             rejected.append((index, UnknownNode(f"node: no node named {reg.node!r} (it registers with its first heartbeat)")))
         else:
             rows.append(RegisterRow(namespace_id, model_id, reg.prefix_key, reg.content_key, reg.position,

@@ -2,6 +2,8 @@
 
 from django.db import models
 
+from controlplane.directory.choices import TIER_ORDER, TierLevel
+
 
 class MovementKind(models.TextChoices):
     MOVE = "move", "Move (demote a copy to a slower tier)"
@@ -32,7 +34,7 @@ IN_FLIGHT = (MovementState.PLANNED, MovementState.DISPATCHED, MovementState.RUNN
 
 FINISHED = (MovementState.DONE, MovementState.FAILED, MovementState.CANCELLED)
 
-DEMOTION_ORDER = ("host", "disk", "remote")
+DEMOTION_ORDER: tuple[TierLevel, ...] = tuple(t for t in TIER_ORDER if t != TierLevel.DEVICE)
 """Tiers the planner manages, fastest first. The device tier is the engine's own working set
 (never registered in the directory), so it is not planned here."""
 

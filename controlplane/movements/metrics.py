@@ -10,12 +10,11 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from controlplane.movements.choices import TALLY_SCRUB, MovementKind
+from controlplane.movements.selectors import movement_tallies
 
 
 class MovementsCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
-        from controlplane.movements.selectors import movement_tallies
-
         moved = CounterMetricFamily("strata_blocks_moved", "Blocks moved or warmed between tiers, by result.",
                                     labels=["src_tier", "dst_tier", "result"])
         moved_bytes = CounterMetricFamily("strata_bytes_moved", "Bytes moved or warmed between tiers.",

@@ -12,35 +12,26 @@ used fewer than `min_accesses` times.
 Each (node, tier) is one SQL statement: an index range scan of that tier's READY copies (the
 placement (node, tier, state) index), the blocks joined by primary key, ranked and cut by a
 running sum. Its cost grows with what the tier holds, never with the size of the directory.
+
+The planner only reads: it computes a plan from a cursor, a policy snapshot and the tiers' loads.
+`services.movements_plan` / `movements_warm` own the transaction, the advisory locks, recording
+and dispatch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import uuid
-import zlib
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import connection, transaction
-from django.utils import timezone
-
-from controlplane.directory.choices import NodeState, PlacementState, Tier
-from controlplane.directory.models import Namespace, Node, NodeTier
-from controlplane.directory.queries import BLOCK_TABLE, PLACEMENT_TABLE, ints, texts
+from controlplane.directory.choices import PlacementState, TierLevel
+from controlplane.directory.models import Node
+from controlplane.directory.queries import BLOCK_TABLE, PLACEMENT_TABLE, floats, ints, texts
 from controlplane.movements.choices import DEMOTION_ORDER, IN_FLIGHT, MovementKind, MovementReason
 from controlplane.movements.errors import MovementError
-from controlplane.policies.snapshot import (
-    ALGORITHMS,
-    PolicySnapshot,
-    TierPolicySpec,
-    policies_snapshot,
-)
-
-log = logging.getLogger("strata.movements")
+from controlplane.policies.specs import ALGORITHMS, DEFAULT_CLASS, PolicySnapshot, TierPolicySpec
 
 MOVEMENT_TABLE = "movements_movement"
 MAX_PER_TIER = 20_000
@@ -115,16 +106,12 @@ LIMIT %(limit)s
 """
 
 
-def _floats(values: Iterable[float]) -> str:
-    return "{" + ",".join(repr(float(v)) for v in values) + "}"
-
-
 def candidates_params(*, snapshot: PolicySnapshot, spec: TierPolicySpec, node_id: int | None, tier: str,
                       needed: int, now: datetime, namespaces: dict[int, str],
                       limit: int = MAX_PER_TIER) -> dict[str, Any]:
     """Parameters of `candidates_sql`. A block's class is the one its `priority` names, or else
     its namespace's class; weights come from the snapshot."""
-    classes = [c for c in snapshot.classes if c.name != "default"]
+    classes = [c for c in snapshot.classes if c.name != DEFAULT_CLASS]
     default = snapshot.class_of_namespace("\0no namespace\0")
     ns_ids = sorted(namespaces)
     return {
@@ -134,9 +121,9 @@ def candidates_params(*, snapshot: PolicySnapshot, spec: TierPolicySpec, node_id
         "ttl": float(spec.ttl_seconds) if spec.ttl_seconds else None,
         "min_accesses": int(spec.min_accesses or 0),
         "class_names": texts(c.name for c in classes),
-        "class_weights": _floats(c.weight for c in classes),
+        "class_weights": floats(c.weight for c in classes),
         "ns_ids": ints(ns_ids),
-        "ns_weights": _floats(snapshot.class_of_namespace(namespaces[i]).weight for i in ns_ids),
+        "ns_weights": floats(snapshot.class_of_namespace(namespaces[i]).weight for i in ns_ids),
         "default_weight": float(default.weight),
         "needed": int(max(needed, 0)),
         "limit": int(limit),
@@ -145,7 +132,7 @@ def candidates_params(*, snapshot: PolicySnapshot, spec: TierPolicySpec, node_id
 
 @dataclasses.dataclass(frozen=True)
 class PlannedMovement:
-    """One movement the planner chose (written as a Movement row unless it is a dry run)."""
+    """One movement the planner chose (the service records it as a Movement row unless it is a dry run)."""
 
     block_id: int
     kind: str
@@ -166,8 +153,9 @@ class PlannedMovement:
 
 
 @dataclasses.dataclass
-class TierLoad:
-    """One managed tier of one node (or the shared remote tier) as the planner sees it."""
+class ManagedTier:
+    """One managed tier of one node (or the shared remote tier) as the planner sees it: its
+    capacity and use, what is in flight out of and into it, and what this plan adds."""
 
     node: str
     node_id: int | None
@@ -232,216 +220,161 @@ class PlanResult:
         }
 
 
-def _node_group(node: Node) -> str:
+def node_group(node: Node) -> str:
+    """The node group a node's tier policies are chosen by ("" when it has none)."""
     return getattr(node, "group", "") or ""
 
 
-def _loads(nodes: Sequence[Node], *, include_remote: bool) -> tuple[dict[tuple[str, str], TierLoad], list[str]]:
-    """Managed tiers per node from their last heartbeat, plus the shared remote tier (its largest
-    reported capacity and use: every node sees the same store). Returns the loads and the nodes
-    that can execute remote work."""
-    loads: dict[tuple[str, str], TierLoad] = {}
+def managed_tiers(nodes: Sequence[Node], *, include_remote: bool
+                  ) -> tuple[dict[tuple[str, str], ManagedTier], list[str]]:
+    """Managed tiers per node from their last heartbeat (`nodes` with their tiers prefetched),
+    plus the shared remote tier (its largest reported capacity and use: every node sees the same
+    store). Returns the tiers keyed by (node, tier) and the nodes that can execute remote work."""
+    tiers: dict[tuple[str, str], ManagedTier] = {}
     remote_nodes: list[str] = []
     remote_capacity = remote_used = 0
     for node in nodes:
         for t in node.tiers.all():
             if not t.available or t.capacity_bytes <= 0 or t.tier not in DEMOTION_ORDER:
                 continue
-            if t.tier == Tier.REMOTE:
+            if t.tier == TierLevel.REMOTE:
                 remote_nodes.append(node.name)
                 remote_capacity = max(remote_capacity, t.capacity_bytes)
                 remote_used = max(remote_used, t.used_bytes)
                 continue
-            loads[(node.name, t.tier)] = TierLoad(node=node.name, node_id=node.id, tier=t.tier,
-                                                   group=_node_group(node), capacity=t.capacity_bytes,
-                                                   used=t.used_bytes)
+            tiers[(node.name, t.tier)] = ManagedTier(node=node.name, node_id=node.id, tier=t.tier,
+                                                     group=node_group(node), capacity=t.capacity_bytes,
+                                                     used=t.used_bytes)
     if remote_nodes and include_remote:
-        loads[("", Tier.REMOTE)] = TierLoad(node="", node_id=None, tier=Tier.REMOTE, group="",
-                                            capacity=remote_capacity, used=remote_used)
-    return loads, sorted(remote_nodes)
+        tiers[("", TierLevel.REMOTE)] = ManagedTier(node="", node_id=None, tier=TierLevel.REMOTE, group="",
+                                                    capacity=remote_capacity, used=remote_used)
+    return tiers, sorted(remote_nodes)
 
 
-def _in_flight(cursor: Any, loads: dict[tuple[str, str], TierLoad]) -> None:
-    """Bytes already leaving or arriving at each tier (movements not finished yet)."""
+def in_flight_add(cursor: Any, tiers: dict[tuple[str, str], ManagedTier]) -> None:
+    """Add the bytes already leaving or arriving at each tier (movements not finished yet)."""
     cursor.execute(f"SELECT src_node, src_tier, dst_node, dst_tier, sum(bytes) FROM {MOVEMENT_TABLE} "
                    f"WHERE state IN {_IN_FLIGHT_SQL} GROUP BY 1, 2, 3, 4")
     for src_node, src_tier, dst_node, dst_tier, total in cursor.fetchall():
-        source = loads.get((src_node, src_tier))
+        source = tiers.get((src_node, src_tier))
         if source is not None:
             source.leaving += int(total)
-        target = loads.get((dst_node, dst_tier)) if dst_tier else None
+        target = tiers.get((dst_node, dst_tier)) if dst_tier else None
         if target is not None:
             target.arriving += int(total)
 
 
-def _next_tiers(load: TierLoad, loads: dict[tuple[str, str], TierLoad], spec: TierPolicySpec) -> list[TierLoad]:
-    """Tiers a victim of `load` may go to, in order of preference: the policy's demote tier, or
-    else every slower tier the node has, nearest first."""
-    below = DEMOTION_ORDER[DEMOTION_ORDER.index(load.tier) + 1:]
-    demote = getattr(spec, "demote_tier", "")
-    if demote:
-        below = tuple(t for t in below if t == demote)
-    found = []
-    for tier in below:
-        key = ("", tier) if tier == Tier.REMOTE else (load.node, tier)
-        if key in loads:
-            found.append(loads[key])
-    return found
-
-
-def _lock_tier(cursor: Any, load: TierLoad) -> None:
-    """Serialise planners of the same tier for the rest of the transaction: a second planner
-    waits, then sees the first one's movements as in flight and does not pick the same bytes."""
-    cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
-                   [0x5354524D, zlib.crc32(f"{load.node}/{load.tier}".encode()) & 0x7FFFFFFF])
-
-
-def plan(*, snapshot: PolicySnapshot | None = None, node: str | None = None, reason: str = MovementReason.SCHEDULE,
-         dry_run: bool = False, now: datetime | None = None, limit_per_tier: int = MAX_PER_TIER) -> PlanResult:
-    """Plan movements for every up node (or only `node`) under `snapshot` (the policies in force
-    when None). A dry run only answers what would move; otherwise Movement rows are written and
-    dispatched to the nodes' queues when the transaction commits."""
-    if reason not in MovementReason.values and not dry_run:  # a dry run's reason is never recorded
-        raise MovementError(f"reason: unknown reason {reason!r}; expected one of {', '.join(MovementReason.values)}",
-                            field="reason")
-    if snapshot is None:
-        snapshot = policies_snapshot()
-    now = now or timezone.now()
-    nodes_qs = Node.objects.filter(state=NodeState.UP).prefetch_related("tiers").order_by("name")
-    if node is not None:
-        if not Node.objects.filter(name=node).exists():
-            raise MovementError(f"node: no node named {node!r}", field="node")
-        # The shared remote tier's nodes are still needed to execute remote evictions.
-        nodes_qs = nodes_qs.filter(name=node)
-    nodes = list(nodes_qs)
-    result = PlanResult(policy_version=snapshot.version, mode=snapshot.mode, dry_run=dry_run, plan_id=uuid.uuid4())
-    # The shared remote tier is always a destination; it is itself planned only in a fleet-wide plan.
-    loads, remote_nodes = _loads(nodes, include_remote=True)
-    if not loads:
-        return result
-    namespaces = dict(Namespace.objects.values_list("id", "name"))
-    with transaction.atomic(), connection.cursor() as cursor:
-        _in_flight(cursor, loads)
-        # Lowest tier first: what leaves a lower tier makes room for what arrives from above.
-        order = sorted(loads.values(), key=lambda t: (-DEMOTION_ORDER.index(t.tier), t.node))
-        remote_turn = 0
-        for load in order:
-            if load.tier == Tier.REMOTE and node is not None:
-                continue
-            spec = snapshot.tier(load.tier, node_group=load.group)
-            capacity = spec.effective_capacity_bytes(load.capacity)
-            high, low = spec.high_water_bytes(load.capacity), spec.low_water_bytes(load.capacity)
-            over = load.effective_used > high
-            needed = load.effective_used - low if over else 0
-            report = {"node": load.node, "tier": load.tier, "capacity_bytes": capacity, "used_bytes": load.used,
-                      "in_flight_bytes": load.leaving, "high_bytes": high, "low_bytes": low,
-                      "algorithm": spec.algorithm, "over_high_watermark": over}
-            result.tiers.append(report)
-            if not over and not spec.ttl_seconds:
-                continue
-            if not dry_run:
-                _lock_tier(cursor, load)
-                if over:  # another planner may have finished planning this tier while we waited
-                    load.leaving = _leaving(cursor, load)
-                    needed = max(0, load.effective_used - low)
-            cursor.execute(candidates_sql(algorithm=spec.algorithm, remote=load.tier == Tier.REMOTE),
-                           candidates_params(snapshot=snapshot, spec=spec, node_id=load.node_id, tier=load.tier,
-                                             needed=needed, now=now, namespaces=namespaces, limit=limit_per_tier))
-            below = _next_tiers(load, loads, spec)
-            for placement_id, epoch, size, block_id, expired, below_min, held_below in cursor.fetchall():
-                why = MovementReason.TTL if expired else reason
-                target = None
-                already = next((t.tier for t in below if t.tier in held_below), None)
-                if already is not None:  # (never for remote: nothing is below it)
-                    load.planned_out += size
-                    result.movements.append(PlannedMovement(
-                        block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,
-                        src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier="", dst_node="",
-                        exec_node=load.node, bytes=size, detail=f"a copy is already held in {already}"))
-                    continue
-                if not (expired and below_min):
-                    target = next((t for t in below if t.room(snapshot.tier(t.tier, node_group=t.group)) >= size),
-                                  None)
-                if load.tier == Tier.REMOTE:
-                    exec_node = remote_nodes[remote_turn % len(remote_nodes)]
-                    remote_turn += 1
-                else:
-                    exec_node = load.node
-                load.planned_out += size
-                if target is None:
-                    detail = ("expired and used fewer than min_accesses times" if expired and below_min
-                              else "no tier below with room" if below else "no tier below")
-                    result.movements.append(PlannedMovement(
-                        block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,
-                        src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier="", dst_node="",
-                        exec_node=exec_node, bytes=size, detail=detail))
-                    continue
-                target.planned_in += size
-                result.movements.append(PlannedMovement(
-                    block_id=block_id, kind=MovementKind.MOVE, reason=why, src_placement_id=placement_id,
-                    src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier=target.tier,
-                    dst_node=target.node, exec_node=exec_node, bytes=size,
-                    detail="idle past the tier's TTL" if expired else f"{spec.algorithm} victim over the high watermark"))
-        if not dry_run and result.movements:
-            from controlplane.movements.services import movements_record
-
-            result.written = movements_record(plan_id=result.plan_id, movements=result.movements,
-                                              policy_version=snapshot.version, mode=snapshot.mode, now=now)
-    if result.movements:
-        counts: dict[str, int] = defaultdict(int)
-        for m in result.movements:
-            counts[m.route] += 1
-        log.info("plan %s (%s, policy version %d%s): %s%s", result.plan_id, reason, snapshot.version,
-                 f", mode {snapshot.mode}" if snapshot.mode else "",
-                 ", ".join(f"{n} {route}" for route, n in sorted(counts.items())),
-                 " (dry run)" if dry_run else f"; {len(result.written)} written")
-    return result
-
-
-def _leaving(cursor: Any, load: TierLoad) -> int:
+def leaving_bytes(cursor: Any, tier: ManagedTier) -> int:
+    """Bytes of movements in flight out of `tier` now."""
     cursor.execute(f"SELECT coalesce(sum(bytes), 0) FROM {MOVEMENT_TABLE} WHERE state IN {_IN_FLIGHT_SQL} "
-                   "AND src_node = %s AND src_tier = %s", [load.node, load.tier])
+                   "AND src_node = %s AND src_tier = %s", [tier.node, tier.tier])
     return int(cursor.fetchone()[0])
 
 
-def warm_plan(*, node: str, block_ids: Sequence[int] | None = None, namespace: str | None = None,
-              limit: int = 256, reason: str = MovementReason.SCHEDULE, snapshot: PolicySnapshot | None = None,
-              dry_run: bool = False, now: datetime | None = None) -> PlanResult:
-    """Bring remote copies up to `node`'s host tier ahead of a scheduled job: the named blocks, or
-    the most accessed remote blocks (of `namespace`) that the node has no local copy of, as far as
-    its host tier has room below the high watermark."""
-    from controlplane.movements.selectors import warm_candidates
+def _next_tiers(load: ManagedTier, tiers: dict[tuple[str, str], ManagedTier],
+                spec: TierPolicySpec) -> list[ManagedTier]:
+    """Tiers a victim of `load` may go to, in order of preference: the policy's demote tier, or
+    else every slower tier the node has, nearest first."""
+    below = DEMOTION_ORDER[DEMOTION_ORDER.index(load.tier) + 1:]
+    if spec.demote_tier:
+        below = tuple(t for t in below if t == spec.demote_tier)
+    found = []
+    for tier in below:
+        key = ("", tier) if tier == TierLevel.REMOTE else (load.node, tier)
+        if key in tiers:
+            found.append(tiers[key])
+    return found
 
-    if reason not in MovementReason.values:
-        raise MovementError(f"reason: unknown reason {reason!r}", field="reason")
-    if limit < 1:
-        raise MovementError("limit: must be at least 1", field="limit")
-    snapshot = snapshot or policies_snapshot()
-    now = now or timezone.now()
-    row = Node.objects.filter(name=node).first()
-    if row is None:
-        raise MovementError(f"node: no node named {node!r}", field="node")
-    host = NodeTier.objects.filter(node=row, tier=Tier.HOST, available=True).first()
-    if host is None or host.capacity_bytes <= 0:
-        raise MovementError(f"node: node {node!r} has no host tier to warm into", field="node")
-    spec = snapshot.tier(Tier.HOST, node_group=_node_group(row))
-    load = TierLoad(node=node, node_id=row.id, tier=Tier.HOST, group=_node_group(row), capacity=host.capacity_bytes,
-                    used=host.used_bytes)
-    result = PlanResult(policy_version=snapshot.version, mode=snapshot.mode, dry_run=dry_run, plan_id=uuid.uuid4())
-    with transaction.atomic(), connection.cursor() as cursor:
-        _in_flight(cursor, {(node, Tier.HOST): load})
-        for placement_id, epoch, size, block_id in warm_candidates(cursor, node_id=row.id, block_ids=block_ids,
-                                                                    namespace=namespace, limit=limit):
-            if load.room(spec) < size:
-                break
-            load.planned_in += size
-            result.movements.append(PlannedMovement(
-                block_id=block_id, kind=MovementKind.WARM, reason=reason, src_placement_id=placement_id,
-                src_epoch=epoch, src_tier=Tier.REMOTE, src_node="", dst_tier=Tier.HOST, dst_node=node,
-                exec_node=node, bytes=size, detail="warm ahead of use"))
-        if not dry_run and result.movements:
-            from controlplane.movements.services import movements_record
 
-            result.written = movements_record(plan_id=result.plan_id, movements=result.movements,
-                                              policy_version=snapshot.version, mode=snapshot.mode, now=now)
-    return result
+TierClaim = Callable[[Any, ManagedTier], None]
+"""Called with the cursor before the planner picks victims of a tier: the recording service
+serialises planners of that tier there (a dry run claims nothing)."""
+
+
+def plan_movements(cursor: Any, *, snapshot: PolicySnapshot, tiers: dict[tuple[str, str], ManagedTier],
+                   remote_nodes: Sequence[str], namespaces: dict[int, str], reason: str, now: datetime,
+                   plan_remote: bool = True, limit_per_tier: int = MAX_PER_TIER,
+                   claim: TierClaim | None = None) -> tuple[list[PlannedMovement], list[dict[str, Any]]]:
+    """The movements that bring every tier in `tiers` back under its policy, and a report of each
+    tier looked at (capacity, use, watermarks in bytes). `tiers` already count what is in flight
+    (`in_flight_add`); the shared remote tier is a destination always and is planned itself only
+    when `plan_remote`. Reads through `cursor`, writes nothing."""
+    movements: list[PlannedMovement] = []
+    reports: list[dict[str, Any]] = []
+    # Lowest tier first: what leaves a lower tier makes room for what arrives from above.
+    order = sorted(tiers.values(), key=lambda t: (-DEMOTION_ORDER.index(t.tier), t.node))
+    remote_turn = 0
+    for load in order:
+        if load.tier == TierLevel.REMOTE and not plan_remote:
+            continue
+        spec = snapshot.tier(load.tier, node_group=load.group)
+        capacity = spec.effective_capacity_bytes(load.capacity)
+        high, low = spec.high_water_bytes(load.capacity), spec.low_water_bytes(load.capacity)
+        over = load.effective_used > high
+        needed = load.effective_used - low if over else 0
+        reports.append({"node": load.node, "tier": load.tier, "capacity_bytes": capacity, "used_bytes": load.used,
+                        "in_flight_bytes": load.leaving, "high_bytes": high, "low_bytes": low,
+                        "algorithm": spec.algorithm, "over_high_watermark": over})
+        if not over and not spec.ttl_seconds:
+            continue
+        if claim is not None:
+            claim(cursor, load)
+            if over:  # another planner may have finished planning this tier while we waited
+                load.leaving = leaving_bytes(cursor, load)
+                needed = max(0, load.effective_used - low)
+        cursor.execute(candidates_sql(algorithm=spec.algorithm, remote=load.tier == TierLevel.REMOTE),
+                       candidates_params(snapshot=snapshot, spec=spec, node_id=load.node_id, tier=load.tier,
+                                         needed=needed, now=now, namespaces=namespaces, limit=limit_per_tier))
+        below = _next_tiers(load, tiers, spec)
+        for placement_id, epoch, size, block_id, expired, below_min, held_below in cursor.fetchall():
+            why = MovementReason.TTL if expired else reason
+            target = None
+            already = next((t.tier for t in below if t.tier in held_below), None)
+            if already is not None:  # (never for remote: nothing is below it)
+                load.planned_out += size
+                movements.append(PlannedMovement(
+                    block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,
+                    src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier="", dst_node="",
+                    exec_node=load.node, bytes=size, detail=f"a copy is already held in {already}"))
+                continue
+            if not (expired and below_min):
+                target = next((t for t in below if t.room(snapshot.tier(t.tier, node_group=t.group)) >= size),
+                              None)
+            if load.tier == TierLevel.REMOTE:
+                exec_node = remote_nodes[remote_turn % len(remote_nodes)]
+                remote_turn += 1
+            else:
+                exec_node = load.node
+            load.planned_out += size
+            if target is None:
+                detail = ("expired and used fewer than min_accesses times" if expired and below_min
+                          else "no tier below with room" if below else "no tier below")
+                movements.append(PlannedMovement(
+                    block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,
+                    src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier="", dst_node="",
+                    exec_node=exec_node, bytes=size, detail=detail))
+                continue
+            target.planned_in += size
+            movements.append(PlannedMovement(
+                block_id=block_id, kind=MovementKind.MOVE, reason=why, src_placement_id=placement_id,
+                src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier=target.tier,
+                dst_node=target.node, exec_node=exec_node, bytes=size,
+                detail="idle past the tier's TTL" if expired else f"{spec.algorithm} victim over the high watermark"))
+    return movements, reports
+
+
+def warm_movements(*, host: ManagedTier, spec: TierPolicySpec, candidates: Sequence[tuple[int, int, int, int]],
+                   reason: str) -> list[PlannedMovement]:
+    """Remote copies to bring up to `host` (a node's host tier, counting what is in flight), in
+    the order of `candidates` ((placement id, epoch, size, block id)), as far as the tier has
+    room below its high watermark."""
+    movements = []
+    for placement_id, epoch, size, block_id in candidates:
+        if host.room(spec) < size:
+            break
+        host.planned_in += size
+        movements.append(PlannedMovement(
+            block_id=block_id, kind=MovementKind.WARM, reason=reason, src_placement_id=placement_id,
+            src_epoch=epoch, src_tier=TierLevel.REMOTE, src_node="", dst_tier=TierLevel.HOST, dst_node=host.node,
+            exec_node=host.node, bytes=size, detail="warm ahead of use"))
+    return movements

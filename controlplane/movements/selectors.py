@@ -8,12 +8,13 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from controlplane.directory.choices import NodeState, PlacementState, Tier
+from controlplane.directory.choices import NodeState, PlacementState, TierLevel
 from controlplane.directory.models import Namespace, Node
 from controlplane.directory.queries import BLOCK_TABLE, PLACEMENT_TABLE, ints
 from controlplane.movements.choices import DEMOTION_ORDER, IN_FLIGHT
+from controlplane.movements.errors import MovementError
 from controlplane.movements.models import Movement, MovementTally
-from controlplane.policies.snapshot import PolicySnapshot
+from controlplane.policies.specs import PolicySnapshot
 
 MOVEMENT_ORDERINGS: dict[str, tuple[str, ...]] = {
     "-id": ("-id",),
@@ -73,7 +74,7 @@ _WARM_SQL = f"""
 SELECT p.id, p.epoch, p.size_bytes, p.block_id
 FROM {PLACEMENT_TABLE} p
 CROSS JOIN LATERAL (SELECT * FROM {BLOCK_TABLE} WHERE id = p.block_id LIMIT 1) AS b
-WHERE p.node_id IS NULL AND p.tier = '{Tier.REMOTE.value}' AND p.state = '{PlacementState.READY.value}'
+WHERE p.node_id IS NULL AND p.tier = '{TierLevel.REMOTE.value}' AND p.state = '{PlacementState.READY.value}'
   AND (%(any_block)s OR p.block_id = ANY(%(block_ids)s::bigint[]))
   AND (%(namespace_id)s::bigint IS NULL OR b.namespace_id = %(namespace_id)s::bigint)
   AND NOT EXISTS (SELECT 1 FROM {PLACEMENT_TABLE} l
@@ -91,8 +92,6 @@ def warm_candidates(cursor: Any, *, node_id: int, block_ids: Sequence[int] | Non
     if namespace is not None:
         namespace_id = Namespace.objects.filter(name=namespace).values_list("id", flat=True).first()
         if namespace_id is None:
-            from controlplane.movements.errors import MovementError
-
             raise MovementError(f"namespace: no namespace named {namespace!r}", field="namespace")
     cursor.execute(_WARM_SQL, {"node_id": node_id, "any_block": block_ids is None,
                                "block_ids": ints(block_ids or []), "namespace_id": namespace_id, "limit": limit})
@@ -109,9 +108,9 @@ def nodes_over_watermark(*, snapshot: PolicySnapshot) -> tuple[list[str], bool]:
         for t in node.tiers.all():
             if t.tier not in DEMOTION_ORDER or not t.available or t.capacity_bytes <= 0:
                 continue
-            spec = snapshot.tier(t.tier, node_group="" if t.tier == Tier.REMOTE else group)
+            spec = snapshot.tier(t.tier, node_group="" if t.tier == TierLevel.REMOTE else group)
             if t.used_bytes > spec.high_water_bytes(t.capacity_bytes):
-                if t.tier == Tier.REMOTE:
+                if t.tier == TierLevel.REMOTE:
                     remote_over = True
                 elif node.name not in over:
                     over.append(node.name)

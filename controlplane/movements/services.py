@@ -1,13 +1,15 @@
-"""Movements writes: record and dispatch planned movements, move them through their states, keep
-the metrics' tallies, and the operator's "run migration now"."""
+"""Movements writes: plan (the planner computes, this module holds the transaction and the tier
+locks), record and dispatch planned movements, move them through their states, keep the metrics'
+tallies, and the operator's "run migration now"."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import uuid
+import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -15,10 +17,11 @@ from django.db import connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from controlplane.celery_app import app
 from controlplane.dashboard.events import send_event_on_commit
-from controlplane.directory.choices import NodeState
-from controlplane.directory.models import Node
-from controlplane.directory.queries import ints, texts
+from controlplane.directory.choices import NodeState, TierLevel
+from controlplane.directory.models import Namespace, Node, NodeTier
+from controlplane.directory.queries import floats, ints, texts
 from controlplane.movements.choices import (
     FINISHED,
     IN_FLIGHT,
@@ -30,12 +33,20 @@ from controlplane.movements.choices import (
 from controlplane.movements.errors import MovementError
 from controlplane.movements.models import Movement
 from controlplane.movements.planner import (
+    MAX_PER_TIER,
     MOVEMENT_TABLE,
+    ManagedTier,
     PlannedMovement,
     PlanResult,
-    plan,
-    warm_plan,
+    in_flight_add,
+    managed_tiers,
+    node_group,
+    plan_movements,
+    warm_movements,
 )
+from controlplane.movements.selectors import warm_candidates
+from controlplane.policies.snapshot import policies_snapshot
+from controlplane.policies.specs import PolicySnapshot
 
 log = logging.getLogger("strata.movements")
 
@@ -99,8 +110,6 @@ def movements_dispatch(*, batches: dict[tuple[str, str], list[int]]) -> int:
     """Send movements to their nodes' queues (node.move / node.evict / node.warm, a batch of ids
     per message) and mark the ones still planned as dispatched. A send that fails leaves them
     planned: the redispatch sweep sends them again. Returns how many were sent."""
-    from controlplane.celery_app import app
-
     sent: list[int] = []
     for (exec_node, kind), ids in sorted(batches.items()):
         for start in range(0, len(ids), DISPATCH_BATCH):
@@ -247,11 +256,6 @@ def movement_finish(*, movement_id: int, state: str, nbytes: int | None = None, 
     return movements_finish_many(results=[result], now=now)[0]
 
 
-def _floats(values: Iterable[float | None]) -> str:
-    """A float8[] literal; None is NULL."""
-    return "{" + ",".join("NULL" if v is None else repr(float(v)) for v in values) + "}"
-
-
 def movements_finish_many(*, results: Sequence[MovementResult], now: datetime | None = None) -> list[Movement | None]:
     """`movement_finish` for a node's wave: every result recorded and tallied in one statement
     instead of three and a savepoint per movement. Returns the movements in the order given, None
@@ -270,7 +274,7 @@ def movements_finish_many(*, results: Sequence[MovementResult], now: datetime | 
         cursor.execute(_FINISH_MANY_SQL, {
             "now": now or timezone.now(), "ids": ints(r.movement_id for r in results),
             "states": texts(r.state for r in results), "bytes": ints(r.nbytes for r in results),
-            "durations": _floats(r.duration_s for r in results),
+            "durations": floats(r.duration_s for r in results),
             "details": texts(r.detail for r in results), "errors": texts(r.error for r in results)})
         names = [f.attname for f in Movement._meta.concrete_fields]
         finished = {m.id: m for m in (Movement.from_db(connection.alias, names, row) for row in cursor.fetchall())}
@@ -294,17 +298,92 @@ def movements_finished_announce(*, node: str, done: int, failed: int, cancelled:
         "node": node, "done": done, "failed": failed, "cancelled": cancelled, "bytes": nbytes, "routes": routes})
 
 
+def _lock_tier(cursor: Any, tier: ManagedTier) -> None:
+    """Serialise planners of the same tier for the rest of the transaction: a second planner
+    waits, then sees the first one's movements as in flight and does not pick the same bytes."""
+    cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
+                   [0x5354524D, zlib.crc32(f"{tier.node}/{tier.tier}".encode()) & 0x7FFFFFFF])
+
+
+def movements_plan(*, snapshot: PolicySnapshot | None = None, node: str | None = None,
+                   reason: str = MovementReason.SCHEDULE, dry_run: bool = False, now: datetime | None = None,
+                   limit_per_tier: int = MAX_PER_TIER) -> PlanResult:
+    """Plan movements for every up node (or only `node`) under `snapshot` (the policies in force
+    when None). A dry run only answers what would move; otherwise the tiers it plans are locked,
+    and Movement rows are written and dispatched to the nodes' queues when the transaction commits."""
+    if reason not in MovementReason.values and not dry_run:  # a dry run's reason is never recorded
+        raise MovementError(f"reason: unknown reason {reason!r}; expected one of {', '.join(MovementReason.values)}",
+                            field="reason")
+    if snapshot is None:
+        snapshot = policies_snapshot()
+    now = now or timezone.now()
+    nodes_qs = Node.objects.filter(state=NodeState.UP).prefetch_related("tiers").order_by("name")
+    if node is not None:
+        if not Node.objects.filter(name=node).exists():
+            raise MovementError(f"node: no node named {node!r}", field="node")
+        # The shared remote tier's nodes are still needed to execute remote evictions.
+        nodes_qs = nodes_qs.filter(name=node)
+    result = PlanResult(policy_version=snapshot.version, mode=snapshot.mode, dry_run=dry_run, plan_id=uuid.uuid4())
+    # The shared remote tier is always a destination; it is itself planned only in a fleet-wide plan.
+    tiers, remote_nodes = managed_tiers(list(nodes_qs), include_remote=True)
+    if not tiers:
+        return result
+    namespaces = dict(Namespace.objects.values_list("id", "name"))
+    with transaction.atomic(), connection.cursor() as cursor:
+        in_flight_add(cursor, tiers)
+        result.movements, result.tiers = plan_movements(
+            cursor, snapshot=snapshot, tiers=tiers, remote_nodes=remote_nodes, namespaces=namespaces, reason=reason,
+            now=now, plan_remote=node is None, limit_per_tier=limit_per_tier, claim=None if dry_run else _lock_tier)
+        if not dry_run and result.movements:
+            result.written = movements_record(plan_id=result.plan_id, movements=result.movements,
+                                              policy_version=snapshot.version, mode=snapshot.mode, now=now)
+    if result.movements:
+        counts: dict[str, int] = defaultdict(int)
+        for m in result.movements:
+            counts[m.route] += 1
+        log.info("plan %s (%s, policy version %d%s): %s%s", result.plan_id, reason, snapshot.version,
+                 f", mode {snapshot.mode}" if snapshot.mode else "",
+                 ", ".join(f"{n} {route}" for route, n in sorted(counts.items())),
+                 " (dry run)" if dry_run else f"; {len(result.written)} written")
+    return result
+
+
 def movements_run(*, node: str | None = None, reason: str = MovementReason.MANUAL, dry_run: bool = False) -> PlanResult:
     """Run migration now: plan under the policies in force and dispatch (what the REST action and
     the policies app's triggers call)."""
-    return plan(node=node, reason=reason, dry_run=dry_run)
+    return movements_plan(node=node, reason=reason, dry_run=dry_run)
 
 
 def movements_warm(*, node: str, block_ids: Sequence[int] | None = None, namespace: str | None = None,
-                   limit: int = 256, reason: str = MovementReason.SCHEDULE, dry_run: bool = False) -> PlanResult:
-    """Warm a node's host tier from the remote tier ahead of a scheduled job."""
-    return warm_plan(node=node, block_ids=block_ids, namespace=namespace, limit=limit, reason=reason,
-                     dry_run=dry_run)
+                   limit: int = 256, reason: str = MovementReason.SCHEDULE, snapshot: PolicySnapshot | None = None,
+                   dry_run: bool = False, now: datetime | None = None) -> PlanResult:
+    """Warm a node's host tier from the remote tier ahead of a scheduled job: bring up the named
+    blocks, or the most accessed remote blocks (of `namespace`) that the node has no local copy
+    of, as far as its host tier has room below the high watermark."""
+    if reason not in MovementReason.values:
+        raise MovementError(f"reason: unknown reason {reason!r}", field="reason")
+    if limit < 1:
+        raise MovementError("limit: must be at least 1", field="limit")
+    snapshot = snapshot or policies_snapshot()
+    now = now or timezone.now()
+    row = Node.objects.filter(name=node).first()
+    if row is None:
+        raise MovementError(f"node: no node named {node!r}", field="node")
+    host_row = NodeTier.objects.filter(node=row, tier=TierLevel.HOST, available=True).first()
+    if host_row is None or host_row.capacity_bytes <= 0:
+        raise MovementError(f"node: node {node!r} has no host tier to warm into", field="node")
+    spec = snapshot.tier(TierLevel.HOST, node_group=node_group(row))
+    host = ManagedTier(node=node, node_id=row.id, tier=TierLevel.HOST, group=node_group(row),
+                       capacity=host_row.capacity_bytes, used=host_row.used_bytes)
+    result = PlanResult(policy_version=snapshot.version, mode=snapshot.mode, dry_run=dry_run, plan_id=uuid.uuid4())
+    with transaction.atomic(), connection.cursor() as cursor:
+        in_flight_add(cursor, {(node, TierLevel.HOST): host})
+        candidates = warm_candidates(cursor, node_id=row.id, block_ids=block_ids, namespace=namespace, limit=limit)
+        result.movements = warm_movements(host=host, spec=spec, candidates=candidates, reason=reason)
+        if not dry_run and result.movements:
+            result.written = movements_record(plan_id=result.plan_id, movements=result.movements,
+                                              policy_version=snapshot.version, mode=snapshot.mode, now=now)
+    return result
 
 
 @transaction.atomic

@@ -9,11 +9,11 @@ from datetime import timedelta
 from celery import shared_task
 from django.utils import timezone
 
-from controlplane.directory.choices import NodeState, Tier
+from controlplane.celery_app import app
+from controlplane.directory.choices import NodeState, TierLevel
 from controlplane.directory.models import Node, NodeTier
-from controlplane.movements.planner import plan
 from controlplane.movements.selectors import nodes_over_watermark
-from controlplane.movements.services import movements_redispatch
+from controlplane.movements.services import movements_plan, movements_redispatch
 from controlplane.policies.snapshot import policies_snapshot
 
 log = logging.getLogger("strata.movements")
@@ -22,7 +22,7 @@ log = logging.getLogger("strata.movements")
 @shared_task(name="movements.plan", ignore_result=True, acks_late=True)
 def movements_plan_task(reason: str = "schedule", node: str | None = None) -> dict:
     """Plan and dispatch now (sent by name after a policy change, a mode switch or a schedule)."""
-    return plan(reason=reason, node=node).summary()
+    return movements_plan(reason=reason, node=node).summary()
 
 
 @shared_task(name="movements.plan_watermarks", ignore_result=True)
@@ -31,19 +31,17 @@ def movements_plan_watermarks_task() -> list[str]:
     snapshot = policies_snapshot()
     over, remote_over = nodes_over_watermark(snapshot=snapshot)
     if remote_over:
-        plan(snapshot=snapshot, reason="watermark")
+        movements_plan(snapshot=snapshot, reason="watermark")
         return ["*"]
     for name in over:
-        plan(snapshot=snapshot, node=name, reason="watermark")
+        movements_plan(snapshot=snapshot, node=name, reason="watermark")
     return over
 
 
 def _fan_out(task: str) -> list[str]:
-    from controlplane.celery_app import app
-
     up = list(Node.objects.filter(state=NodeState.UP).order_by("name").values_list("name", flat=True))
     # The shared remote tier is checked by one node, in turn.
-    remote = list(NodeTier.objects.filter(node__name__in=up, tier=Tier.REMOTE, available=True)
+    remote = list(NodeTier.objects.filter(node__name__in=up, tier=TierLevel.REMOTE, available=True)
                   .order_by("node__name").values_list("node__name", flat=True))
     chosen = remote[_turn() % len(remote)] if remote else None
     for name in up:

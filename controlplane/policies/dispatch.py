@@ -14,9 +14,10 @@ from celery import Celery
 from django.db import transaction
 from kombu.exceptions import KombuError
 
+from controlplane.celery_app import app
 from controlplane.directory.choices import NodeState
 from controlplane.directory.models import Node
-from controlplane.policies.snapshot import PriorityClassSpec
+from controlplane.policies.specs import PriorityClassSpec
 from controlplane.settings.celery import CONTROL_QUEUE
 
 log = logging.getLogger("strata.policies")
@@ -36,9 +37,7 @@ def policies_dispatch_on_commit(*, version: int, reason: str, classes: Sequence[
 
 
 def celery_app() -> Celery:
-    """The control plane's Celery app (imported late: the web process needs it only to send)."""
-    from controlplane.celery_app import app
-
+    """The control plane's Celery app (behind a function so tests can send to a recorder instead)."""
     return app
 
 

@@ -8,7 +8,7 @@ from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import Q
 
-from controlplane.directory.choices import Tier
+from controlplane.directory.choices import TierLevel
 from controlplane.policies.choices import Algorithm, ModeKind
 
 
@@ -50,7 +50,7 @@ class TierPolicy(models.Model):
     reached; blocks idle longer than `ttl_seconds` leave at any fill level. They go to
     `demote_tier` (empty: the next slower tier the node has)."""
 
-    tier = models.CharField(max_length=8, choices=Tier.choices)
+    tier = models.CharField(max_length=8, choices=TierLevel.choices)
     node_group = models.CharField(max_length=63, blank=True, default="",
                                   help_text="Empty: every node; otherwise the nodes of this group.")
     capacity_bytes = models.PositiveBigIntegerField(null=True, blank=True,
@@ -63,7 +63,7 @@ class TierPolicy(models.Model):
     ttl_seconds = models.PositiveIntegerField(null=True, blank=True,
                                               help_text="Blocks idle this long leave the tier; empty: never by age.")
     min_accesses = models.PositiveIntegerField(default=0)
-    demote_tier = models.CharField(max_length=8, choices=Tier.choices, blank=True, default="",
+    demote_tier = models.CharField(max_length=8, choices=TierLevel.choices, blank=True, default="",
                                    help_text="Where leaving blocks go; empty: the next slower tier.")
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -14,14 +14,11 @@ from typing import Any
 
 from controlplane.directory.choices import TIER_ORDER
 from controlplane.policies.errors import PolicyError
-from controlplane.policies.snapshot import (
+from controlplane.policies.specs import (
     ALGORITHMS,
     PriorityClassSpec,
     TierPolicySpec,
 )
-
-TIERS: tuple[str, ...] = tuple(str(t) for t in TIER_ORDER)
-"""Tier names, fastest first."""
 
 BIGINT_MAX = 2**63 - 1
 INTEGER_MAX = 2**31 - 1
@@ -104,7 +101,7 @@ def _slug_list(value: Any, path: str) -> tuple[str, ...]:
 _FRACTION = _float(low=0.0, high=1.0, low_open=True)
 
 TIER_RULES: dict[str, Checker] = {
-    "tier": _choice(TIERS),
+    "tier": _choice(TIER_ORDER),
     "node_group": _slug(blank=True),
     "capacity_bytes": _int(minimum=0, maximum=BIGINT_MAX, nullable=True),
     "capacity_fraction": _FRACTION,
@@ -113,7 +110,7 @@ TIER_RULES: dict[str, Checker] = {
     "algorithm": _choice(ALGORITHMS),
     "ttl_seconds": _int(minimum=1, maximum=INTEGER_MAX, nullable=True),
     "min_accesses": _int(minimum=0, maximum=INTEGER_MAX),
-    "demote_tier": _choice(TIERS, blank=True),
+    "demote_tier": _choice(TIER_ORDER, blank=True),
 }
 """Every field of a tier policy (snapshot.TierPolicySpec) and its rule."""
 
@@ -147,9 +144,9 @@ def tier_check(spec: TierPolicySpec, path: Callable[[str], str] = str) -> None:
     if spec.low_watermark >= spec.high_watermark:
         raise _fail(path("low_watermark"), f"the low watermark ({spec.low_watermark:g}) must be below the high "
                                            f"watermark ({spec.high_watermark:g}) of the {spec.tier} tier")
-    if spec.demote_tier and TIERS.index(spec.demote_tier) <= TIERS.index(spec.tier):
+    if spec.demote_tier and TIER_ORDER.index(spec.demote_tier) <= TIER_ORDER.index(spec.tier):
         raise _fail(path("demote_tier"), f"blocks leaving the {spec.tier} tier can only go to a slower tier "
-                                         f"({', '.join(TIERS[TIERS.index(spec.tier) + 1:]) or 'none'})")
+                                         f"({', '.join(TIER_ORDER[TIER_ORDER.index(spec.tier) + 1:]) or 'none'})")
 
 
 def classes_check(classes: Sequence[PriorityClassSpec], path: Callable[[str, str], str] = lambda name, f: f) -> None:
@@ -287,7 +284,7 @@ def overrides_apply(
 
 def tiers_sorted(tiers: Iterable[TierPolicySpec]) -> tuple[TierPolicySpec, ...]:
     """Fastest tier first, the fleet-wide policy before the groups' own."""
-    return tuple(sorted(tiers, key=lambda t: (TIERS.index(t.tier), t.node_group)))
+    return tuple(sorted(tiers, key=lambda t: (TIER_ORDER.index(t.tier), t.node_group)))
 
 
 def tier_spec(data: Mapping[str, Any]) -> TierPolicySpec:

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.db.models import Max, QuerySet
 
+from controlplane.directory.choices import TIER_ORDER
 from controlplane.policies import rules
 from controlplane.policies.models import (
     Mode,
@@ -15,7 +16,7 @@ from controlplane.policies.models import (
     PriorityClass,
     TierPolicy,
 )
-from controlplane.policies.snapshot import PolicySnapshot, PriorityClassSpec, TierPolicySpec
+from controlplane.policies.specs import PolicySnapshot, PriorityClassSpec, TierPolicySpec
 
 
 def priorityclasses_list() -> QuerySet[PriorityClass]:
@@ -97,7 +98,7 @@ def policy_state() -> dict[str, Any]:
         ],
         "tiers": [
             {f: getattr(row, f) for f in TIER_FIELDS}
-            for row in sorted(TierPolicy.objects.all(), key=lambda r: (rules.TIERS.index(r.tier), r.node_group))
+            for row in sorted(TierPolicy.objects.all(), key=lambda r: (TIER_ORDER.index(r.tier), r.node_group))
         ],
         "modes": [{f: getattr(row, f) for f in MODE_FIELDS} for row in modes],
         "active_mode": next((m.name for m in modes if m.active), ""),

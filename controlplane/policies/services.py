@@ -36,7 +36,7 @@ from controlplane.policies.selectors import (
     snapshot_current,
     tier_row_spec,
 )
-from controlplane.policies.snapshot import DEFAULT_CLASS, PolicySnapshot
+from controlplane.policies.specs import DEFAULT_CLASS, PolicySnapshot
 from controlplane.settings.celery import CONTROL_QUEUE
 
 # Key of the transaction-level advisory lock every policy write takes ("STRAT" in ASCII).

@@ -10,6 +10,11 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest, multi
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from controlplane.directory.choices import NodeState
+from controlplane.directory.selectors import nodes_list
+from controlplane.movements.metrics import MovementsCollector
+from controlplane.policies.snapshot import policies_snapshot
+
 READINESS_FAILURES = Counter(
     "strata_readiness_failures_total", "Readiness probes that found a dependency failing, per check.", ["check"]
 )
@@ -29,9 +34,6 @@ class DirectoryCollector(Collector):
     """Node and tier gauges read from PostgreSQL at scrape time (the database is the truth)."""
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        from controlplane.directory.choices import NodeState
-        from controlplane.directory.selectors import nodes_list
-
         up = GaugeMetricFamily("strata_node_up", "1 when the node's heartbeats arrive, else 0.", labels=["node", "state"])
         capacity = GaugeMetricFamily("strata_tier_capacity_bytes", "Tier capacity per node.", labels=["node", "tier"])
         used = GaugeMetricFamily("strata_tier_used_bytes", "Tier bytes in use per node.", labels=["node", "tier"])
@@ -64,8 +66,6 @@ class PolicyCollector(Collector):
     switches on every other panel."""
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from controlplane.policies.snapshot import policies_snapshot
-
         snapshot = policies_snapshot()
         version = GaugeMetricFamily("strata_policy_version", "Policy version in force.")
         version.add_metric([], float(snapshot.version))
@@ -87,7 +87,5 @@ def render_metrics() -> bytes:
             registry.register(collector)
     registry.register(DirectoryCollector())
     registry.register(PolicyCollector())
-    from controlplane.movements.metrics import MovementsCollector  # noqa: PLC0415 - an app's models load late
-
     registry.register(MovementsCollector())
     return generate_latest(registry)

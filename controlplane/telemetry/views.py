@@ -5,6 +5,8 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from controlplane.directory.choices import NodeState
+from controlplane.directory.models import Node
 from controlplane.telemetry.health import readiness
 from controlplane.telemetry.metrics import READINESS_FAILURES, render_metrics
 
@@ -41,9 +43,6 @@ def prometheus_nodes(request: HttpRequest) -> HttpResponse:
     """Prometheus HTTP service discovery: the Strata endpoints of every node that is not down, and
     the engine's own server where it is not Strata's (vLLM's /metrics), labelled with the node's
     name (the engine's with `exporter` too), so a new node is scraped without editing prometheus.yml."""
-    from controlplane.directory.choices import NodeState
-    from controlplane.directory.models import Node
-
     nodes = Node.objects.exclude(address="").exclude(state=NodeState.DOWN).order_by("name")
     targets = [{"targets": [node.address], "labels": {"node": node.name}} for node in nodes]
     targets += [{"targets": [node.engine_address], "labels": {"node": node.name, "exporter": node.engine}}

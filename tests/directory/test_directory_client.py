@@ -13,7 +13,7 @@ import pytest
 from controlplane.directory.models import Block, Placement
 from tests.directory.conftest import node_create
 from worker.dataplane.directory import BlockTouch, DirectoryUnavailable, PlacementChange
-from worker.directory import DirectoryOptions, DjangoDirectory, django_connect
+from worker.directory import DirectoryOptions, PostgresDirectory, django_connect
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -23,7 +23,7 @@ FAST = DirectoryOptions(flush_interval_s=0.02, batch_size=500)
 @pytest.fixture
 def directory():
     events = []
-    client = DjangoDirectory(options=FAST, announce=lambda **payload: events.append(payload), source="node:gpu-0")
+    client = PostgresDirectory(options=FAST, announce=lambda **payload: events.append(payload), source="node:gpu-0")
     client.events = events
     yield client
     client.close()
@@ -66,7 +66,7 @@ def test_registrations_may_be_any_object_with_the_fields(directory, namespace, p
 
 
 def test_stale_epochs_and_unknown_references_are_counted_not_retried(registration, profile):
-    directory = DjangoDirectory(options=DirectoryOptions(flush_interval_s=0.02, unknown_grace_s=0),
+    directory = PostgresDirectory(options=DirectoryOptions(flush_interval_s=0.02, unknown_grace_s=0),
                                 announce=lambda **_: None)
     reg = registration()
     directory.register(blocks=[reg, registration(node="gpu-404"), registration(namespace="nobody")])
@@ -83,7 +83,7 @@ def test_stale_epochs_and_unknown_references_are_counted_not_retried(registratio
 def test_registrations_wait_for_a_node_that_has_not_sent_its_first_heartbeat(registration, profile):
     """The engine may write blocks before the node's first heartbeat creates its row."""
     options = DirectoryOptions(flush_interval_s=0.02, unknown_retry_s=0.1, unknown_grace_s=30)
-    with DjangoDirectory(options=options, announce=lambda **_: None) as client:
+    with PostgresDirectory(options=options, announce=lambda **_: None) as client:
         early = registration(node="gpu-late")
         client.register(blocks=[early])
         assert client.flush(timeout=10)
@@ -100,7 +100,7 @@ def test_registrations_wait_for_a_node_that_has_not_sent_its_first_heartbeat(reg
 
 def test_unknown_references_are_rejected_after_the_grace_period(registration):
     options = DirectoryOptions(flush_interval_s=0.02, unknown_retry_s=0.05, unknown_grace_s=0.2)
-    with DjangoDirectory(options=options, announce=lambda **_: None) as client:
+    with PostgresDirectory(options=options, announce=lambda **_: None) as client:
         client.register(blocks=[registration(namespace="never")])
         deadline = time.monotonic() + 10
         while not client.stats().rejected and time.monotonic() < deadline:
@@ -142,7 +142,7 @@ def test_writes_never_wait_and_are_announced_in_batches(directory, registration,
 
 
 def test_touches_over_capacity_are_dropped_and_counted(registration, profile):
-    with DjangoDirectory(options=DirectoryOptions(flush_interval_s=5, touch_capacity=2)) as client:
+    with PostgresDirectory(options=DirectoryOptions(flush_interval_s=5, touch_capacity=2)) as client:
         client.touch(touches=[BlockTouch(namespace="tenant-a", model_key=profile.model_key, prefix_key=uuid.uuid4())
                               for _ in range(5)])
         assert client.stats().dropped_touches == 3
@@ -152,7 +152,7 @@ def test_lookups_fail_fast_when_the_database_is_unreachable(tmp_path):
     def unreachable():
         return psycopg.connect(host=str(tmp_path), dbname="strata", user="postgres", connect_timeout=2)
 
-    with DjangoDirectory(connect=unreachable, options=DirectoryOptions(unavailable_s=30)) as client:
+    with PostgresDirectory(connect=unreachable, options=DirectoryOptions(unavailable_s=30)) as client:
         started = time.perf_counter()
         with pytest.raises(DirectoryUnavailable):
             client.lookup(keys=[uuid.uuid4()], node="gpu-0")
@@ -166,6 +166,6 @@ def test_lookups_fail_fast_when_the_database_is_unreachable(tmp_path):
 
 
 def test_slow_lookups_time_out():
-    with DjangoDirectory(connect=django_connect(), options=DirectoryOptions(lookup_timeout_ms=50)) as client:
+    with PostgresDirectory(connect=django_connect(), options=DirectoryOptions(lookup_timeout_ms=50)) as client:
         with pytest.raises(DirectoryUnavailable, match="took over 50 ms"):
             client._read(lambda cur: cur.execute("SELECT pg_sleep(1)"))

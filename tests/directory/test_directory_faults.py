@@ -22,7 +22,7 @@ from controlplane.directory.services import modelprofile_key
 from controlplane.runtime.embedded import EmbeddedPostgres
 from controlplane.runtime.environment import embedded_database_name, load_environment
 from worker.dataplane.directory import BlockRegistration, BlockTouch, DirectoryUnavailable
-from worker.directory import DirectoryOptions, DjangoDirectory
+from worker.directory import DirectoryOptions, PostgresDirectory
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_registrations_survive_a_postgres_restart(private_pg):
                               node="gpu-0", nbytes=512) for i in range(total)]
     slowest_call = 0.0
     outage_lookups: list[float] = []
-    with DjangoDirectory(connect=connect, options=options, announce=lambda **_: None) as directory:
+    with PostgresDirectory(connect=connect, options=options, announce=lambda **_: None) as directory:
         for start in range(0, total, chunk):
             if start == stop_at:
                 assert server.stop() == "stopped"
@@ -176,7 +176,7 @@ def test_concurrent_registration_from_two_processes(tmp_path, subprocess_env, py
 def test_concurrent_registration_from_threads(namespace, profile, node, other_node):
     """The same through two Directory clients (two writer connections) in one process."""
     keys = [(uuid.uuid4(), uuid.uuid4()) for _ in range(800)]
-    clients = [DjangoDirectory(options=DirectoryOptions(flush_interval_s=0.01, batch_size=100),
+    clients = [PostgresDirectory(options=DirectoryOptions(flush_interval_s=0.01, batch_size=100),
                                announce=lambda **_: None) for _ in range(2)]
     barrier = threading.Barrier(2)
 

@@ -40,8 +40,8 @@ from controlplane.directory.services import (
     placements_flip_many,
 )
 from worker.dataplane.directory import BlockRegistration, BlockTouch, PlacementChange
-from worker.dataplane.hashing import model_key as dataplane_model_key
-from worker.dataplane.layout import ModelProfile as LayoutProfile
+from worker.dataplane.profile import ModelProfile as LayoutProfile
+from worker.dataplane.profile import model_key as dataplane_model_key
 
 pytestmark = pytest.mark.django_db
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.directory.models import Node, Placement
 from controlplane.movements.choices import MovementState
-from controlplane.movements.planner import plan
+from controlplane.movements.services import movements_plan
 from tests.movements.procs import DRAIN_HOST, REPO_ROOT, reconcile_and_check, state_of
 from tests.support import free_port, wait_for
 
@@ -178,7 +178,7 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
              what="the prompt's blocks registered on host")
     wait_for(lambda: row.tiers.filter(tier="host", used_bytes__gte=4 * block_bytes).exists(),
              what="the blocks' bytes in a heartbeat")
-    result = plan(snapshot=DRAIN_HOST, node=node.name, reason="manual")
+    result = movements_plan(snapshot=DRAIN_HOST, node=node.name, reason="manual")
     assert result.written
     wait_for(lambda: "held at after-copy" in log.read_text(), timeout=60, what="a movement held after its copy")
     worker.kill()

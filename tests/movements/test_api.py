@@ -13,8 +13,12 @@ from rest_framework.test import APIClient
 from controlplane.dashboard.events import EVENT_SCHEMAS, event_validate
 from controlplane.movements.choices import MovementState
 from controlplane.movements.models import Movement
-from controlplane.movements.planner import plan
-from controlplane.movements.services import checksum_failures_count, movement_finish, movement_start
+from controlplane.movements.services import (
+    checksum_failures_count,
+    movement_finish,
+    movement_start,
+    movements_plan,
+)
 from controlplane.policies.snapshot import TierPolicySpec
 from tests.movements.conftest import BLOCK_BYTES, node_report, snapshot
 
@@ -38,16 +42,16 @@ def client_as(role: str) -> APIClient:
 def ledger(db, make_blocks, monkeypatch):  # type: ignore[no-untyped-def]
     """Five host->disk moves planned on gpu-0 (the first done, the second failed), two TTL
     evictions on gpu-1; the policies in force are a fixed snapshot."""
-    import controlplane.movements.planner as planner
+    import controlplane.movements.services as services
 
     policy = snapshot(TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.5, ttl_seconds=60,
                                      min_accesses=1))
-    monkeypatch.setattr(planner, "policies_snapshot", lambda: policy)
+    monkeypatch.setattr(services, "policies_snapshot", lambda: policy)
     node_report("gpu-0", host=(10 * B, 10 * B), disk=(100 * B, 0))
     make_blocks(10, accesses=[1] * 10, ages=[0] * 10)
     node_report("gpu-1", host=(100 * B, 2 * B))
     make_blocks(2, node="gpu-1", ages=[3600, 3600])
-    written = plan(snapshot=policy, reason="watermark").written
+    written = movements_plan(snapshot=policy, reason="watermark").written
     first, second = written[0], written[1]
     movement_start(movement_id=first, node="gpu-0")
     movement_finish(movement_id=first, state=MovementState.DONE, nbytes=B, duration_s=0.01)
@@ -160,7 +164,8 @@ def test_event_schemas_match_what_the_services_send(ledger, django_capture_on_co
     node_report("gpu-0", host=(10 * B, 13 * B), disk=(100 * B, 0))
 
     with django_capture_on_commit_callbacks(execute=True):
-        plan(snapshot=snapshot(TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.5)), node="gpu-0")
+        movements_plan(snapshot=snapshot(TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.5)),
+                       node="gpu-0")
         movements_finished_announce(node="gpu-0", done=3, failed=1, cancelled=0, nbytes=3 * B,
                                     routes={"host->disk": 3})
     assert [sorted(batch) for batch in dispatched] == [[("gpu-0", "move")]]  # sent on commit, one batch

@@ -18,7 +18,7 @@ from django.db import connections
 from controlplane.directory.models import Node, Placement
 from controlplane.movements.choices import MovementState
 from controlplane.movements.models import Movement
-from controlplane.movements.planner import plan
+from controlplane.movements.services import movements_plan
 from tests.movements.procs import (
     DRAIN_HOST,
     PrivatePostgres,
@@ -67,7 +67,7 @@ def test_moves_complete_after_postgresql_restarts_mid_move(private_postgres, nod
     store, profile = nodes.config_store()
     try:
         seeds = write_blocks(store, profile, nodes.name, 6)
-        result = plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
+        result = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(result.written) == 6
         wait_for(lambda: "held at after-copy" in log.read_text(), timeout=60, what="the first move to be copied")
         print(f"stopping PostgreSQL: {private_postgres.stop()}")
@@ -99,8 +99,9 @@ def private_redis(tmp_path) -> Iterator[PrivateRedis]:
         server.stop()
 
 
-_PLAN = ("import json; from tests.movements.procs import DRAIN_HOST; from controlplane.movements.planner import plan; "
-         "print(json.dumps(plan(snapshot=DRAIN_HOST, node={node!r}, reason='manual').written))")
+_PLAN = ("import json; from tests.movements.procs import DRAIN_HOST; "
+         "from controlplane.movements.services import movements_plan; "
+         "print(json.dumps(movements_plan(snapshot=DRAIN_HOST, node={node!r}, reason='manual').written))")
 _REDISPATCH = ("import json, datetime; from controlplane.movements.services import movements_redispatch; "
                "print(json.dumps(movements_redispatch(older_than=datetime.timedelta(0))))")
 

@@ -19,7 +19,7 @@ from controlplane.directory.choices import PlacementState
 from controlplane.directory.models import Block, Node, Placement
 from controlplane.movements.choices import MovementState
 from controlplane.movements.models import Movement, MovementTally
-from controlplane.movements.planner import plan
+from controlplane.movements.services import movements_plan
 from controlplane.movements.tasks import movements_reconcile_nodes_task, movements_scrub_nodes_task
 from controlplane.policies.snapshot import PolicySnapshot, TierPolicySpec
 from tests.movements.procs import (
@@ -60,7 +60,7 @@ def _failures(found_by: str, tier: str = "disk") -> int:
 # -- a full disk tier ------------------------------------------------------------------------------------
 
 def _full_disk_outcome(nodes, store, seeds: dict[uuid.UUID, int]) -> tuple[list[Movement], list[Movement]]:  # type: ignore[no-untyped-def]
-    result = plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
+    result = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
     assert len(result.written) == len(seeds), result.summary()
     assert {m.route for m in result.movements} == {"host->disk"}
     wait_for(lambda: _all_finished(result.written), timeout=90, what="the moves into the disk tier to finish")
@@ -160,7 +160,7 @@ def test_the_scrub_task_quarantines_corrupt_truncated_and_swapped_files(node_fac
     store, profile = nodes.config_store()
     try:
         seeds = write_blocks(store, profile, nodes.name, 6)
-        moved = plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
+        moved = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(moved.written) == len(seeds)
         wait_for(lambda: all(state_of(i) == MovementState.DONE for i in moved.written), timeout=60,
                  what="the blocks to reach the disk tier")
@@ -204,7 +204,7 @@ def test_reads_of_damaged_files_are_misses_never_wrong_tokens(node_factory):
         keys = list(Block.objects.order_by("position").values_list("prefix_key", flat=True))
         wait_for(lambda: Node.objects.get(name=nodes.name).tiers.filter(tier="host", used_bytes__gt=0).exists(),
                  what="the host use in a heartbeat")
-        moved = plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
+        moved = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(moved.written) == expected, moved.summary()
         wait_for(lambda: all(state_of(i) == MovementState.DONE for i in moved.written), timeout=60,
                  what="the blocks to reach the disk tier")
@@ -221,7 +221,7 @@ def test_reads_of_damaged_files_are_misses_never_wrong_tokens(node_factory):
 
         # A move reads its source before copying: the damaged copies are quarantined on the spot.
         # (Planned fleet-wide: the shared remote tier is a destination only then.)
-        drained = wait_for(lambda: plan(snapshot=DRAIN_DISK, reason="manual").written, timeout=30,
+        drained = wait_for(lambda: movements_plan(snapshot=DRAIN_DISK, reason="manual").written, timeout=30,
                            what="a plan out of the disk tier (after a heartbeat reports its use)")
         wait_for(lambda: _all_finished(drained), timeout=60, what="the moves out of the disk tier")
         outcomes = {Block.objects.get(id=m.block_id).prefix_key: m for m in Movement.objects.filter(id__in=drained)}
@@ -260,7 +260,7 @@ def test_a_store_read_and_the_reconcile_task_quarantine_a_damaged_file(node_fact
     store, profile = nodes.config_store()
     try:
         seeds = write_blocks(store, profile, nodes.name, 5)
-        moved = plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
+        moved = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(moved.written) == len(seeds)
         wait_for(lambda: all(state_of(i) == MovementState.DONE for i in moved.written), timeout=60,
                  what="the blocks to reach the disk tier")

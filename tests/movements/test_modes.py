@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from controlplane.directory.models import Placement
 from controlplane.movements.invariants import invariants_check
-from controlplane.movements.planner import plan
+from controlplane.movements.services import movements_plan
 from controlplane.policies.services import mode_activate
 from tests.movements.conftest import BLOCK_BYTES, node_report, random_block
 from worker.movements import MovementExecutor, MovementOptions
@@ -72,19 +72,19 @@ def _bytes_intact(store, blocks, data) -> None:  # type: ignore[no-untyped-def]
 def test_normal_policies_move_host_blocks_down_and_long_doc_keeps_them_on_host(store, seeded):
     blocks, data = seeded
     # Normal: the host tier may use half the pool (8 blocks), so 10 blocks breach 90% of it.
-    normal = plan(node="gpu-0", reason="schedule", dry_run=True)
+    normal = movements_plan(node="gpu-0", reason="schedule", dry_run=True)
     assert normal.summary()["moves"] > 0
     assert {m.src_tier for m in normal.movements} == {"host"}
 
     mode_activate(name="long-doc", comment="test: long documents arrive")
-    result = plan(node="gpu-0", reason="mode-switch")
+    result = movements_plan(node="gpu-0", reason="mode-switch")
     assert result.mode == "long-doc" and result.summary()["moves"] == 0 and not result.written
     assert _tiers(blocks) == {"host": 10}
 
 
 def test_normal_mode_demotes_what_long_doc_would_keep(store, seeded):
     blocks, data = seeded
-    result = plan(node="gpu-0", reason="schedule")
+    result = movements_plan(node="gpu-0", reason="schedule")
     _execute(store, result)
     tiers = _tiers(blocks)
     assert tiers["host"] <= 6 and tiers["host"] + tiers.get("disk", 0) == 10
@@ -98,7 +98,7 @@ def test_normal_mode_demotes_what_long_doc_would_keep(store, seeded):
 def test_nightly_batch_moves_cold_host_blocks_to_remote(store, seeded):
     blocks, data = seeded
     mode_activate(name="nightly-batch", comment="test: the night's batch window")
-    result = plan(node="gpu-0", reason="mode-switch")
+    result = movements_plan(node="gpu-0", reason="mode-switch")
     _execute(store, result)
     cold = blocks[:5]
     # Every cold block is kept, only further away; the host tier is down to its low watermark (30%).
@@ -115,18 +115,18 @@ def test_nightly_batch_moves_cold_host_blocks_to_remote(store, seeded):
 def test_switching_back_from_long_doc_demotes_again(store, seeded):
     blocks, _ = seeded
     mode_activate(name="long-doc")
-    assert plan(node="gpu-0", reason="mode-switch", dry_run=True).summary()["moves"] == 0
+    assert movements_plan(node="gpu-0", reason="mode-switch", dry_run=True).summary()["moves"] == 0
     from controlplane.policies.services import mode_deactivate
 
     mode_deactivate(name="long-doc")
-    assert plan(node="gpu-0", reason="mode-switch", dry_run=True).summary()["moves"] > 0
+    assert movements_plan(node="gpu-0", reason="mode-switch", dry_run=True).summary()["moves"] > 0
 
 
 def test_the_ledger_records_the_mode_and_policy_version(store, seeded):
     from controlplane.movements.models import Movement
 
     version = mode_activate(name="nightly-batch")
-    result = plan(node="gpu-0", reason="mode-switch")
+    result = movements_plan(node="gpu-0", reason="mode-switch")
     rows = Movement.objects.filter(id__in=result.written)
     assert rows and {r.mode for r in rows} == {"nightly-batch"}
     assert {r.policy_version for r in rows} == {version.number}

@@ -15,7 +15,7 @@ from controlplane.directory.models import Block, Placement
 from controlplane.movements.choices import MovementState
 from controlplane.movements.invariants import invariants_check
 from controlplane.movements.models import Movement
-from controlplane.movements.planner import plan
+from controlplane.movements.services import movements_plan
 from tests.movements.procs import (
     DRAIN_HOST,
     NodeProcesses,
@@ -49,7 +49,7 @@ def test_a_real_node_executes_a_planned_move_through_the_broker(nodes):
     store, profile = nodes.config_store()
     try:
         blocks = _write_blocks(store, profile, nodes.name, 4)
-        result = plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
+        result = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(result.written) == 4
         wait_for(lambda: all(_state_of(i) == MovementState.DONE for i in result.written), timeout=60,
                  what="the node to execute the moves")
@@ -71,7 +71,7 @@ def test_sigkill_mid_move_then_a_new_worker_finishes_it(nodes, point):
     store, profile = nodes.config_store()
     try:
         [block] = _write_blocks(store, profile, nodes.name, 1)
-        result = plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
+        result = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         [ident] = result.written
         wait_for(lambda: f"held at {point}" in victim_log.read_text(), timeout=60, what=f"the worker to reach {point}")
         victim.kill()
@@ -96,7 +96,7 @@ def test_sigstop_past_the_visibility_timeout_the_late_flip_is_refused(nodes):
     store, profile = nodes.config_store()
     try:
         [block] = _write_blocks(store, profile, nodes.name, 1)
-        [ident] = plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual").written
+        [ident] = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual").written
         wait_for(lambda: "held at after-copy" in stopped_log.read_text(), timeout=60, what="the worker to hold")
         os.kill(stopped.pid, signal.SIGSTOP)
         _, log = nodes.start()

@@ -14,7 +14,7 @@ from controlplane.directory.models import Placement
 from controlplane.movements.choices import MovementKind, MovementReason, MovementState
 from controlplane.movements.errors import MovementError
 from controlplane.movements.models import Movement
-from controlplane.movements.planner import plan
+from controlplane.movements.services import movements_plan, movements_warm
 from controlplane.policies.snapshot import PriorityClassSpec, TierPolicySpec
 from tests.movements.conftest import BLOCK_BYTES, node_report, snapshot
 
@@ -40,7 +40,7 @@ def full_node(db):  # type: ignore[no-untyped-def]
 
 def test_lru_picks_least_recently_used_until_the_low_watermark(full_node, make_blocks):
     blocks = make_blocks(10, ages=[50, 10, 90, 30, 70, 20, 80, 40, 60, 0])
-    result = plan(snapshot=snapshot(host_policy(algorithm="lru")), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(algorithm="lru")), dry_run=True)
     # used 10 B, low watermark 5 B: the five idlest blocks leave, idlest first.
     assert victims(result) == [blocks[i].id for i in (2, 6, 4, 8, 0)]
     assert {(m.kind, m.route, m.reason) for m in result.movements} == {("move", "host->disk", "schedule")}
@@ -53,7 +53,7 @@ def test_lru_picks_least_recently_used_until_the_low_watermark(full_node, make_b
 
 def test_lfu_picks_the_fewest_accesses(full_node, make_blocks):
     blocks = make_blocks(10, accesses=[5, 1, 9, 0, 7, 3, 8, 2, 6, 4], ages=[0] * 10)
-    result = plan(snapshot=snapshot(host_policy(algorithm="lfu")), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(algorithm="lfu")), dry_run=True)
     assert victims(result) == [blocks[i].id for i in (3, 1, 7, 5, 9)]
 
 
@@ -63,7 +63,7 @@ def test_s3fifo_evicts_blocks_seen_once_first_in_arrival_order_then_lru(full_nod
     blocks = make_blocks(10, accesses=[0, 0, 0, 3, 3, 3, 3, 3, 3, 3],
                          created=[100, 300, 200, 900, 900, 900, 900, 900, 900, 900],
                          ages=[1, 1, 1, 500, 100, 700, 300, 50, 20, 10])
-    result = plan(snapshot=snapshot(host_policy(algorithm="s3fifo")), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(algorithm="s3fifo")), dry_run=True)
     assert victims(result) == [blocks[i].id for i in (1, 2, 0, 5, 3)]
 
 
@@ -73,7 +73,7 @@ def test_cost_aware_keeps_what_is_costly_to_recompute_and_likely_reused(full_nod
     blocks = make_blocks(10, accesses=[0, 0, 50, 50, 0, 0, 50, 50, 10, 10],
                          positions=[0, 16384, 0, 16384, 0, 16384, 0, 16384, 0, 16384],
                          ages=[3600, 3600, 3600, 3600, 60, 60, 60, 60, 600, 600])
-    result = plan(snapshot=snapshot(host_policy(algorithm="cost-aware")), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(algorithm="cost-aware")), dry_run=True)
     # Lowest value first: never reused and shallow (0, then 4), then never reused and deep (1, 5),
     # then the shallow block with a few old accesses (8).
     assert victims(result) == [blocks[i].id for i in (0, 4, 1, 5, 8)]
@@ -82,7 +82,7 @@ def test_cost_aware_keeps_what_is_costly_to_recompute_and_likely_reused(full_nod
 def test_below_the_high_watermark_nothing_moves(db, make_blocks):
     node_report("gpu-0", host=(10 * B, 9 * B), disk=(100 * B, 0))
     make_blocks(9, ages=list(range(9)))
-    result = plan(snapshot=snapshot(host_policy()), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy()), dry_run=True)
     assert result.movements == []
     assert result.summary()["tiers"][0]["over_high_watermark"] is False
 
@@ -92,16 +92,16 @@ def test_policy_capacity_caps_the_reported_one(db, make_blocks):
     # blocks of host, so it is over 90% of that and goes down to 50% (4 blocks).
     node_report("gpu-0", host=(100 * B, 8 * B), disk=(100 * B, 0))
     make_blocks(8, ages=list(range(8)))
-    result = plan(snapshot=snapshot(host_policy(capacity_bytes=8 * B)), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(capacity_bytes=8 * B)), dry_run=True)
     assert len(result.movements) == 4
-    bigger = plan(snapshot=snapshot(host_policy(capacity_bytes=80 * B)), dry_run=True)
+    bigger = movements_plan(snapshot=snapshot(host_policy(capacity_bytes=80 * B)), dry_run=True)
     assert bigger.movements == []
 
 
 def test_ttl_demotes_idle_blocks_below_the_watermark_and_min_accesses_evicts_expired_unused_ones(db, make_blocks):
     node_report("gpu-0", host=(100 * B, 6 * B), disk=(100 * B, 0))
     blocks = make_blocks(6, ages=[10, 7200, 7200, 30, 9000, 5], accesses=[0, 5, 0, 0, 1, 0])
-    result = plan(snapshot=snapshot(host_policy(ttl_seconds=3600, min_accesses=2)), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(ttl_seconds=3600, min_accesses=2)), dry_run=True)
     by_block = {m.block_id: m for m in result.movements}
     assert set(by_block) == {blocks[1].id, blocks[2].id, blocks[4].id}
     assert {m.reason for m in result.movements} == {MovementReason.TTL}
@@ -113,7 +113,7 @@ def test_ttl_demotes_idle_blocks_below_the_watermark_and_min_accesses_evicts_exp
 
 def test_min_accesses_sets_rarely_used_blocks_apart_first(full_node, make_blocks):
     blocks = make_blocks(10, accesses=[9, 9, 9, 0, 9, 1, 9, 9, 9, 9], ages=[90, 80, 70, 1, 60, 2, 50, 40, 30, 20])
-    result = plan(snapshot=snapshot(host_policy(min_accesses=2)), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(min_accesses=2)), dry_run=True)
     assert victims(result)[:2] == [blocks[5].id, blocks[3].id]  # below min_accesses: LRU among them
     assert victims(result)[2:] == [blocks[0].id, blocks[1].id, blocks[2].id]
 
@@ -123,13 +123,13 @@ def test_lower_priority_weight_goes_first(full_node, make_blocks):
     old_realtime = make_blocks(7, namespace="realtime", ages=[100, 200, 300, 400, 500, 600, 700])
     classes = (PriorityClassSpec(name="bulk", weight=0.1, namespaces=("batch",)),
                PriorityClassSpec(name="interactive", weight=10.0, namespaces=("realtime",)))
-    result = plan(snapshot=snapshot(host_policy(), classes=classes), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(), classes=classes), dry_run=True)
     assert victims(result) == [recent_batch[2].id, recent_batch[1].id, recent_batch[0].id,
                                old_realtime[6].id, old_realtime[5].id]
     # A block's own priority names its class, whatever its namespace.
     flagged = make_blocks(1, namespace="realtime", ages=[0], priority="bulk")
     node_report("gpu-0", host=(10 * B, 11 * B), disk=(100 * B, 0))
-    result = plan(snapshot=snapshot(host_policy(), classes=classes), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(), classes=classes), dry_run=True)
     # It is in the light class now: it leaves right after the older light blocks, before any heavy one.
     assert victims(result)[:4] == [recent_batch[2].id, recent_batch[1].id, recent_batch[0].id, flagged[0].id]
 
@@ -140,9 +140,10 @@ def test_demotion_goes_host_disk_remote_and_evicts_at_the_bottom(db, make_blocks
     host = make_blocks(10, ages=list(range(10)))
     disk = make_blocks(10, tier="disk", ages=list(range(10)))
     remote = make_blocks(10, tier="remote", node=None, ages=list(range(10)))
-    result = plan(snapshot=snapshot(host_policy(), TierPolicySpec(tier="disk", high_watermark=0.9, low_watermark=0.5),
-                                    TierPolicySpec(tier="remote", high_watermark=0.9, low_watermark=0.5)),
-                  dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(),
+                                              TierPolicySpec(tier="disk", high_watermark=0.9, low_watermark=0.5),
+                                              TierPolicySpec(tier="remote", high_watermark=0.9, low_watermark=0.5)),
+                            dry_run=True)
     routes = {m.block_id: (m.route, m.exec_node) for m in result.movements}
     assert sum(1 for b in remote if b.id in routes) == 5
     assert {routes[b.id][0] for b in remote if b.id in routes} == {"remote->evicted"}
@@ -160,14 +161,15 @@ def test_demotion_goes_host_disk_remote_and_evicts_at_the_bottom(db, make_blocks
 def test_a_policy_demote_tier_skips_disk(full_node, make_blocks):
     node_report("gpu-0", host=(10 * B, 10 * B), disk=(100 * B, 0), remote=(100 * B, 0))
     make_blocks(10, ages=list(range(10)))
-    result = plan(snapshot=snapshot(host_policy(demote_tier="remote")), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(demote_tier="remote")), dry_run=True)
     assert {(m.route, m.dst_node) for m in result.movements} == {("host->remote", "")}
 
 
 def test_a_full_tier_below_means_eviction(db, make_blocks):
     node_report("gpu-0", host=(10 * B, 10 * B), disk=(10 * B, 9 * B))
     make_blocks(10, ages=list(range(10)))
-    result = plan(snapshot=snapshot(host_policy(), TierPolicySpec(tier="disk", high_watermark=0.95)), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(), TierPolicySpec(tier="disk", high_watermark=0.95)),
+                            dry_run=True)
     kinds = [m.kind for m in result.movements]
     # The disk takes half a block below its watermark: none fits, so every victim is evicted.
     assert kinds == [MovementKind.EVICT] * 5
@@ -175,7 +177,7 @@ def test_a_full_tier_below_means_eviction(db, make_blocks):
 
 def test_plan_writes_movements_and_a_second_plan_does_not_pick_them_again(full_node, make_blocks):
     make_blocks(10, ages=list(range(10)))
-    first = plan(snapshot=snapshot(host_policy()), reason=MovementReason.WATERMARK)
+    first = movements_plan(snapshot=snapshot(host_policy()), reason=MovementReason.WATERMARK)
     assert len(first.written) == 5
     rows = list(Movement.objects.filter(id__in=first.written))
     assert {r.state for r in rows} == {MovementState.PLANNED}  # dispatched once the transaction commits
@@ -183,13 +185,13 @@ def test_plan_writes_movements_and_a_second_plan_does_not_pick_them_again(full_n
         ("watermark", 7, "gpu-0", "host", "disk")}
     assert all(r.src_epoch == Placement.objects.get(id=r.src_placement_id).epoch for r in rows)
     # The node still reports the same use: what is already leaving counts, nothing new is planned.
-    second = plan(snapshot=snapshot(host_policy()), reason=MovementReason.WATERMARK)
+    second = movements_plan(snapshot=snapshot(host_policy()), reason=MovementReason.WATERMARK)
     assert second.movements == []
 
 
 def test_the_database_refuses_a_second_in_flight_movement_of_a_block(full_node, make_blocks):
     make_blocks(10, ages=list(range(10)))
-    first = plan(snapshot=snapshot(host_policy()))
+    first = movements_plan(snapshot=snapshot(host_policy()))
     row = Movement.objects.get(id=first.written[0])
     twin = Movement(plan=row.plan, block_id=row.block_id, kind=row.kind, reason=row.reason, state=MovementState.RUNNING,
                     src_placement_id=row.src_placement_id, src_epoch=row.src_epoch, src_tier="host", src_node="gpu-0",
@@ -203,13 +205,13 @@ def test_the_database_refuses_a_second_in_flight_movement_of_a_block(full_node, 
 
 def test_bad_input_names_the_field(full_node):
     with pytest.raises(MovementError, match="reason: unknown reason 'whim'") as caught:
-        plan(snapshot=snapshot(host_policy()), reason="whim")
+        movements_plan(snapshot=snapshot(host_policy()), reason="whim")
     assert caught.value.field == "reason"
     with pytest.raises(MovementError, match="node: no node named 'nope'") as caught:
-        plan(snapshot=snapshot(host_policy()), node="nope")
+        movements_plan(snapshot=snapshot(host_policy()), node="nope")
     assert caught.value.field == "node"
     with pytest.raises(MovementError, match="algorithm: unknown eviction algorithm 'mru'"):
-        plan(snapshot=snapshot(host_policy(algorithm="mru")), dry_run=True)
+        movements_plan(snapshot=snapshot(host_policy(algorithm="mru")), dry_run=True)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -225,7 +227,7 @@ def test_two_planners_at_once_never_move_a_block_twice(make_blocks, monkeypatch)
     def run() -> None:
         try:
             start.wait()
-            results.append(plan(snapshot=snapshot(host_policy()), reason=MovementReason.WATERMARK))
+            results.append(movements_plan(snapshot=snapshot(host_policy()), reason=MovementReason.WATERMARK))
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         finally:
@@ -244,16 +246,14 @@ def test_two_planners_at_once_never_move_a_block_twice(make_blocks, monkeypatch)
 
 
 def test_warm_brings_the_most_used_remote_blocks_to_a_node(db, make_blocks):
-    from controlplane.movements.planner import warm_plan
-
     node_report("gpu-0", host=(10 * B, 7 * B), remote=(100 * B, 5 * B))
     remote = make_blocks(5, tier="remote", node=None, accesses=[1, 50, 3, 20, 0])
-    result = warm_plan(node="gpu-0", snapshot=snapshot(host_policy()), dry_run=True)
+    result = movements_warm(node="gpu-0", snapshot=snapshot(host_policy()), dry_run=True)
     # Room below the 90% watermark: 2 blocks (9 - 7); the most used remote blocks come first.
     assert victims(result) == [remote[1].id, remote[3].id]
     assert {(m.kind, m.route, m.exec_node) for m in result.movements} == {("warm", "remote->host", "gpu-0")}
     with pytest.raises(MovementError, match="namespace: no namespace named 'ghost'"):
-        warm_plan(node="gpu-0", namespace="ghost", snapshot=snapshot(host_policy()), dry_run=True)
+        movements_warm(node="gpu-0", namespace="ghost", snapshot=snapshot(host_policy()), dry_run=True)
 
 
 def test_expiry_is_measured_from_the_plan_time(full_node, make_blocks):
@@ -261,8 +261,8 @@ def test_expiry_is_measured_from_the_plan_time(full_node, make_blocks):
     make_blocks(2, ages=[100, 100], now=now)
     node_report("gpu-0", host=(100 * B, 2 * B), disk=(100 * B, 0))
     policy = snapshot(host_policy(ttl_seconds=3600))
-    assert plan(snapshot=policy, dry_run=True, now=now).movements == []
-    assert len(plan(snapshot=policy, dry_run=True, now=now + timedelta(hours=2)).movements) == 2
+    assert movements_plan(snapshot=policy, dry_run=True, now=now).movements == []
+    assert len(movements_plan(snapshot=policy, dry_run=True, now=now + timedelta(hours=2)).movements) == 2
 
 
 def test_a_victim_already_held_below_is_evicted_not_copied_again(full_node, make_blocks, profile):
@@ -276,7 +276,7 @@ def test_a_victim_already_held_below_is_evicted_not_copied_again(full_node, make
         namespace="tenant-a", model_key=profile.model_key, prefix_key=idlest.prefix_key,
         content_key=idlest.content_key, position=0, tokens=idlest.token_count, tier="disk", node="gpu-0",
         nbytes=B, checksum="0" * 32)])
-    result = plan(snapshot=snapshot(host_policy(algorithm="lru")), dry_run=True)
+    result = movements_plan(snapshot=snapshot(host_policy(algorithm="lru")), dry_run=True)
     by_block = {m.block_id: m for m in result.movements}
     assert by_block[idlest.id].kind == MovementKind.EVICT
     assert by_block[idlest.id].detail == "a copy is already held in disk"

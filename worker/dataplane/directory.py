@@ -18,7 +18,8 @@ from typing import Literal, Protocol
 from worker.dataplane.errors import DataplaneError
 
 TIER_ORDER: tuple[str, ...] = ("device", "host", "disk", "remote")
-"""Tier codes, fastest first: a lookup prefers the earliest tier holding a READY copy."""
+"""Tier codes, fastest first: a lookup prefers the earliest tier holding a READY copy. The control
+plane's tier order (`controlplane.directory.choices.TIER_ORDER`) is this one."""
 
 REMOTE = "remote"
 """The one tier shared by every node: its placements belong to no node."""
@@ -29,7 +30,8 @@ PlacementAction = Literal["corrupt", "deleting", "delete"]
 PLACEMENT_ACTIONS: tuple[str, ...] = ("corrupt", "deleting", "delete")
 
 MAX_BATCH = 4096
-"""Most keys one lookup may carry (the REST API refuses more; the Directory splits nothing)."""
+"""Most keys one lookup (or blocks one registration) may carry: the REST API refuses more, the
+Directory splits nothing. The control plane imports this limit (`directory.choices.MAX_BATCH`)."""
 
 _HEX_CHECKSUM = re.compile(r"^[0-9a-f]{32}$")
 

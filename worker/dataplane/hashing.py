@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from worker.dataplane.layout import ModelProfile
+from worker.dataplane.profile import KEY_BYTES, ModelProfile, model_key
 
-KEY_BYTES = 16
 ROOT_PARENT = uuid.UUID(int=0)
 """The parent of a prompt's first block (no block precedes it)."""
 
 # BLAKE2b personalisation strings (16 bytes at most) keep the three kinds of keys apart even
-# when their inputs happen to be equal byte strings.
-_PERSON_MODEL = b"strata/model/v1"
+# when their inputs happen to be equal byte strings (the model key's is `profile.PERSON_MODEL`).
 _PERSON_PREFIX = b"strata/prefix/v1"
 _PERSON_CONTENT = b"strata/content/1"
 
@@ -53,17 +50,6 @@ def encode_tokens(token_ids: Sequence[int] | np.ndarray | Any) -> bytes:
     if int(array.min()) < 0 or int(array.max()) >= 2**32:
         raise ValueError("token ids must lie in 0..2**32-1")
     return array.astype("<u4", copy=False).tobytes()
-
-
-def model_key(profile: ModelProfile) -> uuid.UUID:
-    """Hash of everything that changes a model's KV bytes: id, revision, dtype, layers, kv heads,
-    head dim, block_tokens and RoPE settings (canonical JSON, so field order never matters)."""
-    fields = dataclasses.asdict(profile)
-    fields["rope_theta"] = float(fields["rope_theta"]).hex()  # exact, no float formatting drift
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    return uuid.UUID(
-        bytes=hashlib.blake2b(canonical, digest_size=KEY_BYTES, person=_PERSON_MODEL).digest()
-    )
 
 
 def _prefix_key_raw(salt: bytes, model: bytes, parent: bytes, tokens: bytes) -> bytes:

@@ -1,32 +1,24 @@
-"""Byte layout of a KV block: sizes, per-layer K/V offsets and zero-copy views, from a model profile."""
+"""Byte layout of a KV block: sizes, per-layer K/V offsets and zero-copy views, from a model profile.
+
+`ModelProfile` lives in the torch-free `profile` module and is re-exported here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from worker.dataplane.buffers import aligned_empty, tensor_bytes
+from worker.dataplane.profile import DTYPE_ALIASES, KV_DTYPES, ModelProfile
+from worker.dataplane.profile import positive_int as _positive_int
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
+__all__ = ["DTYPE_CODES", "BlockLayout", "ModelProfile", "dtype_name", "parse_dtype"]
+
+_DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}
+_DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, name): name for name in KV_DTYPES}
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 """Stable small integers for dtypes, written into block headers."""
 
@@ -45,12 +37,6 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES[parse_dtype(dtype)]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,44 +159,4 @@ class BlockLayout:
         return (
             f"{self.layers} layers x {self.kv_heads} kv heads x {self.head_dim} head dim x "
             f"{self.block_tokens} tokens, {dtype_name(self.dtype)} = {self.block_bytes} bytes"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelProfile:
-    """Everything about a model that changes its KV bytes; `model_key` hashes all of it."""
-
-    model_id: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str = "bfloat16"
-    block_tokens: int = 256
-    revision: str = "main"
-    rope_theta: float = 10000.0
-    rope_scaling: str = ""
-    """Canonical JSON of the RoPE scaling config ('' when none); see `with_rope_scaling`."""
-
-    def __post_init__(self) -> None:
-        if not self.model_id:
-            raise ValueError("model_id cannot be empty")
-        object.__setattr__(self, "dtype", dtype_name(parse_dtype(self.dtype)))
-        for name in ("layers", "kv_heads", "head_dim", "block_tokens"):
-            _positive_int(name, getattr(self, name))
-
-    @staticmethod
-    def canonical_rope_scaling(scaling: Mapping[str, Any] | None) -> str:
-        return "" if not scaling else json.dumps(scaling, sort_keys=True, separators=(",", ":"))
-
-    def with_rope_scaling(self, scaling: Mapping[str, Any] | None) -> ModelProfile:
-        return dataclasses.replace(self, rope_scaling=self.canonical_rope_scaling(scaling))
-
-    @property
-    def layout(self) -> BlockLayout:
-        return BlockLayout(
-            layers=self.layers,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            block_tokens=self.block_tokens,
-            dtype=parse_dtype(self.dtype),
         )

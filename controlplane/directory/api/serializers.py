@@ -5,7 +5,13 @@ from typing import Any
 
 from rest_framework import serializers
 
-from controlplane.directory.choices import MAX_BATCH, BlockOrdering, Dtype, PlacementState, Tier
+from controlplane.directory.choices import (
+    MAX_BATCH,
+    BlockOrdering,
+    Dtype,
+    PlacementState,
+    TierLevel,
+)
 from controlplane.directory.models import Block, ModelProfile, Namespace, Node, NodeTier, Placement
 from worker.dataplane.directory import BlockLocation
 
@@ -118,7 +124,7 @@ class BlockDetailSerializer(BlockSerializer):
 class BlockListQuerySerializer(serializers.Serializer):
     namespace = serializers.SlugField(max_length=63, required=False, help_text="Namespace name.")
     model = serializers.SlugField(max_length=63, required=False, help_text="Model profile name.")
-    tier = serializers.ChoiceField(choices=Tier.choices, required=False, help_text="Has a copy in this tier.")
+    tier = serializers.ChoiceField(choices=TierLevel.choices, required=False, help_text="Has a copy in this tier.")
     node = serializers.SlugField(max_length=63, required=False, help_text="Has a copy on this node.")
     state = serializers.ChoiceField(choices=PlacementState.choices, required=False,
                                     help_text="Has a copy in this state.")
@@ -171,7 +177,7 @@ class BlockLocationSerializer(serializers.Serializer):
     token_count = serializers.IntegerField(source="tokens")
     block_id = serializers.IntegerField()
     placement_id = serializers.IntegerField()
-    tier = serializers.ChoiceField(choices=Tier.choices)
+    tier = serializers.ChoiceField(choices=TierLevel.choices)
     node = serializers.CharField(allow_null=True)
     locator = serializers.CharField(allow_blank=True)
     offset = serializers.IntegerField()
@@ -205,7 +211,7 @@ class RegisterBlockSerializer(serializers.Serializer):
     position = serializers.IntegerField(min_value=0, max_value=BIGINT_MAX)
     token_count = serializers.IntegerField(min_value=1, max_value=INTEGER_MAX)
     size_bytes = serializers.IntegerField(min_value=0, max_value=BIGINT_MAX)
-    tier = serializers.ChoiceField(choices=Tier.choices)
+    tier = serializers.ChoiceField(choices=TierLevel.choices)
     locator = serializers.CharField(max_length=1024, allow_blank=True, default="")
     offset = serializers.IntegerField(min_value=0, max_value=BIGINT_MAX, default=0)
     checksum = serializers.RegexField(CHECKSUM_PATTERN, allow_blank=True, default="",
@@ -221,7 +227,7 @@ class RegisterInputSerializer(serializers.Serializer):
     blocks = serializers.ListField(child=RegisterBlockSerializer(), min_length=1, max_length=MAX_BATCH)
 
     def validate(self, attrs):  # type: ignore[no-untyped-def]
-        local = [i for i, b in enumerate(attrs["blocks"]) if b["tier"] != Tier.REMOTE]
+        local = [i for i, b in enumerate(attrs["blocks"]) if b["tier"] != TierLevel.REMOTE]
         if local and not attrs.get("node"):
             raise serializers.ValidationError(
                 {"node": [f"required: block {local[0]} has a {attrs['blocks'][local[0]]['tier']} copy, which "

@@ -19,7 +19,7 @@ from rest_framework.throttling import UserRateThrottle
 
 from controlplane.accounts.roles import Role, role_of
 from controlplane.directory.api import serializers as s
-from controlplane.directory.choices import BLOCK_ORDERING_COLUMNS, BlockOrdering, Tier
+from controlplane.directory.choices import BLOCK_ORDERING_COLUMNS, BlockOrdering, TierLevel
 from controlplane.directory.errors import DirectoryError, InUse
 from controlplane.directory.models import Block, ModelProfile, Namespace, Node
 from controlplane.directory.selectors import (
@@ -292,7 +292,7 @@ class BlockViewSet(viewsets.GenericViewSet[Block]):
             BlockRegistration(
                 namespace=body["namespace"], model_key=body["model_key"], prefix_key=b["prefix_key"],
                 content_key=b["content_key"], position=b["position"], tokens=b["token_count"], tier=b["tier"],
-                node=None if b["tier"] == Tier.REMOTE else body["node"], nbytes=b["size_bytes"],
+                node=None if b["tier"] == TierLevel.REMOTE else body["node"], nbytes=b["size_bytes"],
                 checksum=b["checksum"], locator=b["locator"], offset=b["offset"], priority=b["priority"],
             )
             for b in body["blocks"]

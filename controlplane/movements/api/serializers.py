@@ -2,7 +2,7 @@
 
 from rest_framework import serializers
 
-from controlplane.directory.choices import Tier
+from controlplane.directory.choices import TierLevel
 from controlplane.movements.choices import MovementKind, MovementReason, MovementState
 from controlplane.movements.models import Movement
 from controlplane.movements.selectors import MOVEMENT_ORDERINGS
@@ -29,8 +29,8 @@ class MovementListQuerySerializer(serializers.Serializer):
     kind = serializers.ChoiceField(choices=MovementKind.choices, required=False)
     reason = serializers.ChoiceField(choices=MovementReason.choices, required=False)
     node = serializers.SlugField(max_length=63, required=False, help_text="Node that executes the movement.")
-    src_tier = serializers.ChoiceField(choices=Tier.choices, required=False)
-    dst_tier = serializers.ChoiceField(choices=[*Tier.choices, ("", "none (evictions)")], required=False,
+    src_tier = serializers.ChoiceField(choices=TierLevel.choices, required=False)
+    dst_tier = serializers.ChoiceField(choices=[*TierLevel.choices, ("", "none (evictions)")], required=False,
                                        allow_blank=True)
     block = serializers.IntegerField(min_value=1, max_value=BIGINT_MAX, required=False)
     plan = serializers.UUIDField(required=False)

@@ -4,7 +4,7 @@ watermark order, share totals, cron) are the services' and name the field they a
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from controlplane.directory.choices import Tier
+from controlplane.directory.choices import TierLevel
 from controlplane.policies.choices import Algorithm, ModeKind
 from controlplane.policies.models import (
     Mode,
@@ -79,7 +79,7 @@ class TierPolicyUpdateSerializer(serializers.Serializer):
 
 
 class TierPolicyCreateSerializer(TierPolicyUpdateSerializer):
-    tier = serializers.ChoiceField(choices=Tier.choices)
+    tier = serializers.ChoiceField(choices=TierLevel.choices)
     node_group = serializers.CharField(max_length=63, allow_blank=True, default="",
                                        help_text="Empty: every node; otherwise the nodes of this group.")
 

@@ -19,6 +19,7 @@ from rest_framework.throttling import UserRateThrottle
 from rest_framework.views import APIView
 
 from controlplane.directory.errors import DirectoryError
+from controlplane.movements.services import movements_plan
 from controlplane.policies.api import serializers as s
 from controlplane.policies.errors import InUse, PolicyError
 from controlplane.policies.models import (
@@ -63,12 +64,6 @@ class Conflict(APIException):
     status_code = status.HTTP_409_CONFLICT
     default_detail = "The request conflicts with the current state."
     default_code = "conflict"
-
-
-class PlannerUnavailable(APIException):
-    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-    default_detail = "The movements planner is not available in this deployment."
-    default_code = "planner_unavailable"
 
 
 @contextmanager
@@ -344,19 +339,15 @@ class PolicyDryRunView(APIView):
     throttle_classes = [*api_settings.DEFAULT_THROTTLE_CLASSES, DryRunThrottle]
 
     @extend_schema(request=s.DryRunInputSerializer, parameters=[s.DryRunQuerySerializer],
-                   responses={200: s.DryRunOutputSerializer,
-                              503: OpenApiResponse(description="No planner in this deployment.")})
+                   responses={200: s.DryRunOutputSerializer})
     def post(self, request: Request) -> Response:
         query = s.DryRunQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         with policy_errors():
             snapshot = snapshot_current(overrides=request.data or {})
         try:
-            from controlplane.movements.planner import plan
-        except ImportError as exc:
-            raise PlannerUnavailable() from exc
-        try:
-            result = plan(snapshot=snapshot, node=query.validated_data.get("node"), reason="dry-run", dry_run=True)
+            result = movements_plan(snapshot=snapshot, node=query.validated_data.get("node"), reason="dry-run",
+                                    dry_run=True)
         except DirectoryError as exc:  # the planner's own errors (an unknown node) name their field too
             raise ValidationError({exc.field: [str(exc)]}) from exc
         return Response(result.summary())

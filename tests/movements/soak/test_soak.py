@@ -29,8 +29,7 @@ from django.db import connection
 from controlplane.directory.models import Node, Placement
 from controlplane.movements.choices import IN_FLIGHT
 from controlplane.movements.models import Movement
-from controlplane.movements.planner import plan
-from controlplane.movements.services import movements_redispatch, movements_warm
+from controlplane.movements.services import movements_plan, movements_redispatch, movements_warm
 from controlplane.policies.snapshot import PolicySnapshot, TierPolicySpec
 from tests.movements.conftest import random_block
 from tests.movements.procs import DRAIN_HOST, REPO_ROOT, reconcile_and_check, write_blocks
@@ -123,9 +122,9 @@ def _random_action(rng: random.Random, names: list[str]) -> tuple[str, int]:
     choice = rng.random()
     if choice < 0.45:
         name = rng.choice(names)
-        return f"host->disk on {name}", len(plan(snapshot=DRAIN_HOST, node=name, reason="manual").written)
+        return f"host->disk on {name}", len(movements_plan(snapshot=DRAIN_HOST, node=name, reason="manual").written)
     if choice < 0.75:
-        return "disk->remote fleet-wide", len(plan(snapshot=DRAIN_DISK, reason="schedule").written)
+        return "disk->remote fleet-wide", len(movements_plan(snapshot=DRAIN_DISK, reason="schedule").written)
     name = rng.choice(names)
     return f"warm remote->host on {name}", len(movements_warm(node=name, limit=8).written)
 

@@ -1,351 +1,36 @@
-"""Directory writes: node heartbeats and states; namespaces, model profiles, block registration,
-placement lifecycle (epoch-guarded), access counts and purges."""
+"""Directory writes about copies: the placement lifecycle (pending, ready, flipped, corrupt,
+deleting, deleted), each step guarded by the copy's epoch, one by one and in bulk."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory import queries
-from controlplane.directory.choices import NodeState, PlacementState, Tier
+from controlplane.directory.choices import PlacementState, TierLevel
 from controlplane.directory.errors import (
     DirectoryError,
-    InUse,
     InvalidTransition,
     PlacementNotFound,
     StaleEpoch,
-    UnknownModel,
-    UnknownNamespace,
     UnknownNode,
 )
-from controlplane.directory.models import Block, ModelProfile, Namespace, Node, NodeTier, Placement
+from controlplane.directory.models import Block, Node, Placement
+from controlplane.directory.registrations import placement_changes_write
 from controlplane.directory.selectors import sql_cursor
-from worker.dataplane.config import ENGINES
-from worker.dataplane.directory import BlockRegistration, BlockTouch, PlacementChange
+from worker.dataplane.directory import PlacementChange
 
-
-@dataclasses.dataclass(frozen=True)
-class TierReport:
-    """One tier as a node reports it."""
-
-    tier: str
-    capacity_bytes: int
-    used_bytes: int
-    available: bool = True
-
-    def __post_init__(self) -> None:
-        if self.tier not in Tier.values:
-            raise ValueError(f"tier: unknown tier {self.tier!r}; expected one of {', '.join(Tier.values)}")
-        if self.capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes of tier {self.tier}: cannot be negative")
-        if self.used_bytes < 0:
-            raise ValueError(f"used_bytes of tier {self.tier}: cannot be negative")
-
-
-def node_payload(node: Node) -> dict[str, object]:
-    """The node as the dashboard and the API show it."""
-    return {
-        "name": node.name,
-        "host": node.host,
-        "address": node.address,
-        "engine": node.engine,
-        "engine_address": node.engine_address,
-        "state": node.state,
-        "last_seen": node.last_seen.isoformat(),
-        "heartbeat_seconds": node.heartbeat_seconds,
-        "tiers": [
-            {"tier": t.tier, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "available": t.available}
-            for t in sorted(node.tiers.all(), key=lambda t: Tier.values.index(t.tier))
-        ],
-    }
-
-
-@transaction.atomic
-def node_heartbeat(
-    *,
-    name: str,
-    host: str,
-    address: str = "",
-    pid: int | None = None,
-    version: str = "",
-    heartbeat_seconds: float,
-    tiers: list[TierReport],
-    group: str | None = None,
-    engine: str = "strata",
-    engine_address: str = "",
-    now: datetime | None = None,
-) -> Node:
-    """Record a heartbeat: upsert the node and its tiers, bring a stale node back up. `group` (the
-    node's group for tier policies) is kept as it was when not given; a new node starts in "default".
-    `engine` names what serves the model (strata or vllm) and `engine_address` that engine's own
-    server where it is not Strata's."""
-    if heartbeat_seconds <= 0:
-        raise ValueError("heartbeat_seconds: must be greater than zero")
-    if group is not None and not re.fullmatch(r"[-a-zA-Z0-9_]{1,63}", group):
-        raise ValueError(f"group: expected 1-63 letters, digits, '-' or '_', got {group!r}")
-    if engine not in ENGINES:
-        raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
-    now = now or timezone.now()
-    stale_after = now + timedelta(seconds=heartbeat_seconds * settings.STRATA_STALE_AFTER_MISSED)
-    node = Node.objects.select_for_update().filter(name=name).first()
-    previous = node.state if node else None
-    if node is None:
-        # Two processes of a new node may report at the same moment: one inserts, the other
-        # waits for that insert and then updates the row.
-        try:
-            with transaction.atomic():
-                node = Node.objects.create(name=name, registered_at=now, host=host, last_seen=now,
-                                           stale_after=stale_after, heartbeat_seconds=heartbeat_seconds)
-        except IntegrityError:
-            node = Node.objects.select_for_update().get(name=name)
-            previous = node.state
-    node.host = host
-    node.address = address
-    node.engine = engine
-    node.engine_address = engine_address
-    if group is not None:
-        node.group = group
-    node.pid = pid
-    node.version = version
-    node.heartbeat_seconds = heartbeat_seconds
-    node.heartbeats = (node.heartbeats or 0) + 1
-    node.last_seen = now
-    node.stale_after = stale_after
-    node.state = NodeState.UP
-    node.save()
-    NodeTier.objects.bulk_create(
-        [
-            NodeTier(node=node, tier=t.tier, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
-                     available=t.available, updated_at=now)
-            for t in tiers
-        ],
-        update_conflicts=True,
-        unique_fields=["node", "tier"],
-        update_fields=["capacity_bytes", "used_bytes", "available", "updated_at"],
-    )
-    if previous is not None and previous != NodeState.UP:
-        send_event_on_commit(kind="node.state", payload={"name": name, "state": NodeState.UP, "previous": previous})
-    send_event_on_commit(kind="node.heartbeat", payload=node_payload(node))
-    return node
-
-
-@transaction.atomic
-def nodes_mark_stale(*, now: datetime | None = None) -> list[str]:
-    """Mark `stale` every up node whose heartbeats stopped (3 missed); returns their names."""
-    now = now or timezone.now()
-    stale = list(
-        Node.objects.select_for_update(skip_locked=True)
-        .filter(state=NodeState.UP, stale_after__lt=now)
-        .values_list("name", flat=True)
-    )
-    if stale:
-        Node.objects.filter(name__in=stale).update(state=NodeState.STALE)
-        for name in stale:
-            send_event_on_commit(kind="node.state", payload={"name": name, "state": NodeState.STALE,
-                                                             "previous": NodeState.UP})
-    return stale
-
-
-@transaction.atomic
-def node_mark_down(*, name: str) -> bool:
-    """A node that shuts down cleanly says so; returns False if the node is unknown."""
-    node = Node.objects.select_for_update().filter(name=name).first()
-    if node is None:
-        return False
-    previous = node.state
-    node.state = NodeState.DOWN
-    node.save(update_fields=["state"])
-    send_event_on_commit(kind="node.state", payload={"name": name, "state": NodeState.DOWN, "previous": previous})
-    return True
-
-
-# -- namespaces ------------------------------------------------------------------------------------
-
-@transaction.atomic
-def namespace_create(*, name: str, shared: bool = False, description: str = "") -> Namespace:
-    """A new namespace with a fresh random salt."""
-    if Namespace.objects.filter(name=name).exists():
-        raise DirectoryError(f"name: a namespace named {name!r} exists", field="name")
-    return Namespace.objects.create(name=name, shared=shared, description=description)
-
-
-@transaction.atomic
-def namespace_update(*, namespace: Namespace, shared: bool | None = None, description: str | None = None) -> Namespace:
-    """Change whether other namespaces may match this one's blocks, or its description (never the salt:
-    that would orphan every block in it)."""
-    if shared is not None:
-        namespace.shared = shared
-    if description is not None:
-        namespace.description = description
-    namespace.save(update_fields=["shared", "description"])
-    return namespace
-
-
-@transaction.atomic
-def namespace_delete(*, namespace: Namespace) -> None:
-    """Delete an empty namespace; one that still has blocks must be purged first."""
-    if Block.objects.filter(namespace=namespace).exists():
-        raise InUse(f"namespace: {namespace.name!r} still has blocks; purge them first", field="namespace")
-    namespace.delete()
-
-
-# -- model profiles --------------------------------------------------------------------------------
-
-def modelprofile_key(
-    *, model_id: str, layers: int, kv_heads: int, head_dim: int, dtype: str, block_tokens: int,
-    revision: str, rope_theta: float, rope_scaling: str,
-) -> tuple[uuid.UUID, dict[str, Any]]:
-    """The data plane's model key of a layout and the layout as the data plane canonicalises it."""
-    # Imported here: the data plane's layout module pulls in torch, which the control plane
-    # needs only when a profile is created.
-    from worker.dataplane.hashing import model_key
-    from worker.dataplane.layout import ModelProfile as LayoutProfile
-
-    profile = LayoutProfile(model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                            block_tokens=block_tokens, revision=revision, rope_theta=rope_theta,
-                            rope_scaling=rope_scaling)
-    return model_key(profile), dataclasses.asdict(profile)
-
-
-_LAYOUT_FIELDS = ("model_id", "layers", "kv_heads", "head_dim", "block_tokens", "revision", "rope_theta")
-
-
-@transaction.atomic
-def modelprofile_create(
-    *,
-    name: str,
-    model_id: str,
-    layers: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: str = "bfloat16",
-    block_tokens: int = 256,
-    revision: str = "main",
-    rope_theta: float = 10000.0,
-    rope_scaling: dict[str, Any] | str | None = None,
-) -> ModelProfile:
-    """A model profile and its model key; a second profile of the very same layout is refused."""
-    if isinstance(rope_scaling, dict):
-        rope_scaling = json.dumps(rope_scaling, sort_keys=True, separators=(",", ":")) if rope_scaling else ""
-    try:
-        key, layout = modelprofile_key(model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                                       dtype=dtype, block_tokens=block_tokens, revision=revision,
-                                       rope_theta=rope_theta, rope_scaling=rope_scaling or "")
-    except ValueError as exc:
-        # The data plane's messages start with the field they are about ("layers must be ...")
-        # or mention the dtype; keep the field so the API can name it.
-        text = str(exc)
-        field = text.split(" ", 1)[0] if text.split(" ", 1)[0] in _LAYOUT_FIELDS else "dtype"
-        raise DirectoryError(f"{field}: {text}", field=field) from exc
-    existing = ModelProfile.objects.filter(model_key=key).first()
-    if existing is not None:
-        raise DirectoryError(f"model_key: profile {existing.name!r} has the same layout (model key {key})",
-                             field="model_key")
-    if ModelProfile.objects.filter(name=name).exists():
-        raise DirectoryError(f"name: a model profile named {name!r} exists", field="name")
-    return ModelProfile.objects.create(name=name, model_key=key, **layout)
-
-
-@transaction.atomic
-def modelprofile_delete(*, profile: ModelProfile) -> None:
-    """Delete a profile no block refers to."""
-    if Block.objects.filter(model=profile).exists():
-        raise InUse(f"model: {profile.name!r} still has blocks; purge them first", field="model")
-    profile.delete()
-
-
-# -- blocks ----------------------------------------------------------------------------------------
-
-@transaction.atomic
-def blocks_register(*, registrations: Sequence[BlockRegistration], source: str = "api",
-                    now: datetime | None = None) -> queries.RegisterCounts:
-    """Record blocks and one READY copy of each, all or nothing: a batch naming an unknown
-    namespace, model or node writes nothing. Idempotent, and safe when two processes register the
-    same blocks at once (an upsert in key order; an identical copy is left untouched)."""
-    if not registrations:
-        return queries.RegisterCounts(blocks=0, placements=0)
-    now = now or timezone.now()
-    with sql_cursor() as cursor:
-        scope = queries.resolve(cursor, namespaces=[r.namespace for r in registrations],
-                                model_keys=[r.model_key for r in registrations],
-                                nodes=[r.node for r in registrations if r.node])
-        rows, rejected = queries.registration_rows(scope, registrations)
-        if rejected:
-            raise rejected[0][1]
-        counts = queries.register(cursor, rows=rows, now=now)
-    blocks_registered_announce(blocks=len(registrations), new=counts.blocks, placements=counts.placements,
-                               source=source)
-    return counts
-
-
-def blocks_registered_announce(*, blocks: int, new: int, placements: int, source: str) -> None:
-    """One dashboard event per batch (never per block): how many blocks a batch carried and how
-    many of them, and of their copies, were new."""
-    send_event_on_commit(kind="blocks.registered",
-                         payload={"blocks": blocks, "new": new, "placements": placements, "source": source})
-
-
-@transaction.atomic
-def blocks_touch(*, touches: Sequence[BlockTouch]) -> int:
-    """Add accesses to blocks (summed per block, the latest time kept); unknown keys are ignored.
-    Returns the number of blocks updated."""
-    rows = [
-        queries.TouchRow(namespace=t.namespace, model_key=t.model_key, prefix_key=t.prefix_key, hits=t.hits,
-                         at=datetime.fromtimestamp(t.at, tz=UTC))
-        for t in touches
-    ]
-    with sql_cursor() as cursor:
-        return queries.touch(cursor, rows=rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class PurgeCounts:
-    blocks: int
-    placements: int
-
-
-@transaction.atomic
-def blocks_purge(*, namespace: str, model: str | None = None) -> PurgeCounts:
-    """Forget every block of a namespace (and model profile, when named) with its copies. The bytes
-    left on nodes have no placement any more: the reconciler collects them."""
-    ns = Namespace.objects.filter(name=namespace).first()
-    if ns is None:
-        raise UnknownNamespace(f"namespace: no namespace named {namespace!r}")
-    profile = None
-    if model is not None:
-        profile = ModelProfile.objects.filter(name=model).first()
-        if profile is None:
-            raise UnknownModel(f"model: no model profile named {model!r}")
-    where = "b.namespace_id = %s" + (" AND b.model_id = %s" if profile else "")
-    params = [ns.id] + ([profile.id] if profile else [])
-    # Set-based deletes: the ORM's cascade would load every row into Python first.
-    with connection.cursor() as cursor:
-        cursor.execute(f"DELETE FROM {queries.PLACEMENT_TABLE} p USING {queries.BLOCK_TABLE} b "
-                       f"WHERE p.block_id = b.id AND {where}", params)
-        placements = cursor.rowcount
-        cursor.execute(f"DELETE FROM {queries.BLOCK_TABLE} b WHERE {where}", params)
-        blocks = cursor.rowcount
-    send_event_on_commit(kind="blocks.purged", payload={"namespace": namespace, "model": model or "",
-                                                        "blocks": blocks, "placements": placements})
-    return PurgeCounts(blocks=blocks, placements=placements)
-
-
-# -- placements ------------------------------------------------------------------------------------
 
 def _node_for(tier: str, node: str | None) -> Node | None:
-    if tier not in Tier.values:
-        raise DirectoryError(f"tier: unknown tier {tier!r}; expected one of {', '.join(Tier.values)}", field="tier")
-    if tier == Tier.REMOTE:
+    if tier not in TierLevel.values:
+        raise DirectoryError(f"tier: unknown tier {tier!r}; expected one of {', '.join(TierLevel.values)}",
+                             field="tier")
+    if tier == TierLevel.REMOTE:
         if node:
             raise DirectoryError("node: a remote placement belongs to no node", field="node")
         return None
@@ -567,10 +252,10 @@ def placements_create_pending_many(*, copies: Sequence[PendingCopy],
         try:
             if copy.size_bytes < 0:
                 raise DirectoryError("size_bytes: cannot be negative", field="size_bytes")
-            if copy.tier not in Tier.values:
-                raise DirectoryError(f"tier: unknown tier {copy.tier!r}; expected one of {', '.join(Tier.values)}",
+            if copy.tier not in TierLevel.values:
+                raise DirectoryError(f"tier: unknown tier {copy.tier!r}; expected one of {', '.join(TierLevel.values)}",
                                      field="tier")
-            if (copy.tier == Tier.REMOTE) != (not copy.node):
+            if (copy.tier == TierLevel.REMOTE) != (not copy.node):
                 raise DirectoryError("node: a remote placement belongs to no node" if copy.node else
                                      f"node: a {copy.tier} placement needs the node that holds it", field="node")
             if copy.node and copy.node not in node_ids:
@@ -670,63 +355,10 @@ def placement_delete(*, placement_id: int, epoch: int) -> None:
 def placements_change(*, changes: Sequence[PlacementChange], now: datetime | None = None) -> int:
     """Apply by-key changes in order (consecutive changes of one kind in one statement); changes
     whose copy is missing or whose epoch moved on are skipped. Returns how many copies changed."""
-    now = now or timezone.now()
-    changed = 0
     with sql_cursor() as cursor:
-        for action, run in _runs(changes):
-            rows = [queries.ChangeRow(namespace=c.namespace, model_key=c.model_key, prefix_key=c.prefix_key,
-                                      tier=c.tier, node=c.node, expected_epoch=c.expected_epoch) for c in run]
-            changed += queries.placements_change(cursor, rows=rows, action=action, now=now)
-    return changed
-
-
-def _runs(changes: Sequence[PlacementChange]) -> list[tuple[str, list[PlacementChange]]]:
-    runs: list[tuple[str, list[PlacementChange]]] = []
-    for change in changes:
-        if runs and runs[-1][0] == change.action:
-            runs[-1][1].append(change)
-        else:
-            runs.append((change.action, [change]))
-    return runs
+        return placement_changes_write(cursor, changes=changes, now=now or timezone.now())
 
 
 def _check_checksum(checksum: str) -> None:
     if checksum and (len(checksum) != 32 or any(c not in "0123456789abcdef" for c in checksum)):
         raise DirectoryError("checksum: expected 32 lower-case hex characters (xxh3-128)", field="checksum")
-
-
-# -- what a node needs before it serves ------------------------------------------------------------
-
-@transaction.atomic
-def namespace_ensure(*, name: str) -> Namespace:
-    """The namespace `name`, created (with a fresh salt) if it does not exist yet."""
-    namespace = Namespace.objects.filter(name=name).first()
-    if namespace is not None:
-        return namespace
-    try:
-        with transaction.atomic():
-            return Namespace.objects.create(name=name)
-    except IntegrityError:  # another node created it a moment ago
-        return Namespace.objects.get(name=name)
-
-
-@transaction.atomic
-def modelprofile_ensure(*, profile: Any) -> ModelProfile:
-    """The model profile of a data-plane profile (worker.dataplane.layout.ModelProfile), created
-    under a name derived from the model and its key when no profile has that layout yet."""
-    key, layout = modelprofile_key(
-        model_id=profile.model_id, layers=profile.layers, kv_heads=profile.kv_heads, head_dim=profile.head_dim,
-        dtype=profile.dtype, block_tokens=profile.block_tokens, revision=profile.revision,
-        rope_theta=profile.rope_theta, rope_scaling=profile.rope_scaling,
-    )
-    existing = ModelProfile.objects.filter(model_key=key).first()
-    if existing is not None:
-        return existing
-    from django.utils.text import slugify
-
-    name = f"{(slugify(profile.model_id) or 'model')[:54]}-{key.hex[:8]}"
-    try:
-        with transaction.atomic():
-            return ModelProfile.objects.create(name=name, model_key=key, **layout)
-    except IntegrityError:
-        return ModelProfile.objects.get(model_key=key)
