@@ -17,7 +17,7 @@ from worker.dataplane.config import load_config
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.scheduler_half import SchedulerHalf
 from worker.dataplane.directory import DirectoryUnavailable, LookupResult
-from worker.dataplane.layout import ModelProfile
+from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.store import build_store
 
@@ -95,7 +95,7 @@ def stored(half: SchedulerHalf, request: Request, blocks: int) -> None:
     """Put the request's first `blocks` blocks in the host tier."""
     keys = half.manager.fingerprinter(request.cache_salt or "default").prefix_keys(request.prompt_token_ids)
     for key in keys[:blocks]:
-        half.manager.store.put(key, PROFILE.layout.empty(), tier="host")
+        half.manager.store.put(key, block_layout(PROFILE).empty(), tier="host")
 
 
 def prompt(tokens: int) -> list[int]:

@@ -93,6 +93,7 @@ def move(store: Any, profile: Any, node: Any, keys: list[uuid.UUID], *, source: 
     from controlplane.directory.services import blocks_register, placements_change
     from worker.dataplane.directory import BlockRegistration, PlacementChange
     from worker.dataplane.hashing import model_key
+    from worker.dataplane.layout import block_layout
 
     registrations, changes = [], []
     for index, key in enumerate(keys):
@@ -101,7 +102,7 @@ def move(store: Any, profile: Any, node: Any, keys: list[uuid.UUID], *, source: 
         registrations.append(BlockRegistration(
             namespace="default", model_key=model_key(profile), prefix_key=key, content_key=uuid.uuid4(),
             position=index * BLOCK, tokens=BLOCK, tier=target, node=None if target == "remote" else node.name,
-            nbytes=profile.layout.block_bytes, checksum=copied.checksum.hex))
+            nbytes=block_layout(profile).block_bytes, checksum=copied.checksum.hex))
         changes.append(PlacementChange(namespace="default", model_key=model_key(profile), prefix_key=key,
                                        tier=source, node=None if source == "remote" else node.name, action="delete"))
     blocks_register(registrations=registrations)

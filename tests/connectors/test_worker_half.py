@@ -17,12 +17,12 @@ from worker.dataplane.connectors.vllm.metadata import LoadSpec, SaveSpec, Strata
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
 from worker.dataplane.engine.loader import staged_hits
-from worker.dataplane.layout import ModelProfile
+from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.offload import Hit, OffloadManager
 from worker.dataplane.store import build_store
 
 PROFILE = ModelProfile(model_id="pages", layers=3, kv_heads=2, head_dim=8, dtype="float32", block_tokens=32)
-LAYOUT = PROFILE.layout
+LAYOUT = block_layout(PROFILE)
 PAGE = 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.layers)]
 

@@ -7,7 +7,7 @@ import torch
 from dataplane_support import DTYPES, LLAMA, SMALL, layout_of, make_block
 
 from worker.dataplane.buffers import DIRECT_IO_ALIGNMENT, aligned_empty
-from worker.dataplane.layout import BlockLayout, ModelProfile
+from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 
 
 def test_llama3_8b_block_is_32_mib() -> None:
@@ -93,4 +93,4 @@ def test_bad_layouts_and_selectors_are_refused() -> None:
 def test_profile_gives_its_layout() -> None:
     profile = ModelProfile(model_id="meta-llama/Meta-Llama-3-8B", dtype="bf16", **LLAMA)
     assert profile.dtype == "bfloat16"
-    assert profile.layout == layout_of(LLAMA, "bfloat16")
+    assert block_layout(profile) == layout_of(LLAMA, "bfloat16")

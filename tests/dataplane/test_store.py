@@ -12,13 +12,13 @@ from dataplane_support import SMALL, key, layout_of
 from worker.dataplane.config import ConfigError, load_config
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.hashing import model_key
-from worker.dataplane.layout import ModelProfile
+from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.store import LEVEL_MEDIUMS, TieredStore, build_store
 from worker.dataplane.tiers.base import TIER_NAMES
 from worker.dataplane.tiers.remote import RemoteTier
 
 PROFILE = ModelProfile(model_id="test/small", dtype="bf16", **SMALL)
-LAYOUT = PROFILE.layout
+LAYOUT = block_layout(PROFILE)
 
 
 @pytest.fixture

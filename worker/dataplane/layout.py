@@ -160,3 +160,10 @@ class BlockLayout:
             f"{self.layers} layers x {self.kv_heads} kv heads x {self.head_dim} head dim x "
             f"{self.block_tokens} tokens, {dtype_name(self.dtype)} = {self.block_bytes} bytes"
         )
+
+
+@functools.cache
+def block_layout(profile: ModelProfile) -> BlockLayout:
+    """The byte layout of a model's blocks, from its profile (one object per profile)."""
+    return BlockLayout(layers=profile.layers, kv_heads=profile.kv_heads, head_dim=profile.head_dim,
+                       block_tokens=profile.block_tokens, dtype=parse_dtype(profile.dtype))

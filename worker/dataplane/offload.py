@@ -31,7 +31,7 @@ from worker.dataplane.directory import (
 )
 from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
-from worker.dataplane.layout import BlockLayout, ModelProfile
+from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.base import TIER_NAMES, Tier
 
@@ -144,7 +144,7 @@ class OffloadManager:
     ) -> None:
         self.store = store
         self.profile = profile
-        self.layout: BlockLayout = profile.layout
+        self.layout: BlockLayout = block_layout(profile)
         if store.layout != self.layout:
             raise ValueError(f"the store holds blocks of {store.layout.describe()}, the model needs "
                              f"{self.layout.describe()}")

@@ -1,8 +1,8 @@
 """A model's profile (everything that changes its KV bytes) and its model key, without torch.
 
 The control plane reads profiles and computes model keys when a profile is registered; it never
-lays out block bytes, so this module imports neither torch nor numpy. `ModelProfile.layout`
-builds the torch-backed `BlockLayout` on first use.
+lays out block bytes, so this module imports neither torch nor numpy. The torch-backed byte
+layout of a profile's blocks is `layout.block_layout(profile)`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from worker.dataplane.layout import BlockLayout
+from typing import Any
 
 KEY_BYTES = 16
 """Bytes of every key: model, prefix and content keys are 128-bit."""
@@ -78,16 +75,6 @@ class ModelProfile:
 
     def with_rope_scaling(self, scaling: Mapping[str, Any] | None) -> ModelProfile:
         return dataclasses.replace(self, rope_scaling=self.canonical_rope_scaling(scaling))
-
-    @property
-    def layout(self) -> BlockLayout:
-        """The byte layout of this model's blocks."""
-        # Imported here, not above: the layout module imports torch, which a process that only
-        # reads profiles (the control plane) must not load.
-        from worker.dataplane.layout import BlockLayout, parse_dtype  # noqa: PLC0415
-
-        return BlockLayout(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                           block_tokens=self.block_tokens, dtype=parse_dtype(self.dtype))
 
 
 def model_key(profile: ModelProfile) -> uuid.UUID:

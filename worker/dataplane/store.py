@@ -23,7 +23,7 @@ from worker.dataplane.config import ConfigError, NodeConfig
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import MISSES, BlockMissing, TierUnavailable
 from worker.dataplane.hashing import model_key
-from worker.dataplane.layout import BlockLayout, ModelProfile
+from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.tiers.base import (
     TIER_NAMES,
     PutResult,
@@ -416,7 +416,7 @@ def build_store(
         remote_client=remote_client,
         device=device,
     )
-    layout = profile.layout
+    layout = block_layout(profile)
     counters = Counters()
     engine = ChecksumEngine(threads=config.copy_threads or None)
     built: list[Tier] = []

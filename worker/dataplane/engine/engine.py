@@ -36,6 +36,7 @@ from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
+from worker.dataplane.layout import block_layout
 from worker.dataplane.offload import Hit, OffloadManager, RequestTrace, Throughput
 from worker.dataplane.store import TieredStore
 
@@ -111,7 +112,7 @@ class Engine:
         self.counters = counters or Counters()
         self.on_trace = on_trace
         self.profile = model.profile(self.options.block_tokens)
-        self.layout = self.profile.layout
+        self.layout = block_layout(self.profile)
         # Lookup, the load-or-recompute decision, write-back to the tiers below L1 and quarantine:
         # the same manager the vLLM connector calls.
         self.offload = OffloadManager(

@@ -36,6 +36,7 @@ from worker.dataplane.connectors.vllm.metadata import (
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.engine.cache import LoadFailed
 from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
+from worker.dataplane.layout import block_layout
 from worker.dataplane.offload import Hit
 
 log = logging.getLogger("strata.vllm")
@@ -80,7 +81,7 @@ class WorkerHalf:
         self._stream: Any = None
         self._free_buffers: list[torch.Tensor] = []
         self.manager = runtime.manager
-        self.layout = runtime.profile.layout
+        self.layout = block_layout(runtime.profile)
         self.paged: PagedKV | None = None
         self.layer_of: dict[str, int] = {}
         self.meta: StrataMetadata | None = None
