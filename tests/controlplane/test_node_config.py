@@ -102,3 +102,9 @@ def test_a_movement_option_from_yaml_is_refused_naming_the_file(tmp_path):
     with pytest.raises(ConfigError, match=f"move_verify in {config_file}: expected one of full, header"):
         load_config(environ={"STRATA_CONFIG_FILE": str(config_file)})
 
+
+def test_movement_options_come_from_the_node_configuration():
+    from worker.movements import MovementOptions  # noqa: PLC0415 - a Django module: the settings are loaded
+
+    config = load_config(overrides={"move_verify": "header", "reconcile_grace_s": 5}, environ={})
+    assert MovementOptions.from_config(config) == MovementOptions(verify="header", reconcile_grace_s=5.0)
