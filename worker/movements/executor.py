@@ -16,12 +16,10 @@ live in `scrub.py` and `reconcile.py`, fault injection in `faults.py`, the dashb
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 from django.db import close_old_connections, transaction
@@ -48,13 +46,14 @@ from controlplane.movements.services import (
     movements_set_targets,
     movements_start_many,
 )
-from worker.dataplane.mover import CopyJob, CopyResult, CopyStatus, Mover
+from worker.dataplane.mover import CopyStatus, Mover
 from worker.movements.announcer import MovementAnnouncer
 from worker.movements.copies import quarantine
 from worker.movements.errors import FENCED, TRANSIENT_ERRORS, NoStore
 from worker.movements.faults import FaultInjector
 from worker.movements.options import MovementOptions
 from worker.movements.reconcile import Reconciler, ReconcileReport
+from worker.movements.records import Outcome, Reservation, ReservedCopy
 from worker.movements.scrub import ScrubReport, scrub_tier
 
 log = logging.getLogger("strata.movements")
@@ -77,51 +76,6 @@ def _waves(ids: Sequence[int], per_wave: int) -> list[Sequence[int]]:
         return [ids[start:start + per_wave] for start in range(0, len(ids), per_wave)]
     middle = ids[1:-1]
     return [ids[:1], *(middle[start:start + per_wave] for start in range(0, len(middle), per_wave)), ids[-1:]]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reservation:
-    """A started movement whose source checked out: its target copy is still to be reserved."""
-
-    movement: Movement
-    block: Block
-    source: Placement
-    previous: Placement | None
-    """The target an earlier attempt of this movement reserved (taken over if still pending)."""
-    free_source: bool
-    started: float
-
-
-@dataclasses.dataclass
-
-
-@dataclasses.dataclass
-class _ReservedCopy:
-    """One move or warm-up of a batch, from its reserved target to its flip: the mover's future
-    result, then what the conclusion turns into directory changes."""
-
-    movement: Movement
-    block: Block
-    key: uuid.UUID
-    source: Placement
-    target: Placement
-    free_source: bool
-    started: float
-    copying: Future[CopyResult] | None = None
-    result: CopyResult | None = None
-
-    @property
-    def job(self) -> CopyJob:
-        return CopyJob(source=self.movement.src_tier, target=self.movement.dst_tier, key=self.key,
-                       expected=self.source.checksum or "", size=self.block.size_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    movement_id: int
-    state: str
-    """The movement's state after this run (`skipped` when it had finished before)."""
-    detail: str = ""
 
 
 _Ended = tuple[Movement, MovementResult]
@@ -160,7 +114,8 @@ class MovementExecutor:
             if finished is None:
                 outcomes[movement.id] = Outcome(movement.id, "skipped", "finished elsewhere")
                 continue
-            line = f"movement {movement.id} ({movement.kind} block {movement.block_id} {movement.route}): {result.state}"
+            line = (f"movement {movement.id} ({movement.kind} block {movement.block_id} {movement.route}): "
+                    f"{result.state}")
             if result.state == MovementState.DONE:
                 log.info("%s, %d bytes in %.3f s", line, finished.bytes, finished.duration_s or 0.0)
             else:
@@ -237,7 +192,7 @@ class MovementExecutor:
         else:
             per_wave = max(1, WAVE_BYTES // self.store.layout.block_bytes)
         outcomes: dict[int, Outcome] = {}
-        copying: list[_ReservedCopy] = []
+        copying: list[ReservedCopy] = []
         with self.mover.batch() if self.mover is not None else contextlib.nullcontext() as batch:
             for wave in _waves(ids, per_wave):
                 reserved = self._start_wave(kind, wave, outcomes)
@@ -254,7 +209,7 @@ class MovementExecutor:
                 outcomes.update(self._conclude(copying))
         return [outcomes[ident] for ident in movement_ids]
 
-    def _start_wave(self, kind: str, ids: Sequence[int], outcomes: dict[int, Outcome]) -> list[_ReservedCopy]:
+    def _start_wave(self, kind: str, ids: Sequence[int], outcomes: dict[int, Outcome]) -> list[ReservedCopy]:
         """One transaction of a few statements, whatever the wave's size: start its movements
         (`movements_start_many`), read their blocks and copies, check each against the directory,
         reserve the targets of the ones to copy (`placements_create_pending_many`) and record the
@@ -280,7 +235,7 @@ class MovementExecutor:
             blocks = Block.objects.only("id", "prefix_key", "size_bytes").in_bulk([m.block_id for m in checked])
             copies = Placement.objects.in_bulk([m.src_placement_id for m in checked]
                                                + [m.dst_placement_id for m in checked if m.dst_placement_id])
-            wanted: list[_Reservation] = []
+            wanted: list[Reservation] = []
             for movement in checked:
                 try:
                     prepared = self._prepare(movement, block=blocks.get(movement.block_id),
@@ -294,7 +249,7 @@ class MovementExecutor:
                     ended.append(self._ended(movement, MovementState.FAILED, started=started,
                                              error=f"{type(exc).__name__}: {exc}"))
                     continue
-                if isinstance(prepared, _Reservation):
+                if isinstance(prepared, Reservation):
                     wanted.append(prepared)
                 else:
                     ended.append(prepared)
@@ -303,7 +258,7 @@ class MovementExecutor:
         return jobs
 
     def _prepare(self, movement: Movement, *, block: Block | None, source: Placement | None,
-                 target: Placement | None, free_source: bool, started: float) -> _Reservation | _Ended:
+                 target: Placement | None, free_source: bool, started: float) -> Reservation | _Ended:
         """Check a started movement against its block and copies as the wave read them: the target
         to reserve, or the movement's result when there is nothing to copy (resumed, changed,
         gone). The rare paths that change the directory here each run in a savepoint of their own."""
@@ -333,17 +288,17 @@ class MovementExecutor:
             return self._ended(movement, MovementState.CANCELLED, started=started,
                                detail=f"the source copy changed since planning (now {now}, "
                                       f"planned at epoch {movement.src_epoch})")
-        return _Reservation(movement=movement, block=block, source=source, previous=target, free_source=free_source,
+        return Reservation(movement=movement, block=block, source=source, previous=target, free_source=free_source,
                             started=started)
 
-    def _conclude(self, jobs: Sequence[_ReservedCopy]) -> dict[int, Outcome]:
+    def _conclude(self, jobs: Sequence[ReservedCopy]) -> dict[int, Outcome]:
         """Turn the copies into directory changes: failed ones are cleaned up one by one and their
         results recorded together; the verified ones are flipped in one transaction (a warm-up's
         result recorded in it), the moves' sources freed and their results recorded in another. A
         transient error is raised after the rest is concluded."""
         outcomes: dict[int, Outcome] = {}
         transient: BaseException | None = None
-        verified: list[_ReservedCopy] = []
+        verified: list[ReservedCopy] = []
         failed: list[_Ended] = []
         assert self.mover is not None  # only a node with a store reserves copies
         results = [job.copying.result() for job in jobs if job.copying is not None]
@@ -407,19 +362,20 @@ class MovementExecutor:
         return outcomes
 
     @staticmethod
-    def _taken_over(job: _ReservedCopy) -> bool:
+    def _taken_over(job: ReservedCopy) -> bool:
         """True when a newer attempt reserved this attempt's target again (same row, a later
         epoch, pending or already flipped by it)."""
         current = Placement.objects.filter(id=job.target.id).only("state", "epoch").first()
         return (current is not None and current.epoch > job.target.epoch
                 and current.state in (PlacementState.PENDING, PlacementState.READY))
 
-    def _flip(self, jobs: Sequence[_ReservedCopy]) -> tuple[list[_ReservedCopy], list[tuple[_ReservedCopy, Exception]]]:
+    def _flip(self, jobs: Sequence[ReservedCopy]) -> tuple[list[ReservedCopy], list[tuple[ReservedCopy, Exception]]]:
         """In the caller's transaction: every verified target READY (and, for moves, its source
         DELETING), each flip guarded by its epochs; a refused flip changes nothing and the rest go on."""
-        flipped: list[_ReservedCopy] = []
-        refused: list[tuple[_ReservedCopy, Exception]] = []
-        flips = [PlacementFlip(target_id=job.target.id, target_epoch=job.target.epoch, checksum=job.result.checksum if job.result else "",
+        flipped: list[ReservedCopy] = []
+        refused: list[tuple[ReservedCopy, Exception]] = []
+        flips = [PlacementFlip(target_id=job.target.id, target_epoch=job.target.epoch,
+                               checksum=job.result.checksum if job.result is not None else "",
                                source_id=job.source.id if job.free_source else None,
                                source_epoch=job.movement.src_epoch if job.free_source else None)
                  for job in jobs]
@@ -432,7 +388,7 @@ class MovementExecutor:
                 raise error  # not a race: no flip of the wave is committed, as before
         return flipped, refused
 
-    def _free_sources(self, moved: Sequence[_ReservedCopy]) -> dict[int, Outcome]:
+    def _free_sources(self, moved: Sequence[ReservedCopy]) -> dict[int, Outcome]:
         """After the moves' flips are committed: free each source (bytes first, then its row, as
         `_free` does), then forget the freed rows and record every result, in one transaction of
         two statements (`placements_delete_many`, `movements_finish_many`)."""
@@ -442,7 +398,8 @@ class MovementExecutor:
         freed: list[tuple[int, int]] = []
         for job in moved:
             current = rows.get(job.source.id)
-            if current is None or current.state != PlacementState.DELETING or current.epoch != job.movement.src_epoch + 1:
+            if (current is None or current.state != PlacementState.DELETING
+                    or current.epoch != job.movement.src_epoch + 1):
                 continue  # re-registered or already freed: the bytes are someone else's now
             self.store.tier(job.movement.src_tier).delete(job.key)
             freed.append((current.id, current.epoch))
@@ -451,7 +408,7 @@ class MovementExecutor:
             return self._record([self._ended(job.movement, MovementState.DONE, started=job.started,
                                              nbytes=job.block.size_bytes) for job in moved])
 
-    def _reserve(self, wanted: Sequence[_Reservation]) -> tuple[list[_ReservedCopy], list[_Ended]]:
+    def _reserve(self, wanted: Sequence[Reservation]) -> tuple[list[ReservedCopy], list[_Ended]]:
         """PENDING target copies for a wave's movements, each with a fresh epoch, in one statement;
         a pending target left by an earlier attempt of the same movement is taken over first, so
         that attempt can no longer flip or drop it. Returns the copies to make and the results of
@@ -475,12 +432,12 @@ class MovementExecutor:
         except Exception as exc:  # noqa: BLE001 - no single copy's answer: ask for each alone, so it stays its own
             log.warning("reserving %d target copies at once failed (%s); reserving them one by one", len(copies), exc)
             answers = [self._reserve_one(copy) for copy in copies]
-        jobs: list[_ReservedCopy] = []
+        jobs: list[ReservedCopy] = []
         refused: list[_Ended] = []
         for r, answer in zip(wanted, answers, strict=True):
             if isinstance(answer, Placement):
                 r.movement.dst_placement_id = answer.id
-                jobs.append(_ReservedCopy(movement=r.movement, block=r.block, key=r.block.prefix_key, source=r.source,
+                jobs.append(ReservedCopy(movement=r.movement, block=r.block, key=r.block.prefix_key, source=r.source,
                                   target=answer, free_source=r.free_source, started=r.started))
             elif isinstance(answer, InvalidTransition):
                 refused.append(self._ended(r.movement, MovementState.CANCELLED, started=r.started,
