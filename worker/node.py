@@ -13,6 +13,7 @@ from typing import Any
 
 from celery import Celery, bootsteps
 
+from worker.dataplane import native
 from worker.dataplane.config import NodeConfig
 
 log = logging.getLogger("strata.node")
@@ -35,6 +36,7 @@ class NodeRuntime:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
+        native.use(config.native_copy)  # before any tier copies or hashes
         self.host = socket.gethostname()
         self.store: Any = None
         self.engine: Any = None

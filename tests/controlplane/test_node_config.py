@@ -68,3 +68,43 @@ def test_the_disk_and_remote_tiers_have_their_own_io_threads():
     assert load_config(environ={}).disk_io_threads == 4
     assert load_config(environ={"STRATA_DISK_REUSE_SECONDS": "0"}).disk_reuse_seconds == 0
     assert load_config(environ={}).disk_reuse_seconds == 10.0
+
+
+def test_movement_and_native_copy_options_take_flag_over_env_over_yaml(tmp_path):
+    config_file = tmp_path / "node.yaml"
+    config_file.write_text("move_verify: header\nfault_hold_s: 7\nreconcile_grace_s: 9\nnative_copy: sse2\n")
+    environ = {"STRATA_CONFIG_FILE": str(config_file), "STRATA_MOVE_VERIFY": "full", "STRATA_FAULT_HOLD_S": "8"}
+    assert load_config(environ={"STRATA_CONFIG_FILE": str(config_file)}).move_verify == "header"
+    config = load_config(overrides={"fault_hold_s": "1.5"}, environ=environ)
+    assert (config.move_verify, config.fault_hold_s, config.reconcile_grace_s) == ("full", 1.5, 9.0)
+    assert config.native_copy == "sse2" and config.fault_point == ""
+    assert load_config(overrides={"move_verify": "header"}, environ=environ).move_verify == "header"
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"STRATA_MOVE_VERIFY": "some"}, "STRATA_MOVE_VERIFY: expected one of full, header, got 'some'"),
+        ({"STRATA_FAULT_POINT": "somewhere"}, "STRATA_FAULT_POINT: expected one of after-reserve, after-copy"),
+        ({"STRATA_FAULT_HOLD_S": "-1"}, "STRATA_FAULT_HOLD_S: cannot be negative"),
+        ({"STRATA_RECONCILE_GRACE_S": "soon"}, "STRATA_RECONCILE_GRACE_S: expected a number of seconds, got 'soon'"),
+        ({"STRATA_NATIVE_COPY": "avx512"}, "STRATA_NATIVE_COPY: expected one of 1, 0, sse2, got 'avx512'"),
+    ],
+)
+def test_bad_movement_and_native_copy_values_name_the_variable(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(environ=environ)
+
+
+def test_a_movement_option_from_yaml_is_refused_naming_the_file(tmp_path):
+    config_file = tmp_path / "node.yaml"
+    config_file.write_text("move_verify: sometimes\n")
+    with pytest.raises(ConfigError, match=f"move_verify in {config_file}: expected one of full, header"):
+        load_config(environ={"STRATA_CONFIG_FILE": str(config_file)})
+
+
+def test_movement_options_come_from_the_node_configuration():
+    from worker.movements import MovementOptions  # noqa: PLC0415 - a Django module: the settings are loaded
+
+    config = load_config(overrides={"move_verify": "header", "reconcile_grace_s": 5}, environ={})
+    assert MovementOptions.from_config(config) == MovementOptions(verify="header", reconcile_grace_s=5.0)

@@ -14,10 +14,10 @@ from typing import Any
 
 from controlplane.directory.models import Block, ModelProfile, Node
 from controlplane.directory.services import blocks_register
-from controlplane.movements.invariants import InvariantReport, invariants_check
 from controlplane.movements.models import Movement
 from controlplane.policies.snapshot import PolicySnapshot, TierPolicySpec
 from tests.movements.conftest import random_block
+from tests.movements.invariants import InvariantReport, invariants_check
 from tests.support import free_port, wait_for
 from worker.dataplane.directory import BlockRegistration
 from worker.dataplane.errors import MISSES

@@ -12,12 +12,12 @@ import uuid
 import pytest
 import torch
 
-import worker.movements as glue
+import worker.dataplane.mover as mover
+import worker.movements.executor as glue
 from controlplane.directory.choices import PlacementState
 from controlplane.directory.models import Block, Placement
 from controlplane.directory.services import placement_mark_corrupt
 from controlplane.movements.choices import MovementKind, MovementState
-from controlplane.movements.invariants import invariants_check
 from controlplane.movements.models import Movement, MovementTally
 from tests.movements.conftest import (
     BLOCK_BYTES,
@@ -27,6 +27,7 @@ from tests.movements.conftest import (
     read_block,
     record_moves,
 )
+from tests.movements.invariants import invariants_check
 from worker.movements import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES
@@ -162,7 +163,7 @@ def test_the_copy_pipeline_reads_the_next_wave_ahead_and_every_copy_is_exact(nod
     (the pipeline does not drain between waves), and every target holds exactly its source's bytes."""
     monkeypatch.setattr(glue, "WAVE_BYTES", 2 * B)
     read_ahead = []
-    job = glue._Upcoming.job
+    job = mover.NextWave.job
 
     def counting(self, number):  # type: ignore[no-untyped-def]
         found = job(self, number)
@@ -170,14 +171,14 @@ def test_the_copy_pipeline_reads_the_next_wave_ahead_and_every_copy_is_exact(nod
             read_ahead.append(number)
         return found
 
-    monkeypatch.setattr(glue._Upcoming, "job", counting)
-    write = MovementExecutor._write_target
+    monkeypatch.setattr(mover.NextWave, "job", counting)
+    write = mover.Mover._write_target
 
     def slow_write(self, *args):  # type: ignore[no-untyped-def]
         time.sleep(0.1)
         return write(self, *args)
 
-    monkeypatch.setattr(MovementExecutor, "_write_target", slow_write)
+    monkeypatch.setattr(mover.Mover, "_write_target", slow_write)
     made = _blocks(store, make_blocks, "host", 9)
     ids = record_moves([block for block, _ in made], MovementKind.MOVE, "disk")
 

@@ -14,7 +14,7 @@ import torch
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-import worker.movements as glue
+import worker.movements.executor as glue
 from controlplane.directory.choices import PlacementState
 from controlplane.directory.models import Block, Placement
 from controlplane.directory.services import (
@@ -24,7 +24,6 @@ from controlplane.directory.services import (
 )
 from controlplane.movements.choices import MovementKind, MovementState
 from controlplane.movements.errors import MovementError
-from controlplane.movements.invariants import invariants_check
 from controlplane.movements.models import Movement, MovementTally
 from controlplane.movements.services import (
     MovementResult,
@@ -43,6 +42,7 @@ from tests.movements.conftest import (
     read_block,
     record_moves,
 )
+from tests.movements.invariants import invariants_check
 from worker.movements import MovementExecutor
 
 B = BLOCK_BYTES

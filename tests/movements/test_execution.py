@@ -18,7 +18,6 @@ from controlplane.directory.services import (
     placement_mark_corrupt,
 )
 from controlplane.movements.choices import MovementKind, MovementState
-from controlplane.movements.invariants import invariants_check
 from controlplane.movements.models import Movement, MovementTally
 from controlplane.movements.planner import PlannedMovement
 from controlplane.movements.services import movements_record
@@ -29,6 +28,7 @@ from tests.movements.conftest import (
     placements,
     random_block,
 )
+from tests.movements.invariants import invariants_check
 from worker.dataplane.errors import TierFull, TierUnavailable
 from worker.movements import MovementExecutor, MovementOptions
 
@@ -175,7 +175,7 @@ def test_a_refused_flip_drops_its_target_and_serves_nothing(executor, store, sto
     """Between copy and flip someone else changes the source: the flip is refused by the epoch."""
     block, original = stored_block("host", seed=6)
     m = movement(block, MovementKind.MOVE, "disk")
-    import worker.movements as glue
+    import worker.movements.executor as glue
 
     real_flip = glue.placements_flip_many
 
@@ -197,7 +197,7 @@ def test_a_disk_copy_is_made_durable_before_its_flip(executor, store, stored_blo
     it at once, before the copy is recorded READY (a crash after the flip cannot lose it)."""
     block, _ = stored_block("host", seed=11)
     m = movement(block, MovementKind.MOVE, "disk")
-    import worker.movements as glue
+    import worker.movements.executor as glue
 
     order: list[str] = []
     disk = store.tier("disk")

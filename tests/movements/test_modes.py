@@ -12,10 +12,10 @@ import torch
 from django.utils import timezone
 
 from controlplane.directory.models import Placement
-from controlplane.movements.invariants import invariants_check
 from controlplane.movements.services import movements_plan
 from controlplane.policies.services import mode_activate
 from tests.movements.conftest import BLOCK_BYTES, node_report, random_block
+from tests.movements.invariants import invariants_check
 from worker.movements import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES

@@ -13,9 +13,9 @@ import pytest
 from controlplane.directory.choices import PlacementState
 from controlplane.directory.models import Block, Placement
 from controlplane.movements.choices import MovementState
-from controlplane.movements.invariants import invariants_check
 from controlplane.movements.models import Movement
 from controlplane.movements.services import movements_plan
+from tests.movements.invariants import invariants_check
 from tests.movements.procs import (
     DRAIN_HOST,
     NodeProcesses,

@@ -194,6 +194,43 @@ def _step_percent(value: Any) -> str | None:
 
 ENGINES = ("strata", "vllm")
 
+VERIFY_MODES = ("full", "header")
+"""How a moved copy is verified before its flip (`move_verify`)."""
+
+FAULT_POINTS = ("after-reserve", "after-copy", "after-flip")
+"""Where movements hold when fault injection is armed (`fault_point`)."""
+
+NATIVE_COPY_CHOICES = ("1", "0", "sse2")
+"""Values of `native_copy`: the best build of the fused copy-and-hash for the CPU, none, the SSE2 one."""
+
+
+def _parse_choice(choices: tuple[str, ...], *, empty: bool = False) -> Callable[[Any], str]:
+    """A parser accepting one of `choices` (and '' when `empty`), as written."""
+
+    def parse(value: Any) -> str:
+        text = str(value)
+        if not (text in choices or (empty and text == "")):
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
+def _parse_native_copy(value: Any) -> str:
+    text = str(value).strip().lower() or "1"
+    if text not in NATIVE_COPY_CHOICES:
+        raise ValueError(f"expected one of {', '.join(NATIVE_COPY_CHOICES)}, got {text!r}")
+    return text
+
+
+def _parse_seconds(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number of seconds, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number of seconds, got {value!r}") from None
+
 
 def _parse_engine(value: Any) -> str:
     text = str(value).strip().lower()
@@ -238,6 +275,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("disk_io_threads", _parse_int, 4, "I/O threads of the disk tier: reads in flight at once, each hashed as it lands by the thread that read it.", _positive),
     Option("disk_reuse_seconds", _parse_float, 10.0, "Seconds a deleted disk block's file is kept (its bytes counted as used) for a put of the same process to write over instead of creating a file; 0: unlinked at once.", _non_negative),
     Option("copy_threads", _parse_int, 0, "Threads that copy and checksum blocks in memory; 0 = min(4, CPU count).", _non_negative),
+    Option("native_copy", _parse_native_copy, "1", "Fused copy-and-hash: 1 = the build for this CPU (AVX2 where present), sse2 = the baseline build, 0 = hash in Python."),
+    Option("move_verify", _parse_choice(VERIFY_MODES), "full", "How a moved copy is verified before its flip: full reads it back from the target and checks every byte; header compares the checksum the target stored with the source's."),
+    Option("reconcile_grace_s", _parse_seconds, 300.0, "Seconds bytes without a placement must stay orphaned (seen by an earlier reconcile) before the reconciler deletes them.", _non_negative),
+    Option("fault_point", _parse_choice(FAULT_POINTS, empty=True), "", "Tests only: after-reserve, after-copy or after-flip makes movements hold there (logged) so a test can kill or stop the worker; empty: off."),
+    Option("fault_hold_s", _parse_seconds, 3600.0, "Seconds a movement holds at fault_point.", _non_negative),
     Option("remote_cluster", _parse_bool, False, "remote_url points at a Redis Cluster (redis-py RedisCluster)."),
     Option("remote_timeout_seconds", _parse_float, 2.0, "Socket timeout of the remote tier; past it the tier is unavailable and callers recompute.", _positive),
     Option("model", _parse_str, "", "Model the node's engine serves: a preset (tiny, small, bench, ...) or a local checkpoint directory. Empty: no engine."),
@@ -292,6 +334,11 @@ class NodeConfig:
     disk_io_threads: int = 4
     disk_reuse_seconds: float = 10.0
     copy_threads: int = 0
+    native_copy: str = "1"
+    move_verify: str = "full"
+    reconcile_grace_s: float = 300.0
+    fault_point: str = ""
+    fault_hold_s: float = 3600.0
     remote_cluster: bool = False
     remote_timeout_seconds: float = 2.0
     model: str = ""
@@ -378,14 +425,29 @@ def load_config(
         else:
             values[option.name] = option.default
             continue
-        try:
-            value = option.parse(raw)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{source}: {exc}") from exc
-        if option.check is not None and (problem := option.check(value)):
-            raise ConfigError(f"{source}: {problem}, got {raw!r}")
-        values[option.name] = value
+        values[option.name] = _parsed(option, raw, source)
     return NodeConfig(**values)
+
+
+def _parsed(option: Option, raw: Any, source: str) -> Any:
+    """`raw` parsed and checked as `option`'s value; ConfigError naming `source` when invalid."""
+    try:
+        value = option.parse(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    if option.check is not None and (problem := option.check(value)):
+        raise ConfigError(f"{source}: {problem}, got {raw!r}")
+    return value
+
+
+def option_from_environ(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One option from its STRATA_* variable alone, else its default: for a process that reads an
+    option before (or without) loading a node configuration. Raises ConfigError naming the variable."""
+    option = _BY_NAME[name]
+    environ = os.environ if environ is None else environ
+    if option.env_var not in environ:
+        return option.default
+    return _parsed(option, environ[option.env_var], option.env_var)
 
 
 def describe_options() -> list[dict[str, str]]:

@@ -5,8 +5,13 @@ interpreter lock released for its whole length, shared with the library's own he
 (`start_helpers`), which stay awake a moment between batches. Where it was not built (no C compiler or no
 xxhash header when the package was installed), the engine falls back to hashing in Python,
 chunk by chunk, which is correct but slower and gives up the interpreter lock at every chunk;
-`STRATA_NATIVE_COPY=0` forces that fallback, and `STRATA_NATIVE_COPY=sse2` the baseline build
-on a CPU that has AVX2."""
+the option `native_copy` set to 0 forces that fallback, and set to sse2 the baseline build on a
+CPU that has AVX2.
+
+The library is loaded on import with the choice of the STRATA_NATIVE_COPY variable alone (a
+process that never loads a node configuration: tests, tools, benchmarks); the node runtime then
+applies its configuration's `native_copy` (flag > variable > YAML) with `use` before it builds
+its store."""
 
 from __future__ import annotations
 
@@ -15,10 +20,11 @@ import ctypes
 import importlib.machinery
 import itertools
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from worker.dataplane.config import NATIVE_COPY_CHOICES, option_from_environ
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +46,10 @@ def _cpu_has_avx2() -> bool:
         return False
 
 
-def _library_path() -> Path | None:
+def _library_path(choice: str) -> Path | None:
     """The AVX2 build where the CPU has AVX2 (its hash runs on wider vectors), else the SSE2 one."""
     here = Path(__file__).resolve().parent
-    wide = _cpu_has_avx2() and _choice() != "sse2"
+    wide = _cpu_has_avx2() and choice != "sse2"
     names = ["_copyhash_avx2", "_copyhash"] if wide else ["_copyhash"]
     for name in names:
         for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -53,17 +59,13 @@ def _library_path() -> Path | None:
     return None
 
 
-CHOICES = ("1", "0", "sse2")
+CHOICES = NATIVE_COPY_CHOICES
 """Values of STRATA_NATIVE_COPY: the best build for the CPU (the default), none, the SSE2 one."""
 
 
-def _choice() -> str:
-    value = os.environ.get("STRATA_NATIVE_COPY", "1").strip().lower() or "1"
-    if value not in CHOICES:
-        raise ValueError(
-            f"STRATA_NATIVE_COPY: expected one of {', '.join(CHOICES)}, got {value!r}"
-        )
-    return value
+def _environ_choice() -> str:
+    """The `native_copy` option from STRATA_NATIVE_COPY alone (ConfigError naming it when invalid)."""
+    return str(option_from_environ("native_copy"))
 
 
 class PoolGeometry(ctypes.Structure):
@@ -97,11 +99,11 @@ READ_OK, READ_UNSETTLED, READ_TORN, READ_SIZE, READ_BLOCK_SUM = 0, -1, -2, -3, -
 _WITH_HELPERS = 4
 
 
-def _load() -> ctypes.CDLL | None:
-    if _choice() == "0":
-        log.info("fused copy-and-hash disabled by STRATA_NATIVE_COPY=0; hashing in Python")
+def _load(choice: str) -> ctypes.CDLL | None:
+    if choice == "0":
+        log.info("fused copy-and-hash disabled by native_copy=0; hashing in Python")
         return None
-    path = _library_path()
+    path = _library_path(choice)
     if path is None:
         log.warning(
             "fused copy-and-hash is not built (worker/dataplane/native/copyhash.c needs a C "
@@ -180,7 +182,18 @@ def _load() -> ctypes.CDLL | None:
     return library
 
 
-_library = _load()
+_choice = _environ_choice()
+_library = _load(_choice)
+
+
+def use(choice: str) -> None:
+    """Load the build `choice` names (a validated `native_copy` value) in place of the one chosen
+    on import. Called by the node runtime before anything copies, hashes or starts helpers."""
+    global _choice, _library
+    if choice not in CHOICES:
+        raise ValueError(f"native_copy: expected one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice != _choice:
+        _choice, _library = choice, _load(choice)
 
 
 def available() -> bool:

@@ -5,7 +5,7 @@ checksum. I2: a copy found corrupt is never READY (it is quarantined, so never s
 block has two movements in flight. I4: no bytes without a placement row (after a reconcile).
 
 The bytes are read as the media hold them (`Tier.stored_bytes`) and hashed here, apart from the
-tiers' own read path, so a bug there cannot hide a violation. Used by the fault tests and the soak test, and by an operator's audit.
+tiers' own read path, so a bug there cannot hide a violation. Used by the fault tests and the soak test.
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""Reconcile: bytes a tier holds against the placements the directory records for this node."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from controlplane.directory.choices import Tier
+from controlplane.directory.models import Placement
+from controlplane.directory.services import placement_mark_corrupt
+from controlplane.movements.services import checksum_failures_count
+from worker.movements.copies import node_copies
+from worker.movements.errors import FENCED
+
+log = logging.getLogger("strata.movements")
+
+
+@dataclasses.dataclass
+class ReconcileReport:
+    tier: str
+    orphans_seen: int = 0
+    orphans_deleted: int = 0
+    missing_marked: int = 0
+
+
+class Reconciler:
+    """Deletes bytes no placement names once they stayed orphaned for `grace_s` (remembered
+    across reconciles of this process) and marks READY copies whose bytes are gone corrupt."""
+
+    def __init__(self, *, node: str, store: Any, grace_s: float, batch: int) -> None:
+        self.node = node
+        self.store = store
+        self.grace_s = grace_s
+        self.batch = batch
+        self._orphans: dict[tuple[str, uuid.UUID], float] = {}
+        """(tier, key) of bytes without a placement -> when a reconcile first saw them so."""
+        self._lock = threading.Lock()
+
+    def reconcile(self, tier: str, *, now: float | None = None) -> ReconcileReport:
+        """Bytes without a placement row are deleted (after the grace period: seen orphaned by a
+        reconcile at least that long ago); READY rows whose bytes are gone are marked corrupt."""
+        report = ReconcileReport(tier=tier)
+        if tier not in self.store.names:
+            return report
+        now = time.monotonic() if now is None else now
+        # Rows first, then bytes: a copy written after the listing cannot look missing.
+        ready = [(p.id, p.epoch, p.block.prefix_key) for found in node_copies(self.node, tier, batch=self.batch)
+                 for p in found]
+        present = set(self.store.tier(tier).keys())
+        for ident, epoch, key in ready:
+            if key in present or self.store.tier(tier).contains(key):
+                continue
+            try:
+                placement_mark_corrupt(placement_id=ident, epoch=epoch)
+            except FENCED:
+                continue
+            report.missing_marked += 1
+            checksum_failures_count(tier=tier, found_by="reconcile")
+            log.warning("reconcile %s: placement %d (block %s) has no bytes: marked corrupt", tier, ident, key)
+        known = self._known_keys(tier, present)
+        with self._lock:
+            for key in present - known:
+                report.orphans_seen += 1
+                first = self._orphans.setdefault((tier, key), now)
+                if now - first >= self.grace_s and key not in self._known_keys(tier, {key}):
+                    self.store.tier(tier).delete(key)
+                    self._orphans.pop((tier, key), None)
+                    report.orphans_deleted += 1
+            for tier_key in [k for k in self._orphans if k[0] == tier and k[1] in known]:
+                self._orphans.pop(tier_key, None)
+        if report.orphans_deleted or report.missing_marked:
+            log.warning("reconcile of %s on node %s: %d orphan block(s) deleted, %d copies without bytes "
+                        "marked corrupt", tier, self.node, report.orphans_deleted, report.missing_marked)
+        return report
+
+    def _known_keys(self, tier: str, keys: set[uuid.UUID]) -> set[uuid.UUID]:
+        """Which of `keys` have a placement row of any state in this node's `tier`."""
+        if not keys:
+            return set()
+        ordered = sorted(keys)
+        found: set[uuid.UUID] = set()
+        for start in range(0, len(ordered), 1000):  # the prefix-key index serves each IN list
+            rows = Placement.objects.filter(tier=tier, block__prefix_key__in=ordered[start:start + 1000])
+            rows = rows.filter(node__isnull=True) if tier == Tier.REMOTE else rows.filter(node__name=self.node)
+            found.update(rows.values_list("block__prefix_key", flat=True))
+        return found
