@@ -306,7 +306,7 @@ class PostgresDirectory:
         if left:
             log.warning("directory client closed with %d writes not written", left)
 
-    def __enter__(self) -> DjangoDirectory:
+    def __enter__(self) -> PostgresDirectory:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -492,6 +492,3 @@ def _kinds(batch: list[tuple[str, Any]]) -> list[tuple[str, list[Any]]]:
     """Consecutive writes of one kind, in order: a change never overtakes a registration queued before it."""
     return [(kind, [item for _, item in run]) for kind, run in runs(batch, key=lambda w: w[0])]
 
-
-DjangoDirectory = PostgresDirectory
-"""Former name of PostgresDirectory, kept importable for the node runtime and the vLLM connector."""

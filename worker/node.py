@@ -64,7 +64,7 @@ class NodeRuntime:
         from worker.dataplane.engine.models import load_model
         from worker.dataplane.engine.server import NodeServer
         from worker.dataplane.store import build_store
-        from worker.directory import DjangoDirectory
+        from worker.directory import PostgresDirectory
 
         model = load_model(config.model, dtype=config.model_dtype or None)
         profile = model.profile(config.block_tokens)
@@ -73,7 +73,7 @@ class NodeRuntime:
         for namespace in set(config.api_keys.values()):
             namespace_ensure(name=namespace)
         self.store = build_store(config, profile=profile, environ=self._tier_environ())
-        self.directory = DjangoDirectory()
+        self.directory = PostgresDirectory()
         self.engine = Engine(model=model, store=self.store, node=config.node_name, directory=self.directory,
                              options=EngineOptions(block_tokens=config.block_tokens,
                                                    write_back_tier="host" if "host" in self.store.names

@@ -43,7 +43,7 @@ class StrataConnector(StrataConnectorBase):
     def open_directory(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Directory | None:
         _django()
         from controlplane.directory.services import modelprofile_ensure, namespace_ensure
-        from worker.directory import DjangoDirectory
+        from worker.directory import PostgresDirectory
 
         if role == KVConnectorRole.SCHEDULER:
             # Registrations of an unknown model or namespace are refused; a node started before the
@@ -54,7 +54,7 @@ class StrataConnector(StrataConnectorBase):
             except Exception as exc:  # noqa: BLE001 - serving goes on from the node's tiers
                 log.warning("StrataConnector: could not record model %s in the directory yet: %s",
                             profile.model_id, exc)
-        return DjangoDirectory()
+        return PostgresDirectory()
 
     def store_environ(self) -> Mapping[str, str] | None:
         _django()

@@ -18,10 +18,6 @@ class TierLevel(models.TextChoices):
 TIER_ORDER: tuple[TierLevel, ...] = tuple(TierLevel(name) for name in protocol.TIER_ORDER)
 """Tier levels, fastest first: the data plane's order, every one a TierLevel."""
 
-Tier = TierLevel
-"""Former name of TierLevel, kept importable for the worker glue; new code names TierLevel."""
-
-
 class NodeState(models.TextChoices):
     UP = "up", "Up"
     STALE = "stale", "Stale (missed heartbeats)"
@@ -66,7 +62,7 @@ BLOCK_ORDERING_COLUMNS: dict[str, tuple[str, ...]] = {
     BlockOrdering.IDLE: ("last_access_at", "id"),
 }
 
-DEFAULT_CLASS = "default"
+DEFAULT_CLASS = protocol.DEFAULT_CLASS
 """Priority class of a block until the policies app says otherwise; the class that holds every
 namespace no other class names."""
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from controlplane.runtime.embedded import services_start, services_stop
 from controlplane.runtime.environment import REPO_ROOT, ConfigurationError, load_environment
+from worker.dataplane.directory import ENGINES
 
 NODES = ("gpu-0", "gpu-1")
 
@@ -42,7 +43,6 @@ def _manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, str(REPO_ROOT / "manage.py"), *args], env=env, check=True, cwd=REPO_ROOT)
 
 
-ENGINES = ("strata", "vllm")
 VLLM_ARGS = "--max-model-len 8192 --num-gpu-blocks-override 96 --enable-prompt-tokens-details"
 """vLLM nodes of the demo: a KV space of 96 pages (12288 tokens, as a GPU's HBM is small next to
 its sessions), so Strata's tiers serve what vLLM's own cache lets go."""

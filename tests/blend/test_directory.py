@@ -9,14 +9,14 @@ from tests.blend.conftest import BLOCK_TOKENS, tokens
 from tests.engine.conftest import make_store, redis_url  # noqa: F401 - fixtures
 from worker.dataplane.blend.options import BlendOptions
 from worker.dataplane.engine.engine import Engine, EngineOptions
-from worker.directory import DirectoryOptions, DjangoDirectory
+from worker.directory import DirectoryOptions, PostgresDirectory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
 def directory():
-    client = DjangoDirectory(options=DirectoryOptions(flush_interval_s=0.02, batch_size=500, lookup_timeout_ms=5000),
+    client = PostgresDirectory(options=DirectoryOptions(flush_interval_s=0.02, batch_size=500, lookup_timeout_ms=5000),
                              announce=lambda **_: None)
     yield client
     client.close()

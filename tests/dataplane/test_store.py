@@ -10,11 +10,11 @@ import torch
 from dataplane_support import SMALL, key, layout_of
 
 from worker.dataplane.config import ConfigError, load_config
+from worker.dataplane.directory import TIER_ORDER
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.hashing import model_key
 from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.store import LEVEL_MEDIUMS, TieredStore, build_store
-from worker.dataplane.tiers.base import TIER_NAMES
 from worker.dataplane.tiers.remote import RemoteTier
 
 PROFILE = ModelProfile(model_id="test/small", dtype="bf16", **SMALL)
@@ -105,7 +105,7 @@ def test_copy_moves_a_block_down_with_its_verified_checksum(store) -> None:
 
 
 def test_every_tier_level_has_a_medium() -> None:
-    assert tuple(LEVEL_MEDIUMS) == TIER_NAMES
+    assert tuple(LEVEL_MEDIUMS) == TIER_ORDER
 
 
 def test_puts_are_refused_when_a_tier_is_full(store) -> None:

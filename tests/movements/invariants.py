@@ -17,7 +17,7 @@ from typing import Any
 
 from django.db import connection
 
-from controlplane.directory.choices import PlacementState, Tier
+from controlplane.directory.choices import PlacementState, TierLevel
 from controlplane.directory.models import Node, Placement
 from controlplane.movements.choices import IN_FLIGHT
 
@@ -64,10 +64,10 @@ def invariants_check(*, stores: Mapping[str, Any], orphans: bool = True) -> Inva
     for name, store in stores.items():
         node_id = Node.objects.filter(name=name).values_list("id", flat=True).first()
         for tier in store.names:
-            if tier not in (Tier.DEVICE, Tier.REMOTE) and node_id is not None:
+            if tier not in (TierLevel.DEVICE, TierLevel.REMOTE) and node_id is not None:
                 scopes.append((name, node_id, tier, store.tier(tier)))
     if remote_store is not None:
-        scopes.append(("", None, Tier.REMOTE, remote_store.tier(Tier.REMOTE)))
+        scopes.append(("", None, TierLevel.REMOTE, remote_store.tier(TierLevel.REMOTE)))
     for node, node_id, tier, backend in scopes:
         rows = (Placement.objects.filter(node_id=node_id, tier=tier) if node_id is not None
                 else Placement.objects.filter(node__isnull=True, tier=tier)).select_related("block")

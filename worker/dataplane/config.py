@@ -17,6 +17,7 @@ from worker.dataplane.blend.options import (
     parse_model_percents,
     parse_namespace_percents,
 )
+from worker.dataplane.directory import ENGINES, TIER_ORDER
 
 
 class ConfigError(ValueError):
@@ -81,9 +82,6 @@ def _parse_path(value: Any) -> Path:
 
 
 _NODE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
-
-
-TIER_ORDER = ("device", "host", "disk", "remote")
 
 
 class TierList(tuple):
@@ -192,7 +190,6 @@ def _step_percent(value: Any) -> str | None:
     return None if 0 < value <= 100 else "must be more than 0 and at most 100 percent"
 
 
-ENGINES = ("strata", "vllm")
 
 VERIFY_MODES = ("full", "header")
 """How a moved copy is verified before its flip (`move_verify`)."""

@@ -21,6 +21,12 @@ TIER_ORDER: tuple[str, ...] = ("device", "host", "disk", "remote")
 """Tier codes, fastest first: a lookup prefers the earliest tier holding a READY copy. The control
 plane's tier order (`controlplane.directory.choices.TIER_ORDER`) is this one."""
 
+ENGINES: tuple[str, ...] = ("strata", "vllm")
+"""The engines a node can serve with (its `engine` option, recorded on its directory row)."""
+
+DEFAULT_CLASS = "default"
+"""The priority class of every namespace that no class names."""
+
 REMOTE = "remote"
 """The one tier shared by every node: its placements belong to no node."""
 

@@ -24,6 +24,7 @@ from worker.dataplane.checksum import BlockChecksum
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import (
     REMOTE,
+    TIER_ORDER,
     BlockRegistration,
     BlockTouch,
     Directory,
@@ -33,7 +34,7 @@ from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.store import TieredStore
-from worker.dataplane.tiers.base import TIER_NAMES, Tier
+from worker.dataplane.tiers.base import Tier
 
 log = logging.getLogger("strata.engine")
 
@@ -159,7 +160,7 @@ class OffloadManager:
         self.decide_enabled = decide
         self.write_back_tier = write_back_tier
         self.model_key = model_key(profile)
-        self.tier_speed = {name: Throughput() for name in TIER_NAMES}
+        self.tier_speed = {name: Throughput() for name in TIER_ORDER}
         self.prefill_speed = Throughput()
         self._fingerprinters: dict[str, Fingerprinter] = {}
 

@@ -21,11 +21,11 @@ import torch
 from worker.dataplane.checksum import BlockChecksum, ChecksumEngine
 from worker.dataplane.config import ConfigError, NodeConfig
 from worker.dataplane.counters import Counters
+from worker.dataplane.directory import TIER_ORDER
 from worker.dataplane.errors import MISSES, BlockMissing, TierUnavailable
 from worker.dataplane.hashing import model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.tiers.base import (
-    TIER_NAMES,
     PutResult,
     ReadResult,
     Tier,
@@ -394,7 +394,7 @@ LEVEL_MEDIUMS: Mapping[str, Callable[[StoreSetting], Medium]] = {
     "disk": _disk_medium,
     "remote": _remote_medium,
 }
-"""The medium of each tier level (`TIER_NAMES`), from the store's setting."""
+"""The medium of each tier level (`directory.TIER_ORDER`), from the store's setting."""
 
 
 def build_store(
@@ -422,7 +422,7 @@ def build_store(
     built: list[Tier] = []
     try:
         for name in config.tiers:
-            if name not in TIER_NAMES:
+            if name not in TIER_ORDER:
                 raise ConfigError(f"tiers: unknown tier {name!r}")
             medium = LEVEL_MEDIUMS[name](setting)
             tier: Tier = medium.open(name=name, layout=layout, counters=counters, engine=engine)

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from controlplane.directory.choices import PlacementState, Tier
+from controlplane.directory.choices import PlacementState, TierLevel
 from controlplane.directory.models import Node, Placement
 from controlplane.directory.services import placement_mark_corrupt
 from controlplane.movements.services import checksum_failures_count
@@ -20,8 +20,8 @@ log = logging.getLogger("strata.movements")
 def node_copies(node: str, tier: str, *, batch: int,
                 states: Sequence[str] = (PlacementState.READY,)) -> Iterator[list[Placement]]:
     """`node`'s copies in `tier` (the shared ones for remote), in id-ordered batches of `batch`."""
-    node_id = None if tier == Tier.REMOTE else Node.objects.filter(name=node).values_list("id", flat=True).first()
-    if tier != Tier.REMOTE and node_id is None:
+    node_id = None if tier == TierLevel.REMOTE else Node.objects.filter(name=node).values_list("id", flat=True).first()
+    if tier != TierLevel.REMOTE and node_id is None:
         return
     last = 0
     while True:

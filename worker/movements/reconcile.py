@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any
 
-from controlplane.directory.choices import Tier
+from controlplane.directory.choices import TierLevel
 from controlplane.directory.models import Placement
 from controlplane.directory.services import placement_mark_corrupt
 from controlplane.movements.services import checksum_failures_count
@@ -85,6 +85,6 @@ class Reconciler:
         found: set[uuid.UUID] = set()
         for start in range(0, len(ordered), 1000):  # the prefix-key index serves each IN list
             rows = Placement.objects.filter(tier=tier, block__prefix_key__in=ordered[start:start + 1000])
-            rows = rows.filter(node__isnull=True) if tier == Tier.REMOTE else rows.filter(node__name=self.node)
+            rows = rows.filter(node__isnull=True) if tier == TierLevel.REMOTE else rows.filter(node__name=self.node)
             found.update(rows.values_list("block__prefix_key", flat=True))
         return found

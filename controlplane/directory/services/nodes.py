@@ -13,7 +13,7 @@ from django.utils import timezone
 from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory.choices import NodeState, TierLevel
 from controlplane.directory.models import Node, NodeTier
-from worker.dataplane.config import ENGINES
+from worker.dataplane.directory import ENGINES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,12 +21,11 @@ from collections.abc import Iterable
 import torch
 
 from worker.dataplane.counters import Counters
+from worker.dataplane.directory import DEFAULT_CLASS
 from worker.dataplane.errors import TierFull
 from worker.dataplane.tiers.base import Tier
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CLASS = "default"
 
 
 @dataclasses.dataclass(frozen=True)

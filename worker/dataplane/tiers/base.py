@@ -20,10 +20,6 @@ from worker.dataplane.layout import BlockLayout
 
 T = TypeVar("T")
 
-TIER_NAMES = ("device", "host", "disk", "remote")
-"""Every tier kind, fastest first: the order the store looks in."""
-
-
 @dataclasses.dataclass(frozen=True)
 class TierUsage:
     """Capacity accounting of a tier: used = stored bytes + pending (reserved, being written)."""
