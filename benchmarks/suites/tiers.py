@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.harness import Context, Row
 from worker.dataplane.buffers import host_view
-from worker.dataplane.checksum import ChecksumEngine
+from worker.dataplane.checksum import Hasher
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.tiers.base import Tier
 from worker.dataplane.tiers.device import DeviceTier
@@ -61,7 +61,7 @@ LAYOUTS = {
 FULL_BYTES = 1 << 30
 TIERS = ("device", "host", "disk", "remote")
 BUFFERS = 4
-"""Distinct source and destination blocks, reused round-robin (as an engine reuses its buffers)."""
+"""Distinct source and destination blocks, reused round-robin (as an hasher reuses its buffers)."""
 BATCH_WINDOW_BYTES = 128 * 1024 * 1024
 """Batched reads go in windows of this many bytes of distinct destination buffers."""
 
@@ -186,11 +186,11 @@ class Bench:
     """The buffers and keys of one layout, shared by every tier's measurement."""
 
     def __init__(
-        self, ctx: Context, layout: BlockLayout, engine: ChecksumEngine, redis_url: str
+        self, ctx: Context, layout: BlockLayout, hasher: Hasher, redis_url: str
     ) -> None:
         self.ctx = ctx
         self.layout = layout
-        self.engine = engine
+        self.hasher = hasher
         self.redis_url = redis_url
         self.blocks = max(BUFFERS, round(FULL_BYTES * ctx.scale / layout.block_bytes))
         self.total = self.blocks * layout.block_bytes
@@ -298,7 +298,7 @@ class Bench:
 
     # -- one method per tier --------------------------------------------------------------
     def device(self) -> tuple[dict[str, Measured], str]:
-        tier = DeviceTier(layout=self.layout, capacity_bytes=self.total, engine=self.engine)
+        tier = DeviceTier(layout=self.layout, capacity_bytes=self.total, hasher=self.hasher)
         try:
             region = torch.zeros(
                 (self.blocks, self.layout.block_bytes), dtype=torch.uint8, device=tier.device
@@ -328,7 +328,7 @@ class Bench:
             layout=self.layout,
             capacity_bytes=self.blocks * (self.layout.block_bytes + 4096),
             pool_name=name,
-            engine=self.engine,
+            hasher=self.hasher,
         )
         raw_path = Path("/dev/shm") / f"{name}-raw"
         try:
@@ -369,7 +369,7 @@ class Bench:
             layout=self.layout,
             capacity_bytes=self.blocks * (self.layout.block_bytes + 65536),
             path=root,
-            engine=self.engine,
+            hasher=self.hasher,
         )
         raw_path = self.ctx.scratch / "raw-o_direct.bin"
         flags = os.O_DIRECT if tier.direct_io else 0
@@ -412,7 +412,7 @@ class Bench:
             capacity_bytes=4 * self.total,
             client=client,
             prefix="bench",
-            engine=self.engine,
+            hasher=self.hasher,
         )
         raw_names = [f"raw:{i}".encode() for i in range(self.blocks)]
         try:
@@ -470,10 +470,10 @@ def run(ctx: Context) -> list[Row]:
             },
         }
     )
-    with ChecksumEngine() as engine, private_redis(ctx.scratch) as redis_url:
-        ctx.params["copy_threads"] = engine.threads
+    with Hasher() as hasher, private_redis(ctx.scratch) as redis_url:
+        ctx.params["copy_threads"] = hasher.threads
         for layout_name, layout in LAYOUTS.items():
-            bench = Bench(ctx, layout, engine, redis_url)
+            bench = Bench(ctx, layout, hasher, redis_url)
             suffix = "" if layout_name == "llama3-8b" else f".{layout_name}"
             params = {
                 "layout": layout_name,

@@ -1,4 +1,4 @@
-"""Fixtures for the data-plane tests: a checksum engine, a shared-memory name, a private Redis."""
+"""Fixtures for the data-plane tests: a hasher, a shared-memory name, a private Redis."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ for _path in (Path(__file__).resolve().parents[2], Path(__file__).resolve().pare
         sys.path.insert(0, str(_path))
 
 from tests.support import RedisServer  # noqa: E402
-from worker.dataplane.checksum import ChecksumEngine  # noqa: E402
+from worker.dataplane.checksum import Hasher  # noqa: E402
 
 
 @pytest.fixture
-def engine() -> Iterator[ChecksumEngine]:
-    with ChecksumEngine(threads=2) as eng:
+def hasher() -> Iterator[Hasher]:
+    with Hasher(threads=2) as eng:
         yield eng
 
 
@@ -59,7 +59,7 @@ def block_cache():
 
 
 @pytest.fixture
-def open_tier(request, tmp_path, shm_name, engine):
+def open_tier(request, tmp_path, shm_name, hasher):
     """Build tiers by kind ('device', 'host', 'disk', 'remote'); all are closed (and the shared
     memory pool removed) at teardown, whatever the test did."""
     from worker.dataplane.counters import Counters  # noqa: PLC0415
@@ -78,7 +78,7 @@ def open_tier(request, tmp_path, shm_name, engine):
                 capacity_bytes=capacity or blocks * layout.block_bytes,
                 device=options.pop("device", "cpu"),
                 counters=counters,
-                engine=engine,
+                hasher=hasher,
                 **options,
             )
         elif kind == "host":
@@ -87,7 +87,7 @@ def open_tier(request, tmp_path, shm_name, engine):
                 capacity_bytes=capacity or blocks * (layout.block_bytes + 4096),
                 pool_name=options.pop("pool_name", shm_name),
                 counters=counters,
-                engine=engine,
+                hasher=hasher,
                 **options,
             )
         elif kind == "disk":
@@ -96,7 +96,7 @@ def open_tier(request, tmp_path, shm_name, engine):
                 capacity_bytes=capacity or blocks * (layout.block_bytes + 2 * 65536),
                 path=options.pop("path", tmp_path / "disk"),
                 counters=counters,
-                engine=engine,
+                hasher=hasher,
                 **options,
             )
         elif kind == "remote":
@@ -108,7 +108,7 @@ def open_tier(request, tmp_path, shm_name, engine):
                 client=client,
                 prefix=options.pop("prefix", "test"),
                 counters=counters,
-                engine=engine,
+                hasher=hasher,
                 **options,
             )
         else:

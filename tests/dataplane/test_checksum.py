@@ -1,4 +1,4 @@
-"""Checksums and the copy+verify engine agree with plain xxh3-128."""
+"""Checksums and the copy+verify hasher agree with plain xxh3-128."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from worker.dataplane import native
 from worker.dataplane.buffers import aligned_empty, host_view
 from worker.dataplane.checksum import (
     BlockChecksum,
-    ChecksumEngine,
+    Hasher,
     Span,
     block_checksum,
     layer_checksum,
@@ -55,8 +55,8 @@ def test_engine_copy_and_hash_match_xxh3(fused: bool, threads: int, sizes: list[
             )
         )
         offset += n
-    with ChecksumEngine(threads=threads, chunk_bytes=256 * 1024, native=fused) as engine:
-        digests = engine.run(spans)
+    with Hasher(threads=threads, chunk_bytes=256 * 1024, native=fused) as hasher:
+        digests = hasher.run(spans)
         assert torch.equal(src, dst)
         view, offset = host_view(src), 0
         for i, n in enumerate(sizes):
@@ -66,11 +66,11 @@ def test_engine_copy_and_hash_match_xxh3(fused: bool, threads: int, sizes: list[
             )
             offset += n
         # hash only, in place
-        hashed = engine.run([Span(src=s.src, nbytes=s.nbytes, prefix=s.prefix) for s in spans])
+        hashed = hasher.run([Span(src=s.src, nbytes=s.nbytes, prefix=s.prefix) for s in spans])
         assert hashed == digests
         # copy only
         other = torch.zeros_like(src)
-        engine.run(
+        hasher.run(
             [
                 Span(src=s.src, nbytes=s.nbytes, dst=other.data_ptr() + (s.dst - dst.data_ptr()))
                 for s in spans
@@ -80,11 +80,11 @@ def test_engine_copy_and_hash_match_xxh3(fused: bool, threads: int, sizes: list[
         assert torch.equal(other, src)
 
 
-def test_block_checksum_chains_the_layer_checksums(engine: ChecksumEngine) -> None:
+def test_block_checksum_chains_the_layer_checksums(hasher: Hasher) -> None:
     layout = layout_of(SMALL)
     block = make_block(layout, seed=1)
     k = key(1)
-    checksum = engine.checksum(k, block, layout)
+    checksum = hasher.checksum(k, block, layout)
     assert isinstance(checksum, BlockChecksum)
     view = host_view(block)
     layers = [
@@ -106,14 +106,14 @@ def test_block_checksum_chains_the_layer_checksums(engine: ChecksumEngine) -> No
     )
 
 
-def test_checksum_of_a_layer_range(engine: ChecksumEngine) -> None:
+def test_checksum_of_a_layer_range(hasher: Hasher) -> None:
     layout = layout_of(SMALL)
     block = make_block(layout, seed=2)
-    whole = engine.checksum(key(3), block, layout)
+    whole = hasher.checksum(key(3), block, layout)
     offset, nbytes = layout.span(range(2, 5))
     part = aligned_empty(nbytes)
     part.copy_(block[offset : offset + nbytes])
-    assert engine.checksum(key(3), part, layout, first_layer=2) == list(whole.layers[2:5])
+    assert hasher.checksum(key(3), part, layout, first_layer=2) == list(whole.layers[2:5])
 
 
 @pytest.mark.parametrize("build", ["sse2", "default"])

@@ -172,7 +172,7 @@ def test_remote_swapped_values_are_corrupt(remote) -> None:
 
 
 # -- the store falls through to an intact copy -------------------------------------------------
-def test_store_serves_the_next_tier_when_a_copy_is_corrupt(open_tier, block_cache, engine) -> None:
+def test_store_serves_the_next_tier_when_a_copy_is_corrupt(open_tier, block_cache, hasher) -> None:
     host = open_tier("host", LAYOUT, blocks=2, counters=None)
     disk = open_tier("disk", LAYOUT, blocks=2, counters=host.counters)
     store = TieredStore(layout=LAYOUT, tiers=[host, disk], counters=host.counters)

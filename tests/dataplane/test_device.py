@@ -44,10 +44,10 @@ def test_a_page_is_not_reused_while_a_reader_holds_it(open_tier) -> None:
     tier.put(key(2), torch.zeros(LAYOUT.block_bytes, dtype=torch.uint8))
 
 
-def test_checksum_handed_in_is_kept_for_moving_down(open_tier, engine) -> None:
+def test_checksum_handed_in_is_kept_for_moving_down(open_tier, hasher) -> None:
     tier = open_tier("device", LAYOUT, blocks=1)
     block = torch.randint(0, 256, (LAYOUT.block_bytes,), dtype=torch.uint8)
-    checksum = engine.checksum(key(1), block, LAYOUT)
+    checksum = hasher.checksum(key(1), block, LAYOUT)
     tier.put(key(1), block, checksum=checksum)
     assert tier.get(key(1), LAYOUT.empty()).checksum == checksum == tier.checksum(key(1))
 

@@ -12,7 +12,7 @@ import torch
 from dataplane_support import key, layout_of, make_block
 
 from worker.dataplane import native
-from worker.dataplane.checksum import BlockChecksum, ChecksumEngine, layer_checksum
+from worker.dataplane.checksum import BlockChecksum, Hasher, layer_checksum
 from worker.dataplane.errors import BlockCorrupt, BlockMissing
 from worker.dataplane.native import available as native_available
 from worker.dataplane.tiers.host import HostTier
@@ -32,14 +32,14 @@ PATHS = [
 @pytest.fixture(params=PATHS)
 def host(request, shm_name):
     opened: list[HostTier] = []
-    engine = ChecksumEngine(threads=2, native=request.param)
+    hasher = Hasher(threads=2, native=request.param)
 
     def build(layout=LAYOUT, blocks: int = 4, name: str = shm_name) -> HostTier:
         tier = HostTier(
             layout=layout,
             capacity_bytes=blocks * (layout.block_bytes + 4096),
             pool_name=name,
-            engine=engine,
+            hasher=hasher,
         )
         opened.append(tier)
         return tier
@@ -47,7 +47,7 @@ def host(request, shm_name):
     yield build
     for tier in opened:
         tier.close()
-    engine.close()
+    hasher.close()
 
 
 def test_whole_blocks_and_layer_ranges_read_back_exactly_with_their_checksums(host) -> None:
@@ -216,10 +216,10 @@ def _fill_with(data: torch.Tensor, checksum: BlockChecksum):
 
 def test_a_block_written_in_place_reads_back_and_replaces_the_older_copy(host) -> None:
     tier = host(blocks=3)
-    engine = ChecksumEngine(threads=1)
+    hasher = Hasher(threads=1)
     old, new = make_block(LAYOUT, seed=1), make_block(LAYOUT, seed=2)
     tier.put(key(1), old)
-    result = tier.put_from(key(1), _fill_with(new, engine.checksum(key(1), new, LAYOUT)))
+    result = tier.put_from(key(1), _fill_with(new, hasher.checksum(key(1), new, LAYOUT)))
     out = LAYOUT.empty()
     read = tier.get(key(1), out)
     assert torch.equal(out, new) and read.checksum == result.checksum
@@ -247,7 +247,7 @@ def test_a_fill_that_fails_stores_nothing_and_gives_its_slot_back(host) -> None:
 def test_a_fill_with_a_checksum_of_other_layers_is_refused_and_stores_nothing(host) -> None:
     tier = host(blocks=2)
     data = make_block(LAYOUT, seed=5)
-    whole = ChecksumEngine(threads=1).checksum(key(1), data, LAYOUT)
+    whole = Hasher(threads=1).checksum(key(1), data, LAYOUT)
     short = BlockChecksum.from_layers(key(1), whole.layers[:2])
     with pytest.raises(ValueError, match="checksum has 2 layers, the layout 4"):
         tier.put_from(key(1), _fill_with(data, short))
@@ -257,7 +257,7 @@ def test_a_fill_with_a_checksum_of_other_layers_is_refused_and_stores_nothing(ho
 def test_a_fill_whose_checksum_is_not_of_its_bytes_is_never_served(host) -> None:
     tier = host(blocks=2)
     data, other = make_block(LAYOUT, seed=6), make_block(LAYOUT, seed=7)
-    tier.put_from(key(1), _fill_with(data, ChecksumEngine(threads=1).checksum(key(1), other, LAYOUT)))
+    tier.put_from(key(1), _fill_with(data, Hasher(threads=1).checksum(key(1), other, LAYOUT)))
     with pytest.raises(BlockCorrupt, match="layer 0 checksum mismatch"):
         tier.get(key(1), LAYOUT.empty())
     assert not tier.contains(key(1))

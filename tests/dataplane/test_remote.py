@@ -287,14 +287,14 @@ def redis_cluster() -> Iterator[RedisClusterNode]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_redis_cluster_client(redis_cluster, block_cache, engine) -> None:
+def test_redis_cluster_client(redis_cluster, block_cache, hasher) -> None:
     client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.port)
     tier = RemoteTier(
         layout=LAYOUT,
         capacity_bytes=8 * (LAYOUT.block_bytes + 4096),
         client=client,
         prefix="cluster",
-        engine=engine,
+        hasher=hasher,
     )
     try:
         blocks = {n: block_cache(LAYOUT, n) for n in (1, 2)}
@@ -316,12 +316,12 @@ def test_redis_cluster_client(redis_cluster, block_cache, engine) -> None:
 
 
 def test_the_client_factory_builds_a_cluster_client_the_tier_works_through(
-    redis_cluster, block_cache, engine
+    redis_cluster, block_cache, hasher
 ) -> None:
     client = redis_client(redis_cluster.url, cluster=True, timeout_s=1.5)
     assert isinstance(client, redis.cluster.RedisCluster)
     tier = RemoteTier(
-        layout=LAYOUT, capacity_bytes=1 << 30, client=client, prefix="factory", engine=engine
+        layout=LAYOUT, capacity_bytes=1 << 30, client=client, prefix="factory", hasher=hasher
     )
     try:
         block = block_cache(LAYOUT, 1)
@@ -368,7 +368,7 @@ def test_the_remote_cluster_option_builds_a_cluster_backed_store(
 
 
 def test_redis_cluster_down_is_unavailable_then_recovers(
-    redis_cluster, block_cache, engine
+    redis_cluster, block_cache, hasher
 ) -> None:
     tier = open_remote_tier(
         redis_cluster.url,
@@ -377,7 +377,7 @@ def test_redis_cluster_down_is_unavailable_then_recovers(
         prefix="restart",
         cluster=True,
         timeout_s=1.0,
-        engine=engine,
+        hasher=hasher,
     )
     try:
         _survives_an_outage(tier, block_cache(LAYOUT, 1), stop=redis_cluster.stop, start=redis_cluster.start,

@@ -134,7 +134,7 @@ def test_factory_takes_redis_url_and_tier_selection(node_config, redis_server) -
 
 
 def test_stores_of_two_processes_share_the_node_tiers(store, node_config) -> None:
-    """A second store (as the node's Celery worker would build) sees the engine's host and disk blocks."""
+    """A second store (as the node's Celery worker would build) sees the hasher's host and disk blocks."""
     block = torch.randint(0, 256, (LAYOUT.block_bytes,), dtype=torch.uint8)
     store.put(key(1), block, tier="host")
     store.put(key(2), block, tier="disk")

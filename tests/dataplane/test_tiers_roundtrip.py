@@ -114,14 +114,14 @@ def test_wrong_sizes_are_refused(kind: str, open_tier) -> None:
 
 @pytest.mark.parametrize("shape", [LLAMA, SMALL], ids=["llama", "small"])
 @pytest.mark.parametrize("kind", TIERS)
-def test_batched_puts_and_gets(kind: str, shape: dict, open_tier, block_cache, engine) -> None:
+def test_batched_puts_and_gets(kind: str, shape: dict, open_tier, block_cache, hasher) -> None:
     """put_many / get_many: each block succeeds or fails on its own; what fits is exact."""
     layout = layout_of(shape, "bfloat16")
     tier = open_tier(kind, layout, blocks=3)
     if kind in ("disk", "remote"):  # size the quota to exactly three blocks
         tier.capacity_bytes = 3 * (tier.file_bytes if kind == "disk" else tier.value_bytes)
     blocks = [block_cache(layout, n) for n in range(4)]
-    given = engine.checksum(key(0), blocks[0], layout)
+    given = hasher.checksum(key(0), blocks[0], layout)
     futures = tier.put_many(
         [(key(n), blocks[n]) for n in range(4)], checksums=[given, None, None, None]
     )

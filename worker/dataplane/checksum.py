@@ -1,4 +1,4 @@
-"""Block checksums (xxh3-128 per layer, chained into one per block) and the fused copy+verify engine.
+"""Block checksums (xxh3-128 per layer, chained into one per block) and the fused copy+verify hasher.
 
 A block's checksum is ``xxh3_128(key | c_0 | ... | c_{L-1})`` where ``c_l = xxh3_128(key | l |
 layer l bytes)``: it covers the key and every byte, like a flat hash would, and lets a tier verify
@@ -38,7 +38,7 @@ PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 thread and trading the GIL costs 50-100 us, while 2 MiB copies and hashes in ~200 us on one
 core (measured on the 2-core dev box: one thread beat two for 2 MiB, two beat one for 32 MiB).
 The fused routine's own helper threads (`native.start_helpers`) stay awake between copies and
-join within a microsecond, so with them the engine shares out anything from HELPERS_MIN_BYTES."""
+join within a microsecond, so with them the hasher shares out anything from HELPERS_MIN_BYTES."""
 
 HELPERS_MIN_BYTES = 256 * 1024
 """Smallest verified copy the native helper threads share: one layer of a small model's block.
@@ -134,7 +134,7 @@ class BlockChecksum:
 
 
 class Span(NamedTuple):
-    """One layer's worth of work for the engine: hash `nbytes` at `src` (after `prefix`), and copy
+    """One layer's worth of work for the hasher: hash `nbytes` at `src` (after `prefix`), and copy
     them to `dst` when it is set, chunk by chunk, so the digest covers exactly the bytes copied
     (callers reading memory another process may change check a generation around the call).
     Addresses are raw CPU pointers kept alive by the caller. (A tuple: a block read builds one
@@ -147,7 +147,7 @@ class Span(NamedTuple):
 
 
 class CopyMode(NamedTuple):
-    """How the engine runs a batch of verified copies (`ChecksumEngine.copy_mode`)."""
+    """How the hasher runs a batch of verified copies (`Hasher.copy_mode`)."""
 
     streaming: bool
     """Copies write past the cache (streaming stores)."""
@@ -155,12 +155,12 @@ class CopyMode(NamedTuple):
     """The batch is shared with the process's native helper threads."""
 
 
-class ChecksumEngine:
+class Hasher:
     """Copies and hashes spans of memory on a few threads, chunk by chunk, so a verified copy
     runs at memcpy speed. The caller's thread does a share of the work itself.
 
     With the fused routine in `native`, the caller and the process's native helper threads
-    (`threads` - 1 of them, started with the first such engine) work through one prepared batch
+    (`threads` - 1 of them, started with the first such hasher) work through one prepared batch
     without the interpreter lock, claiming a span at a time: a busy Python thread elsewhere in
     the process cannot slow them, a helper that wakes late takes less work, and helpers that
     stay awake between copies make even one small block's copy a shared one. `native` False (or
@@ -195,7 +195,7 @@ class ChecksumEngine:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def __enter__(self) -> ChecksumEngine:
+    def __enter__(self) -> Hasher:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -258,12 +258,12 @@ class ChecksumEngine:
     def copy_mode(self, spans: int, nbytes: int) -> CopyMode:
         """How `run` copies a batch of `spans` spans, `nbytes` bytes in all (past the cache or
         through it, shared with the native helper threads or not), for a caller that runs its
-        own native batch on the engine's threads (the host tier's pool reads and fills)."""
+        own native batch on the hasher's threads (the host tier's pool reads and fills)."""
         return CopyMode(streaming=self._streaming(nbytes), helpers=self._shared(spans, nbytes))
 
     def run_async(self, spans: Sequence[Span]) -> Future[list[bytes]]:
-        """Hash (and copy) `spans` on the engine's own thread and return at once, so the caller
-        can read the next piece meanwhile (in one thread when the engine has no other)."""
+        """Hash (and copy) `spans` on the hasher's own thread and return at once, so the caller
+        can read the next piece meanwhile (in one thread when the hasher has no other)."""
         if self._pool is None:
             done: Future[list[bytes]] = Future()
             done.set_result(self._run_group(list(spans), True))
@@ -325,7 +325,7 @@ class ChecksumEngine:
 
     def _run_group(self, spans: Sequence[Span], digest: bool) -> list[bytes]:
         if self.native:
-            # On the engine's own thread, for a caller busy with I/O meanwhile (run_async): one
+            # On the hasher's own thread, for a caller busy with I/O meanwhile (run_async): one
             # core, so the caller keeps the other (helpers would take both).
             return self._run_native(list(spans), digest, None, helpers=False)
         chunk = self.chunk_bytes

@@ -18,7 +18,7 @@ from typing import cast
 
 import torch
 
-from worker.dataplane.checksum import BlockChecksum, ChecksumEngine
+from worker.dataplane.checksum import BlockChecksum, Hasher
 from worker.dataplane.config import ConfigError, NodeConfig
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import TIER_ORDER
@@ -63,7 +63,7 @@ class TieredStore:
         layout: BlockLayout,
         tiers: Sequence[Tier],
         counters: Counters | None = None,
-        engine: ChecksumEngine | None = None,
+        hasher: Hasher | None = None,
     ) -> None:
         names = [tier.name for tier in tiers]
         if len(set(names)) != len(names):
@@ -74,7 +74,7 @@ class TieredStore:
         self.layout = layout
         self.counters = counters if counters is not None else Counters()
         self._tiers: dict[str, Tier] = {tier.name: tier for tier in tiers}
-        self._engine = engine
+        self._hasher = hasher
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -322,8 +322,8 @@ class TieredStore:
     def close(self) -> None:
         for tier in self._tiers.values():
             tier.close()
-        if self._engine is not None:
-            self._engine.close()
+        if self._hasher is not None:
+            self._hasher.close()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -418,20 +418,20 @@ def build_store(
     )
     layout = block_layout(profile)
     counters = Counters()
-    engine = ChecksumEngine(threads=config.copy_threads or None)
+    hasher = Hasher(threads=config.copy_threads or None)
     built: list[Tier] = []
     try:
         for name in config.tiers:
             if name not in TIER_ORDER:
                 raise ConfigError(f"tiers: unknown tier {name!r}")
             medium = LEVEL_MEDIUMS[name](setting)
-            tier: Tier = medium.open(name=name, layout=layout, counters=counters, engine=engine)
+            tier: Tier = medium.open(name=name, layout=layout, counters=counters, hasher=hasher)
             built.append(tier)
             tier.ping()
     except BaseException:
         for tier in built:
             tier.close()
-        engine.close()
+        hasher.close()
         raise
     log.info("tiered store for %s: %s", profile.model_id, ", ".join(t.name for t in built))
-    return TieredStore(layout=layout, tiers=built, counters=counters, engine=engine)
+    return TieredStore(layout=layout, tiers=built, counters=counters, hasher=hasher)

@@ -1,9 +1,9 @@
 """The fused copy-and-hash routine (copyhash.c), built into the package when it is installed.
 
-The checksum engine calls it for every verified copy: one call per batch of spans, with the
+The hasher calls it for every verified copy: one call per batch of spans, with the
 interpreter lock released for its whole length, shared with the library's own helper threads
 (`start_helpers`), which stay awake a moment between batches. Where it was not built (no C compiler or no
-xxhash header when the package was installed), the engine falls back to hashing in Python,
+xxhash header when the package was installed), the hasher falls back to hashing in Python,
 chunk by chunk, which is correct but slower and gives up the interpreter lock at every chunk;
 the option `native_copy` set to 0 forces that fallback, and set to sse2 the baseline build on a
 CPU that has AVX2.

@@ -13,7 +13,7 @@ from typing import TypeVar, cast
 import torch
 
 from worker.dataplane.buffers import tensor_bytes
-from worker.dataplane.checksum import BlockChecksum, ChecksumEngine
+from worker.dataplane.checksum import BlockChecksum, Hasher
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockCorrupt
 from worker.dataplane.layout import BlockLayout
@@ -100,14 +100,14 @@ class Tier(abc.ABC):
         name: str,
         layout: BlockLayout,
         counters: Counters | None = None,
-        engine: ChecksumEngine | None = None,
+        hasher: Hasher | None = None,
         io_threads: int = 1,
     ) -> None:
         self.name = name
         self.layout = layout
         self.counters = counters if counters is not None else Counters()
-        self._owns_engine = engine is None
-        self.engine = engine if engine is not None else ChecksumEngine()
+        self._owns_hasher = hasher is None
+        self.hasher = hasher if hasher is not None else Hasher()
         self.io_threads = max(1, io_threads)
         self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"strata-{name}")
         self._closed = False
@@ -248,8 +248,8 @@ class Tier(abc.ABC):
             return
         self._closed = True
         self._executor.shutdown(wait=True)
-        if self._owns_engine:
-            self.engine.close()
+        if self._owns_hasher:
+            self.hasher.close()
 
     def __enter__(self) -> Tier:
         return self

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 import torch
 
-from worker.dataplane.checksum import BlockChecksum, ChecksumEngine
+from worker.dataplane.checksum import BlockChecksum, Hasher
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockMissing, TierFull
 from worker.dataplane.layout import BlockLayout
@@ -52,10 +52,10 @@ class DeviceTier(Tier):
         capacity_bytes: int,
         device: torch.device | str | None = None,
         counters: Counters | None = None,
-        engine: ChecksumEngine | None = None,
+        hasher: Hasher | None = None,
         name: str = "device",
     ) -> None:
-        super().__init__(name=name, layout=layout, counters=counters, engine=engine, io_threads=1)
+        super().__init__(name=name, layout=layout, counters=counters, hasher=hasher, io_threads=1)
         self.device = torch.device(device) if device is not None else default_device()
         self.pages = capacity_bytes // layout.block_bytes
         # Zeroed, not just reserved: on the CPU that makes every page resident now, as GPU

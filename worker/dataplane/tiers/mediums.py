@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from worker.dataplane.checksum import ChecksumEngine
+from worker.dataplane.checksum import Hasher
 from worker.dataplane.counters import Counters
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.tiers.base import Tier
@@ -38,14 +38,14 @@ class DevicePages:
     device: torch.device | str | None = None
 
     def open(
-        self, *, name: str, layout: BlockLayout, counters: Counters | None = None, engine: ChecksumEngine | None = None
+        self, *, name: str, layout: BlockLayout, counters: Counters | None = None, hasher: Hasher | None = None
     ) -> DeviceTier:
         return DeviceTier(
             layout=layout,
             capacity_bytes=self.capacity_bytes,
             device=self.device,
             counters=counters,
-            engine=engine,
+            hasher=hasher,
             name=name,
         )
 
@@ -61,14 +61,14 @@ class SharedMemoryPool:
     pin: bool | None = None
 
     def open(
-        self, *, name: str, layout: BlockLayout, counters: Counters | None = None, engine: ChecksumEngine | None = None
+        self, *, name: str, layout: BlockLayout, counters: Counters | None = None, hasher: Hasher | None = None
     ) -> HostTier:
         return HostTier(
             layout=layout,
             capacity_bytes=self.capacity_bytes,
             pool_name=self.pool_name,
             counters=counters,
-            engine=engine,
+            hasher=hasher,
             pin=self.pin,
             shm_dir=self.shm_dir,
             name=name,
@@ -86,14 +86,14 @@ class FileDirectory:
     reuse_deleted_s: float = REUSE_DELETED_S
 
     def open(
-        self, *, name: str, layout: BlockLayout, counters: Counters | None = None, engine: ChecksumEngine | None = None
+        self, *, name: str, layout: BlockLayout, counters: Counters | None = None, hasher: Hasher | None = None
     ) -> DiskTier:
         return DiskTier(
             layout=layout,
             capacity_bytes=self.capacity_bytes,
             path=self.path,
             counters=counters,
-            engine=engine,
+            hasher=hasher,
             io_threads=self.io_threads,
             direct_io=self.direct_io,
             name=name,
@@ -115,7 +115,7 @@ class RedisStore:
     client: RedisClient | None = dataclasses.field(default=None, compare=False)
 
     def open(
-        self, *, name: str, layout: BlockLayout, counters: Counters | None = None, engine: ChecksumEngine | None = None
+        self, *, name: str, layout: BlockLayout, counters: Counters | None = None, hasher: Hasher | None = None
     ) -> RemoteTier:
         client = self.client
         if client is None:
@@ -126,7 +126,7 @@ class RedisStore:
             client=client,
             prefix=self.prefix,
             counters=counters,
-            engine=engine,
+            hasher=hasher,
             io_threads=self.io_threads,
             name=name,
         )
@@ -177,7 +177,7 @@ def open_remote_tier(
     capacity_bytes: int,
     prefix: str,
     counters: Counters | None = None,
-    engine: ChecksumEngine | None = None,
+    hasher: Hasher | None = None,
     io_threads: int = 2,
     cluster: bool = False,
     timeout_s: float = 2.0,
@@ -193,4 +193,4 @@ def open_remote_tier(
         timeout_s=timeout_s,
         client=client,
     )
-    return medium.open(name="remote", layout=layout, counters=counters, engine=engine)
+    return medium.open(name="remote", layout=layout, counters=counters, hasher=hasher)

@@ -298,7 +298,7 @@ class WorkerHalf:
     def _filler(self, key: uuid.UUID, index: int, pages: list[int]) -> Callable[[torch.Tensor], BlockChecksum]:
         paged, layout = self.paged, self.layout
         assert paged is not None
-        hasher = self.manager.target.engine  # the write-back tier's checksum engine
+        hasher = self.manager.target.hasher  # the write-back tier's hasher
 
         def fill(block: torch.Tensor) -> BlockChecksum:
             paged.gather(block, index=index, pages=pages)

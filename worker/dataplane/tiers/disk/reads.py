@@ -197,7 +197,7 @@ class DiskReads(BlockFiles):
         elif split_sums is not None:
             got_sums = split_sums
         else:
-            got_sums = self.engine.run(self._spans(key, host_dst, layers))
+            got_sums = self.hasher.run(self._spans(key, host_dst, layers))
         result = self._verified(key, layers, stamp, header, got_sums)
         if on_gpu and self._kvikio is None:
             dst.copy_(host_dst)
@@ -230,7 +230,7 @@ class DiskReads(BlockFiles):
     def _read_hashing(
         self, fd: int, key: uuid.UUID, dst: torch.Tensor, layers: range, header: Header | None
     ) -> tuple[Header, list[Future[list[bytes]]]]:
-        """Read `layers` into `dst` a piece at a time, each piece hashed on the checksum engine's
+        """Read `layers` into `dst` a piece at a time, each piece hashed on the hasher's
         other thread while the next one is read, the last one on this thread (nothing is left to
         read meanwhile): verifying costs little more than the hash of the last piece. The header
         comes with the first piece when it is not known yet."""
@@ -258,10 +258,10 @@ class DiskReads(BlockFiles):
                 spans = self._spans(key, dst[first * size :], layers[first : first + count])
                 if first + count >= len(layers):  # the last piece: nothing left to overlap its hash with
                     done: Future[list[bytes]] = Future()
-                    done.set_result(self.engine.run(spans))
+                    done.set_result(self.hasher.run(spans))
                     hashing.append(done)
                 else:
-                    hashing.append(self.engine.run_async(spans))
+                    hashing.append(self.hasher.run_async(spans))
         except BaseException:
             for pending in hashing:  # never leave a thread reading a buffer the caller may free
                 pending.exception()

@@ -6,7 +6,7 @@ to a temporary name, fdatasync'ed and renamed, so no partial block is ever visib
 final name; the directory is fsynced after the rename by a background pass within
 DIRECTORY_SYNC_DELAY_S (one sync covers every rename into that directory meanwhile), or at once
 by `sync()`, which a movement calls before it records a copy as READY. Its bytes are hashed on
-the checksum engine's other thread while they are written, and the header goes last. Reads go
+the hasher's other thread while they are written, and the header goes last. Reads go
 straight into the destination tensor (no bounce copy), the header with the first piece, in
 pieces hashed while the next is read, or just the requested layers at their fixed offset.
 
@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 
 from worker.dataplane.buffers import DIRECT_IO_ALIGNMENT, aligned_empty, host_view
-from worker.dataplane.checksum import ChecksumEngine
+from worker.dataplane.checksum import Hasher
 from worker.dataplane.counters import Counters
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.tiers.base import TierUsage
@@ -71,7 +71,7 @@ class DiskTier(DiskReads, DiskWrites):
         capacity_bytes: int,
         path: str | Path,
         counters: Counters | None = None,
-        engine: ChecksumEngine | None = None,
+        hasher: Hasher | None = None,
         io_threads: int = 4,
         direct_io: bool = True,
         name: str = "disk",
@@ -80,7 +80,7 @@ class DiskTier(DiskReads, DiskWrites):
         if reuse_deleted_s < 0:
             raise ValueError(f"reuse_deleted_s must be 0 or more seconds, got {reuse_deleted_s}")
         super().__init__(
-            name=name, layout=layout, counters=counters, engine=engine, io_threads=io_threads
+            name=name, layout=layout, counters=counters, hasher=hasher, io_threads=io_threads
         )
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)

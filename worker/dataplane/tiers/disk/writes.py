@@ -139,9 +139,9 @@ class DiskWrites(BlockFiles):
                 src = staging
         hashing: Future[list[bytes]] | None = None
         if checksum is None:
-            # Hashed on the checksum engine's other thread while the bytes go to the file: the
+            # Hashed on the hasher's other thread while the bytes go to the file: the
             # header, which carries the checksum, is written last.
-            hashing = self.engine.run_async(self._spans(key, src, range(layout.layers)))
+            hashing = self.hasher.run_async(self._spans(key, src, range(layout.layers)))
         else:
             self._check_layers(checksum)
         final = self.path_of(key)

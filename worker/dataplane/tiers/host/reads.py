@@ -86,7 +86,7 @@ class HostReads(SlotTable):
     def _read(
         self, keys: list[uuid.UUID], layers: range, dsts: list[torch.Tensor]
     ) -> list[ReadResult | Exception]:
-        if self.engine.native and all(dst.device.type == "cpu" for dst in dsts):
+        if self.hasher.native and all(dst.device.type == "cpu" for dst in dsts):
             return self._read_native(keys, layers, dsts)
         layout = self.layout
         layer_bytes = layout.layer_bytes
@@ -102,10 +102,10 @@ class HostReads(SlotTable):
             spans: list[Span] = []
             device_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            # Copy and hash chunk by chunk on the engine's threads (the fused routine does it in
+            # Copy and hash chunk by chunk on the hasher's threads (the fused routine does it in
             # one pass at any size). Without it, small batches take one torch copy, then one
             # hash in this thread (a thread hand-off would cost more).
-            fused = self.engine.native or len(pending) * nbytes >= PARALLEL_MIN_BYTES
+            fused = self.hasher.native or len(pending) * nbytes >= PARALLEL_MIN_BYTES
             for i in pending:
                 key = keys[i]
                 slot = self._find(key)
@@ -145,7 +145,7 @@ class HostReads(SlotTable):
             streams = self._copy_to_devices(device_copies)
             for dst, src_view in host_copies:
                 dst.copy_(src_view)  # torch's own threads; the hash below reads the copy
-            digests = self.engine.run(spans)
+            digests = self.hasher.run(spans)
             for stream in streams:
                 stream.synchronize()
             cursor = 0
@@ -217,7 +217,7 @@ class HostReads(SlotTable):
                 pending = []
                 break
             spans = len(slots) * len(layers)
-            mode = self.engine.copy_mode(spans, spans * layout.layer_bytes)
+            mode = self.hasher.copy_mode(spans, spans * layout.layer_bytes)
             statuses, generations, sums, block_sums = native.pool_read(
                 self._pool_geometry,
                 slots,

@@ -47,7 +47,7 @@ from worker.dataplane.checksum import (
     CHECKSUM_BYTES,
     PARALLEL_MIN_BYTES,
     BlockChecksum,
-    ChecksumEngine,
+    Hasher,
     Span,
     layer_prefixes,
 )
@@ -79,14 +79,14 @@ class HostTier(HostReads):
         capacity_bytes: int,
         pool_name: str,
         counters: Counters | None = None,
-        engine: ChecksumEngine | None = None,
+        hasher: Hasher | None = None,
         pin: bool | None = None,
         shm_dir: Path = SHM_DIR,
         name: str = "host",
     ) -> None:
         if not _NAME_RE.match(pool_name):
             raise ValueError(f"pool name {pool_name!r} must be letters, digits, '.', '_' or '-'")
-        super().__init__(name=name, layout=layout, counters=counters, engine=engine, io_threads=1)
+        super().__init__(name=name, layout=layout, counters=counters, hasher=hasher, io_threads=1)
         self.path = shm_dir / pool_name
         self._thread_lock = threading.Lock()
         self._lookup = {}
@@ -168,13 +168,13 @@ class HostTier(HostReads):
             except TierFull as exc:
                 results[i] = exc
         try:
-            fused = self.engine.native or len(slots) * layout.block_bytes >= PARALLEL_MIN_BYTES
+            fused = self.hasher.native or len(slots) * layout.block_bytes >= PARALLEL_MIN_BYTES
             hashed: list[tuple[int, Span]] = []
             copies: list[Span] = []
             filled: list[int] = []  # blocks the native call copies, hashes and records
             for i, slot in slots.items():
                 key, src = items[i][0], srcs[i]
-                if self.engine.native and src.device.type == "cpu" and checksums[i] is None:
+                if self.hasher.native and src.device.type == "cpu" and checksums[i] is None:
                     filled.append(i)
                     continue
                 dst = self._slot_address(slot)
@@ -201,8 +201,8 @@ class HostTier(HostReads):
                 else:
                     copies += spans
             # The pool's bytes are read again when the block is, not now: past the cache.
-            digests = self.engine.run([span for _, span in hashed], streaming=True)
-            self.engine.run(copies, digest=False, streaming=True)
+            digests = self.hasher.run([span for _, span in hashed], streaming=True)
+            self.hasher.run(copies, digest=False, streaming=True)
             for j in range(0, len(hashed), layout.layers):
                 i = hashed[j][0]
                 checksums[i] = BlockChecksum.from_layers(
@@ -217,7 +217,7 @@ class HostTier(HostReads):
                     b"".join(items[i][0].bytes for i in filled),
                     [srcs[i].data_ptr() for i in filled],
                     streaming=True,
-                    helpers=self.engine.copy_mode(filled_spans, filled_spans * lb).helpers,
+                    helpers=self.hasher.copy_mode(filled_spans, filled_spans * lb).helpers,
                 )
                 for n, i in enumerate(filled):
                     checksums[i] = checksum_of(sums, block_sums, n, layout.layers)

@@ -33,7 +33,7 @@ import redis.exceptions
 import torch
 
 from worker.dataplane.buffers import aligned_empty, buffer_address, host_view, round_up
-from worker.dataplane.checksum import BlockChecksum, ChecksumEngine, Span, layer_prefix
+from worker.dataplane.checksum import BlockChecksum, Hasher, Span, layer_prefix
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.layout import BlockLayout
@@ -66,12 +66,12 @@ class RemoteTier(Tier):
         client: RedisClient,
         prefix: str,
         counters: Counters | None = None,
-        engine: ChecksumEngine | None = None,
+        hasher: Hasher | None = None,
         io_threads: int = 2,
         name: str = "remote",
     ) -> None:
         super().__init__(
-            name=name, layout=layout, counters=counters, engine=engine, io_threads=io_threads
+            name=name, layout=layout, counters=counters, hasher=hasher, io_threads=io_threads
         )
         if not prefix or any(c.isspace() for c in prefix):
             raise ValueError(f"remote key prefix must be non-empty without spaces, got {prefix!r}")
@@ -127,7 +127,7 @@ class RemoteTier(Tier):
         if src.device.type != "cpu":
             src = src.cpu()  # redis-py sends from host memory
         if checksum is None:
-            computed = self.engine.checksum(key, src, layout)
+            computed = self.hasher.checksum(key, src, layout)
             assert isinstance(computed, BlockChecksum)
             checksum = computed
         else:
@@ -242,7 +242,7 @@ class RemoteTier(Tier):
         lb, base = layout.layer_bytes, dst.data_ptr()
         layers = range(layout.layers)
         spans = [Span(src=base + j * lb, nbytes=lb, prefix=layer_prefix(key, j)) for j in layers]
-        self._verify(key, layers, self.engine.run(spans), checksum.layers)
+        self._verify(key, layers, self.hasher.run(spans), checksum.layers)
         self.counters.add(f"{self.name}.hits")
         self.counters.add(f"{self.name}.bytes_read", layout.block_bytes)
         return ReadResult(
@@ -367,7 +367,7 @@ class RemoteTier(Tier):
             for j, layer in enumerate(layers)
         ]
         self._verify(
-            key, layers, self.engine.run(spans), checksum.layers[layers.start : layers.stop]
+            key, layers, self.hasher.run(spans), checksum.layers[layers.start : layers.stop]
         )
 
     def checksum(self, key: uuid.UUID) -> BlockChecksum:
