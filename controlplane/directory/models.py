@@ -149,12 +149,14 @@ class Block(models.Model):
     access_count and last_access_at are deliberately not indexed: every touch changes them, and an
     index on them would turn each touch into a write to every index of the table. Nor is priority:
     the planner reads it from blocks it already holds, and no query filters on it, while its two
-    indexes (a slug field's default) were a third of the index writes of every registered block.
+    indexes (a slug field's default) would take a large share of the index writes of every
+    registered block (benchmarks/README.md).
 
     The foreign keys of blocks and placements are relations for Django only (db_constraint=False):
-    PostgreSQL's checks of them ran at every commit, one locking read of the parent per row, a
-    third of the time of a registration batch, and every registering node locked the same few
-    namespace, model and node rows. The services keep the references whole instead: they resolve
+    PostgreSQL's checks of them would run at every commit, one locking read of the parent per row
+    (a large share of a registration batch's time), and every registering node would lock the
+    same few namespace, model and node rows. The services keep the references whole instead:
+    they resolve
     every name before writing, refuse deleting a namespace or profile that has blocks, and a purge
     removes copies and blocks in one transaction. A copy whose block is gone is never served
     (lookups go through the block)."""

@@ -91,9 +91,9 @@ def server_settings(memory_bytes: int) -> dict[str, str]:
 
     A directory of 10M blocks has about 1 GB of indexes on random keys (prefix and content keys
     are hashes), and every registered block writes one entry at a random place in each. With the
-    default 128 MB of shared buffers those pages no longer stay resident: each insert read a page
-    back from the OS and wrote a dirty one out, and after every checkpoint the first change to each
-    page logged the whole 8 KB page again. So: a quarter of memory for shared buffers (the
+    default 128 MB of shared buffers those pages do not stay resident: each insert reads a page
+    back from the OS and writes a dirty one out, and after every checkpoint the first change to
+    each page logs the whole 8 KB page again. So: a quarter of memory for shared buffers (the
     customary share, at most 8 GB), the planner told the OS cache holds about as much again, and
     checkpoints far enough apart (15 min or 8 GB of WAL) that a page is logged whole once per cycle,
     not once per few thousand registrations. Durability is unchanged: fsync and synchronous commit

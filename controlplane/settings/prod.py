@@ -26,8 +26,8 @@ X_FRAME_OPTIONS = "DENY"
 SECURE_REDIRECT_EXEMPT = [r"^livez$", r"^readyz$", r"^metrics$"]
 
 # Under ASGI every request runs in a thread of its own, so Django's persistent connections never
-# outlive a request and each one paid for a new PostgreSQL backend. A pool keeps connections open
-# across requests (`make bench`: REST lookup of 64 keys, p50 19.6 ms -> 14.4 ms on 2 cores).
+# outlive a request and each one would pay for a new PostgreSQL backend. A pool keeps connections
+# open across requests (rows directory.rest_*lookup64_* of `make bench`; benchmarks/README.md).
 # STRATA_DB_POOL_MAX=0 turns it off (e.g. behind PgBouncer in transaction mode).
 _POOL_MAX = os.environ.get("STRATA_DB_POOL_MAX", "8")
 if not _POOL_MAX.isdigit():

@@ -27,22 +27,21 @@ CHECKSUM_BYTES = 16
 
 CHUNK_BYTES = 512 * 1024
 """Copy-then-hash granule of the Python fallback (the fused routine in `native` uses its own,
-copying each 4 KiB of the source, then hashing it from L1). Measured on the 2-core dev box
-(32 MiB blocks, 2 threads): hashing each 256-512 KiB chunk right after copying it, while it is
-still in cache, runs at ~0.85x a 2-thread torch memcpy; 64 KiB chunks drown in per-call
-overhead (0.57x), 2 MiB chunks fall out of cache (0.76x), and copying a whole block before
-hashing it runs at ~0.65x."""
+copying each 4 KiB of the source, then hashing it from L1). Each chunk is hashed right after
+it is copied, while it is still in cache: much smaller chunks drown in per-call overhead, larger
+ones fall out of cache, and copying a whole block before hashing it is slower still
+(benchmarks/README.md)."""
 
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 """Below this, handing work to another Python thread costs more than it saves: waking a pool
-thread and trading the GIL costs 50-100 us, while 2 MiB copies and hashes in ~200 us on one
-core (measured on the 2-core dev box: one thread beat two for 2 MiB, two beat one for 32 MiB).
+thread and trading the GIL takes a good share of the time a small block's copy and hash take on
+one core (benchmarks/README.md).
 The fused routine's own helper threads (`native.start_helpers`) stay awake between copies and
 join within a microsecond, so with them the hasher shares out anything from HELPERS_MIN_BYTES."""
 
 HELPERS_MIN_BYTES = 256 * 1024
-"""Smallest verified copy the native helper threads share: one layer of a small model's block.
-2 MiB blocks of 256 KiB layers run at 16 GB/s on one core and 29 GB/s with one helper here."""
+"""Smallest verified copy the native helper threads share: one layer of a small model's block,
+so even a 2 MiB block of 256 KiB layers is shared out (benchmarks/README.md)."""
 
 
 def _last_level_cache_bytes() -> int:
@@ -66,11 +65,9 @@ layer that loads it, the next hash) finds it; a larger one uses streaming stores
 would push everything else out of the cache anyway and skipping the destination's
 read-for-ownership saves a third of the memory traffic (the rule memcpy itself follows). A
 quarter of the last-level cache, and never more than 8 MiB: in a virtual machine that cache is
-the whole socket's, shared with every other guest on it (480 MiB on one 2-core dev box). On a
-2-core box with 32 MiB of L3: a 2 MiB block's verified copy ran at 29 GB/s cached against 21
-streaming; a 32 MiB block's at 1.09x memcpy streaming against 0.86x cached. On the one with
-480 MiB, a host-tier get of 32 MiB blocks ran at 0.97-1.06x memcpy streaming against 0.66-0.78x
-cached (the cached copies also pushed the reading thread's own state out of its 2 MiB L2)."""
+the whole socket's, shared with every other guest on it, and a guest may report hundreds of
+MiB; cached copies of large blocks also push the reading thread's own state out of its L2
+(figures in benchmarks/README.md)."""
 
 
 def layer_prefix(key: uuid.UUID, layer: int) -> bytes:

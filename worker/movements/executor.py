@@ -70,8 +70,8 @@ def _waves(ids: Sequence[int], per_wave: int) -> list[Sequence[int]]:
     """`ids` in waves of `per_wave`, except that the first and the last wave hold one block each
     (when there are more than two waves' worth): nothing overlaps the first wave's reservation
     or the last wave's flip and conclusion, so the smaller they are, the less the batch waits
-    on them (with the bulk services a wave's database work is a few statements whatever its size;
-    it was ~10 ms per movement one by one)."""
+    on them (with the bulk services a wave's database work is a few statements whatever its
+    size)."""
     if per_wave <= 1 or len(ids) <= 2 * per_wave:
         return [ids[start:start + per_wave] for start in range(0, len(ids), per_wave)]
     middle = ids[1:-1]

@@ -63,7 +63,8 @@ class WindowRateThrottle(UserRateThrottle):
     """A user's rate counted per fixed window of the rate's period: one counter increment per
     request, whatever the rate. DRF's own throttle keeps the time of every request in the period
     and reads and writes that whole list back on each request; for an engine doing 1,000 lookups a
-    second it is a list of 60,000 times and 6 ms a request (14 ms at p99) on its own. The price: a
+    second it is a list of 60,000 times, milliseconds a request on its own (benchmarks/README.md).
+    The price: a
     burst that straddles two windows may reach twice the rate within one period, which is harmless
     for rates this far above what an engine legitimately sends."""
 

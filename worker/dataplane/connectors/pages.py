@@ -6,8 +6,8 @@ A page holds `page_tokens` tokens of one layer (vLLM's block_size: 16-128); a St
 spans block_tokens / page_tokens pages. Each layer's tensor is read through two views of logical
 shape [pages, page_tokens, kv_heads, head_dim], one for K and one for V; a copy between a run of
 consecutive pages and the tokens of a block is one strided copy, so a gather or a scatter moves
-each byte once. (Per-page index copies into a strided view ran at under 1 GB/s here, a copy per
-run of pages at memcpy speed.)
+each byte once. (Per-page index copies into a strided view are far slower than a copy per run
+of pages, which goes at memcpy speed; benchmarks/README.md.)
 
 The layouts, by the attention backend that owns the tensor (vLLM 0.32's per-layer views):
 

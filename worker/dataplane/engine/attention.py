@@ -5,19 +5,17 @@ queries (the suffix) attend to every cached key and to the earlier suffix tokens
 runs with a mask. transformers' `sdpa` path, given a mask on a grouped-query model, first
 expands the key/value heads to one per query head (`repeat_kv`): with 4 query heads per KV head
 and an 8K-token prefix that copies 4x the prefix's K and V in every layer, and SDPA then takes its
-masked path on the copies. On CPU, measured (bench shape: 16 heads, 4 KV heads, head dim 64,
-8K prefix, float32): 33 ms per layer for a 2-token suffix against 3.6 ms when SDPA itself reads
-each KV head for its group of queries (`enable_gqa`, supported with a mask on CPU); identical
-outputs.
+masked path on the copies. On CPU, SDPA itself can read each KV head for its group of queries
+(`enable_gqa`, supported with a mask on CPU): many times faster for a short suffix over a long
+prefix, with identical outputs (benchmarks/README.md).
 
 When the mask is the plain one of a suffix over a cached prefix (every suffix token sees the
 whole prefix and the suffix tokens up to itself: causal, aligned to the bottom right) and the
 call is large, the masked kernel is avoided altogether: attention over the prefix runs unmasked
 (the query heads of a KV head folded into one long query, so the prefix is read once per KV
 head), attention over the suffix runs causal, both through SDPA's CPU flash kernel, and the two
-are merged by their log-sum-exp. A 4K-token suffix over a 256-token prefix (8 heads, 2 KV
-heads) took 202 ms per layer masked and 103 ms so; 615 tokens over 8K (16/4 heads) 130 and 97
-ms; outputs equal to 3e-7.
+are merged by their log-sum-exp: faster than the masked kernel for long suffixes, with outputs
+equal to float rounding (benchmarks/README.md).
 
 `strata_sdpa` is registered with transformers as an attention implementation: on CPU, for a
 grouped-query model and a masked call, it calls SDPA with `enable_gqa` (or the split above);

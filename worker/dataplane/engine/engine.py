@@ -497,8 +497,9 @@ class Engine:
     def _inline_load(self, hits: Sequence[Hit]) -> bool:
         """Load in the computing thread, layer by layer at each sync point, when every block is in
         the device tier and that lives in CPU memory (a model on the CPU): such reads are
-        memory copies, CPU work a loader thread would only take from the model's own threads
-        (measured: layer-wise 1.1-1.2x slower than loading first). On a GPU they are copies on
+        memory copies, CPU work a loader thread would only take from the model's own threads,
+        making layer-wise loading slower than loading first (benchmarks/README.md). On a GPU
+        they are copies on
         the tier's stream, and the loader thread overlaps them with compute."""
         return self.model.device.type == "cpu" and all(hit.tier == "device" for hit in hits)
 

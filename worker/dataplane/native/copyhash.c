@@ -36,10 +36,9 @@
 #include <emmintrin.h>
 #endif
 
-/* Copied, then hashed while still in L1. One page: on a 2-core Xeon guest (48 KiB L1d) a 2 MiB
- * verified copy out of memory ran at 7.6-7.8 GB/s on one core in 4 KiB chunks against 6.6-6.8 in
- * 64 KiB ones, which the hash reads back from L2 (plain copy: 8.3); on the 2-core EPYC guest
- * chunks of 4-64 KiB made no consistent difference. */
+/* Copied, then hashed while still in L1. One page fits any L1d; with a small L1d the hash reads
+ * a 64 KiB chunk back from L2, and elsewhere 4-64 KiB make no consistent difference
+ * (benchmarks/README.md). */
 #define STRATA_CHUNK_BYTES (4 * 1024)
 
 enum {
@@ -204,9 +203,10 @@ int strata_read_hash(size_t count, const int32_t *fds, const uint64_t *offsets,
 
 /* ---- Helper threads that stay awake between calls ------------------------------------------
  *
- * A verified copy of one small block (2 MiB: ~150 us on one core) is over before a thread woken
- * through the kernel is running, so handing part of it to a sleeping thread costs more than it
- * saves. These helpers instead watch for work for `spin_us` after their last job (with the
+ * A verified copy of one small block (2 MiB: a fraction of a millisecond on one core) is over
+ * before a thread woken through the kernel is running, so handing part of it to a sleeping
+ * thread costs more than it saves. These helpers instead watch for work for `spin_us` after
+ * their last job (with the
  * CPU's pause hint), and only then sleep on a futex: back-to-back copies start on every thread
  * within a fraction of a microsecond, as an OpenMP runtime's threads do. One job runs at a time;
  * a caller that finds the helpers busy with another's job does its own alone, so callers on

@@ -20,9 +20,9 @@ _NO_DIRECTORY_SYNC_ERRNOS = {errno.EINVAL, errno.EOPNOTSUPP}
 FUSE and network filesystems); the rename is then as durable as that filesystem makes it."""
 DIRECTORY_SYNC_DELAY_S = 0.05
 """A rename is made durable (its directory fsynced) at most this long after it, in the background.
-A directory fsync is a journal commit and a device cache flush (~2 ms on the dev box's virtio
-disk): synced inside every `put` it cost a fifth of a 32 MiB block's write time (put 0.92x ->
-0.76x of raw O_DIRECT writes); gathered, one flush covers the puts of this window. A put that
+A directory fsync is a journal commit and a device cache flush: synced inside every `put` it
+would cost a large share of a block's write time (benchmarks/README.md); gathered, one flush
+covers the puts of this window. A put that
 returned is complete under its name at once; until its directory is synced a crash of the
 machine may lose the name (the block is then a miss, and the reconciler marks its placement
 missing), which is why a movement calls `sync()` before it flips a copy to READY."""

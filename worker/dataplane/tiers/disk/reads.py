@@ -23,10 +23,9 @@ from worker.dataplane.tiers.disk.headers import Header, Stamp
 SPLIT_PIECE_BYTES = 1024 * 1024
 """A single large block read (`get`) is read in pieces of this many bytes by the calling thread
 and the tier's I/O threads together, each hashing a piece right after reading it, while its bytes
-are still in the CPU cache. On the dev box (virtio disk, 2 cores) one 32 MiB block read with 4
-threads in 1 MiB pieces ran at 0.98-0.99x a single raw 32 MiB pread, with 2 threads in 4 MiB
-pieces at 0.85x: hashing cold memory cost more than the whole read's CPU, and one read in flight
-at a time left the device idle while either thread hashed."""
+are still in the CPU cache: hashing cold memory costs more than the whole read's CPU, and with
+fewer, larger pieces the device idles while a thread hashes. Read this way a block comes in at
+about the speed of one raw read of it (benchmarks/README.md)."""
 READ_PIECE_BYTES = 8 * 1024 * 1024
 """A block read into host memory is read in pieces of this many bytes (whole layers), each hashed
 while the next is read. Smaller pieces hide more of the hash but make more, shorter reads."""

@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 REUSE_DELETED_S = 10.0
 """A deleted block's file is kept this long (under a temporary name, its bytes counted as pending)
 before it is unlinked, and a put of this process in that time writes its block over it instead
-of creating a file: on the dev box's ext4 creating a file took 0.3-0.7 ms and an O_DIRECT write
-into a new file's unallocated extents ~1.2 ms per 2 MiB, against ~0.7 ms into a written file's.
+of creating a file: creating a file, and an O_DIRECT write into its unallocated extents, cost
+more than a write over a written file's extents (benchmarks/README.md).
 A cache tier deletes and puts all the time (evictions, moves), so most puts reuse a file. A put
 takes a kept file before it looks for room, so kept files never make this process refuse one;
 other processes sharing the directory see their bytes as used until they go. `drain_deletes`
@@ -25,8 +25,8 @@ unlinks them at once. 0 unlinks every deleted file at once."""
 
 
 class Unlinker:
-    """Removes deleted blocks' files in the background. Freeing a 32 MiB file's extents took 4-9 ms
-    per unlink on an ext4 mounted with `discard`; a move waited on that for each source it freed.
+    """Removes deleted blocks' files in the background, so a move does not wait for the
+    filesystem to free each source's extents (slow where it discards them: ext4 `discard`).
     `DiskTier.delete` renames the block to a temporary name (so it is gone at once, and
     `reconcile` of a later process removes it should this one die first) and hands it here; its
     bytes stay counted as pending in the ledger until the unlink is done.

@@ -9,8 +9,8 @@ The pool is one file under /dev/shm (the engine and the node's Celery worker map
   metadata updates; bytes are copied outside it.
 * The key index is an open-addressing table of slot numbers, hashed by key, that holds every
   slot with a key (being written or readable): finding a key's slots costs a few probes at any
-  pool size, where a scan of every slot cost ~3 us per thousand slots on each put, miss and
-  delete. It changes under the lock; readers probe it without one. A removed entry becomes a
+  pool size, where a scan of every slot would grow with the pool on each put, miss and delete.
+  It changes under the lock; readers probe it without one. A removed entry becomes a
   tombstone, never an empty bucket, so a probe chain a reader follows never breaks; the table
   is rebuilt (tombstones dropped) under the lock when they pile up, with a seqlock counter of
   its own that sends a reader who raced a rebuild to a full scan.

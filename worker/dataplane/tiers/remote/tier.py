@@ -47,10 +47,10 @@ READ_CHUNK_BYTES = 2 * 1024 * 1024
 PIPELINE_BYTES = 2 * 1024 * 1024
 """Reads go as GETRANGEs of whole layers of at most READ_CHUNK_BYTES, pipelined at most
 PIPELINE_BYTES of replies at a time. redis-py's pure-Python parser slows down on big replies
-(its read buffer grows and is copied): measured on a unix socket, one GET of a 32 MiB value ran
-at 0.42 GB/s, sixteen 2 MiB GETRANGEs of it at 0.92 GB/s, and pipelining 32 MiB of replies at
-once was slower than not pipelining. Small replies (headers, small layers) still share round
-trips, which is what pipelining is for over a real network."""
+(its read buffer grows and is copied): 2 MiB GETRANGEs of a block beat one GET of it, and
+pipelining many megabytes of replies at once is slower than not pipelining
+(benchmarks/README.md). Small replies (headers, small layers) still share round trips, which is
+what pipelining is for over a real network."""
 
 
 class RemoteTier(Tier):
@@ -181,7 +181,7 @@ class RemoteTier(Tier):
         checksums: Sequence[BlockChecksum | None] | None = None,
     ) -> list[Future[PutResult]]:
         """The blocks one after another on one I/O thread: redis-py spends its time in Python,
-        so parallel SETs only fight over the GIL (measured slower), and the server is one thread."""
+        so parallel SETs only fight over the GIL, and the server is one thread."""
         checksums = list(checksums) if checksums is not None else [None] * len(items)
         if len(checksums) != len(items):
             raise ValueError(f"{len(items)} blocks but {len(checksums)} checksums")
@@ -222,9 +222,9 @@ class RemoteTier(Tier):
 
     def _get_direct(self, key: uuid.UUID, dst: torch.Tensor) -> ReadResult:
         """A whole block into host memory with one GET, received straight into place: redis-py's
-        parser would gather the reply in its buffer and copy it into a bytes object (measured on
-        a unix socket: 0.15-0.27 GB/s for a 32 MiB GET, 0.4 GB/s as 2 MiB GETRANGEs, 0.8-1.1
-        GB/s received into place). The bytes are hashed in place and verified before returning."""
+        parser would gather the reply in its buffer and copy it into a bytes object, at a
+        fraction of the speed of receiving it into place (benchmarks/README.md). The bytes are
+        hashed in place and verified before returning."""
         layout = self.layout
         header = getattr(self._local, "header", None)
         if header is None:

@@ -33,11 +33,11 @@ def kernel_waits(sock: socket.socket) -> Iterator[bool]:
     A socket with a timeout is non-blocking underneath, so a 32 MiB value comes in a few hundred
     recv calls (one per socket buffer, ~200 KiB on a unix socket), each of which takes the GIL
     back; with another Python thread busy (a movement's database work) each handover can wait
-    a whole switch interval (measured: a 32 MiB GET took 21 ms alone and over a second beside a
-    busy thread; received this way, 0.26 s, most of it the hashing that follows). Inside this
-    block the socket is blocking with the same timeout kept by the kernel (SO_RCVTIMEO /
-    SO_SNDTIMEO), so a receive with MSG_WAITALL or a sendall waits for all
-    of its bytes in one call, and a stalled server still times out. Yields False (nothing
+    a whole switch interval, so a big GET beside a busy thread takes many times as long as it
+    does alone (benchmarks/README.md). Inside this block the socket is blocking, with the same
+    timeout kept by the kernel (SO_RCVTIMEO / SO_SNDTIMEO), so a receive with MSG_WAITALL or a
+    sendall waits for all of its bytes in one call, and a stalled server still times out.
+    Yields False (nothing
     changed) for TLS sockets, which take no flags, and sockets without a timeout."""
     timeout = sock.gettimeout()
     if isinstance(sock, ssl.SSLSocket) or not timeout:
