@@ -70,6 +70,7 @@ bench-scale: setup  # the directory and the movement planner at 10M blocks (the 
 	$(PY) -m benchmarks directory movements --scale 10
 
 lint: setup
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) tools/check_imports.py

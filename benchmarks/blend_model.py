@@ -117,8 +117,15 @@ def make_question(rng: random.Random, passages: Sequence[Passage], *, header: Se
     return Question(prompt=prompt, answer=value, segments=segments)
 
 
-def training_batch(rng: random.Random, *, batch: int, passages: int, queries: int, facts: int = FACTS_PER_PASSAGE,
-                   body: int = PASSAGE_BODY) -> tuple[torch.Tensor, torch.Tensor]:
+def training_batch(
+    rng: random.Random,
+    *,
+    batch: int,
+    passages: int,
+    queries: int,
+    facts: int = FACTS_PER_PASSAGE,
+    body: int = PASSAGE_BODY,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences of a filler header (0-64 words) and fresh passages, then `queries` QUERY key
     value triples. Labels sit at the key: the position whose output must be the value."""
     header = rng.randint(0, 64)
@@ -159,18 +166,34 @@ def curriculum(rng: random.Random, step: int, steps: int) -> dict[str, int]:
     most = 2 + min(TRAIN_PASSAGES - 2, (step - DENSE_STEPS) * (TRAIN_PASSAGES - 2) // ramp)
     # Half the steps draw from the longer half: long prompts are the hard ones.
     passages = rng.randint(1, most) if rng.random() < 0.5 else rng.randint(max(1, most // 2), most)
-    return {"passages": passages, "facts": FACTS_PER_PASSAGE, "body": PASSAGE_BODY,
-            "batch": max(2, TOKENS_PER_STEP // (passages * PASSAGE_TOKENS)), "queries": 32}
+    return {
+        "passages": passages,
+        "facts": FACTS_PER_PASSAGE,
+        "body": PASSAGE_BODY,
+        "batch": max(2, TOKENS_PER_STEP // (passages * PASSAGE_TOKENS)),
+        "queries": 32,
+    }
 
 
 def model_config() -> Any:
     from transformers import LlamaConfig  # noqa: PLC0415 - keep `--help` fast
 
     return LlamaConfig(
-        hidden_size=128, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
-        intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-        dtype="float32", attn_implementation="sdpa", initializer_range=0.1,
+        hidden_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        dtype="float32",
+        attn_implementation="sdpa",
+        initializer_range=0.1,
     )
 
 
@@ -205,8 +228,14 @@ def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50) -> di
     history = []
     for step in range(steps):
         shape = curriculum(rng, step, steps)
-        x, y = training_batch(rng, batch=shape["batch"], passages=shape["passages"], queries=shape["queries"],
-                              facts=shape["facts"], body=shape["body"])
+        x, y = training_batch(
+            rng,
+            batch=shape["batch"],
+            passages=shape["passages"],
+            queries=shape["queries"],
+            facts=shape["facts"],
+            body=shape["body"],
+        )
         # Only the answers are scored: the output head runs on those positions alone.
         hidden = model.model(input_ids=x).last_hidden_state
         scored = y != -100
@@ -217,24 +246,50 @@ def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50) -> di
         optimizer.step()
         scheduler.step()
         if step % log_every == 0 or step == steps - 1:
-            history.append({"step": step, "loss": round(loss.item(), 4), "passages": shape["passages"],
-                            "tokens": int(x.shape[1]), "seconds": round(time.time() - started, 1)})
-            print(f"step {step:5d}  loss {loss.item():.4f}  passages {shape['passages']:2d}  "
-                  f"tokens {x.shape[1]:5d}  {time.time() - started:6.1f}s", flush=True)
+            history.append(
+                {
+                    "step": step,
+                    "loss": round(loss.item(), 4),
+                    "passages": shape["passages"],
+                    "tokens": int(x.shape[1]),
+                    "seconds": round(time.time() - started, 1),
+                }
+            )
+            print(
+                f"step {step:5d}  loss {loss.item():.4f}  passages {shape['passages']:2d}  "
+                f"tokens {x.shape[1]:5d}  {time.time() - started:6.1f}s",
+                flush=True,
+            )
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    weights = {name: tensor.to(torch.float16).contiguous() for name, tensor in model.state_dict().items()
-               if name != "lm_head.weight"}  # tied to the embeddings
+    weights = {
+        name: tensor.to(torch.float16).contiguous()
+        for name, tensor in model.state_dict().items()
+        if name != "lm_head.weight"
+    }  # tied to the embeddings
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    info = {"seed": seed, "steps": steps, "torch": torch.__version__, "seconds": round(time.time() - started, 1),
-            "final_loss": history[-1]["loss"]}
+    info = {
+        "seed": seed,
+        "steps": steps,
+        "torch": torch.__version__,
+        "seconds": round(time.time() - started, 1),
+        "final_loss": history[-1]["loss"],
+    }
     (out / "training.json").write_text(json.dumps({**info, "history": history}, indent=1) + "\n")
     return info
 
 
-def fixture_engine(model: LoadedModel, *, block_tokens: int = 32, blocks: int = 4096, percent: float = 15.0,
-                   selection: str = "deviation", sample_rate: float = 0.0, enabled: bool = True) -> Engine:
+def fixture_engine(
+    model: LoadedModel,
+    *,
+    block_tokens: int = 32,
+    blocks: int = 4096,
+    percent: float = 15.0,
+    selection: str = "deviation",
+    sample_rate: float = 0.0,
+    enabled: bool = True,
+) -> Engine:
     """An engine with fragment reuse over an in-memory block pool (the device tier on CPU)."""
     from worker.dataplane.blend.options import BlendOptions  # noqa: PLC0415
     from worker.dataplane.engine.engine import Engine, EngineOptions  # noqa: PLC0415
@@ -242,12 +297,21 @@ def fixture_engine(model: LoadedModel, *, block_tokens: int = 32, blocks: int = 
     from worker.dataplane.store import TieredStore  # noqa: PLC0415
     from worker.dataplane.tiers.device import DeviceTier  # noqa: PLC0415
 
-    layout = BlockLayout(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
-                         block_tokens=block_tokens, dtype=model.dtype)
+    layout = BlockLayout(
+        layers=model.layers,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        block_tokens=block_tokens,
+        dtype=model.dtype,
+    )
     store = TieredStore(layout=layout, tiers=[DeviceTier(layout=layout, capacity_bytes=blocks * layout.block_bytes)])
-    options = EngineOptions(block_tokens=block_tokens, write_back_tier="device", keep_in_device=False, decide=False,
-                            blend=BlendOptions(enabled=enabled, recompute_percent=percent, selection=selection,
-                                               sample_rate=sample_rate))
+    options = EngineOptions(
+        block_tokens=block_tokens,
+        write_back_tier="device",
+        keep_in_device=False,
+        decide=False,
+        blend=BlendOptions(enabled=enabled, recompute_percent=percent, selection=selection, sample_rate=sample_rate),
+    )
     return Engine(model=model, store=store, options=options)
 
 
@@ -257,9 +321,15 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
     return max(0.0, float(torch.sum(ref.exp() * (ref - oth))))
 
 
-def quality_report(model_dir: Path, *, questions: int = 100, passages: int = MAX_PASSAGES,
-                   percents: Sequence[float] = (0, 5, 15, 30), seed: int = 11, block_tokens: int = 32
-                   ) -> dict[str, dict[str, float]]:
+def quality_report(
+    model_dir: Path,
+    *,
+    questions: int = 100,
+    passages: int = MAX_PASSAGES,
+    percents: Sequence[float] = (0, 5, 15, 30),
+    seed: int = 11,
+    block_tokens: int = 32,
+) -> dict[str, dict[str, float]]:
     """Task accuracy and logit KL against full prefill for: full prefill, prefix-only reuse, and
     blend at each r. The cache is warmed by RAG requests that bring every passage once (in groups,
     so each passage's KV was computed after other passages), then left unchanged while every
@@ -292,9 +362,16 @@ def quality_report(model_dir: Path, *, questions: int = 100, passages: int = MAX
             reused[name] += run.trace.prefix_tokens + run.trace.fragment_tokens
             recomputed[name] += run.trace.recomputed_tokens
     prompt_tokens = len(q.prompt)
-    return {name: {"accuracy": right[name] / questions, "kl": kl[name] / questions,
-                   "reused_tokens": reused[name] / questions, "recomputed_tokens": recomputed[name] / questions,
-                   "prompt_tokens": prompt_tokens} for name in variants}
+    return {
+        name: {
+            "accuracy": right[name] / questions,
+            "kl": kl[name] / questions,
+            "reused_tokens": reused[name] / questions,
+            "recomputed_tokens": recomputed[name] / questions,
+            "prompt_tokens": prompt_tokens,
+        }
+        for name in variants
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -309,8 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--model", type=Path, required=True)
     e.add_argument("--passages", type=int, default=MAX_PASSAGES)
     e.add_argument("--questions", type=int, default=100)
-    e.add_argument("--save", action="store_true",
-                   help="write the report to <model>/quality.json (what tests/blend/test_quality.py checks)")
+    e.add_argument(
+        "--save",
+        action="store_true",
+        help="write the report to <model>/quality.json (what tests/blend/test_quality.py checks)",
+    )
     args = parser.parse_args(argv)
     if args.command == "train":
         torch.set_num_threads(args.threads)
@@ -320,14 +400,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = quality_report(args.model, questions=args.questions, passages=args.passages)
         print(f"{'variant':<14}{'accuracy':>10}{'KL vs full':>12}{'reused tok':>12}{'recomputed':>12}")
         for name, row in report.items():
-            print(f"{name:<14}{100 * row['accuracy']:>9.1f}%{row['kl']:>12.2e}{row['reused_tokens']:>12.1f}"
-                  f"{row['recomputed_tokens']:>12.1f}")
+            print(
+                f"{name:<14}{100 * row['accuracy']:>9.1f}%{row['kl']:>12.2e}{row['reused_tokens']:>12.1f}"
+                f"{row['recomputed_tokens']:>12.1f}"
+            )
         print(json.dumps(report))
         if args.save:
-            command = (f"python -m benchmarks.blend_model quality --model {args.model} --passages {args.passages} "
-                       f"--questions {args.questions}")
-            document = {"command": command, "arguments": {"questions": args.questions, "passages": args.passages},
-                        "report": report}
+            command = (
+                f"python -m benchmarks.blend_model quality --model {args.model} --passages {args.passages} "
+                f"--questions {args.questions}"
+            )
+            document = {
+                "command": command,
+                "arguments": {"questions": args.questions, "passages": args.passages},
+                "report": report,
+            }
             (args.model / "quality.json").write_text(json.dumps(document, indent=1) + "\n")
     return 0
 

@@ -42,8 +42,13 @@ class Measure:
 
 
 def _layout(model: LoadedModel) -> BlockLayout:
-    return BlockLayout(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
-                       block_tokens=BLOCK_TOKENS, dtype=model.dtype)
+    return BlockLayout(
+        layers=model.layers,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        block_tokens=BLOCK_TOKENS,
+        dtype=model.dtype,
+    )
 
 
 @contextmanager
@@ -88,22 +93,31 @@ def _tier_read_seconds(tier: Tier, keys: list[uuid.UUID], layout: BlockLayout) -
     return best
 
 
-def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 32, model_name: str = "bench",
-               progress: Callable[[str], None] = print) -> list[Measure]:
+def ttft_suite(
+    *,
+    redis_url: str,
+    prompt_tokens: int = 8192 + 32,
+    model_name: str = "bench",
+    progress: Callable[[str], None] = print,
+) -> list[Measure]:
     """TTFT of one long prompt: cold, then a hit from each tier with layer-wise loading on and off."""
     model = load_model(model_name)
     layout = _layout(model)
     prompt = _prompt(prompt_tokens, seed=1)
     full_blocks = prompt_tokens // BLOCK_TOKENS
     rows: list[Measure] = []
-    with tempfile.TemporaryDirectory(prefix="strata-bench-") as work, \
-            _tiers(model, blocks=full_blocks + 64, redis_url=redis_url, workdir=Path(work)) as tiers:
+    with (
+        tempfile.TemporaryDirectory(prefix="strata-bench-") as work,
+        _tiers(model, blocks=full_blocks + 64, redis_url=redis_url, workdir=Path(work)) as tiers,
+    ):
         options = EngineOptions(block_tokens=BLOCK_TOKENS, write_back_tier="host", keep_in_device=False, decide=False)
         writer = Engine(model=model, store=TieredStore(layout=layout, tiers=[tiers["host"]]), options=options)
         progress(f"engine: cold prefill of {prompt_tokens} tokens ({model_name} model)")
         cold = writer.generate(prompt, max_tokens=1)
         cold_s = cold.trace.ttft_s
-        rows.append(Measure("engine.ttft_cold_s", cold_s, "s", note=f"{prompt_tokens}-token prompt, {model_name} model"))
+        rows.append(
+            Measure("engine.ttft_cold_s", cold_s, "s", note=f"{prompt_tokens}-token prompt, {model_name} model")
+        )
         keys = writer.fingerprinter("default").prefix_keys(prompt)
         buffer = layout.empty()
         for name in ("device", "disk", "remote"):
@@ -112,8 +126,11 @@ def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 32, model_name: st
                 tiers[name].put(key, buffer, checksum=read.checksum if name != "device" else None)
         kv_bytes = len(keys) * layout.block_bytes
         for name in ("device", "host", "disk", "remote"):
-            engine = Engine(model=model, store=TieredStore(layout=layout, tiers=[tiers[name]]),
-                            options=dataclasses.replace(options, write_back_tier=name))
+            engine = Engine(
+                model=model,
+                store=TieredStore(layout=layout, tiers=[tiers[name]]),
+                options=dataclasses.replace(options, write_back_tier=name),
+            )
             progress(f"engine: hit from {name}")
             # One untimed hit first: the first run of a process's hit path pays for one-time work
             # (kernel set-up for the suffix's shapes, the allocator growing).
@@ -135,11 +152,21 @@ def ttft_suite(*, redis_url: str, prompt_tokens: int = 8192 + 32, model_name: st
                 Measure(f"engine.ttft_hit_{name}_s", ttft, "s", note="layer-wise"),
                 Measure(f"engine.ttft_hit_{name}_vs_cold", ttft / cold_s, "x", baseline="engine.ttft_cold_s"),
                 Measure(f"engine.ttft_hit_{name}_load_then_compute_s", ttft_upfront, "s"),
-                Measure(f"engine.ttft_hit_{name}_layerwise_vs_upfront", ttft / ttft_upfront, "x",
-                        baseline=f"engine.ttft_hit_{name}_load_then_compute_s"),
-                Measure(f"engine.ttft_hit_{name}_floor_s", floor, "s",
-                        note=f"{kv_bytes / read_s / 1e9:.2f} GB/s read + {suffix_s * 1000:.0f} ms suffix compute"),
-                Measure(f"engine.ttft_hit_{name}_vs_floor", ttft / floor, "x", baseline=f"engine.ttft_hit_{name}_floor_s"),
+                Measure(
+                    f"engine.ttft_hit_{name}_layerwise_vs_upfront",
+                    ttft / ttft_upfront,
+                    "x",
+                    baseline=f"engine.ttft_hit_{name}_load_then_compute_s",
+                ),
+                Measure(
+                    f"engine.ttft_hit_{name}_floor_s",
+                    floor,
+                    "s",
+                    note=f"{kv_bytes / read_s / 1e9:.2f} GB/s read + {suffix_s * 1000:.0f} ms suffix compute",
+                ),
+                Measure(
+                    f"engine.ttft_hit_{name}_vs_floor", ttft / floor, "x", baseline=f"engine.ttft_hit_{name}_floor_s"
+                ),
             ]
         rows += _balanced_case(model_name, Path(work), options, progress)
         rows += _throttled_balanced_case(model_name, Path(work), options, progress)
@@ -177,8 +204,9 @@ def _compute_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _throttled_balanced_case(model_name: str, workdir: Path, options: EngineOptions,
-                             progress: Callable[[str], None]) -> list[Measure]:
+def _throttled_balanced_case(
+    model_name: str, workdir: Path, options: EngineOptions, progress: Callable[[str], None]
+) -> list[Measure]:
     """The balanced case again with the disk's reads held to THROTTLED_READ_BPS by the kernel's
     block throttle (benchmarks.throttle): the load is then the medium's time (the CPU waits, as a
     GPU's compute waits on DMA) where on the local disk it is mostly CPU and memory traffic
@@ -192,9 +220,16 @@ def _throttled_balanced_case(model_name: str, workdir: Path, options: EngineOpti
     try:
         with throttled_reads(workdir, THROTTLED_READ_BPS) as how, _compute_threads(THROTTLED_COMPUTE_THREADS):
             progress(f"engine: throttled balanced case, {how}, computing on {THROTTLED_COMPUTE_THREADS} thread(s)")
-            return _balanced_runs(model, disk, layout, options, progress, name="balanced_throttled",
-                                  medium=f"disk reads held to {THROTTLED_READ_BPS / 1e6:.0f} MB/s",
-                                  prefix_blocks=THROTTLED_PREFIX_BLOCKS)
+            return _balanced_runs(
+                model,
+                disk,
+                layout,
+                options,
+                progress,
+                name="balanced_throttled",
+                medium=f"disk reads held to {THROTTLED_READ_BPS / 1e6:.0f} MB/s",
+                prefix_blocks=THROTTLED_PREFIX_BLOCKS,
+            )
     except ThrottleUnavailable as exc:
         progress(f"engine: throttled balanced case left out: {exc}")
         return []
@@ -202,8 +237,9 @@ def _throttled_balanced_case(model_name: str, workdir: Path, options: EngineOpti
         disk.close()
 
 
-def _balanced_case(model_name: str, workdir: Path, options: EngineOptions,
-                   progress: Callable[[str], None]) -> list[Measure]:
+def _balanced_case(
+    model_name: str, workdir: Path, options: EngineOptions, progress: Callable[[str], None]
+) -> list[Measure]:
     """Layer-wise against load-then-compute where loading the prefix takes about as long as
     computing the suffix: the case pipelining is for. The suffix length is calibrated here from
     the measured load time of the prefix and the measured compute time of the suffix.
@@ -220,17 +256,32 @@ def _balanced_case(model_name: str, workdir: Path, options: EngineOptions,
         disk.close()
 
 
-def _balanced_runs(model: LoadedModel, disk: Tier, layout: BlockLayout, options: EngineOptions,
-                   progress: Callable[[str], None], *, name: str = "balanced", medium: str = "disk",
-                   prefix_blocks: int = 32) -> list[Measure]:
+def _balanced_runs(
+    model: LoadedModel,
+    disk: Tier,
+    layout: BlockLayout,
+    options: EngineOptions,
+    progress: Callable[[str], None],
+    *,
+    name: str = "balanced",
+    medium: str = "disk",
+    prefix_blocks: int = 32,
+) -> list[Measure]:
     prefix = _prompt(prefix_blocks * BLOCK_TOKENS, seed=7)
-    engine = Engine(model=model, store=TieredStore(layout=layout, tiers=[disk]),
-                    options=dataclasses.replace(options, write_back_tier=disk.name))
+    engine = Engine(
+        model=model,
+        store=TieredStore(layout=layout, tiers=[disk]),
+        options=dataclasses.replace(options, write_back_tier=disk.name),
+    )
     engine.generate(prefix + [5], max_tokens=1)
 
     def probe(suffix: int, seed: int) -> tuple[float, float]:
-        runs = [engine.generate(prefix + _prompt(suffix + 1, seed=seed + i)[1:], max_tokens=1, layerwise=False,
-                                write_back=False) for i in range(3)]
+        runs = [
+            engine.generate(
+                prefix + _prompt(suffix + 1, seed=seed + i)[1:], max_tokens=1, layerwise=False, write_back=False
+            )
+            for i in range(3)
+        ]
         assert all(r.trace.cached_tokens == prefix_blocks * BLOCK_TOKENS for r in runs), "the prefix must be a hit"
         return (statistics.median(r.trace.load_s for r in runs), statistics.median(r.trace.prefill_s for r in runs))
 
@@ -269,8 +320,10 @@ def _balanced_runs(model: LoadedModel, disk: Tier, layout: BlockLayout, options:
             below = middle
     assert best is not None
     _gap, suffix_tokens, load_s, compute_s = best
-    progress(f"engine: {name} case, load {load_s * 1000:.0f} ms vs {suffix_tokens}-token suffix "
-             f"computed in {compute_s * 1000:.0f} ms")
+    progress(
+        f"engine: {name} case, load {load_s * 1000:.0f} ms vs {suffix_tokens}-token suffix "
+        f"computed in {compute_s * 1000:.0f} ms"
+    )
     prompt = prefix + _prompt(suffix_tokens + 1, seed=9)[1:]
     upfront, layerwise, loads, computes = [], [], [], []
     for _ in range(5):  # interleaved, so drift hits both alike
@@ -283,16 +336,29 @@ def _balanced_runs(model: LoadedModel, disk: Tier, layout: BlockLayout, options:
     load_s, compute_s = statistics.median(loads), statistics.median(computes)
     ideal = max(load_s, compute_s) / (load_s + compute_s)
     return [
-        Measure(f"engine.{name}_load_s", load_s, "s",
-                note=f"{prefix_blocks} blocks of {model.name} in float32 from {medium}, read alone"),
+        Measure(
+            f"engine.{name}_load_s",
+            load_s,
+            "s",
+            note=f"{prefix_blocks} blocks of {model.name} in float32 from {medium}, read alone",
+        ),
         Measure(f"engine.{name}_compute_s", compute_s, "s", note=f"{suffix_tokens}-token suffix, computed alone"),
-        Measure(f"engine.{name}_ideal_vs_upfront", ideal, "x",
-                note="max(load, compute) / (load + compute): perfect overlap"),
-        Measure(f"engine.{name}_load_then_compute_s", statistics.median(upfront), "s",
-                note=f"{prefix_blocks} blocks from {medium} ({load_s * 1000:.0f} ms) + {suffix_tokens}-token suffix"),
+        Measure(
+            f"engine.{name}_ideal_vs_upfront", ideal, "x", note="max(load, compute) / (load + compute): perfect overlap"
+        ),
+        Measure(
+            f"engine.{name}_load_then_compute_s",
+            statistics.median(upfront),
+            "s",
+            note=f"{prefix_blocks} blocks from {medium} ({load_s * 1000:.0f} ms) + {suffix_tokens}-token suffix",
+        ),
         Measure(f"engine.{name}_layerwise_s", statistics.median(layerwise), "s"),
-        Measure(f"engine.{name}_layerwise_vs_upfront", statistics.median(layerwise) / statistics.median(upfront),
-                "x", baseline=f"engine.{name}_load_then_compute_s"),
+        Measure(
+            f"engine.{name}_layerwise_vs_upfront",
+            statistics.median(layerwise) / statistics.median(upfront),
+            "x",
+            baseline=f"engine.{name}_load_then_compute_s",
+        ),
     ]
 
 
@@ -314,22 +380,31 @@ def _engine_for(config: str, model: LoadedModel, tiers: dict[str, Tier], device_
     # A small device pool, as GPU memory would be next to long contexts.
     device = DeviceTier(layout=layout, capacity_bytes=device_blocks * layout.block_bytes)
     if config == "no_cache":
-        store, options = TieredStore(layout=layout, tiers=[device]), EngineOptions(
-            block_tokens=BLOCK_TOKENS, write_back_tier="device", keep_in_device=False, decide=False)
+        store, options = (
+            TieredStore(layout=layout, tiers=[device]),
+            EngineOptions(block_tokens=BLOCK_TOKENS, write_back_tier="device", keep_in_device=False, decide=False),
+        )
     elif config == "device_only":
-        store, options = TieredStore(layout=layout, tiers=[device]), EngineOptions(
-            block_tokens=BLOCK_TOKENS, write_back_tier="device", keep_in_device=True, decide=False)
+        store, options = (
+            TieredStore(layout=layout, tiers=[device]),
+            EngineOptions(block_tokens=BLOCK_TOKENS, write_back_tier="device", keep_in_device=True, decide=False),
+        )
     elif config == "strata_host":
-        store, options = TieredStore(layout=layout, tiers=[device, tiers["host"]]), EngineOptions(
-            block_tokens=BLOCK_TOKENS, write_back_tier="host", keep_in_device=True, decide=False)
+        store, options = (
+            TieredStore(layout=layout, tiers=[device, tiers["host"]]),
+            EngineOptions(block_tokens=BLOCK_TOKENS, write_back_tier="host", keep_in_device=True, decide=False),
+        )
     else:
-        store, options = TieredStore(layout=layout, tiers=[device, tiers["disk"]]), EngineOptions(
-            block_tokens=BLOCK_TOKENS, write_back_tier="disk", keep_in_device=True, decide=False)
+        store, options = (
+            TieredStore(layout=layout, tiers=[device, tiers["disk"]]),
+            EngineOptions(block_tokens=BLOCK_TOKENS, write_back_tier="disk", keep_in_device=True, decide=False),
+        )
     return Engine(model=model, store=store, options=options)
 
 
-def _drive(engine: Engine, config: str, sessions: list[list[Callable[[list[int]], tuple[list[int], int]]]],
-           clients: int) -> tuple[list[Outcome], float]:
+def _drive(
+    engine: Engine, config: str, sessions: list[list[Callable[[list[int]], tuple[list[int], int]]]], clients: int
+) -> tuple[list[Outcome], float]:
     """Run each session's requests in order, `clients` sessions at a time; returns outcomes and wall time."""
     outcomes: list[Outcome] = []
     lock = threading.Lock()
@@ -351,13 +426,15 @@ def _drive(engine: Engine, config: str, sessions: list[list[Callable[[list[int]]
                     first.append(time.perf_counter())
                     return False
 
-                result = engine.generate(prompt, max_tokens=max_tokens, use_cache=config != "no_cache",
-                                         on_token=on_token)
+                result = engine.generate(
+                    prompt, max_tokens=max_tokens, use_cache=config != "no_cache", on_token=on_token
+                )
                 done = time.perf_counter()
                 history = prompt + result.output_ids
                 with lock:
-                    outcomes.append(Outcome(first[0] - sent, done - sent, len(result.output_ids),
-                                            result.trace.cached_tokens))
+                    outcomes.append(
+                        Outcome(first[0] - sent, done - sent, len(result.output_ids), result.trace.cached_tokens)
+                    )
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -378,7 +455,12 @@ def _summary(prefix: str, config: str, outcomes: list[Outcome], wall: float) -> 
         Measure(f"{prefix}.{config}.ttft_mean_s", statistics.mean(ttfts), "s"),
         Measure(f"{prefix}.{config}.ttft_p99_s", p99, "s"),
         Measure(f"{prefix}.{config}.tpot_ms", 1000 * statistics.mean(tpot) if tpot else 0.0, "ms"),
-        Measure(f"{prefix}.{config}.throughput_tok_s", tokens / wall, "tok/s", note=f"{len(outcomes)} requests, {cached} cached prompt tokens"),
+        Measure(
+            f"{prefix}.{config}.throughput_tok_s",
+            tokens / wall,
+            "tok/s",
+            note=f"{len(outcomes)} requests, {cached} cached prompt tokens",
+        ),
     ]
 
 
@@ -386,17 +468,37 @@ def _ratios(prefix: str, rows: list[Measure]) -> list[Measure]:
     values = {r.name: r.value for r in rows}
     out = []
     for config in CONFIGS[1:]:
-        out.append(Measure(f"{prefix}.{config}.ttft_vs_no_cache", values[f"{prefix}.{config}.ttft_mean_s"]
-                           / values[f"{prefix}.no_cache.ttft_mean_s"], "x", baseline=f"{prefix}.no_cache.ttft_mean_s"))
-        out.append(Measure(f"{prefix}.{config}.throughput_vs_no_cache",
-                           values[f"{prefix}.{config}.throughput_tok_s"] / values[f"{prefix}.no_cache.throughput_tok_s"],
-                           "x", baseline=f"{prefix}.no_cache.throughput_tok_s"))
+        out.append(
+            Measure(
+                f"{prefix}.{config}.ttft_vs_no_cache",
+                values[f"{prefix}.{config}.ttft_mean_s"] / values[f"{prefix}.no_cache.ttft_mean_s"],
+                "x",
+                baseline=f"{prefix}.no_cache.ttft_mean_s",
+            )
+        )
+        out.append(
+            Measure(
+                f"{prefix}.{config}.throughput_vs_no_cache",
+                values[f"{prefix}.{config}.throughput_tok_s"] / values[f"{prefix}.no_cache.throughput_tok_s"],
+                "x",
+                baseline=f"{prefix}.no_cache.throughput_tok_s",
+            )
+        )
     return out
 
 
-def multi_turn_suite(*, redis_url: str, clients: int = 4, requests: int = 60, model_name: str = "small",
-                     system_tokens: int = 1024, user_tokens: int = 192, answer_tokens: int = 16,
-                     device_blocks: int = 8, progress: Callable[[str], None] = print) -> list[Measure]:
+def multi_turn_suite(
+    *,
+    redis_url: str,
+    clients: int = 4,
+    requests: int = 60,
+    model_name: str = "small",
+    system_tokens: int = 1024,
+    user_tokens: int = 192,
+    answer_tokens: int = 16,
+    device_blocks: int = 8,
+    progress: Callable[[str], None] = print,
+) -> list[Measure]:
     """The seeds' multi-turn setup: `clients` concurrent conversations over one shared system prompt,
     each turn adding a user message to the growing history; `requests` requests in all."""
     model = load_model(model_name)
@@ -409,12 +511,16 @@ def multi_turn_suite(*, redis_url: str, clients: int = 4, requests: int = 60, mo
             def make(history: list[int]) -> tuple[list[int], int]:
                 user = _prompt(user_tokens + 1, seed=1000 * index + turn)[1:]
                 return (history or system) + user, answer_tokens
+
             return make
+
         return [step(turn) for turn in range(turns)]
 
     rows: list[Measure] = []
-    with tempfile.TemporaryDirectory(prefix="strata-bench-") as work, \
-            _tiers(model, blocks=4096, redis_url=redis_url, workdir=Path(work)) as tiers:
+    with (
+        tempfile.TemporaryDirectory(prefix="strata-bench-") as work,
+        _tiers(model, blocks=4096, redis_url=redis_url, workdir=Path(work)) as tiers,
+    ):
         for config in CONFIGS:
             progress(f"multi-turn: {config} ({conversations} conversations x {turns} turns, {clients} clients)")
             engine = _engine_for(config, model, tiers, device_blocks)
@@ -423,9 +529,18 @@ def multi_turn_suite(*, redis_url: str, clients: int = 4, requests: int = 60, mo
     return rows + _ratios(f"multiturn.c{clients}", rows)
 
 
-def long_doc_suite(*, redis_url: str, clients: int = 4, documents: int = 4, questions: int = 3,
-                   doc_tokens: int = 8192, answer_tokens: int = 32, model_name: str = "small",
-                   device_blocks: int = 8, progress: Callable[[str], None] = print) -> list[Measure]:
+def long_doc_suite(
+    *,
+    redis_url: str,
+    clients: int = 4,
+    documents: int = 4,
+    questions: int = 3,
+    doc_tokens: int = 8192,
+    answer_tokens: int = 32,
+    model_name: str = "small",
+    device_blocks: int = 8,
+    progress: Callable[[str], None] = print,
+) -> list[Measure]:
     """LMCache's long-document QA: each document asked several questions, in shuffled order."""
     model = load_model(model_name)
     docs = [_prompt(doc_tokens, seed=200 + d) for d in range(documents)]
@@ -437,8 +552,10 @@ def long_doc_suite(*, redis_url: str, clients: int = 4, documents: int = 4, ques
         return [lambda _history: (docs[d] + question, answer_tokens)]
 
     rows: list[Measure] = []
-    with tempfile.TemporaryDirectory(prefix="strata-bench-") as work, \
-            _tiers(model, blocks=4096, redis_url=redis_url, workdir=Path(work)) as tiers:
+    with (
+        tempfile.TemporaryDirectory(prefix="strata-bench-") as work,
+        _tiers(model, blocks=4096, redis_url=redis_url, workdir=Path(work)) as tiers,
+    ):
         for config in CONFIGS:
             progress(f"long-doc QA: {config} ({documents} docs x {questions} questions of {doc_tokens} tokens)")
             engine = _engine_for(config, model, tiers, device_blocks)

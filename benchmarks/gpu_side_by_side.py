@@ -166,15 +166,45 @@ class ServerSpec:
     shm_leftovers: tuple[str, ...] = ()
 
 
-def server_spec(config: str, *, python: str, checkpoint: str, port: int, status_port: int, cpu_bytes: int,
-                eager: bool, pool_name: str) -> ServerSpec:
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-               "--max-model-len", str(SHAPE.max_model_len), "--block-size", str(PAGE_TOKENS),
-               "--attention-backend", ATTENTION_BACKEND,
-               "--num-gpu-blocks-override", str(PAGES), "--enable-prefix-caching",
-               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-               "--gpu-memory-utilization", "0.5", "--seed", "0"]
+def server_spec(
+    config: str,
+    *,
+    python: str,
+    checkpoint: str,
+    port: int,
+    status_port: int,
+    cpu_bytes: int,
+    eager: bool,
+    pool_name: str,
+) -> ServerSpec:
+    command = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        checkpoint,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(SHAPE.max_model_len),
+        "--block-size",
+        str(PAGE_TOKENS),
+        "--attention-backend",
+        ATTENTION_BACKEND,
+        "--num-gpu-blocks-override",
+        str(PAGES),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--seed",
+        "0",
+    ]
     if eager:
         command.append("--enforce-eager")
     env = dict(COMMON_ENV)
@@ -183,22 +213,36 @@ def server_spec(config: str, *, python: str, checkpoint: str, port: int, status_
     if config == "offloading":
         # vllm/v1/kv_offload/cpu/spec.py reads cpu_bytes_to_use (required); the chunk stays vLLM's
         # default of one page, as `--kv-offloading-size` would configure it.
-        transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+        transfer = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
+        }
         leftovers = ("vllm_offload_*.mmap",)
     elif config == "lmcache":
         # LMCache reads its engine config from LMCACHE_* variables (LMCacheEngineConfig.from_env)
         # when LMCACHE_CONFIG_FILE is unset; max_local_cpu_size is in GiB.
         transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-        env.update(LMCACHE_CHUNK_SIZE=str(STRATA_BLOCK_TOKENS), LMCACHE_LOCAL_CPU="true",
-                   LMCACHE_MAX_LOCAL_CPU_SIZE=f"{cpu_bytes / 2**30:g}", LMCACHE_TRACK_USAGE="false")
+        env.update(
+            LMCACHE_CHUNK_SIZE=str(STRATA_BLOCK_TOKENS),
+            LMCACHE_LOCAL_CPU="true",
+            LMCACHE_MAX_LOCAL_CPU_SIZE=f"{cpu_bytes / 2**30:g}",
+            LMCACHE_TRACK_USAGE="false",
+        )
     elif config == "strata":
-        transfer = {"kv_connector": "StrataConnectorBase",
-                    "kv_connector_module_path": "worker.dataplane.connectors.vllm",
-                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {"node_name": "gpu-bench", "tiers": "host",
-                                                  "host_bytes": cpu_bytes, "host_pool_name": pool_name,
-                                                  "status_port": status_port}}
+        transfer = {
+            "kv_connector": "StrataConnectorBase",
+            "kv_connector_module_path": "worker.dataplane.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "node_name": "gpu-bench",
+                "tiers": "host",
+                "host_bytes": cpu_bytes,
+                "host_pool_name": pool_name,
+                "status_port": status_port,
+            },
+        }
         leftovers = (f"{pool_name}*",)
     elif config != "vllm":
         raise ValueError(f"unknown configuration {config!r}; expected one of {', '.join(CONFIGS)}")
@@ -218,8 +262,9 @@ def parse_configs(value: str) -> list[str]:
     names = [name.strip() for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in CONFIGS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown configuration(s) {', '.join(unknown)}; "
-                                         f"expected any of {', '.join(CONFIGS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration(s) {', '.join(unknown)}; expected any of {', '.join(CONFIGS)}"
+        )
     if len(set(names)) != len(names) or not names:
         raise argparse.ArgumentTypeError(f"expected configurations listed once each, got {value!r}")
     return names
@@ -246,11 +291,22 @@ class Server:
         log.say(f"{self.spec.config}: log {self.log_path}")
         self.started_at = time.time()
         with open(self.log_path, "wb") as output:
-            self.process = subprocess.Popen(self.spec.command, cwd=REPO_ROOT, env={**os.environ, **self.spec.env},
-                                            stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.spec.command,
+                cwd=REPO_ROOT,
+                env={**os.environ, **self.spec.env},
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         began = time.monotonic()
-        with Ticker(log, lambda: f"{self.spec.config}: starting ({time.monotonic() - began:.0f} s); log: "
-                                 f"{last_line(self.log_path)[:110]}"):
+        with Ticker(
+            log,
+            lambda: (
+                f"{self.spec.config}: starting ({time.monotonic() - began:.0f} s); log: "
+                f"{last_line(self.log_path)[:110]}"
+            ),
+        ):
             while time.monotonic() - began < timeout:
                 if self.process.poll() is not None:
                     raise StartFailed(f"exited at start (code {self.process.returncode})")
@@ -347,6 +403,7 @@ class Counted:
             with self.lock:
                 self.sent += 1
             return step(history)
+
         return counted
 
 
@@ -368,13 +425,23 @@ def measure(server: Server, model: str, log: Log) -> dict[str, dict[str, float]]
 
     warm = [single([1, *tokens(n, seed=900 + i)], 8) for i, n in enumerate(WARM_PROMPT_TOKENS)]
     workload("warm-up", warm, clients=2)
-    results = {"multiturn.c4": summary(*workload(
-        f"multi-turn, {SHAPE.conversations} conversations x {SHAPE.turns} turns", multiturn_sessions(SHAPE, seed=14),
-        clients=4))}
-    workload(f"long documents, first asks ({SHAPE.documents} x {SHAPE.document_tokens} tokens)",
-        longdoc_sessions(SHAPE, seed=30, ask=0), clients=1)
-    results["longdoc"] = summary(*workload("long documents, asked again (measured)",
-                                           longdoc_sessions(SHAPE, seed=30, ask=1), clients=1))
+    results = {
+        "multiturn.c4": summary(
+            *workload(
+                f"multi-turn, {SHAPE.conversations} conversations x {SHAPE.turns} turns",
+                multiturn_sessions(SHAPE, seed=14),
+                clients=4,
+            )
+        )
+    }
+    workload(
+        f"long documents, first asks ({SHAPE.documents} x {SHAPE.document_tokens} tokens)",
+        longdoc_sessions(SHAPE, seed=30, ask=0),
+        clients=1,
+    )
+    results["longdoc"] = summary(
+        *workload("long documents, asked again (measured)", longdoc_sessions(SHAPE, seed=30, ask=1), clients=1)
+    )
     return results
 
 
@@ -395,8 +462,12 @@ def make_checkpoint(path: Path, log: Log) -> Path:
     if (path / "config.json").is_file():
         log.say(f"checkpoint: {path} (saved by an earlier run)")
         return path
-    command = [sys.executable, "-c", "import sys; from worker.dataplane.engine.models import save_preset; "
-               "save_preset('bench', sys.argv[1])", str(path)]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from worker.dataplane.engine.models import save_preset; save_preset('bench', sys.argv[1])",
+        str(path),
+    ]
     log.command(command)
     began = time.monotonic()
     with Ticker(log, lambda: f"checkpoint: saving ({time.monotonic() - began:.0f} s)"):
@@ -425,12 +496,20 @@ def gpu_name(log: Log) -> str:
     return answer.stdout.strip() or answer.stderr.strip()
 
 
-def run_one(config: str, *, checkpoint: Path, scratch: Path, cpu_bytes: int, eager: bool, deadline: float,
-            log: Log) -> dict[str, Any]:
+def run_one(
+    config: str, *, checkpoint: Path, scratch: Path, cpu_bytes: int, eager: bool, deadline: float, log: Log
+) -> dict[str, Any]:
     port = free_port()
-    spec = server_spec(config, python=sys.executable, checkpoint=str(checkpoint), port=port,
-                       status_port=free_port(), cpu_bytes=cpu_bytes, eager=eager,
-                       pool_name=f"strata-gpu-bench-{os.getpid()}")
+    spec = server_spec(
+        config,
+        python=sys.executable,
+        checkpoint=str(checkpoint),
+        port=port,
+        status_port=free_port(),
+        cpu_bytes=cpu_bytes,
+        eager=eager,
+        pool_name=f"strata-gpu-bench-{os.getpid()}",
+    )
     log.say(f"== {config}: {DESCRIPTIONS[config]}")
     server = Server(spec, scratch / f"{config}.log", port)
     row: dict[str, Any] = {"status": "ok", "command": spec.command, "env": spec.env, "log": str(server.log_path)}
@@ -469,12 +548,23 @@ def ratios(rows: dict[str, dict[str, Any]]) -> None:
             ref = base[workload]
             row["ratios"][workload] = {
                 key: (got[key] / ref[key] if ref[key] else None)
-                for key in ("ttft_mean_s", "tpot_ms", "throughput_tok_s")}
+                for key in ("ttft_mean_s", "tpot_ms", "throughput_tok_s")
+            }
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
-    header = ("config", "workload", "TTFT ms", "TPOT ms", "tok/s", "cached", "TTFT/vllm", "TPOT/vllm",
-              "tok/s/vllm", "status")
+    header = (
+        "config",
+        "workload",
+        "TTFT ms",
+        "TPOT ms",
+        "tok/s",
+        "cached",
+        "TTFT/vllm",
+        "TPOT/vllm",
+        "tok/s/vllm",
+        "status",
+    )
     lines = [header]
 
     def ratio(value: float | None) -> str:
@@ -486,13 +576,25 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
             continue
         for workload, got in row["workloads"].items():
             rel = row.get("ratios", {}).get(workload, {})
-            lines.append((config, workload, f"{got['ttft_mean_s'] * 1000:.1f}", f"{got['tpot_ms']:.2f}",
-                          f"{got['throughput_tok_s']:.0f}", f"{got['cached_share']:.2f}",
-                          ratio(rel.get("ttft_mean_s")), ratio(rel.get("tpot_ms")),
-                          ratio(rel.get("throughput_tok_s")), row["status"]))
+            lines.append(
+                (
+                    config,
+                    workload,
+                    f"{got['ttft_mean_s'] * 1000:.1f}",
+                    f"{got['tpot_ms']:.2f}",
+                    f"{got['throughput_tok_s']:.0f}",
+                    f"{got['cached_share']:.2f}",
+                    ratio(rel.get("ttft_mean_s")),
+                    ratio(rel.get("tpot_ms")),
+                    ratio(rel.get("throughput_tok_s")),
+                    row["status"],
+                )
+            )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False)) + "  " + line[-1]
-                     for line in lines)
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False)) + "  " + line[-1]
+        for line in lines
+    )
 
 
 def in_venv(venv: Path, log: Log) -> None:
@@ -501,8 +603,9 @@ def in_venv(venv: Path, log: Log) -> None:
         return
     python = venv / "bin" / "python"
     if not python.exists():
-        raise SystemExit(f"--venv {venv}: no python there; run `python3 {Path(__file__).relative_to(REPO_ROOT)} "
-                         f"install` first")
+        raise SystemExit(
+            f"--venv {venv}: no python there; run `python3 {Path(__file__).relative_to(REPO_ROOT)} install` first"
+        )
     command = [str(python), str(Path(__file__).resolve()), *sys.argv[1:]]
     log.command(command)
     os.execv(command[0], command)
@@ -518,9 +621,16 @@ def run(args: argparse.Namespace) -> int:
     log.say(f"results: {out}; logs: {scratch}; budget {args.minutes:g} min")
     cpu_bytes = cpu_space(args.cpu_gib, log)
     report: dict[str, Any] = {
-        "gpu": gpu_name(log), "versions": versions(), "eager": not args.cuda_graphs, "minutes": args.minutes,
-        "cpu_bytes": cpu_bytes, "pages": PAGES, "page_tokens": PAGE_TOKENS, "shape": dataclasses.asdict(SHAPE),
-        "configs": {}}
+        "gpu": gpu_name(log),
+        "versions": versions(),
+        "eager": not args.cuda_graphs,
+        "minutes": args.minutes,
+        "cpu_bytes": cpu_bytes,
+        "pages": PAGES,
+        "page_tokens": PAGE_TOKENS,
+        "shape": dataclasses.asdict(SHAPE),
+        "configs": {},
+    }
     log.say(f"gpu: {report['gpu']}; versions: {report['versions']}")
     checkpoint = make_checkpoint(args.scratch / "checkpoints" / "bench", log)
     report["checkpoint"] = str(checkpoint)
@@ -530,13 +640,22 @@ def run(args: argparse.Namespace) -> int:
         need = longest * 1.1 if longest else FIRST_ESTIMATE_S[not args.cuda_graphs]
         left = deadline - time.monotonic()
         if left < need:
-            rows[config] = {"status": "skipped",
-                            "reason": f"skipped: {max(0.0, left):.0f} s of the budget left, a configuration takes "
-                                      f"about {need:.0f} s"}
+            rows[config] = {
+                "status": "skipped",
+                "reason": f"skipped: {max(0.0, left):.0f} s of the budget left, a configuration takes "
+                f"about {need:.0f} s",
+            }
             log.say(f"{config}: {rows[config]['reason']}")
             continue
-        rows[config] = run_one(config, checkpoint=checkpoint, scratch=scratch, cpu_bytes=cpu_bytes,
-                               eager=not args.cuda_graphs, deadline=deadline, log=log)
+        rows[config] = run_one(
+            config,
+            checkpoint=checkpoint,
+            scratch=scratch,
+            cpu_bytes=cpu_bytes,
+            eager=not args.cuda_graphs,
+            deadline=deadline,
+            log=log,
+        )
         if rows[config]["status"] == "ok":
             longest = max(longest, rows[config]["wall_s"])
         out.write_text(json.dumps(report, indent=2))
@@ -553,11 +672,21 @@ def plan(args: argparse.Namespace) -> int:
     python = str(args.venv / "bin" / "python")
     cpu_bytes = int(args.cpu_gib * 2**30)
     print(f"checkpoint: the bench preset, saved by `run` under {args.scratch / 'checkpoints' / 'bench'}")
-    print(f"KV space: {PAGES} pages of {PAGE_TOKENS} tokens ({KV_SPACE_TOKENS} tokens); CPU capacity "
-          f"{cpu_bytes} bytes; ports are picked free at run time")
+    print(
+        f"KV space: {PAGES} pages of {PAGE_TOKENS} tokens ({KV_SPACE_TOKENS} tokens); CPU capacity "
+        f"{cpu_bytes} bytes; ports are picked free at run time"
+    )
     for config in args.configs:
-        spec = server_spec(config, python=python, checkpoint="<checkpoint>", port=free_port(), status_port=free_port(),
-                           cpu_bytes=cpu_bytes, eager=not args.cuda_graphs, pool_name="strata-gpu-bench-<pid>")
+        spec = server_spec(
+            config,
+            python=python,
+            checkpoint="<checkpoint>",
+            port=free_port(),
+            status_port=free_port(),
+            cpu_bytes=cpu_bytes,
+            eager=not args.cuda_graphs,
+            pool_name="strata-gpu-bench-<pid>",
+        )
         print(f"\n== {config}: {DESCRIPTIONS[config]}")
         print("env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items()))
         print("command: " + shlex.join(spec.command))
@@ -598,42 +727,74 @@ def install(args: argparse.Namespace) -> int:
     log.say(f"constraints {constraints}: torch=={torch}, vllm=={VLLM_VERSION}")
     lmcache = step([*pip, "install", *quiet, "-c", str(constraints), f"lmcache=={LMCACHE_VERSION}"], required=False)
     step([*pip, "install", *quiet, "-c", str(constraints), *RUNTIME_DEPS])
-    step([*pip, "install", *quiet, "-c", str(constraints), "--no-deps", "--ignore-requires-python", "-e",
-          str(REPO_ROOT)])
+    step(
+        [*pip, "install", *quiet, "-c", str(constraints), "--no-deps", "--ignore-requires-python", "-e", str(REPO_ROOT)]
+    )
     step([str(python), "-c", "import worker.dataplane.connectors.vllm as c; print('strata connector', c.__file__)"])
     if lmcache:
-        lmcache = step([str(python), "-c", "import lmcache.integration.vllm.vllm_v1_adapter, lmcache.cuda_ops; "
-                        "print('lmcache adapter loads')"], required=False)
+        lmcache = step(
+            [
+                str(python),
+                "-c",
+                "import lmcache.integration.vllm.vllm_v1_adapter, lmcache.cuda_ops; print('lmcache adapter loads')",
+            ],
+            required=False,
+        )
     if not lmcache:
         log.say(f"lmcache {LMCACHE_VERSION} did not install or load: `run` will report its row as failed")
-    cuda = step([str(python), "-c", "import sys, torch, vllm; print('vllm', vllm.__version__, 'torch', "
-                 "torch.__version__, 'cuda', torch.cuda.is_available()); sys.exit(not torch.cuda.is_available())"],
-                required=False)
+    cuda = step(
+        [
+            str(python),
+            "-c",
+            "import sys, torch, vllm; print('vllm', vllm.__version__, 'torch', "
+            "torch.__version__, 'cuda', torch.cuda.is_available()); sys.exit(not torch.cuda.is_available())",
+        ],
+        required=False,
+    )
     if not cuda:
         log.say("torch in the venv sees no GPU (driver too old for its CUDA build?): `run` cannot serve")
-    log.say(f"installed in {venv} in {time.monotonic() - log.started:.0f} s; next: "
-            f"python3 {Path(__file__).relative_to(REPO_ROOT)} run")
+    log.say(
+        f"installed in {venv} in {time.monotonic() - log.started:.0f} s; next: "
+        f"python3 {Path(__file__).relative_to(REPO_ROOT)} run"
+    )
     return 0 if cuda else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, helped in (("install", "create the GPU venv: vLLM (CUDA), LMCache, this repository"),
-                         ("run", "start each configuration's server in turn and measure it"),
-                         ("plan", "print the servers' commands and environment; start nothing")):
+    for name, helped in (
+        ("install", "create the GPU venv: vLLM (CUDA), LMCache, this repository"),
+        ("run", "start each configuration's server in turn and measure it"),
+        ("plan", "print the servers' commands and environment; start nothing"),
+    ):
         sub = commands.add_parser(name, help=helped)
         sub.add_argument("--venv", type=Path, default=DEFAULT_VENV, help=f"the GPU venv (default {DEFAULT_VENV})")
         if name == "install":
             continue
-        sub.add_argument("--configs", type=parse_configs, default=list(CONFIGS),
-                         help=f"comma-separated, run in this order (default {','.join(CONFIGS)})")
-        sub.add_argument("--cpu-gib", type=positive, default=8.0,
-                         help="CPU capacity of each offloading configuration, GiB (default 8)")
-        sub.add_argument("--cuda-graphs", action="store_true",
-                         help="compile and capture CUDA graphs (slower starts) instead of --enforce-eager")
-        sub.add_argument("--scratch", type=Path, default=DEFAULT_SCRATCH,
-                         help=f"logs, results and the checkpoint (default {DEFAULT_SCRATCH})")
+        sub.add_argument(
+            "--configs",
+            type=parse_configs,
+            default=list(CONFIGS),
+            help=f"comma-separated, run in this order (default {','.join(CONFIGS)})",
+        )
+        sub.add_argument(
+            "--cpu-gib",
+            type=positive,
+            default=8.0,
+            help="CPU capacity of each offloading configuration, GiB (default 8)",
+        )
+        sub.add_argument(
+            "--cuda-graphs",
+            action="store_true",
+            help="compile and capture CUDA graphs (slower starts) instead of --enforce-eager",
+        )
+        sub.add_argument(
+            "--scratch",
+            type=Path,
+            default=DEFAULT_SCRATCH,
+            help=f"logs, results and the checkpoint (default {DEFAULT_SCRATCH})",
+        )
         if name == "run":
             sub.add_argument("--minutes", type=positive, default=8.0, help="wall-time budget of the run (default 8)")
             sub.add_argument("--out", type=Path, help="results JSON (default: in the run's scratch folder)")

@@ -98,16 +98,22 @@ class Context:
         self._log(message)
 
 
-def run_child(ctx: Context, module: str, spec: dict[str, Any], env: dict[str, str],
-              notes: dict[str, str] | None = None) -> list[Row]:
+def run_child(
+    ctx: Context, module: str, spec: dict[str, Any], env: dict[str, str], notes: dict[str, str] | None = None
+) -> list[Row]:
     """Run `python -m module <spec as JSON>` (a suite that needs its own process, e.g. Django
     configured for a scratch database) and turn the JSON lines it prints into progress and rows:
     {"plan": n}, {"step": label}, {"log": text}, {"param": {...}}, {"row": {...}}; other lines are logged."""
     import subprocess
 
     rows: list[Row] = []
-    child = subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)], cwd=Path(__file__).resolve().parent.parent,
-                             env=env, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-m", module, json.dumps(spec)],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout is not None
     for line in child.stdout:
         if not line.startswith("{"):
@@ -159,11 +165,7 @@ def discover() -> list[str]:
     """Names of the suite modules in benchmarks/suites/, without importing them (a suite with
     heavy or broken imports must not stop the others)."""
     package = importlib.import_module(SUITES_PACKAGE)
-    return sorted(
-        info.name
-        for info in pkgutil.iter_modules(package.__path__)
-        if not info.name.startswith("_")
-    )
+    return sorted(info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_"))
 
 
 def load(name: str) -> ModuleType:
@@ -190,9 +192,7 @@ def _machine() -> dict[str, Any]:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         info["cpu"] = next(
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.splitlines()
-            if line.startswith("model name")
+            line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")
         )
     except (OSError, StopIteration):
         pass
@@ -207,12 +207,8 @@ def _format(value: float, unit: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     suites = discover()
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument(
-        "suites", nargs="*", help=f"suites to run (default: all of {', '.join(suites)})"
-    )
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("suites", nargs="*", help=f"suites to run (default: all of {', '.join(suites)})")
     parser.add_argument(
         "--scale",
         type=float,
@@ -231,9 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="directory on the filesystem to benchmark (default: the system temp dir)",
     )
-    parser.add_argument(
-        "--results", type=Path, default=RESULTS_DIR, help="where <suite>.json files go"
-    )
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where <suite>.json files go")
     parser.add_argument("--list", action="store_true", help="list the suites and exit")
     args = parser.parse_args(argv)
     console = Console()
@@ -291,9 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 repeats=args.repeats,
                 scratch=scratch,
                 _plan=lambda total, task=task: progress.update(task, total=total),
-                _advance=lambda label, task=task: progress.update(
-                    task, advance=1, description=label
-                ),
+                _advance=lambda label, task=task: progress.update(task, advance=1, description=label),
                 _log=lambda message: progress.console.print(message),
             )
             started = time.time()
@@ -324,9 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             (args.results / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
             for row in rows:
-                table.add_row(
-                    name, row.name, _format(row.value, row.unit), row.unit, row.baseline or ""
-                )
+                table.add_row(name, row.name, _format(row.value, row.unit), row.unit, row.baseline or "")
     console.print(table)
     console.print(f"results in {args.results}/")
     return 1 if failures else 0

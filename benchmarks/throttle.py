@@ -28,8 +28,10 @@ def whole_disk(path: Path) -> tuple[int, int]:
     major, minor = os.major(device), os.minor(device)
     sysfs = Path(f"/sys/dev/block/{major}:{minor}")
     if major == 0 or not sysfs.exists():
-        raise ThrottleUnavailable(f"{path} is on a filesystem without a block device ({major}:{minor}: tmpfs, "
-                                  "overlay or network): there is no disk to throttle")
+        raise ThrottleUnavailable(
+            f"{path} is on a filesystem without a block device ({major}:{minor}: tmpfs, "
+            "overlay or network): there is no disk to throttle"
+        )
     if (sysfs / "partition").exists():  # throttling applies to whole disks
         parent = (sysfs.resolve().parent / "dev").read_text().strip()
         major, minor = (int(part) for part in parent.split(":"))

@@ -73,10 +73,15 @@ class Shape:
     def at(cls, scale: float) -> Shape:
         if scale >= 1:
             return cls()
-        return cls(conversations=max(4, int(10 * scale)), turns=max(2, int(6 * scale)),
-                   context_tokens=max(256, int(1536 * scale)), documents=2,
-                   document_tokens=max(1024, int(10240 * scale)), nohit_requests=max(4, int(48 * scale)),
-                   nohit_tokens=max(256, int(1024 * scale)))
+        return cls(
+            conversations=max(4, int(10 * scale)),
+            turns=max(2, int(6 * scale)),
+            context_tokens=max(256, int(1536 * scale)),
+            documents=2,
+            document_tokens=max(1024, int(10240 * scale)),
+            nohit_requests=max(4, int(48 * scale)),
+            nohit_tokens=max(256, int(1024 * scale)),
+        )
 
 
 def free_port() -> int:
@@ -107,16 +112,32 @@ class Outcome:
 class Server:
     """One vLLM OpenAI server of a configuration, started and stopped with its process group."""
 
-    def __init__(self, config: str, *, checkpoint: Path, port: int, shape: Shape, scratch: Path,
-                 env: dict[str, str], status_port: int, logs: Path) -> None:
+    def __init__(
+        self,
+        config: str,
+        *,
+        checkpoint: Path,
+        port: int,
+        shape: Shape,
+        scratch: Path,
+        env: dict[str, str],
+        status_port: int,
+        logs: Path,
+    ) -> None:
         self.config = config
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{config}.log"
         pages = shape.floor_pages if config == "floor" else shape.pages
-        vllm_args = ["--max-model-len", str(shape.max_model_len), "--num-gpu-blocks-override", str(pages),
-                     "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+        vllm_args = [
+            "--max-model-len",
+            str(shape.max_model_len),
+            "--num-gpu-blocks-override",
+            str(pages),
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+        ]
         # vLLM's CPU backend keeps cores out of its compute for its scheduler process: one alone,
         # two with a KV connector, and where the machine has no more than that, none. Left to
         # itself on 2 cores, vLLM alone would compute on one core and every connector on two;
@@ -129,21 +150,59 @@ class Server:
         if config.startswith("strata_"):
             tier = config.removeprefix("strata_")
             name = f"bench-{config.replace('_', '-')}"
-            self.command = [sys.executable, "manage.py", "strata_node", "--name", name, "--engine", "vllm",
-                            "--model", str(checkpoint), "--serve-port", str(port), "--status-port", str(status_port),
-                            "--tiers", tier, "--disk-path", str(scratch / f"{name}-disk"), "--disk-bytes", "8GiB",
-                            "--host-bytes", "3GiB", "--heartbeat-seconds", "5"]
+            self.command = [
+                sys.executable,
+                "manage.py",
+                "strata_node",
+                "--name",
+                name,
+                "--engine",
+                "vllm",
+                "--model",
+                str(checkpoint),
+                "--serve-port",
+                str(port),
+                "--status-port",
+                str(status_port),
+                "--tiers",
+                tier,
+                "--disk-path",
+                str(scratch / f"{name}-disk"),
+                "--disk-bytes",
+                "8GiB",
+                "--host-bytes",
+                "3GiB",
+                "--heartbeat-seconds",
+                "5",
+            ]
             self.pool = f"strata-{name}-{os.getpid()}"
             self.env.update(STRATA_VLLM_ARGS=" ".join(vllm_args), STRATA_HOST_POOL_NAME=self.pool)
         else:
-            self.command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-                            "--port", str(port), "--dtype", "bfloat16", *vllm_args]
+            self.command = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(checkpoint),
+                "--port",
+                str(port),
+                "--dtype",
+                "bfloat16",
+                *vllm_args,
+            ]
             if config == "example":
                 storage = scratch / "example-storage"
                 storage.mkdir(parents=True, exist_ok=True)
-                self.command += ["--kv-transfer-config", json.dumps({
-                    "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": str(storage)}})]
+                self.command += [
+                    "--kv-transfer-config",
+                    json.dumps(
+                        {
+                            "kv_connector": "ExampleConnector",
+                            "kv_role": "kv_both",
+                            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+                        }
+                    ),
+                ]
         self.process: subprocess.Popen[bytes] | None = None
         self.model = str(checkpoint)
         self.status = f"http://127.0.0.1:{status_port}" if config.startswith("strata_") else None
@@ -159,13 +218,16 @@ class Server:
     def _start(self) -> Server:
         self.shm_before = set(SHM.glob("psm_*"))
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the {self.config} server exited at start (code {self.process.returncode}); "
-                                   f"see {self.log_path}:\n{_tail(self.log_path)}")
+                raise RuntimeError(
+                    f"the {self.config} server exited at start (code {self.process.returncode}); "
+                    f"see {self.log_path}:\n{_tail(self.log_path)}"
+                )
             try:
                 with urllib.request.urlopen(self.base + "/v1/models", timeout=5) as answer:
                     self.model = json.loads(answer.read())["data"][0]["id"]
@@ -219,8 +281,11 @@ def _mapped_shm() -> set[str]:
     names = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         with contextlib.suppress(OSError):
-            names.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps.read_text().splitlines()
-                         if "/dev/shm/" in line)
+            names.update(
+                line.rsplit("/dev/shm/", 1)[1].split()[0]
+                for line in maps.read_text().splitlines()
+                if "/dev/shm/" in line
+            )
     return names
 
 
@@ -241,8 +306,14 @@ def complete(client: Any, model: str, prompt: list[int], max_tokens: int) -> tup
     answer: list[int] = []
     usage: Any = None
     stream = client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -255,8 +326,13 @@ def complete(client: Any, model: str, prompt: list[int], max_tokens: int) -> tup
     details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
     cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
     produced = int(usage.completion_tokens) if usage is not None else len(answer)
-    return Outcome(ttft_s=(first or done) - sent, e2e_s=done - sent, output_tokens=produced,
-                   prompt_tokens=len(prompt), cached_tokens=cached), answer
+    return Outcome(
+        ttft_s=(first or done) - sent,
+        e2e_s=done - sent,
+        output_tokens=produced,
+        prompt_tokens=len(prompt),
+        cached_tokens=cached,
+    ), answer
 
 
 def drive(base: str, model: str, sessions: Sequence[Sequence[Step]], clients: int) -> tuple[list[Outcome], float]:
@@ -320,7 +396,9 @@ def multiturn_sessions(shape: Shape, seed: int) -> list[list[Step]]:
             def make(history: list[int]) -> tuple[list[int], int]:
                 user = tokens(shape.user_tokens, seed=seed * 1000 + 100 * index + number + 1)
                 return (history or context) + user, shape.answer_tokens
+
             return make
+
         return [turn(t) for t in range(shape.turns)]
 
     return [session(i) for i in range(shape.conversations)]
@@ -328,10 +406,12 @@ def multiturn_sessions(shape: Shape, seed: int) -> list[list[Step]]:
 
 def longdoc_sessions(shape: Shape, seed: int, ask: int) -> list[list[Step]]:
     """One single-step session per document: its `ask`-th question about it."""
+
     def ask_doc(doc: int) -> list[Step]:
         document = [1, *tokens(shape.document_tokens, seed=seed * 1000 + doc)]
         question = tokens(shape.question_tokens, seed=seed * 1000 + 100 + 10 * doc + ask)
         return [lambda _history: (document + question, shape.doc_answer_tokens)]
+
     return [ask_doc(d) for d in range(shape.documents)]
 
 
@@ -339,6 +419,7 @@ def nohit_sessions(shape: Shape, seed: int) -> list[list[Step]]:
     def one(index: int) -> list[Step]:
         prompt = [1, *tokens(shape.nohit_tokens, seed=seed * 1000 + index)]
         return [lambda _history: (prompt, shape.nohit_answer_tokens)]
+
     return [one(i) for i in range(shape.nohit_requests)]
 
 
@@ -359,9 +440,13 @@ def summary(outcomes: Sequence[Outcome], wall: float) -> dict[str, float]:
     }
 
 
-SKIPPED = {"example": {"longdoc": "ExampleConnector saves only a prompt's first prefill chunk (2048 tokens here) and "
-                                  "kills vLLM's engine when it loads such a prompt back (vLLM 0.32: a shape mismatch "
-                                  "in inject_kv_into_layer)"}}
+SKIPPED = {
+    "example": {
+        "longdoc": "ExampleConnector saves only a prompt's first prefill chunk (2048 tokens here) and "
+        "kills vLLM's engine when it loads such a prompt back (vLLM 0.32: a shape mismatch "
+        "in inject_kv_into_layer)"
+    }
+}
 """Workloads a configuration cannot serve, and why."""
 
 
@@ -370,24 +455,31 @@ def run_config(server: Server, shape: Shape, progress: Callable[[str], None]) ->
     kernels for the shapes it meets first: a few untimed requests of the workloads' sizes (prompts
     no workload shares) go first."""
     progress(f"vllm: {server.config}: warming up")
-    warm = [[lambda _h, n=n, i=i: ([1, *tokens(n, seed=900 + i)], 8)] for i, n in
-            enumerate((shape.context_tokens, shape.nohit_tokens, 300, shape.document_tokens // 2))]
+    warm = [
+        [lambda _h, n=n, i=i: ([1, *tokens(n, seed=900 + i)], 8)]
+        for i, n in enumerate((shape.context_tokens, shape.nohit_tokens, 300, shape.document_tokens // 2))
+    ]
     drive(server.base, server.model, warm, clients=2)
     results: dict[str, dict[str, float]] = {}
     for clients in (4, 8):
         sessions = multiturn_sessions(shape, seed=10 + clients)
-        progress(f"vllm: {server.config}: multi-turn, {clients} clients, {shape.conversations} conversations x "
-                 f"{shape.turns} turns")
+        progress(
+            f"vllm: {server.config}: multi-turn, {clients} clients, {shape.conversations} conversations x "
+            f"{shape.turns} turns"
+        )
         results[f"multiturn.c{clients}"] = summary(*drive(server.base, server.model, sessions, clients))
     skipped = SKIPPED.get(server.config, {})
     if "longdoc" in skipped:
         progress(f"vllm: {server.config}: long documents not run: {skipped['longdoc']}")
     else:
-        progress(f"vllm: {server.config}: long documents ({shape.documents} x {shape.document_tokens} tokens), "
-                 "asked once, then again")
+        progress(
+            f"vllm: {server.config}: long documents ({shape.documents} x {shape.document_tokens} tokens), "
+            "asked once, then again"
+        )
         drive(server.base, server.model, longdoc_sessions(shape, seed=30, ask=0), clients=1)
-        results["longdoc"] = summary(*drive(server.base, server.model, longdoc_sessions(shape, seed=30, ask=1),
-                                            clients=1))
+        results["longdoc"] = summary(
+            *drive(server.base, server.model, longdoc_sessions(shape, seed=30, ask=1), clients=1)
+        )
     progress(f"vllm: {server.config}: {shape.nohit_requests} prompts with nothing to reuse")
     results["nohit"] = summary(*drive(server.base, server.model, nohit_sessions(shape, seed=40), clients=4))
     kept = server.keep_traces()

@@ -111,8 +111,7 @@ def main() -> int:
         print("  for example: " + " -> ".join(round_trip(graph, component)))
     for path, lines in long_modules(root):
         failed = True
-        print(f"{path}: {lines} lines (more than {MAX_LINES}); split it, or say why in its docstring "
-              f"with {REASON!r}")
+        print(f"{path}: {lines} lines (more than {MAX_LINES}); split it, or say why in its docstring with {REASON!r}")
     if not failed:
         print(f"no import cycle among {len(modules)} modules; no module past {MAX_LINES} lines without a reason")
     return 1 if failed else 0

@@ -93,8 +93,14 @@ def django_connect(alias: str = "default", *, connect_timeout_s: int = 2) -> Con
     options.pop("isolation_level", None)
     options.pop("assume_role", None)
     options["connect_timeout"] = connect_timeout_s
-    kwargs = {"dbname": params["NAME"], "user": params.get("USER") or None, "password": params.get("PASSWORD") or None,
-              "host": params.get("HOST") or None, "port": params.get("PORT") or None, **options}
+    kwargs = {
+        "dbname": params["NAME"],
+        "user": params.get("USER") or None,
+        "password": params.get("PASSWORD") or None,
+        "host": params.get("HOST") or None,
+        "port": params.get("PORT") or None,
+        **options,
+    }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
 
     def connect() -> psycopg.Connection[Any]:
@@ -114,8 +120,14 @@ class PostgresDirectory:
     """The data plane's Directory backed by the control plane's PostgreSQL, over raw psycopg
     connections (Django's settings name the database; no ORM on this path)."""
 
-    def __init__(self, *, connect: Connect | None = None, options: DirectoryOptions | None = None,
-                 announce: Callable[..., None] | None = None, source: str = "node") -> None:
+    def __init__(
+        self,
+        *,
+        connect: Connect | None = None,
+        options: DirectoryOptions | None = None,
+        announce: Callable[..., None] | None = None,
+        source: str = "node",
+    ) -> None:
         self.options = options or DirectoryOptions()
         self._connect_raw = connect or django_connect(connect_timeout_s=self.options.connect_timeout_s)
         self._announce = announce if announce is not None else blocks_registered_announce
@@ -147,12 +159,22 @@ class PostgresDirectory:
         self._thread.start()
 
     # -- reads ---------------------------------------------------------------------------------
-    def lookup(self, *, keys: Sequence[uuid.UUID], node: str | None, namespace: str | None = None,
-               model_key: uuid.UUID | None = None, content_keys: Sequence[uuid.UUID] = ()) -> LookupResult:
+    def lookup(
+        self,
+        *,
+        keys: Sequence[uuid.UUID],
+        node: str | None,
+        namespace: str | None = None,
+        model_key: uuid.UUID | None = None,
+        content_keys: Sequence[uuid.UUID] = (),
+    ) -> LookupResult:
         with self._lock:
             self._counts["lookups"] += 1
-        answer = self._read(lambda cur: queries.lookup(cur, namespace=namespace, model_key=model_key, node=node,
-                                                       prefix_keys=keys, content_keys=content_keys))
+        answer = self._read(
+            lambda cur: queries.lookup(
+                cur, namespace=namespace, model_key=model_key, node=node, prefix_keys=keys, content_keys=content_keys
+            )
+        )
         return queries.lookup_result(answer, prefix_keys=keys, content_keys=content_keys)
 
     def namespace_salt(self, namespace: str) -> bytes:
@@ -217,8 +239,11 @@ class PostgresDirectory:
         conn = self._connect_raw()
         try:
             conn.autocommit = True
-            conn.execute("SELECT set_config('statement_timeout', %s, false), "
-                         "set_config('application_name', 'strata-directory', false)", (str(timeout_ms),))
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, false), "
+                "set_config('application_name', 'strata-directory', false)",
+                (str(timeout_ms),),
+            )
         except BaseException:
             conn.close()
             raise
@@ -240,8 +265,10 @@ class PostgresDirectory:
                 # Kept all the same: dropping a registration would leave bytes the directory
                 # never learns of. The count says the writer cannot keep up.
                 if self._counts["over_capacity"] == 0:
-                    log.warning("directory write queue over capacity (%d): the database is not keeping up",
-                                self.options.capacity)
+                    log.warning(
+                        "directory write queue over capacity (%d): the database is not keeping up",
+                        self.options.capacity,
+                    )
                 self._counts["over_capacity"] += min(over, len(items))
             was_idle = not self._writes
             self._writes.extend((kind, item) for item in items)
@@ -286,10 +313,19 @@ class PostgresDirectory:
         with self._lock:
             c = self._counts
             return DirectoryStats(
-                queued=c["queued"], pending=len(self._writes), flushed=c["flushed"], flushes=c["flushes"],
-                retried=c["retried"], failed_flushes=c["failed_flushes"], dropped_touches=c["dropped_touches"],
-                rejected=c["rejected"], refused_changes=c["refused_changes"], over_capacity=c["over_capacity"],
-                lookups=c["lookups"], lookup_failures=c["lookup_failures"], deferred=len(self._parked),
+                queued=c["queued"],
+                pending=len(self._writes),
+                flushed=c["flushed"],
+                flushes=c["flushes"],
+                retried=c["retried"],
+                failed_flushes=c["failed_flushes"],
+                dropped_touches=c["dropped_touches"],
+                rejected=c["rejected"],
+                refused_changes=c["refused_changes"],
+                over_capacity=c["over_capacity"],
+                lookups=c["lookups"],
+                lookup_failures=c["lookup_failures"],
+                deferred=len(self._parked),
             )
 
     def close(self, *, timeout: float = 5.0) -> None:
@@ -383,8 +419,9 @@ class PostgresDirectory:
                 self._failing += 1
                 failing = self._failing
             if failing == 1 or failing % 20 == 0:
-                log.warning("directory write of %d items failed (%d in a row), will retry: %s", len(batch),
-                            failing, exc)
+                log.warning(
+                    "directory write of %d items failed (%d in a row), will retry: %s", len(batch), failing, exc
+                )
             return False
         except psycopg.Error as exc:
             if len(batch) == 1:
@@ -419,8 +456,11 @@ class PostgresDirectory:
             else:
                 del self._unknown_since[id(reg)]
                 self._counts["rejected"] += 1
-                log.warning("registration of %s rejected: its namespace, model or node is still unknown after "
-                            "%.0f s", reg.prefix_key, self.options.unknown_grace_s)
+                log.warning(
+                    "registration of %s rejected: its namespace, model or node is still unknown after %.0f s",
+                    reg.prefix_key,
+                    self.options.unknown_grace_s,
+                )
 
     def _apply(self, batch: list[tuple[str, Any]]) -> tuple[collections.Counter[str], list[BlockRegistration]]:
         """Write a batch in one transaction; returns the counts and the registrations that name an
@@ -434,14 +474,19 @@ class PostgresDirectory:
                 if kind == "register":
                     written = registrations_write(cur, registrations=run, now=now, all_or_nothing=False)
                     unknown.extend(run[index] for index, _ in written.rejected)
-                    counts.update(flushed=written.written, registered=written.written,
-                                  new_blocks=written.counts.blocks, new_placements=written.counts.placements)
+                    counts.update(
+                        flushed=written.written,
+                        registered=written.written,
+                        new_blocks=written.counts.blocks,
+                        new_placements=written.counts.placements,
+                    )
                 else:
                     changed = placement_changes_write(cur, changes=run, now=now)
                     counts.update(flushed=len(run), refused_changes=max(len(run) - changed, 0))
         with self._lock:
-            self._unannounced.update(blocks=counts["registered"], new=counts["new_blocks"],
-                                     placements=counts["new_placements"])
+            self._unannounced.update(
+                blocks=counts["registered"], new=counts["new_blocks"], placements=counts["new_placements"]
+            )
             parked = {id(reg) for reg in unknown}
             for reg in (r for kind, run in _kinds(batch) if kind == "register" for r in run):
                 if id(reg) not in parked:
@@ -453,9 +498,12 @@ class PostgresDirectory:
     def _write_touches(self, touches: dict[tuple[str, uuid.UUID, uuid.UUID], _Touch]) -> None:
         if not touches:
             return
-        rows = [queries.TouchRow(namespace=ns, model_key=mk, prefix_key=pk, hits=t.hits,
-                                 at=datetime.fromtimestamp(t.at, tz=UTC))
-                for (ns, mk, pk), t in touches.items()]
+        rows = [
+            queries.TouchRow(
+                namespace=ns, model_key=mk, prefix_key=pk, hits=t.hits, at=datetime.fromtimestamp(t.at, tz=UTC)
+            )
+            for (ns, mk, pk), t in touches.items()
+        ]
         try:
             with self._writer_conn().cursor() as cur:
                 queries.touch(cur, rows=rows)
@@ -482,8 +530,9 @@ class PostgresDirectory:
             return
         self._announced_at = time.monotonic()
         try:
-            self._announce(blocks=pending["blocks"], new=pending["new"], placements=pending["placements"],
-                           source=self._source)
+            self._announce(
+                blocks=pending["blocks"], new=pending["new"], placements=pending["placements"], source=self._source
+            )
         except Exception as exc:  # noqa: BLE001 - the dashboard stream is lossy by design
             log.warning("could not announce registered blocks: %s", exc)
 
@@ -491,4 +540,3 @@ class PostgresDirectory:
 def _kinds(batch: list[tuple[str, Any]]) -> list[tuple[str, list[Any]]]:
     """Consecutive writes of one kind, in order: a change never overtakes a registration queued before it."""
     return [(kind, [item for _, item in run]) for kind, run in runs(batch, key=lambda w: w[0])]
-

@@ -74,19 +74,30 @@ class NodeRuntime:
             namespace_ensure(name=namespace)
         self.store = build_store(config, profile=profile, environ=self._tier_environ())
         self.directory = PostgresDirectory()
-        self.engine = Engine(model=model, store=self.store, node=config.node_name, directory=self.directory,
-                             options=EngineOptions(block_tokens=config.block_tokens,
-                                                   write_back_tier="host" if "host" in self.store.names
-                                                   else self.store.names[-1],
-                                                   blend=BlendOptions.from_config(config)))
+        self.engine = Engine(
+            model=model,
+            store=self.store,
+            node=config.node_name,
+            directory=self.directory,
+            options=EngineOptions(
+                block_tokens=config.block_tokens,
+                write_back_tier="host" if "host" in self.store.names else self.store.names[-1],
+                blend=BlendOptions.from_config(config),
+            ),
+        )
         # The device shares of the policies in force, before the first request.
         try:
             self.policies_refresh()
         except Exception as exc:  # noqa: BLE001 - serve anyway; the heartbeat reads them again
             log.warning("could not read the policies in force at start: %s", exc)
-        self.server = NodeServer(engine=self.engine, host=config.serve_host, port=config.serve_port,
-                                 node=config.node_name, api_keys=config.api_keys,
-                                 admin_key=config.node_admin_key).start()
+        self.server = NodeServer(
+            engine=self.engine,
+            host=config.serve_host,
+            port=config.serve_port,
+            node=config.node_name,
+            api_keys=config.api_keys,
+            admin_key=config.node_admin_key,
+        ).start()
 
     def _start_vllm(self) -> None:
         """The node of a vLLM engine: the model's profile from its checkpoint (vLLM loads the
@@ -112,8 +123,11 @@ class NodeRuntime:
         if config.vllm_launch:
             self.vllm = VllmServer(config, model=str(checkpoint), dtype=dtype).start()
         else:
-            log.info("node %s: serving through a vLLM server started elsewhere (its Strata endpoints at %s)",
-                     config.node_name, self.status_address)
+            log.info(
+                "node %s: serving through a vLLM server started elsewhere (its Strata endpoints at %s)",
+                config.node_name,
+                self.status_address,
+            )
 
     def checkpoint(self) -> Path:
         """The checkpoint directory vLLM loads: the model option's, or for a preset, the preset
@@ -124,8 +138,9 @@ class NodeRuntime:
         if spec not in PRESETS:
             path = Path(spec)
             if not (path / "config.json").is_file():
-                raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
-                                 f"checkpoint directory")
+                raise ValueError(
+                    f"model: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
+                )
             return path.resolve()
         return preset_checkpoint(spec, Path(os.environ.get("STRATA_VAR_DIR") or "var") / "checkpoints")
 
@@ -160,8 +175,9 @@ class NodeRuntime:
 
         snapshot = policies_snapshot()
         if snapshot.version != self.policy_version:
-            self.apply_policies(version=snapshot.version,
-                                classes=[dataclasses.asdict(spec) for spec in snapshot.classes])
+            self.apply_policies(
+                version=snapshot.version, classes=[dataclasses.asdict(spec) for spec in snapshot.classes]
+            )
 
     def stop_engine(self) -> None:
         if self.vllm is not None:
@@ -200,7 +216,9 @@ class NodeRuntime:
         if free < self.config.disk_bytes:
             log.warning(
                 "disk tier %s: capacity %d bytes configured but only %d bytes free on its filesystem",
-                disk, self.config.disk_bytes, free,
+                disk,
+                self.config.disk_bytes,
+                free,
             )
 
     def tier_reports(self) -> list[dict[str, Any]]:
@@ -214,8 +232,11 @@ class NodeRuntime:
         return [
             {"tier": "device", "capacity_bytes": c.device_bytes, "used_bytes": 0},
             {"tier": "host", "capacity_bytes": c.host_bytes, "used_bytes": 0},
-            {"tier": "disk", "capacity_bytes": c.disk_bytes,
-             "used_bytes": min(_dir_bytes(c.node_disk_path), c.disk_bytes) if c.disk_bytes else 0},
+            {
+                "tier": "disk",
+                "capacity_bytes": c.disk_bytes,
+                "used_bytes": min(_dir_bytes(c.node_disk_path), c.disk_bytes) if c.disk_bytes else 0,
+            },
             {"tier": "remote", "capacity_bytes": c.remote_bytes, "used_bytes": 0},
         ]
 
@@ -276,9 +297,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
 
     def start(self, parent: Any) -> None:
         name = self.runtime.config.node_name
-        log.info(
-            "node %s: heartbeat every %.1fs on queue node.%s", name, self.runtime.config.heartbeat_seconds, name
-        )
+        log.info("node %s: heartbeat every %.1fs on queue node.%s", name, self.runtime.config.heartbeat_seconds, name)
         self.thread = threading.Thread(target=self._loop, name=f"heartbeat-{name}", daemon=True)
         self.thread.start()
 
@@ -311,8 +330,13 @@ def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
     queue = f"node.{config.node_name}"
     log.info(
         "node %s starting: queue %s, device %d B, host %d B, disk %d B at %s, remote %d B",
-        config.node_name, queue, config.device_bytes, config.host_bytes, config.disk_bytes,
-        config.node_disk_path, config.remote_bytes,
+        config.node_name,
+        queue,
+        config.device_bytes,
+        config.host_bytes,
+        config.disk_bytes,
+        config.node_disk_path,
+        config.remote_bytes,
     )
     worker = app.Worker(
         hostname=f"{config.node_name}@{runtime.host}",

@@ -52,8 +52,9 @@ class StrataConnector(StrataConnectorBase):
                 modelprofile_ensure(profile=profile)
                 namespace_ensure(name="default")
             except Exception as exc:  # noqa: BLE001 - serving goes on from the node's tiers
-                log.warning("StrataConnector: could not record model %s in the directory yet: %s",
-                            profile.model_id, exc)
+                log.warning(
+                    "StrataConnector: could not record model %s in the directory yet: %s", profile.model_id, exc
+                )
         return PostgresDirectory()
 
     def store_environ(self) -> Mapping[str, str] | None:

@@ -26,9 +26,23 @@ from worker.dataplane.config import NodeConfig
 log = logging.getLogger("strata.node")
 
 CONNECTOR_OPTIONS = (
-    "node_name", "tiers", "host_bytes", "host_pool_name", "disk_bytes", "disk_direct_io", "disk_io_threads",
-    "disk_reuse_seconds", "remote_bytes", "remote_url", "remote_prefix", "remote_cluster", "remote_timeout_seconds",
-    "io_threads", "copy_threads", "block_tokens", "serve_host",
+    "node_name",
+    "tiers",
+    "host_bytes",
+    "host_pool_name",
+    "disk_bytes",
+    "disk_direct_io",
+    "disk_io_threads",
+    "disk_reuse_seconds",
+    "remote_bytes",
+    "remote_url",
+    "remote_prefix",
+    "remote_cluster",
+    "remote_timeout_seconds",
+    "io_threads",
+    "copy_threads",
+    "block_tokens",
+    "serve_host",
 )
 """The node options the connector inside vLLM reads (handed over as STRATA_* variables)."""
 
@@ -46,9 +60,20 @@ def kv_transfer_config(config: NodeConfig) -> dict[str, object]:
 
 def server_command(config: NodeConfig, *, model: str, dtype: str) -> list[str]:
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", config.serve_host, "--port", str(config.serve_port), "--dtype", dtype,
-        "--kv-transfer-config", json.dumps(kv_transfer_config(config)), *config.vllm_args,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        config.serve_host,
+        "--port",
+        str(config.serve_port),
+        "--dtype",
+        dtype,
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(config)),
+        *config.vllm_args,
     ]
 
 
@@ -62,8 +87,15 @@ def server_environ(config: NodeConfig, environ: Mapping[str, str]) -> dict[str, 
 class VllmServer:
     """One vLLM server process of a node."""
 
-    def __init__(self, config: NodeConfig, *, model: str, dtype: str, environ: Mapping[str, str] | None = None,
-                 on_exit: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        model: str,
+        dtype: str,
+        environ: Mapping[str, str] | None = None,
+        on_exit: Callable[[int], None] | None = None,
+    ) -> None:
         self.config = config
         self.command = server_command(config, model=model, dtype=dtype)
         self.environ = server_environ(config, os.environ if environ is None else environ)
@@ -73,9 +105,14 @@ class VllmServer:
         self._watcher: threading.Thread | None = None
 
     def start(self) -> VllmServer:
-        log.info("node %s: starting vLLM on %s:%d for %s (Strata endpoints on port %d)", self.config.node_name,
-                 self.config.serve_host, self.config.serve_port, self.command[self.command.index("--model") + 1],
-                 self.config.node_status_port)
+        log.info(
+            "node %s: starting vLLM on %s:%d for %s (Strata endpoints on port %d)",
+            self.config.node_name,
+            self.config.serve_host,
+            self.config.serve_port,
+            self.command[self.command.index("--model") + 1],
+            self.config.node_status_port,
+        )
         # Its own process group: a signal to the node does not reach vLLM's processes before the
         # node has stopped them in order.
         self.process = subprocess.Popen(self.command, env=self.environ, start_new_session=True)

@@ -21,8 +21,10 @@ from collections.abc import Iterator
 
 log = logging.getLogger("strata.workload")
 
-WORDS = ("cache tier block layer token prefix memory bandwidth latency request model attention key value "
-         "policy node shard replica storage eviction hotness fragment document clause contract answer").split()
+WORDS = (
+    "cache tier block layer token prefix memory bandwidth latency request model attention key value "
+    "policy node shard replica storage eviction hotness fragment document clause contract answer"
+).split()
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -42,10 +44,21 @@ class Client:
     def chat(self, messages: list[dict[str, str]], *, max_tokens: int, namespace: str) -> tuple[str, dict, float]:
         # The namespace goes as the header Strata's node server reads and as vLLM's cache_salt,
         # which StrataConnector reads (each server ignores the other's).
-        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-                           "stream_options": {"include_usage": True}, "cache_salt": namespace}).encode()
-        request = urllib.request.Request(self.base + "/v1/chat/completions", data=body, headers={
-            "Content-Type": "application/json", "X-Strata-Namespace": namespace})
+        body = json.dumps(
+            {
+                "model": self.model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "cache_salt": namespace,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            self.base + "/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json", "X-Strata-Namespace": namespace},
+        )
         sent = time.perf_counter()
         first = None
         text, usage = "", {}
@@ -67,8 +80,10 @@ class Client:
 
 def conversations(rng: random.Random, system_words: int) -> Iterator[tuple[str, list[dict[str, str]]]]:
     """Endless multi-turn chats (4 turns each) that share one system prompt per tenant."""
-    systems = {ns: "You are the support assistant of " + ns + ". " + _text(random.Random(ns), system_words)
-               for ns in ("acme", "globex")}
+    systems = {
+        ns: "You are the support assistant of " + ns + ". " + _text(random.Random(ns), system_words)
+        for ns in ("acme", "globex")
+    }
     while True:
         namespace = rng.choice(list(systems))
         messages = [{"role": "system", "content": systems[namespace]}]
@@ -85,8 +100,16 @@ def documents(rng: random.Random, doc_words: int, count: int = 3) -> Iterator[tu
         yield "acme", [{"role": "user", "content": "Document:\n" + doc + "\nQuestion: " + _text(rng, 12) + "?"}]
 
 
-def drive(client: Client, stream: Iterator[tuple[str, list[dict[str, str]]]], *, kind: str, pause: float,
-          max_tokens: int, stop: threading.Event, limit: int | None) -> int:
+def drive(
+    client: Client,
+    stream: Iterator[tuple[str, list[dict[str, str]]]],
+    *,
+    kind: str,
+    pause: float,
+    max_tokens: int,
+    stop: threading.Event,
+    limit: int | None,
+) -> int:
     done = 0
     for namespace, messages in stream:
         if stop.is_set() or (limit is not None and done >= limit):
@@ -105,8 +128,15 @@ def drive(client: Client, stream: Iterator[tuple[str, list[dict[str, str]]]], *,
         if messages[-1]["role"] == "user" and kind == "chat":
             messages.append({"role": "assistant", "content": text})
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        log.info("%-5s %s ns=%-6s prompt=%5d cached=%5d ttft=%6.0f ms", kind, client.base.rsplit(":", 1)[-1],
-                 namespace, usage.get("prompt_tokens", 0), cached, ttft * 1000)
+        log.info(
+            "%-5s %s ns=%-6s prompt=%5d cached=%5d ttft=%6.0f ms",
+            kind,
+            client.base.rsplit(":", 1)[-1],
+            namespace,
+            usage.get("prompt_tokens", 0),
+            cached,
+            ttft * 1000,
+        )
         done += 1
         stop.wait(pause)
     return done
@@ -140,12 +170,36 @@ def main(argv: list[str] | None = None) -> int:
     threads = []
     for index, client in enumerate(clients):
         rng = random.Random(index)
-        threads.append(threading.Thread(target=drive, daemon=True, kwargs=dict(
-            client=client, stream=conversations(rng, args.system_words), kind="chat", pause=args.pause,
-            max_tokens=args.max_tokens, stop=stop, limit=args.requests)))
-        threads.append(threading.Thread(target=drive, daemon=True, kwargs=dict(
-            client=client, stream=documents(random.Random(100 + index), args.doc_words), kind="doc",
-            pause=args.pause * 2, max_tokens=args.max_tokens, stop=stop, limit=args.requests)))
+        threads.append(
+            threading.Thread(
+                target=drive,
+                daemon=True,
+                kwargs=dict(
+                    client=client,
+                    stream=conversations(rng, args.system_words),
+                    kind="chat",
+                    pause=args.pause,
+                    max_tokens=args.max_tokens,
+                    stop=stop,
+                    limit=args.requests,
+                ),
+            )
+        )
+        threads.append(
+            threading.Thread(
+                target=drive,
+                daemon=True,
+                kwargs=dict(
+                    client=client,
+                    stream=documents(random.Random(100 + index), args.doc_words),
+                    kind="doc",
+                    pause=args.pause * 2,
+                    max_tokens=args.max_tokens,
+                    stop=stop,
+                    limit=args.requests,
+                ),
+            )
+        )
     for thread in threads:
         thread.start()
     try:

@@ -43,8 +43,12 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     return task.kl_divergence(reference, other)
 
 
-def _stream(engines: dict[str, Any], requests: Sequence[tuple[list[int], int, list[tuple[int, int]] | None]],
-            progress: Callable[[str], None], label: str) -> dict[str, list[dict[str, float]]]:
+def _stream(
+    engines: dict[str, Any],
+    requests: Sequence[tuple[list[int], int, list[tuple[int, int]] | None]],
+    progress: Callable[[str], None],
+    label: str,
+) -> dict[str, list[dict[str, float]]]:
     """Run every request on blend, prefix-only and full prefill in turn (interleaved: drift hits all
     alike); the engines' block pools are released at the end."""
     try:
@@ -55,8 +59,12 @@ def _stream(engines: dict[str, Any], requests: Sequence[tuple[list[int], int, li
             engine.store.close()
 
 
-def _interleaved(engines: dict[str, Any], requests: Sequence[tuple[list[int], int, list[tuple[int, int]] | None]],
-                 progress: Callable[[str], None], label: str) -> dict[str, list[dict[str, float]]]:
+def _interleaved(
+    engines: dict[str, Any],
+    requests: Sequence[tuple[list[int], int, list[tuple[int, int]] | None]],
+    progress: Callable[[str], None],
+    label: str,
+) -> dict[str, list[dict[str, float]]]:
     runs: dict[str, list[dict[str, float]]] = {"blend": [], "prefix_only": [], "full": []}
     for i, (prompt, answer, segments) in enumerate(requests):
         full = engines["prefix_only"].generate(prompt, max_tokens=1, use_cache=False)
@@ -64,13 +72,18 @@ def _interleaved(engines: dict[str, Any], requests: Sequence[tuple[list[int], in
         prefix = engines["prefix_only"].generate(prompt, max_tokens=1)
         for name, result in (("blend", blended), ("prefix_only", prefix), ("full", full)):
             trace = result.trace
-            runs[name].append({
-                "ttft": trace.ttft_s, "right": float(result.output_ids[0] == answer),
-                "reused": float(trace.prefix_tokens + trace.fragment_tokens),
-                "prefix": float(trace.prefix_tokens), "fragment": float(trace.fragment_tokens),
-                "recomputed": float(trace.recomputed_tokens), "kl": _kl(full.first_logits, result.first_logits),
-                "prompt": float(len(prompt)),
-            })
+            runs[name].append(
+                {
+                    "ttft": trace.ttft_s,
+                    "right": float(result.output_ids[0] == answer),
+                    "reused": float(trace.prefix_tokens + trace.fragment_tokens),
+                    "prefix": float(trace.prefix_tokens),
+                    "fragment": float(trace.fragment_tokens),
+                    "recomputed": float(trace.recomputed_tokens),
+                    "kl": _kl(full.first_logits, result.first_logits),
+                    "prompt": float(len(prompt)),
+                }
+            )
         if (i + 1) % 25 == 0:
             progress(f"blend: {label} {i + 1}/{len(requests)} requests")
     return runs
@@ -91,27 +104,53 @@ def _rows(prefix: str, runs: dict[str, list[dict[str, float]]], note: str) -> li
     prompt_tokens = total("full", "prompt")
     blend_reused, prefix_reused = total("blend", "reused"), total("prefix_only", "reused")
     rows = [
-        Row(f"{prefix}.prefix_only.reused_tokens", prefix_reused, "tokens",
-            note=f"{100 * prefix_reused / prompt_tokens:.1f}% of {prompt_tokens:.0f} prompt tokens"),
-        Row(f"{prefix}.blend.reused_tokens", blend_reused, "tokens",
+        Row(
+            f"{prefix}.prefix_only.reused_tokens",
+            prefix_reused,
+            "tokens",
+            note=f"{100 * prefix_reused / prompt_tokens:.1f}% of {prompt_tokens:.0f} prompt tokens",
+        ),
+        Row(
+            f"{prefix}.blend.reused_tokens",
+            blend_reused,
+            "tokens",
             note=f"{100 * blend_reused / prompt_tokens:.1f}%: prefix {total('blend', 'prefix'):.0f} + fragment "
-                 f"{total('blend', 'fragment'):.0f}; {total('blend', 'recomputed'):.0f} recomputed"),
-        Row(f"{prefix}.reused_tokens_vs_prefix_only", blend_reused / max(prefix_reused, 1.0), "x",
-            baseline=f"{prefix}.prefix_only.reused_tokens", note=note),
+            f"{total('blend', 'fragment'):.0f}; {total('blend', 'recomputed'):.0f} recomputed",
+        ),
+        Row(
+            f"{prefix}.reused_tokens_vs_prefix_only",
+            blend_reused / max(prefix_reused, 1.0),
+            "x",
+            baseline=f"{prefix}.prefix_only.reused_tokens",
+            note=note,
+        ),
         Row(f"{prefix}.full.ttft_s", ttft("full"), "s", note="median of the warm half"),
         Row(f"{prefix}.prefix_only.ttft_s", ttft("prefix_only"), "s"),
         Row(f"{prefix}.blend.ttft_s", ttft("blend"), "s"),
-        Row(f"{prefix}.ttft_vs_full_prefill", ttft("full") / ttft("blend"), "x", baseline=f"{prefix}.blend.ttft_s",
-            note="how many times faster than a full prefill"),
+        Row(
+            f"{prefix}.ttft_vs_full_prefill",
+            ttft("full") / ttft("blend"),
+            "x",
+            baseline=f"{prefix}.blend.ttft_s",
+            note="how many times faster than a full prefill",
+        ),
     ]
     if any(r["right"] for r in runs["full"]):
         rows += [
             Row(f"{prefix}.full.accuracy_pct", accuracy("full"), "%"),
             Row(f"{prefix}.prefix_only.accuracy_pct", accuracy("prefix_only"), "%"),
-            Row(f"{prefix}.blend.accuracy_pct", accuracy("blend"), "%",
-                note=f"mean KL vs full {statistics.mean(r['kl'] for r in runs['blend']):.4f}"),
-            Row(f"{prefix}.accuracy_delta_pts", accuracy("full") - accuracy("blend"), "pts",
-                note="full prefill accuracy minus blend accuracy"),
+            Row(
+                f"{prefix}.blend.accuracy_pct",
+                accuracy("blend"),
+                "%",
+                note=f"mean KL vs full {statistics.mean(r['kl'] for r in runs['blend']):.4f}",
+            ),
+            Row(
+                f"{prefix}.accuracy_delta_pts",
+                accuracy("full") - accuracy("blend"),
+                "pts",
+                note="full prefill accuracy minus blend accuracy",
+            ),
         ]
     return rows
 
@@ -136,8 +175,12 @@ def rag_workload(model: Any, *, requests: int, percent: float, progress: Callabl
         q = task.make_question(rng, rng.sample(corpus, RAG_PASSAGES), header=header)
         stream.append((q.prompt, q.answer, q.segments))
     runs = _stream(_engines(model, percent=percent, block_tokens=32, blocks=4096), stream, progress, "RAG")
-    return _rows("blend.rag", runs, f"{requests} requests, {RAG_PASSAGES} of 48 passages of "
-                                    f"{task.PASSAGE_TOKENS} tokens each after a 64-token header, r={percent:g}%")
+    return _rows(
+        "blend.rag",
+        runs,
+        f"{requests} requests, {RAG_PASSAGES} of 48 passages of "
+        f"{task.PASSAGE_TOKENS} tokens each after a 64-token header, r={percent:g}%",
+    )
 
 
 def contract_workload(model: Any, *, requests: int, percent: float, progress: Callable[[str], None]) -> list[Row]:
@@ -155,12 +198,16 @@ def contract_workload(model: Any, *, requests: int, percent: float, progress: Ca
         key, value = rng.choice(task.unique_pairs(chosen))
         stream.append(([*prompt, task.QUERY, key], value, None))
     runs = _stream(_engines(model, percent=percent, block_tokens=32, blocks=4096), stream, progress, "contracts")
-    return _rows("blend.contract", runs, f"{requests} contracts of 6 of 24 clauses at varying offsets, no segments, "
-                                         f"r={percent:g}%")
+    return _rows(
+        "blend.contract",
+        runs,
+        f"{requests} contracts of 6 of 24 clauses at varying offsets, no segments, r={percent:g}%",
+    )
 
 
-def long_prompt_ttft(*, preset: str, requests: int, passages: int, passage_tokens: int, percent: float,
-                     progress: Callable[[str], None]) -> list[Row]:
+def long_prompt_ttft(
+    *, preset: str, requests: int, passages: int, passage_tokens: int, percent: float, progress: Callable[[str], None]
+) -> list[Row]:
     """TTFT where prefill dominates: a random-weight preset on long RAG prompts (speed only)."""
     from worker.dataplane.engine.models import load_model  # noqa: PLC0415
 
@@ -186,23 +233,32 @@ def long_prompt_ttft(*, preset: str, requests: int, passages: int, passage_token
         engines["prefix_only"].generate(prompt + [5], max_tokens=1)
     runs = _stream(engines, stream, progress, f"long prompts on {preset}")
     # Every passage is warm already: all requests count (listed twice so the "warm half" is all of them).
-    rows = _rows(f"blend.long_{preset.replace('-', '_')}", {name: [*r, *r] for name, r in runs.items()},
-                 f"{preset} preset ({model.layers} layers), {len(stream[0][0])}-token prompts, r={percent:g}%")
+    rows = _rows(
+        f"blend.long_{preset.replace('-', '_')}",
+        {name: [*r, *r] for name, r in runs.items()},
+        f"{preset} preset ({model.layers} layers), {len(stream[0][0])}-token prompts, r={percent:g}%",
+    )
     return [row for row in rows if "ttft" in row.name or "reused_tokens_vs" in row.name]
 
 
 def run(ctx: Context) -> list[Row]:
     if not (MODEL_DIR / "config.json").exists():
-        raise FileNotFoundError(f"{MODEL_DIR} holds no model; make it with `python -m benchmarks.blend_model train "
-                                f"--out {MODEL_DIR}`")
+        raise FileNotFoundError(
+            f"{MODEL_DIR} holds no model; make it with `python -m benchmarks.blend_model train --out {MODEL_DIR}`"
+        )
     from worker.dataplane.engine.models import load_model  # noqa: PLC0415
 
     percent = float(os.environ.get("STRATA_BENCH_BLEND_PERCENT", "15"))
     scale = min(ctx.scale, 1.0)
     requests = max(20, int(200 * scale))
     long_requests = max(3, int(12 * scale))
-    ctx.params.update(model=str(MODEL_DIR.relative_to(MODEL_DIR.parents[2])), recompute_percent=percent,
-                      requests=requests, long_models=["small", "small-deep"], long_requests=long_requests)
+    ctx.params.update(
+        model=str(MODEL_DIR.relative_to(MODEL_DIR.parents[2])),
+        recompute_percent=percent,
+        requests=requests,
+        long_models=["small", "small-deep"],
+        long_requests=long_requests,
+    )
     ctx.plan(4)
     model = load_model(str(MODEL_DIR), device="cpu")
     rows = rag_workload(model, requests=requests, percent=percent, progress=ctx.log)
@@ -210,7 +266,8 @@ def run(ctx: Context) -> list[Row]:
     rows += contract_workload(model, requests=requests, percent=percent, progress=ctx.log)
     ctx.step("contracts done")
     for preset in ("small", "small-deep"):
-        rows += long_prompt_ttft(preset=preset, requests=long_requests, passages=16, passage_tokens=256,
-                                 percent=percent, progress=ctx.log)
+        rows += long_prompt_ttft(
+            preset=preset, requests=long_requests, passages=16, passage_tokens=256, percent=percent, progress=ctx.log
+        )
         ctx.step(f"long prompts on {preset} done")
     return rows

@@ -67,6 +67,7 @@ TARGETS = {
 
 # -- the harness side ------------------------------------------------------------------------------
 
+
 def run(ctx: Any) -> list[Any]:
     from benchmarks.harness import bench_database, run_child
     from controlplane.runtime.environment import load_environment
@@ -74,8 +75,13 @@ def run(ctx: Any) -> list[Any]:
     # At least twice the chains a 16-chain prompt spans across every namespace and model.
     blocks = max(CHAIN * NAMESPACES * MODELS * 32, int(FULL_BLOCKS * ctx.scale) // CHAIN * CHAIN)
     database = load_environment().database
-    server = {"host": database.host or None, "port": database.port or None, "user": database.user or "postgres",
-              "password": database.password or None, **database.options}
+    server = {
+        "host": database.host or None,
+        "port": database.port or None,
+        "user": database.user or "postgres",
+        "password": database.password or None,
+        **database.options,
+    }
     server = {k: v for k, v in server.items() if v is not None}
     spec = {"blocks": blocks, "repeats": ctx.repeats, "scale": ctx.scale, "scratch": str(ctx.scratch)}
     # One database per run, so two runs at once (two engineers, one server) never drop each other's.
@@ -96,6 +102,7 @@ def run(ctx: Any) -> list[Any]:
 
 
 # -- the child process (Django configured for the bench database) --------------------------------
+
 
 def _emit(**message: Any) -> None:
     print(json.dumps(message), flush=True)
@@ -133,7 +140,7 @@ class World:
         return chain % NAMESPACES, (chain // NAMESPACES) % MODELS
 
     def prefix_key(self, block: int) -> uuid.UUID:
-        return uuid.UUID(bytes=self.prefix[16 * block:16 * block + 16])
+        return uuid.UUID(bytes=self.prefix[16 * block : 16 * block + 16])
 
     def prompt(self, chains: int) -> tuple[str, uuid.UUID, list[uuid.UUID]]:
         """Keys of a prompt spanning `chains` chains of one namespace and model: three quarters
@@ -158,13 +165,24 @@ def _scope(world: World) -> None:
     for name in world.namespace_names:
         world.namespace_ids.append(namespace_create(name=name).id)
     for i in range(MODELS):
-        profile = modelprofile_create(name=f"bench-model-{i}", model_id=f"bench/llama-{i}", layers=32, kv_heads=8,
-                                      head_dim=128, dtype="bfloat16", block_tokens=256)
+        profile = modelprofile_create(
+            name=f"bench-model-{i}",
+            model_id=f"bench/llama-{i}",
+            layers=32,
+            kv_heads=8,
+            head_dim=128,
+            dtype="bfloat16",
+            block_tokens=256,
+        )
         world.model_keys.append(profile.model_key)
         world.model_ids.append(profile.id)
     for name in ("gpu-0", "gpu-1"):
-        node = node_heartbeat(name=name, host="bench", heartbeat_seconds=3600.0,
-                              tiers=[TierReport(tier="host", capacity_bytes=1 << 40, used_bytes=0)])
+        node = node_heartbeat(
+            name=name,
+            host="bench",
+            heartbeat_seconds=3600.0,
+            tiers=[TierReport(tier="host", capacity_bytes=1 << 40, used_bytes=0)],
+        )
         world.node_ids[name] = node.id
 
 
@@ -172,11 +190,15 @@ def _secondary(conn: Any, table: str) -> tuple[list[tuple[str, str]], list[str]]
     """Unique and foreign-key constraints, and plain indexes, of a table (not its primary key)."""
     constraints = conn.execute(
         "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
-        "WHERE conrelid = %s::regclass AND contype IN ('u', 'f')", (table,)).fetchall()
+        "WHERE conrelid = %s::regclass AND contype IN ('u', 'f')",
+        (table,),
+    ).fetchall()
     indexes = conn.execute(
         "SELECT pg_get_indexdef(i.indexrelid) FROM pg_index i "
         "WHERE i.indrelid = %s::regclass AND NOT i.indisprimary "
-        "AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)", (table,)).fetchall()
+        "AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)",
+        (table,),
+    ).fetchall()
     return [(name, definition) for name, definition in constraints], [row[0] for row in indexes]
 
 
@@ -194,28 +216,38 @@ def _seed(world: World, connect: Callable[[], Any]) -> float:
         for definition in indexes:
             name = definition.split(" INDEX ", 1)[1].split(" ON ", 1)[0]
             conn.execute(f"DROP INDEX {name}")
-    tiers = [("host", world.node_ids["gpu-0"]), ("disk", world.node_ids["gpu-0"]), ("remote", None),
-             ("host", world.node_ids["gpu-1"])]
+    tiers = [
+        ("host", world.node_ids["gpu-0"]),
+        ("disk", world.node_ids["gpu-0"]),
+        ("remote", None),
+        ("host", world.node_ids["gpu-1"]),
+    ]
     base = time.time() - 86400 * 30
     chunk = 100_000
     access = world.rng.zipf(1.6, size=world.blocks) % 10_000
     prefix_hex, content_hex = world.prefix.hex(), world.content.hex()
     placement_id = 0
     with conn.cursor() as cur:
-        with cur.copy("COPY directory_block (id, namespace_id, model_id, prefix_key, content_key, position, "
-                      "token_count, size_bytes, priority, created_at, last_access_at, access_count) FROM STDIN") as copy:
+        with cur.copy(
+            "COPY directory_block (id, namespace_id, model_id, prefix_key, content_key, position, "
+            "token_count, size_bytes, priority, created_at, last_access_at, access_count) FROM STDIN"
+        ) as copy:
             for start in range(0, world.blocks, chunk):
                 lines = []
                 for i in range(start, min(start + chunk, world.blocks)):
                     ns, model = world.chain_scope(i // CHAIN)
                     created = base + i * 0.001
-                    lines.append(f"{i + 1}\t{world.namespace_ids[ns]}\t{world.model_ids[model]}\t"
-                                 f"{prefix_hex[32 * i:32 * i + 32]}\t{content_hex[32 * i:32 * i + 32]}\t"
-                                 f"{(i % CHAIN) * 256}\t256\t33554432\tdefault\t{_ts(created)}\t"
-                                 f"{_ts(created + 60)}\t{access[i]}\n")
+                    lines.append(
+                        f"{i + 1}\t{world.namespace_ids[ns]}\t{world.model_ids[model]}\t"
+                        f"{prefix_hex[32 * i : 32 * i + 32]}\t{content_hex[32 * i : 32 * i + 32]}\t"
+                        f"{(i % CHAIN) * 256}\t256\t33554432\tdefault\t{_ts(created)}\t"
+                        f"{_ts(created + 60)}\t{access[i]}\n"
+                    )
                 copy.write("".join(lines))
-        with cur.copy("COPY directory_placement (id, block_id, tier, node_id, locator, \"offset\", size_bytes, "
-                      "checksum, state, epoch, updated_at) FROM STDIN") as copy:
+        with cur.copy(
+            'COPY directory_placement (id, block_id, tier, node_id, locator, "offset", size_bytes, '
+            "checksum, state, epoch, updated_at) FROM STDIN"
+        ) as copy:
             for start in range(0, world.blocks, chunk):
                 lines = []
                 for i in range(start, min(start + chunk, world.blocks)):
@@ -224,8 +256,10 @@ def _seed(world: World, connect: Callable[[], Any]) -> float:
                         copies.append(("remote", None))
                     for tier, node in copies:
                         placement_id += 1
-                        lines.append(f"{placement_id}\t{i + 1}\t{tier}\t{node if node else chr(92) + 'N'}\t\t0\t"
-                                     f"33554432\t{prefix_hex[32 * i:32 * i + 32]}\tready\t1\t{_ts(base)}\n")
+                        lines.append(
+                            f"{placement_id}\t{i + 1}\t{tier}\t{node if node else chr(92) + 'N'}\t\t0\t"
+                            f"33554432\t{prefix_hex[32 * i : 32 * i + 32]}\tready\t1\t{_ts(base)}\n"
+                        )
                 copy.write("".join(lines))
     conn.execute("SET maintenance_work_mem = '512MB'")
     for table in ("directory_block", "directory_placement"):
@@ -261,12 +295,20 @@ def _server(kind: str, *, pooled: bool) -> Iterator[int]:
     port = _free_port()
     env = {**os.environ, "STRATA_DB_POOL_MAX": os.environ.get("STRATA_DB_POOL_MAX", "8") if pooled else "0"}
     if kind == "wsgi":
-        command = ["-m", "gunicorn", "-c", "python:controlplane.runtime.gunicorn", "-b", f"127.0.0.1:{port}",
-                   "controlplane.wsgi:application"]
+        command = [
+            "-m",
+            "gunicorn",
+            "-c",
+            "python:controlplane.runtime.gunicorn",
+            "-b",
+            f"127.0.0.1:{port}",
+            "controlplane.wsgi:application",
+        ]
     else:
         command = ["-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"]
-    server = subprocess.Popen([sys.executable, *command], cwd=REPO_ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, *command], cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -306,16 +348,27 @@ def _explain(world: World) -> None:
 
     namespace, model_key, keys = world.prompt(1)
     with connection.cursor() as cursor:
-        plan = queries.explain(cursor, queries.LOOKUP_SQL, queries.lookup_params(
-            namespace=namespace, model_key=model_key, node="gpu-0", prefix_keys=keys, content_keys=[]))
+        plan = queries.explain(
+            cursor,
+            queries.LOOKUP_SQL,
+            queries.lookup_params(
+                namespace=namespace, model_key=model_key, node="gpu-0", prefix_keys=keys, content_keys=[]
+            ),
+        )
         with transaction.atomic():
-            rows = [queries.TouchRow(namespace=namespace, model_key=model_key, prefix_key=key, hits=1,
-                                     at=timezone.now()) for key in keys]
+            rows = [
+                queries.TouchRow(namespace=namespace, model_key=model_key, prefix_key=key, hits=1, at=timezone.now())
+                for key in keys
+            ]
             touch = queries.explain(cursor, queries.TOUCH_SQL, queries.touch_params(rows))
             transaction.set_rollback(True)
         register_blocks, register_copies = _explain_register(world, cursor)
-    for name, text in (("lookup64", plan), ("touch64", touch), ("register4096_blocks", register_blocks),
-                       ("register4096_copies", register_copies)):
+    for name, text in (
+        ("lookup64", plan),
+        ("touch64", touch),
+        ("register4096_blocks", register_blocks),
+        ("register4096_copies", register_copies),
+    ):
         _emit(log=f"EXPLAIN (ANALYZE, BUFFERS) {name} at {world.blocks} blocks:\n{text}")
         _emit(param={f"explain_{name}": text})
         if "Seq Scan on directory_block" in text or "Seq Scan on directory_placement" in text:
@@ -356,11 +409,13 @@ def _explain_register(world: World, cursor: Any) -> tuple[str, str]:
         params = queries.register_params(rows, now)
         cursor.execute("EXPLAIN (ANALYZE, BUFFERS, WAL, COSTS OFF) " + queries.REGISTER_BLOCKS_SQL, params)
         blocks = "\n".join(row[0] for row in cursor.fetchall())
-        cursor.execute("SELECT id FROM directory_block WHERE prefix_key = ANY(%s::uuid[]) ORDER BY id",
-                       [params["prefix_keys"]])
+        cursor.execute(
+            "SELECT id FROM directory_block WHERE prefix_key = ANY(%s::uuid[]) ORDER BY id", [params["prefix_keys"]]
+        )
         created = {row[0] for row in cursor.fetchall()}
-        cursor.execute("SELECT prefix_key, id FROM directory_block WHERE id = ANY(%s::bigint[])",
-                       [queries.ints(created)])
+        cursor.execute(
+            "SELECT prefix_key, id FROM directory_block WHERE id = ANY(%s::bigint[])", [queries.ints(created)]
+        )
         ids = dict(cursor.fetchall())
         params["new_block_ids"] = queries.ints(ids[row.prefix_key] for row in rows)
         cursor.execute("EXPLAIN (ANALYZE, BUFFERS, WAL, COSTS OFF) " + queries.REGISTER_NEW_PLACEMENTS_SQL, params)
@@ -373,9 +428,18 @@ def _registration(namespace: str, model_key: uuid.UUID, i: int, **extra: Any) ->
     """A new block (fresh random keys) at position `i` of its chain, with one host copy on gpu-0."""
     from worker.dataplane.directory import BlockRegistration
 
-    return BlockRegistration(namespace=namespace, model_key=model_key, prefix_key=uuid.uuid4(),
-                             content_key=uuid.uuid4(), position=256 * (i % CHAIN), tokens=256, tier="host",
-                             node="gpu-0", nbytes=33554432, **extra)
+    return BlockRegistration(
+        namespace=namespace,
+        model_key=model_key,
+        prefix_key=uuid.uuid4(),
+        content_key=uuid.uuid4(),
+        position=256 * (i % CHAIN),
+        tokens=256,
+        tier="host",
+        node="gpu-0",
+        nbytes=33554432,
+        **extra,
+    )
 
 
 def _two_writers(world: World, ns_index: int, batches: int) -> float:
@@ -388,8 +452,16 @@ def _two_writers(world: World, ns_index: int, batches: int) -> float:
 
     from controlplane.directory.services import blocks_register
 
-    work = [[[_registration(world.namespace_names[ns_index], world.model_keys[w], i, checksum=secrets.token_hex(16))
-              for i in range(4096)] for _ in range(batches)] for w in range(2)]
+    work = [
+        [
+            [
+                _registration(world.namespace_names[ns_index], world.model_keys[w], i, checksum=secrets.token_hex(16))
+                for i in range(4096)
+            ]
+            for _ in range(batches)
+        ]
+        for w in range(2)
+    ]
     ready = threading.Barrier(3)
     failures: list[BaseException] = []
 
@@ -461,8 +533,9 @@ def child(spec: dict[str, Any]) -> None:
         lat = []
         for _ in range(nrest):
             ns, mk, keys = world.prompt(1)
-            body = json.dumps({"namespace": ns, "model_key": str(mk), "node": "gpu-0",
-                               "prefix_keys": [str(k) for k in keys]})
+            body = json.dumps(
+                {"namespace": ns, "model_key": str(mk), "node": "gpu-0", "prefix_keys": [str(k) for k in keys]}
+            )
             began = time.perf_counter()
             conn.request("POST", "/api/v1/blocks/lookup/", body=body, headers=headers)
             response = conn.getresponse()
@@ -475,11 +548,14 @@ def child(spec: dict[str, Any]) -> None:
 
     with contextlib.ExitStack() as servers:
         http_conn = http.client.HTTPConnection(
-            "127.0.0.1", servers.enter_context(_server("wsgi", pooled=True)), timeout=30)
+            "127.0.0.1", servers.enter_context(_server("wsgi", pooled=True)), timeout=30
+        )
         asgi_conn = http.client.HTTPConnection(
-            "127.0.0.1", servers.enter_context(_server("asgi", pooled=True)), timeout=30)
+            "127.0.0.1", servers.enter_context(_server("asgi", pooled=True)), timeout=30
+        )
         unpooled_conn = http.client.HTTPConnection(
-            "127.0.0.1", servers.enter_context(_server("asgi", pooled=False)), timeout=30)
+            "127.0.0.1", servers.enter_context(_server("asgi", pooled=False)), timeout=30
+        )
         for repeat in range(repeats):
             lat = []
             for _ in range(n64):
@@ -514,9 +590,15 @@ def child(spec: dict[str, Any]) -> None:
             _emit(step=f"REST lookup round {repeat + 1}")
             # Registration of new blocks, 4096 (with one copy each) per call.
             ns_index = repeat % NAMESPACES
-            regs_batches = [[_registration(world.namespace_names[ns_index], world.model_keys[0], i,
-                                           checksum=secrets.token_hex(16)) for i in range(4096)]
-                            for _ in range(batches)]
+            regs_batches = [
+                [
+                    _registration(
+                        world.namespace_names[ns_index], world.model_keys[0], i, checksum=secrets.token_hex(16)
+                    )
+                    for i in range(4096)
+                ]
+                for _ in range(batches)
+            ]
             wal_before = _wal_position()
             began = time.perf_counter()
             for regs in regs_batches:
@@ -524,11 +606,12 @@ def child(spec: dict[str, Any]) -> None:
             record("register", batches * 4096 / (time.perf_counter() - began))
             record("register_wal", _wal_bytes_since(wal_before) / (batches * 4096))
             record("register_2writers", _two_writers(world, ns_index, batches))
-            regs = [_registration(world.namespace_names[ns_index], world.model_keys[1], i)
-                    for i in range(batches * 4096)]
+            regs = [
+                _registration(world.namespace_names[ns_index], world.model_keys[1], i) for i in range(batches * 4096)
+            ]
             began = time.perf_counter()
             for start in range(0, len(regs), CHAIN):
-                node.register(blocks=regs[start:start + CHAIN])
+                node.register(blocks=regs[start : start + CHAIN])
             if not node.flush(timeout=600):
                 raise RuntimeError(f"write-behind did not drain: {node.stats()}")
             record("writebehind", len(regs) / (time.perf_counter() - began))
@@ -544,17 +627,33 @@ def child(spec: dict[str, Any]) -> None:
     _row("directory.lookup1024_p50_ms", median["lookup1024_p50"], "ms", samples=n1024, **params)
     _row("directory.node_lookup64_p50_ms", median["node_lookup64_p50"], "ms", samples=n64, **params)
     _row("directory.node_lookup64_p99_ms", median["node_lookup64_p99"], "ms", samples=n64, **params)
-    for variant, server, pool in (("rest", "gunicorn (WSGI, the engine API)", "psycopg_pool 2..8"),
-                                  ("rest_asgi", "daphne (ASGI)", "psycopg_pool 2..8"),
-                                  ("rest_unpooled", "daphne (ASGI)", "none")):
+    for variant, server, pool in (
+        ("rest", "gunicorn (WSGI, the engine API)", "psycopg_pool 2..8"),
+        ("rest_asgi", "daphne (ASGI)", "psycopg_pool 2..8"),
+        ("rest_unpooled", "daphne (ASGI)", "none"),
+    ):
         for pct in ("p50", "p99"):
-            _row(f"directory.{variant}_lookup64_{pct}_ms", median[f"{variant}_lookup64_{pct}"], "ms",
-                 samples=nrest, server=server, db_pool=pool, **params)
+            _row(
+                f"directory.{variant}_lookup64_{pct}_ms",
+                median[f"{variant}_lookup64_{pct}"],
+                "ms",
+                samples=nrest,
+                server=server,
+                db_pool=pool,
+                **params,
+            )
     _row("directory.register_blocks_per_s", median["register"], "blocks/s", batch=4096, batches=batches, **params)
     _row("directory.register_wal_bytes_per_block", median["register_wal"], "bytes", batch=4096, **params)
-    _row("directory.register_2writers_blocks_per_s", median["register_2writers"], "blocks/s", batch=4096,
-         batches=batches, writers=2, note="two callers at once, each on its own connection: the directory's "
-                                         "capacity when nodes register together", **params)
+    _row(
+        "directory.register_2writers_blocks_per_s",
+        median["register_2writers"],
+        "blocks/s",
+        batch=4096,
+        batches=batches,
+        writers=2,
+        note="two callers at once, each on its own connection: the directory's capacity when nodes register together",
+        **params,
+    )
     _row("directory.writebehind_blocks_per_s", median["writebehind"], "blocks/s", **params)
     _row("directory.lookup64_hit_blocks_mean", statistics.fmean(hit_blocks), "blocks", **params)
     _explain(world)

@@ -32,16 +32,27 @@ def run(ctx: Context) -> list[Row]:
     redis_url = load_environment().redis.url_for_db(7)
     scale = min(ctx.scale, 1.0)
     prompt_tokens = max(1024, int(8192 * scale)) + 32
-    ctx.params.update(prompt_tokens=prompt_tokens, ttft_model="bench", throttled_model=THROTTLED_MODEL,
-                      workload_model="small")
+    ctx.params.update(
+        prompt_tokens=prompt_tokens, ttft_model="bench", throttled_model=THROTTLED_MODEL, workload_model="small"
+    )
     ctx.plan(4)
     measures = ttft_suite(redis_url=redis_url, prompt_tokens=prompt_tokens, progress=ctx.log)
     ctx.step("ttft done")
     for clients in (4, 8):
-        measures += multi_turn_suite(redis_url=redis_url, clients=clients, requests=max(8, int(60 * scale)),
-                                     system_tokens=max(256, int(2048 * scale)), user_tokens=96, progress=ctx.log)
+        measures += multi_turn_suite(
+            redis_url=redis_url,
+            clients=clients,
+            requests=max(8, int(60 * scale)),
+            system_tokens=max(256, int(2048 * scale)),
+            user_tokens=96,
+            progress=ctx.log,
+        )
         ctx.step(f"multi-turn with {clients} clients done")
-    measures += long_doc_suite(redis_url=redis_url, documents=4 if scale >= 0.5 else 2,
-                               doc_tokens=max(1024, int(8192 * scale)), progress=ctx.log)
+    measures += long_doc_suite(
+        redis_url=redis_url,
+        documents=4 if scale >= 0.5 else 2,
+        doc_tokens=max(1024, int(8192 * scale)),
+        progress=ctx.log,
+    )
     ctx.step("long-doc done")
     return [Row(name=m.name, value=m.value, unit=m.unit, baseline=m.baseline, note=m.note) for m in measures]

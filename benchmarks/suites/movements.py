@@ -59,23 +59,39 @@ def run(ctx: Any) -> list[Any]:
     from controlplane.runtime.environment import load_environment
 
     database = load_environment().database
-    server = {"host": database.host or None, "port": database.port or None, "user": database.user or "postgres",
-              "password": database.password or None, **database.options}
+    server = {
+        "host": database.host or None,
+        "port": database.port or None,
+        "user": database.user or "postgres",
+        "password": database.password or None,
+        **database.options,
+    }
     server = {k: v for k, v in server.items() if v is not None}
-    spec = {"scale": ctx.scale, "repeats": ctx.repeats, "scratch": str(ctx.scratch),
-            "blocks": max(20_000, int(FULL_BLOCKS * ctx.scale)), "move_bytes": max(64 << 20, int(FULL_MOVE_BYTES * ctx.scale)),
-            "move_repeats": max(MOVE_REPEATS, ctx.repeats)}
+    spec = {
+        "scale": ctx.scale,
+        "repeats": ctx.repeats,
+        "scratch": str(ctx.scratch),
+        "blocks": max(20_000, int(FULL_BLOCKS * ctx.scale)),
+        "move_bytes": max(64 << 20, int(FULL_MOVE_BYTES * ctx.scale)),
+        "move_repeats": max(MOVE_REPEATS, ctx.repeats),
+    }
     name = f"strata_bench_movements_{os.getpid()}"
     ctx.params.update(database=name, blocks=spec["blocks"], move_bytes=spec["move_bytes"])
     with _bench_database(server, name) as url, private_redis(ctx.scratch) as redis_url:
         spec["redis_url"] = redis_url
-        env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "controlplane.settings.test",
-               "STRATA_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "DATABASE_URL": url,
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings.test",
+            "STRATA_LOG_LEVEL": "WARNING",
+            "PYTHONUNBUFFERED": "1",
+        }
         rows = run_child(ctx, "benchmarks.suites.movements", spec, env)
     return rows
 
 
 # -- the child process ------------------------------------------------------------------------------
+
 
 def _emit(**message: Any) -> None:
     print(json.dumps(message), flush=True)
@@ -211,17 +227,33 @@ def _moves(spec: dict[str, Any]) -> None:
     pool = f"strata-bench-mv-{os.getpid()}"
     prefix = f"strata-bench-mv-{uuid.uuid4().hex[:6]}"
     capacity = 2 * blocks * (layout.block_bytes + (1 << 20))
-    store = TieredStore(layout=layout, tiers=[
-        HostTier(layout=layout, capacity_bytes=capacity, pool_name=pool),
-        DiskTier(layout=layout, capacity_bytes=capacity, path=scratch / "disk"),
-        RemoteTier(layout=layout, capacity_bytes=capacity, client=redis_client(redis_url, timeout_s=60), prefix=prefix),
-    ])
+    store = TieredStore(
+        layout=layout,
+        tiers=[
+            HostTier(layout=layout, capacity_bytes=capacity, pool_name=pool),
+            DiskTier(layout=layout, capacity_bytes=capacity, path=scratch / "disk"),
+            RemoteTier(
+                layout=layout, capacity_bytes=capacity, client=redis_client(redis_url, timeout_s=60), prefix=prefix
+            ),
+        ],
+    )
     raw = _Raw(layout, blocks, scratch, redis_url)
-    profile = modelprofile_create(name="bench-llama3-8b", model_id="bench/llama3-8b", layers=32, kv_heads=8,
-                                  head_dim=128, dtype="bfloat16", block_tokens=256)
+    profile = modelprofile_create(
+        name="bench-llama3-8b",
+        model_id="bench/llama3-8b",
+        layers=32,
+        kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        block_tokens=256,
+    )
     namespace_ensure(name="default")
-    node_heartbeat(name="gpu-0", host="bench", heartbeat_seconds=5.0, tiers=[
-        TierReport(tier=t, capacity_bytes=capacity, used_bytes=0) for t in ("host", "disk", "remote")])
+    node_heartbeat(
+        name="gpu-0",
+        host="bench",
+        heartbeat_seconds=5.0,
+        tiers=[TierReport(tier=t, capacity_bytes=capacity, used_bytes=0) for t in ("host", "disk", "remote")],
+    )
     _emit(param={"move_block_bytes": layout.block_bytes, "move_blocks": blocks})
     results: dict[str, dict[str, list[float]]] = {}
     try:
@@ -232,22 +264,49 @@ def _moves(spec: dict[str, Any]) -> None:
                 registrations = []
                 for i, key in enumerate(keys):
                     put = store.put(key, raw.buffers[i % 2], tier="host")
-                    registrations.append(BlockRegistration(
-                        namespace="default", model_key=profile.model_key, prefix_key=key, content_key=uuid.uuid4(),
-                        position=0, tokens=256, tier="host", node="gpu-0", nbytes=layout.block_bytes,
-                        checksum=put.checksum.hex))
+                    registrations.append(
+                        BlockRegistration(
+                            namespace="default",
+                            model_key=profile.model_key,
+                            prefix_key=key,
+                            content_key=uuid.uuid4(),
+                            position=0,
+                            tokens=256,
+                            tier="host",
+                            node="gpu-0",
+                            nbytes=layout.block_bytes,
+                            checksum=put.checksum.hex,
+                        )
+                    )
                 blocks_register(registrations=registrations)
                 ids = list(Block.objects.filter(prefix_key__in=keys).values_list("id", flat=True))
                 for src, dst in ROUTES:
                     kind = MovementKind.WARM if src == "remote" else MovementKind.MOVE
                     planned = []
                     for p in Placement.objects.filter(block_id__in=ids, tier=src, state="ready"):
-                        planned.append(PlannedMovement(
-                            block_id=p.block_id, kind=kind, reason="manual", src_placement_id=p.id, src_epoch=p.epoch,
-                            src_tier=src, src_node="" if src == "remote" else "gpu-0", dst_tier=dst,
-                            dst_node="" if dst == "remote" else "gpu-0", exec_node="gpu-0", bytes=layout.block_bytes))
-                    written = movements_record(plan_id=uuid.uuid4(), movements=planned, policy_version=0, mode="",
-                                               now=Placement.objects.first().updated_at)
+                        planned.append(
+                            PlannedMovement(
+                                block_id=p.block_id,
+                                kind=kind,
+                                reason="manual",
+                                src_placement_id=p.id,
+                                src_epoch=p.epoch,
+                                src_tier=src,
+                                src_node="" if src == "remote" else "gpu-0",
+                                dst_tier=dst,
+                                dst_node="" if dst == "remote" else "gpu-0",
+                                exec_node="gpu-0",
+                                bytes=layout.block_bytes,
+                            )
+                        )
+                    written = movements_record(
+                        plan_id=uuid.uuid4(),
+                        movements=planned,
+                        policy_version=0,
+                        mode="",
+                        now=Placement.objects.first().updated_at,
+                    )
+
                     def raw_pass(src: str = src, dst: str = dst, verify: str = verify) -> float:
                         # Raw passes in route order: each reads what the previous route's raw pass wrote.
                         raw_read = _timed(getattr(raw, f"{src}_read"))
@@ -294,13 +353,26 @@ def _moves(spec: dict[str, Any]) -> None:
         raw_gbps = statistics.median(nbytes / t / 1e9 for t in entry["raw"])
         ratio = statistics.median(r / o for o, r in zip(entry["ours"], entry["raw"], strict=True))
         base = label.split(".")[0]
-        suffix = label[len(base):]
+        suffix = label[len(base) :]
         _emit(row={"name": f"movements.move_gbps_{base}{suffix}", "value": ours_gbps, "unit": "GB/s"})
-        _emit(row={"name": f"movements.raw_gbps_{base}{suffix}", "value": raw_gbps, "unit": "GB/s",
-                   "note": "slower of the source's raw read and the destination's raw write"
-                           + ("" if suffix else ", plus the destination's raw read (the copy is read back)")})
-        _emit(row={"name": f"movements.move_gbps_{base}{suffix}_vs_raw", "value": ratio, "unit": "x",
-                   "baseline": f"movements.raw_gbps_{base}{suffix}", "note": "target >= 0.8"})
+        _emit(
+            row={
+                "name": f"movements.raw_gbps_{base}{suffix}",
+                "value": raw_gbps,
+                "unit": "GB/s",
+                "note": "slower of the source's raw read and the destination's raw write"
+                + ("" if suffix else ", plus the destination's raw read (the copy is read back)"),
+            }
+        )
+        _emit(
+            row={
+                "name": f"movements.move_gbps_{base}{suffix}_vs_raw",
+                "value": ratio,
+                "unit": "x",
+                "baseline": f"movements.raw_gbps_{base}{suffix}",
+                "note": "target >= 0.8",
+            }
+        )
 
 
 def _plan_ms(spec: dict[str, Any]) -> None:
@@ -318,10 +390,18 @@ def _plan_ms(spec: dict[str, Any]) -> None:
     namespace = Namespace.objects.get(name="default")
     nodes = []
     for i in range(NODES):
-        nodes.append(node_heartbeat(name=f"plan-{i}", host="bench", heartbeat_seconds=5.0, tiers=[
-            TierReport(tier="host", capacity_bytes=1 << 40, used_bytes=1 << 40),
-            TierReport(tier="disk", capacity_bytes=1 << 44, used_bytes=0),
-            TierReport(tier="remote", capacity_bytes=1 << 46, used_bytes=0)]).id)
+        nodes.append(
+            node_heartbeat(
+                name=f"plan-{i}",
+                host="bench",
+                heartbeat_seconds=5.0,
+                tiers=[
+                    TierReport(tier="host", capacity_bytes=1 << 40, used_bytes=1 << 40),
+                    TierReport(tier="disk", capacity_bytes=1 << 44, used_bytes=0),
+                    TierReport(tier="remote", capacity_bytes=1 << 46, used_bytes=0),
+                ],
+            ).id
+        )
     started = time.perf_counter()
     with connection.cursor() as cursor:
         cursor.execute(
@@ -329,19 +409,22 @@ def _plan_ms(spec: dict[str, Any]) -> None:
             "size_bytes, priority, created_at, last_access_at, access_count) "
             "SELECT %s, %s, gen_random_uuid(), gen_random_uuid(), (g %% 64) * 256, 256, 33554432, 'default', now(), "
             "now() - make_interval(secs => (g::bigint * 7919) %% 86400), g %% 13 FROM generate_series(1, %s) g",
-            [namespace.id, profile.id, total])
+            [namespace.id, profile.id, total],
+        )
         cursor.execute(
-            "INSERT INTO directory_placement (block_id, tier, node_id, locator, \"offset\", size_bytes, checksum, "
+            'INSERT INTO directory_placement (block_id, tier, node_id, locator, "offset", size_bytes, checksum, '
             "state, epoch, updated_at) SELECT b.id, (ARRAY['host','disk','remote'])[b.id %% 3 + 1], "
             "CASE WHEN b.id %% 3 = 2 THEN NULL ELSE (%s::bigint[])[(b.id / 3) %% %s + 1] END, '', 0, 33554432, '', "
             "'ready', 1, now() FROM directory_block b WHERE b.size_bytes = 33554432",
-            ["{" + ",".join(map(str, nodes)) + "}", NODES])
+            ["{" + ",".join(map(str, nodes)) + "}", NODES],
+        )
         cursor.execute("VACUUM ANALYZE directory_block")
         cursor.execute("VACUUM ANALYZE directory_placement")
     _emit(log=f"seeded {total} blocks over {NODES} nodes in {time.perf_counter() - started:.1f} s")
     host_copies = total // 3 // NODES
-    snapshot = PolicySnapshot(version=1, mode="", classes=(), tiers=(
-        TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.85),))
+    snapshot = PolicySnapshot(
+        version=1, mode="", classes=(), tiers=(TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.85),)
+    )
     times = []
     for rep in range(max(3, spec["repeats"])):
         started = time.perf_counter()
@@ -350,18 +433,31 @@ def _plan_ms(spec: dict[str, Any]) -> None:
         _emit(step=f"plan {rep + 1}")
     spec_host = snapshot.tier("host")
     with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + candidates_sql(algorithm="lru", remote=False),
-                       candidates_params(snapshot=snapshot, spec=spec_host, node_id=Node.objects.get(name="plan-3").id,
-                                         tier="host", needed=(1 << 40) // 20, now=timezone.now(),
-                                         namespaces={namespace.id: "default"}))
+        cursor.execute(
+            "EXPLAIN (ANALYZE, BUFFERS) " + candidates_sql(algorithm="lru", remote=False),
+            candidates_params(
+                snapshot=snapshot,
+                spec=spec_host,
+                node_id=Node.objects.get(name="plan-3").id,
+                tier="host",
+                needed=(1 << 40) // 20,
+                now=timezone.now(),
+                namespaces={namespace.id: "default"},
+            ),
+        )
         text = "\n".join(r[0] for r in cursor.fetchall())
     _emit(log=f"EXPLAIN (ANALYZE, BUFFERS) of the host victim query at {total} blocks:\n{text}")
-    _emit(param={"explain_plan": text, "plan_host_copies_on_node": host_copies,
-                 "plan_victims": len(result.movements)})
+    _emit(param={"explain_plan": text, "plan_host_copies_on_node": host_copies, "plan_victims": len(result.movements)})
     if "Seq Scan on directory_block" in text or "Seq Scan on directory_placement" in text:
         _emit(log="WARNING: the victim query has a sequential scan")
-    _emit(row={"name": "movements.plan_ms", "value": statistics.median(times), "unit": "ms",
-               "params": {"blocks": total, "host_copies_on_node": host_copies, "victims": len(result.movements)}})
+    _emit(
+        row={
+            "name": "movements.plan_ms",
+            "value": statistics.median(times),
+            "unit": "ms",
+            "params": {"blocks": total, "host_copies_on_node": host_copies, "victims": len(result.movements)},
+        }
+    )
 
 
 def child(spec: dict[str, Any]) -> None:

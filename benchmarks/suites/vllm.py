@@ -61,36 +61,68 @@ def run(ctx: Context) -> list[Row]:
     chosen = [c.strip() for c in os.environ.get("STRATA_BENCH_VLLM_CONFIGS", ",".join(ORDER)).split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CONFIGS))
     if unknown:
-        raise ValueError(f"STRATA_BENCH_VLLM_CONFIGS: unknown configuration(s) {', '.join(unknown)}; "
-                         f"expected some of {', '.join(ORDER)}")
+        raise ValueError(
+            f"STRATA_BENCH_VLLM_CONFIGS: unknown configuration(s) {', '.join(unknown)}; "
+            f"expected some of {', '.join(ORDER)}"
+        )
     shape = Shape.at(ctx.scale)
     environment = load_environment()
     checkpoint = preset_checkpoint("bench", environment.var_dir / "checkpoints")
-    ctx.params.update(checkpoint=str(checkpoint), pages=shape.pages, conversations=shape.conversations,
-                      turns=shape.turns, context_tokens=shape.context_tokens, documents=shape.documents,
-                      document_tokens=shape.document_tokens)
+    ctx.params.update(
+        checkpoint=str(checkpoint),
+        pages=shape.pages,
+        conversations=shape.conversations,
+        turns=shape.turns,
+        context_tokens=shape.context_tokens,
+        documents=shape.documents,
+        document_tokens=shape.document_tokens,
+    )
     database = environment.database
-    server = {"host": database.host or None, "port": database.port or None, "user": database.user or "postgres",
-              "password": database.password or None, **database.options}
+    server = {
+        "host": database.host or None,
+        "port": database.port or None,
+        "user": database.user or "postgres",
+        "password": database.password or None,
+        **database.options,
+    }
     server = {k: v for k, v in server.items() if v is not None}
     ctx.plan(len(chosen) + 1)
     results: dict[str, dict[str, dict[str, float]]] = {}
     logs = environment.var_dir / "bench-logs" / "vllm"
     with bench_database(server, f"strata_bench_vllm_{os.getpid()}") as url:
-        env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": environment.redis.url,
-               "DJANGO_SETTINGS_MODULE": "controlplane.settings.dev", "STRATA_LOG_LEVEL": "WARNING",
-               "STRATA_VAR_DIR": str(environment.var_dir)}
-        subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env,
-                       check=True)
-        subprocess.run([sys.executable, "manage.py", "strata_namespace", "default"], cwd=REPO_ROOT, env=env,
-                       check=True, capture_output=True)
+        env = {
+            **os.environ,
+            "DATABASE_URL": url,
+            "REDIS_URL": environment.redis.url,
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings.dev",
+            "STRATA_LOG_LEVEL": "WARNING",
+            "STRATA_VAR_DIR": str(environment.var_dir),
+        }
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO_ROOT, env=env, check=True
+        )
+        subprocess.run(
+            [sys.executable, "manage.py", "strata_namespace", "default"],
+            cwd=REPO_ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         ctx.step("scratch database migrated")
         failures: dict[str, str] = {}
         for config in [c for c in ORDER if c in chosen]:
             # One configuration failing (its server dying) must not lose the others' numbers.
             try:
-                with Server(config, checkpoint=checkpoint, port=free_port(), shape=shape, scratch=ctx.scratch,
-                            env=env, status_port=free_port(), logs=logs) as served:
+                with Server(
+                    config,
+                    checkpoint=checkpoint,
+                    port=free_port(),
+                    shape=shape,
+                    scratch=ctx.scratch,
+                    env=env,
+                    status_port=free_port(),
+                    logs=logs,
+                ) as served:
                     results[config] = run_config(served, shape, ctx.log)
             except Exception as exc:  # noqa: BLE001 - reported below and in the results' params
                 failures[config] = f"{type(exc).__name__}: {exc}"
@@ -109,12 +141,26 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
             prefix = f"vllm.{workload}.{config}"
             rows += [
                 Row(f"{prefix}.ttft_mean_s", numbers["ttft_mean_s"], "s"),
-                *([Row(f"{prefix}.ttft_later_mean_s", numbers["ttft_later_mean_s"], "s",
-                       note="turns after the first")] if workload.startswith("multiturn") else []),
+                *(
+                    [
+                        Row(
+                            f"{prefix}.ttft_later_mean_s",
+                            numbers["ttft_later_mean_s"],
+                            "s",
+                            note="turns after the first",
+                        )
+                    ]
+                    if workload.startswith("multiturn")
+                    else []
+                ),
                 Row(f"{prefix}.tpot_ms", numbers["tpot_ms"], "ms"),
-                Row(f"{prefix}.throughput_tok_s", numbers["throughput_tok_s"], "tok/s",
+                Row(
+                    f"{prefix}.throughput_tok_s",
+                    numbers["throughput_tok_s"],
+                    "tok/s",
                     note=f"{numbers['requests']:.0f} requests in {numbers['wall_s']:.1f} s, "
-                         f"{numbers['cached_share']:.0%} of prompt tokens not computed"),
+                    f"{numbers['cached_share']:.0%} of prompt tokens not computed",
+                ),
             ]
 
     def ratio(workload: str, config: str, metric: str, versus: str, name: str, target: str) -> None:
@@ -122,27 +168,73 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
             return  # left out of this run (STRATA_BENCH_VLLM_CONFIGS), failed, or not served (SKIPPED)
         numerator = results[config][workload][metric]
         baseline = results[versus][workload][metric]
-        rows.append(Row(name, numerator / baseline if baseline else 0.0, "x",
-                        baseline=f"vllm.{workload}.{versus}.{metric}", note=target))
+        rows.append(
+            Row(
+                name,
+                numerator / baseline if baseline else 0.0,
+                "x",
+                baseline=f"vllm.{workload}.{versus}.{metric}",
+                note=target,
+            )
+        )
 
     for config in ("strata_host", "strata_disk"):
         for clients in (4, 8):
             workload = f"multiturn.c{clients}"
-            ratio(workload, config, "ttft_mean_s", "vllm", f"vllm.{workload}.{config}.ttft_vs_vllm", TARGETS["ttft_vs_vllm"])
-            ratio(workload, config, "tpot_ms", "vllm", f"vllm.{workload}.{config}.tpot_vs_vllm", TARGETS["tpot_vs_vllm"])
-            ratio(workload, config, "ttft_later_mean_s", "vllm", f"vllm.{workload}.{config}.ttft_later_turns_vs_vllm",
-                  "turns 2-6 only: the requests a cache can serve (every first turn is cold)")
-            ratio(workload, config, "throughput_tok_s", "vllm", f"vllm.{workload}.{config}.throughput_vs_vllm",
-                  TARGETS[f"throughput_vs_vllm.{config}"])
-        ratio("longdoc", config, "ttft_mean_s", "vllm", f"vllm.longdoc.{config}.ttft_vs_vllm",
-              "documents asked again after they left vLLM's KV space")
+            ratio(
+                workload,
+                config,
+                "ttft_mean_s",
+                "vllm",
+                f"vllm.{workload}.{config}.ttft_vs_vllm",
+                TARGETS["ttft_vs_vllm"],
+            )
+            ratio(
+                workload, config, "tpot_ms", "vllm", f"vllm.{workload}.{config}.tpot_vs_vllm", TARGETS["tpot_vs_vllm"]
+            )
+            ratio(
+                workload,
+                config,
+                "ttft_later_mean_s",
+                "vllm",
+                f"vllm.{workload}.{config}.ttft_later_turns_vs_vllm",
+                "turns 2-6 only: the requests a cache can serve (every first turn is cold)",
+            )
+            ratio(
+                workload,
+                config,
+                "throughput_tok_s",
+                "vllm",
+                f"vllm.{workload}.{config}.throughput_vs_vllm",
+                TARGETS[f"throughput_vs_vllm.{config}"],
+            )
+        ratio(
+            "longdoc",
+            config,
+            "ttft_mean_s",
+            "vllm",
+            f"vllm.longdoc.{config}.ttft_vs_vllm",
+            "documents asked again after they left vLLM's KV space",
+        )
         ratio("longdoc", config, "throughput_tok_s", "vllm", f"vllm.longdoc.{config}.throughput_vs_vllm", "")
-    ratio("multiturn.c4", "strata_host", "ttft_mean_s", "example", "vllm.multiturn.c4.strata_host.ttft_vs_example",
-          TARGETS["ttft_vs_example"])
+    ratio(
+        "multiturn.c4",
+        "strata_host",
+        "ttft_mean_s",
+        "example",
+        "vllm.multiturn.c4.strata_host.ttft_vs_example",
+        TARGETS["ttft_vs_example"],
+    )
     ratio("nohit", "strata_host", "ttft_mean_s", "vllm", "vllm.nohit.strata.ttft_vs_vllm", TARGETS["nohit"])
     for workload in ("multiturn.c4", "multiturn.c8", "longdoc"):
         ratio(workload, "floor", "ttft_mean_s", "vllm", f"vllm.{workload}.floor.ttft_vs_vllm", TARGETS["floor"])
         for config in ("strata_host", "strata_disk"):
-            ratio(workload, config, "ttft_mean_s", "floor", f"vllm.{workload}.{config}.ttft_vs_floor",
-                  "1.0 = as fast as if vLLM's KV space held every session")
+            ratio(
+                workload,
+                config,
+                "ttft_mean_s",
+                "floor",
+                f"vllm.{workload}.{config}.ttft_vs_floor",
+                "1.0 = as fast as if vLLM's KV space held every session",
+            )
     return rows

@@ -17,9 +17,11 @@ class TokenAuthentication(authentication.TokenAuthentication):
     def authenticate_credentials(self, key: str) -> tuple[Any, Any]:
         model = self.get_model()
         try:
-            token = (model.objects.select_related("user")
-                     .annotate(strata_group_names=ArrayAgg("user__groups__name"))
-                     .get(key=key))
+            token = (
+                model.objects.select_related("user")
+                .annotate(strata_group_names=ArrayAgg("user__groups__name"))
+                .get(key=key)
+            )
         except model.DoesNotExist:
             raise exceptions.AuthenticationFailed(_("Invalid token.")) from None
         if not token.user.is_active:

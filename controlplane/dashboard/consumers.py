@@ -88,8 +88,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
         if not self._take_allowance():
-            log.warning("dashboard stream of %s closed: more than %d frames at once",
-                        self.scope["user"].get_username(), FRAME_BURST)
+            log.warning(
+                "dashboard stream of %s closed: more than %d frames at once",
+                self.scope["user"].get_username(),
+                FRAME_BURST,
+            )
             await self.close(code=CLOSE_TOO_MANY_FRAMES)
             return
         # The stream is one-way except for pings; anything else is refused with a reason.
@@ -109,7 +112,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(content, dict) and content.get("type") == "ping":
             await self.send_json({"type": "pong"})
         else:
-            await self.send_json({"type": "error", "error": "unknown message; only {\"type\": \"ping\"} is accepted"})
+            await self.send_json({"type": "error", "error": 'unknown message; only {"type": "ping"} is accepted'})
 
     # -- from the channel layer ----------------------------------------------------------------
     async def dashboard_event(self, message: dict[str, Any]) -> None:
@@ -136,8 +139,13 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         self.pending, self.seen, self.overflowed = {}, set(), False
         first, last = (min(seen), max(seen)) if seen else (0, 0)
         complete = bool(seen) and not overflowed and len(seen) == last - first + 1
-        frame: dict[str, Any] = {"type": "batch", "first": first, "last": last, "complete": complete,
-                                 "events": [] if overflowed else sorted(pending.values(), key=lambda e: e["seq"])}
+        frame: dict[str, Any] = {
+            "type": "batch",
+            "first": first,
+            "last": last,
+            "complete": complete,
+            "events": [] if overflowed else sorted(pending.values(), key=lambda e: e["seq"]),
+        }
         if overflowed:
             frame["reason"] = f"more than {MAX_PENDING_EVENTS} events within {FLUSH_INTERVAL_S:g} s"
         await self.send_json(frame)

@@ -23,8 +23,15 @@ SEQUENCE_KEY = "strata:dashboard:seq"
 # Every event type and the fields its payload carries; a test checks real events against this.
 EVENT_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "node.heartbeat": {
-        "name": str, "host": str, "address": str, "engine": str, "engine_address": str, "state": str, "last_seen": str,
-        "heartbeat_seconds": (int, float), "tiers": list,
+        "name": str,
+        "host": str,
+        "address": str,
+        "engine": str,
+        "engine_address": str,
+        "state": str,
+        "last_seen": str,
+        "heartbeat_seconds": (int, float),
+        "tiers": list,
     },
     "node.state": {"name": str, "state": str, "previous": str},
     # One per registration batch (never per block), and one per purge.
@@ -34,10 +41,17 @@ EVENT_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "policy.changed": {"version": int, "action": str, "author": str, "comment": str, "mode": str},
     "mode.switched": {"mode": str, "previous": str, "version": int, "author": str},
     # One per plan, and per node at most one a second for the movements it finished (never per block).
-    "movement.planned": {"plan": str, "reason": str, "written": int, "moves": int, "evictions": int,
-                         "bytes": int, "policy_version": int, "mode": str},
-    "movement.finished": {"node": str, "done": int, "failed": int, "cancelled": int, "bytes": int,
-                          "routes": dict},
+    "movement.planned": {
+        "plan": str,
+        "reason": str,
+        "written": int,
+        "moves": int,
+        "evictions": int,
+        "bytes": int,
+        "policy_version": int,
+        "mode": str,
+    },
+    "movement.finished": {"node": str, "done": int, "failed": int, "cancelled": int, "bytes": int, "routes": dict},
 }
 
 
@@ -58,7 +72,9 @@ def event_validate(event: dict[str, Any]) -> None:
         if field not in event["payload"]:
             raise ValueError(f"{event['type']} payload lacks {field!r}")
         if not isinstance(event["payload"][field], kinds):
-            raise ValueError(f"{event['type']} payload field {field!r} has type {type(event['payload'][field]).__name__}")
+            raise ValueError(
+                f"{event['type']} payload field {field!r} has type {type(event['payload'][field]).__name__}"
+            )
 
 
 def sequence_key() -> str:

@@ -57,30 +57,60 @@ def alerts_list(*, nodes: Iterable[Node], policy: PolicySnapshot) -> list[Alert]
     for node in nodes:
         if node.state == NodeState.STALE:
             age = (timezone.now() - node.last_seen).total_seconds()
-            alerts.append(Alert("stale-node", "critical", f"node {node.name} missed its heartbeats "
-                                f"(last seen {age:.0f} s ago)", node=node.name))
+            alerts.append(
+                Alert(
+                    "stale-node",
+                    "critical",
+                    f"node {node.name} missed its heartbeats (last seen {age:.0f} s ago)",
+                    node=node.name,
+                )
+            )
         elif node.state == NodeState.DOWN:
             alerts.append(Alert("node-down", "warning", f"node {node.name} shut down", node=node.name))
         for tier in _ordered_tiers(node):
             if not tier.available:
-                alerts.append(Alert("tier-unavailable", "critical",
-                                    f"tier {tier.tier} of node {node.name} is unavailable", node=node.name,
-                                    tier=tier.tier))
+                alerts.append(
+                    Alert(
+                        "tier-unavailable",
+                        "critical",
+                        f"tier {tier.tier} of node {node.name} is unavailable",
+                        node=node.name,
+                        tier=tier.tier,
+                    )
+                )
                 continue
             if tier.capacity_bytes:
                 fill = tier.used_bytes / tier.capacity_bytes
                 high = policy.tier(tier.tier).high_watermark
                 if fill > high:
-                    alerts.append(Alert("watermark", "warning",
-                                        f"tier {tier.tier} of node {node.name} is {fill:.0%} full, above its "
-                                        f"high watermark of {high:.0%}", node=node.name, tier=tier.tier))
-    corrupt = (Placement.objects.filter(state=PlacementState.CORRUPT)
-               .values("node__name", "tier").annotate(copies=Count("id")).order_by("node__name", "tier"))
+                    alerts.append(
+                        Alert(
+                            "watermark",
+                            "warning",
+                            f"tier {tier.tier} of node {node.name} is {fill:.0%} full, above its "
+                            f"high watermark of {high:.0%}",
+                            node=node.name,
+                            tier=tier.tier,
+                        )
+                    )
+    corrupt = (
+        Placement.objects.filter(state=PlacementState.CORRUPT)
+        .values("node__name", "tier")
+        .annotate(copies=Count("id"))
+        .order_by("node__name", "tier")
+    )
     for row in corrupt:
         where = f"node {row['node__name']}" if row["node__name"] else "the shared remote store"
-        alerts.append(Alert("corrupt-blocks", "critical",
-                            f"{row['copies']} corrupt cop{'y' if row['copies'] == 1 else 'ies'} quarantined in "
-                            f"tier {row['tier']} of {where}", node=row["node__name"] or "", tier=row["tier"]))
+        alerts.append(
+            Alert(
+                "corrupt-blocks",
+                "critical",
+                f"{row['copies']} corrupt cop{'y' if row['copies'] == 1 else 'ies'} quarantined in "
+                f"tier {row['tier']} of {where}",
+                node=row["node__name"] or "",
+                tier=row["tier"],
+            )
+        )
     return alerts
 
 
@@ -105,16 +135,27 @@ def overview_get() -> dict[str, Any]:
         "generated_at": timezone.now().isoformat(),
         "mode": policy.mode,
         "policy_version": policy.version,
-        "nodes": [{**node_payload(node), "heartbeats": node.heartbeats, "registered_at": node.registered_at.isoformat(),
-                   "version": node.version, "pid": node.pid} for node in nodes],
+        "nodes": [
+            {
+                **node_payload(node),
+                "heartbeats": node.heartbeats,
+                "registered_at": node.registered_at.isoformat(),
+                "version": node.version,
+                "pid": node.pid,
+            }
+            for node in nodes
+        ],
         "tiers": [{"tier": tier, **totals[tier]} for tier in map(str, TIER_ORDER) if totals[tier]["nodes"]],
-        "watermarks": {str(tier): {"high": policy.tier(tier).high_watermark, "low": policy.tier(tier).low_watermark}
-                       for tier in TIER_ORDER},
+        "watermarks": {
+            str(tier): {"high": policy.tier(tier).high_watermark, "low": policy.tier(tier).low_watermark}
+            for tier in TIER_ORDER
+        },
         "alerts": [dataclasses.asdict(alert) for alert in alerts_list(nodes=nodes, policy=policy)],
     }
 
 
 # -- the nodes' engine servers ---------------------------------------------------------------------
+
 
 class NodeUnreachable(Exception):
     """A node's engine server did not answer in time or answered something unreadable."""
@@ -185,10 +226,16 @@ def requests_summary(traces: list[dict[str, Any]]) -> dict[str, Any]:
     fragment = sum(int(t.get("fragment_tokens", 0)) for t in traces)
     recomputed = sum(int(t.get("recomputed_tokens", 0)) for t in traces)
     return {
-        "requests": len(traces), "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": computed,
-        "prefill_seconds_per_token": per_token, "load_seconds": load_s,
+        "requests": len(traces),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "computed_tokens": computed,
+        "prefill_seconds_per_token": per_token,
+        "load_seconds": load_s,
         "saved_seconds": saved,
-        "prefix_tokens": prefix, "fragment_tokens": fragment, "recomputed_tokens": recomputed,
+        "prefix_tokens": prefix,
+        "fragment_tokens": fragment,
+        "recomputed_tokens": recomputed,
         "recompute_ratio": recomputed / fragment if fragment else None,
     }
 
@@ -228,9 +275,17 @@ def _fragment_reuse(families: dict[str, list[Any]]) -> dict[str, Any]:
 
     def row(sample: Any) -> dict[str, Any]:
         key = (sample.labels["model"], sample.labels["namespace"])
-        return namespaces.setdefault(key, {"model": key[0], "namespace": key[1], "recompute_percent": None,
-                                           "prefix_only": False, "samples": {"agreed": 0.0, "disagreed": 0.0},
-                                           "window_agreement": None})
+        return namespaces.setdefault(
+            key,
+            {
+                "model": key[0],
+                "namespace": key[1],
+                "recompute_percent": None,
+                "prefix_only": False,
+                "samples": {"agreed": 0.0, "disagreed": 0.0},
+                "window_agreement": None,
+            },
+        )
 
     for sample in _gauge(families, "strata_blend_recompute_percent"):
         row(sample)["recompute_percent"] = sample.value
@@ -272,8 +327,13 @@ def cache_stats(*, node: str | None = None) -> dict[str, Any]:
         all_blocks = sum(blocks.values())
         # Every hit is a whole block, so a tier's share of hit blocks is its share of hit tokens.
         by_tier = {tier: hits * count / all_blocks for tier, count in blocks.items()} if all_blocks else {}
-        return {"lookup_tokens": lookup, "hit_tokens": hits, "hit_blocks_by_tier": blocks,
-                "hit_tokens_by_tier": by_tier, "fragment_reuse": _fragment_reuse(families)}
+        return {
+            "lookup_tokens": lookup,
+            "hit_tokens": hits,
+            "hit_blocks_by_tier": blocks,
+            "hit_tokens_by_tier": by_tier,
+            "fragment_reuse": _fragment_reuse(families),
+        }
 
     answers = _each_node(_serving_nodes(node), fetch)
     fleet_by_tier: dict[str, float] = {}
@@ -299,10 +359,18 @@ def _fleet_fragment_reuse(answers: list[dict[str, Any]]) -> dict[str, Any]:
         "reused_tokens": reused,
         "recomputed_tokens": recomputed,
         "recompute_ratio": recomputed / reused["fragment"] if reused["fragment"] else None,
-        "quality_samples": {result: sum(f["quality_samples"].get(result, 0.0) for _, f in reached)
-                            for result in QUALITY_RESULTS},
-        "nodes": [{"node": name, "model": f["model"], "enabled": f["enabled"],
-                   "default_recompute_percent": f["default_recompute_percent"]} for name, f in reached],
+        "quality_samples": {
+            result: sum(f["quality_samples"].get(result, 0.0) for _, f in reached) for result in QUALITY_RESULTS
+        },
+        "nodes": [
+            {
+                "node": name,
+                "model": f["model"],
+                "enabled": f["enabled"],
+                "default_recompute_percent": f["default_recompute_percent"],
+            }
+            for name, f in reached
+        ],
         "namespaces": [{"node": name, **row} for name, f in reached for row in f["namespaces"]],
     }
 
@@ -310,5 +378,8 @@ def _fleet_fragment_reuse(answers: list[dict[str, Any]]) -> dict[str, Any]:
 def blocks_by_fingerprint(*, key: uuid.UUID, limit: int = 100) -> list[Block]:
     """Blocks whose prefix key or content key is `key` (one content key may occur in many prompts
     and namespaces; a prefix key in one per namespace and model). Both columns are indexed."""
-    return list(Block.objects.select_related("namespace", "model")
-                .filter(Q(prefix_key=key) | Q(content_key=key)).order_by("-id")[:limit])
+    return list(
+        Block.objects.select_related("namespace", "model")
+        .filter(Q(prefix_key=key) | Q(content_key=key))
+        .order_by("-id")[:limit]
+    )

@@ -30,27 +30,37 @@ PAGES = [
 
 
 def _choices() -> dict[str, Any]:
-    return {"tiers": TierLevel.choices, "algorithms": Algorithm.choices, "mode_kinds": ModeKind.choices,
-            "movement_states": MovementState.choices, "movement_kinds": MovementKind.choices,
-            "movement_reasons": MovementReason.choices}
+    return {
+        "tiers": TierLevel.choices,
+        "algorithms": Algorithm.choices,
+        "mode_kinds": ModeKind.choices,
+        "movement_states": MovementState.choices,
+        "movement_kinds": MovementKind.choices,
+        "movement_reasons": MovementReason.choices,
+    }
 
 
-def _page(name: str, template: str, extra: Callable[[], dict[str, Any]] | None = None
-          ) -> Callable[[HttpRequest], HttpResponse]:
+def _page(
+    name: str, template: str, extra: Callable[[], dict[str, Any]] | None = None
+) -> Callable[[HttpRequest], HttpResponse]:
     @login_required
     def view(request: HttpRequest) -> HttpResponse:
         role = role_of(request.user)
         if role < Role.VIEWER:
             raise PermissionDenied("This account has no dashboard role (viewer, operator or admin).")
-        return render(request, template, {
-            "page": name,
-            "pages": PAGES,
-            "role": role.name.lower(),
-            "can_edit": role >= Role.OPERATOR,
-            "is_admin": role >= Role.ADMIN,
-            "flush_interval_s": FLUSH_INTERVAL_S,
-            **(extra() if extra else {}),
-        })
+        return render(
+            request,
+            template,
+            {
+                "page": name,
+                "pages": PAGES,
+                "role": role.name.lower(),
+                "can_edit": role >= Role.OPERATOR,
+                "is_admin": role >= Role.ADMIN,
+                "flush_interval_s": FLUSH_INTERVAL_S,
+                **(extra() if extra else {}),
+            },
+        )
 
     view.__name__ = name
     view.__doc__ = f"The {name} page."

@@ -38,8 +38,9 @@ class EstimatedCountPaginator(Paginator):
         model = getattr(self.object_list, "model", None)
         if query is not None and model is not None and not query.where:
             with connection.cursor() as cursor:
-                cursor.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
-                               [model._meta.db_table])
+                cursor.execute(
+                    "SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass", [model._meta.db_table]
+                )
                 row = cursor.fetchone()
             if row and row[0] and row[0] > 10000:
                 return int(row[0])
@@ -56,11 +57,29 @@ class NamespaceAdmin(admin.ModelAdmin):
 
 @admin.register(ModelProfile)
 class ModelProfileAdmin(admin.ModelAdmin):
-    list_display = ["name", "model_id", "revision", "dtype", "layers", "kv_heads", "head_dim", "block_tokens",
-                    "model_key"]
+    list_display = [
+        "name",
+        "model_id",
+        "revision",
+        "dtype",
+        "layers",
+        "kv_heads",
+        "head_dim",
+        "block_tokens",
+        "model_key",
+    ]
     search_fields = ["name", "model_id"]
-    _layout = ["model_id", "revision", "dtype", "layers", "kv_heads", "head_dim", "block_tokens", "rope_theta",
-               "rope_scaling"]
+    _layout = [
+        "model_id",
+        "revision",
+        "dtype",
+        "layers",
+        "kv_heads",
+        "head_dim",
+        "block_tokens",
+        "rope_theta",
+        "rope_scaling",
+    ]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # The key hashes the layout: a saved profile's layout never changes.
@@ -89,8 +108,16 @@ class PlacementInline(admin.TabularInline):
 class BlockAdmin(admin.ModelAdmin):
     """Read-only: blocks are written by nodes and engines through the services."""
 
-    list_display = ["prefix_key", "namespace", "model", "position", "token_count", "access_count",
-                    "last_access_at", "created_at"]
+    list_display = [
+        "prefix_key",
+        "namespace",
+        "model",
+        "position",
+        "token_count",
+        "access_count",
+        "last_access_at",
+        "created_at",
+    ]
     list_filter = ["namespace", "model"]
     list_select_related = ["namespace", "model"]
     search_fields = ["=prefix_key", "=content_key"]

@@ -18,6 +18,7 @@ class TierLevel(models.TextChoices):
 TIER_ORDER: tuple[TierLevel, ...] = tuple(TierLevel(name) for name in protocol.TIER_ORDER)
 """Tier levels, fastest first: the data plane's order, every one a TierLevel."""
 
+
 class NodeState(models.TextChoices):
     UP = "up", "Up"
     STALE = "stale", "Stale (missed heartbeats)"

@@ -27,14 +27,25 @@ class Node(models.Model):
     name = models.SlugField(max_length=63, unique=True)
     host = models.CharField(max_length=255, help_text="Host name the node runs on.")
     address = models.CharField(max_length=255, blank=True, help_text="host:port of the node's engine server.")
-    engine = models.CharField(max_length=16, default="strata", db_default="strata",
-                              help_text="Engine serving the node's model: strata (the node server) or vllm.")
+    engine = models.CharField(
+        max_length=16,
+        default="strata",
+        db_default="strata",
+        help_text="Engine serving the node's model: strata (the node server) or vllm.",
+    )
     engine_address = models.CharField(
-        max_length=255, blank=True, db_default="",
+        max_length=255,
+        blank=True,
+        db_default="",
         help_text="host:port of the engine's own server where it is not Strata's (vLLM's OpenAI API and its "
-                  "/metrics); the node's Strata endpoints stay at `address`.")
-    group = models.SlugField(max_length=63, default="default", db_default="default",
-                             help_text="Node group: tier policies for this group override the fleet-wide ones.")
+        "/metrics); the node's Strata endpoints stay at `address`.",
+    )
+    group = models.SlugField(
+        max_length=63,
+        default="default",
+        db_default="default",
+        help_text="Node group: tier policies for this group override the fleet-wide ones.",
+    )
     state = models.CharField(max_length=8, choices=NodeState.choices, default=NodeState.UP)
     pid = models.PositiveIntegerField(null=True, blank=True)
     version = models.CharField(max_length=32, blank=True)
@@ -81,8 +92,12 @@ class Namespace(models.Model):
     block unless one of them is marked shared (then any namespace may look its blocks up)."""
 
     name = models.SlugField(max_length=63, unique=True)
-    salt = models.CharField(max_length=2 * SALT_BYTES, default=salt_new, editable=False,
-                            help_text="Hex of the random salt hashed into every key of this namespace.")
+    salt = models.CharField(
+        max_length=2 * SALT_BYTES,
+        default=salt_new,
+        editable=False,
+        help_text="Hex of the random salt hashed into every key of this namespace.",
+    )
     shared = models.BooleanField(default=False, help_text="Lookups from any namespace also match its blocks.")
     description = models.CharField(max_length=255, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -161,17 +176,23 @@ class Block(models.Model):
     removes copies and blocks in one transaction. A copy whose block is gone is never served
     (lookups go through the block)."""
 
-    namespace = models.ForeignKey(Namespace, on_delete=models.PROTECT, related_name="blocks", db_index=False,
-                                  db_constraint=False)
-    model = models.ForeignKey(ModelProfile, on_delete=models.PROTECT, related_name="blocks", db_index=False,
-                              db_constraint=False)
+    namespace = models.ForeignKey(
+        Namespace, on_delete=models.PROTECT, related_name="blocks", db_index=False, db_constraint=False
+    )
+    model = models.ForeignKey(
+        ModelProfile, on_delete=models.PROTECT, related_name="blocks", db_index=False, db_constraint=False
+    )
     prefix_key = models.UUIDField(help_text="H(salt | model key | parent prefix key | tokens): position-exact.")
     content_key = models.UUIDField(help_text="H(salt | model key | tokens): position-independent.")
     position = models.PositiveBigIntegerField(help_text="Offset of the block's first token in its prefix chain.")
     token_count = models.PositiveIntegerField()
     size_bytes = models.PositiveBigIntegerField()
-    priority = models.SlugField(max_length=63, default=DEFAULT_CLASS, db_index=False,
-                                help_text="Priority class (the policies app defines them).")
+    priority = models.SlugField(
+        max_length=63,
+        default=DEFAULT_CLASS,
+        db_index=False,
+        help_text="Priority class (the policies app defines them).",
+    )
     created_at = models.DateTimeField()
     last_access_at = models.DateTimeField()
     access_count = models.PositiveBigIntegerField(default=0)
@@ -196,14 +217,23 @@ class Placement(models.Model):
     `epoch` grows with every state change; a change made against an older epoch is refused, so two
     movements racing on the same copy cannot both win."""
 
-    block = models.ForeignKey(Block, on_delete=models.CASCADE, related_name="placements", db_index=False,
-                              db_constraint=False)
+    block = models.ForeignKey(
+        Block, on_delete=models.CASCADE, related_name="placements", db_index=False, db_constraint=False
+    )
     tier = models.CharField(max_length=8, choices=TierLevel.choices)
-    node = models.ForeignKey(Node, on_delete=models.CASCADE, null=True, blank=True, related_name="placements",
-                             db_index=False, db_constraint=False,
-                             help_text="Node holding the bytes; empty for the shared remote tier.")
-    locator = models.CharField(max_length=1024, blank=True,
-                               help_text="Path, object key or slot in the tier; empty when derived from the key.")
+    node = models.ForeignKey(
+        Node,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="placements",
+        db_index=False,
+        db_constraint=False,
+        help_text="Node holding the bytes; empty for the shared remote tier.",
+    )
+    locator = models.CharField(
+        max_length=1024, blank=True, help_text="Path, object key or slot in the tier; empty when derived from the key."
+    )
     offset = models.PositiveBigIntegerField(default=0)
     size_bytes = models.PositiveBigIntegerField()
     checksum = models.CharField(max_length=32, blank=True, help_text="xxh3-128 of key and bytes, hex.")
@@ -215,11 +245,14 @@ class Placement(models.Model):
         ordering = ["block_id", "tier"]
         constraints = [
             # One copy per (block, tier, node); NULLS NOT DISTINCT makes "one remote copy" hold too.
-            models.UniqueConstraint(fields=["block", "tier", "node"], name="placement_block_tier_node_uniq",
-                                    nulls_distinct=False),
+            models.UniqueConstraint(
+                fields=["block", "tier", "node"], name="placement_block_tier_node_uniq", nulls_distinct=False
+            ),
             models.CheckConstraint(
-                condition=((Q(tier=TierLevel.REMOTE) & Q(node__isnull=True))
-                           | (~Q(tier=TierLevel.REMOTE) & Q(node__isnull=False))),
+                condition=(
+                    (Q(tier=TierLevel.REMOTE) & Q(node__isnull=True))
+                    | (~Q(tier=TierLevel.REMOTE) & Q(node__isnull=False))
+                ),
                 name="placement_node_iff_local",
             ),
         ]

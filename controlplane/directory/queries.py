@@ -29,6 +29,7 @@ NAMESPACE_TABLE = "directory_namespace"
 MODEL_TABLE = "directory_modelprofile"
 NODE_TABLE = "directory_node"
 
+
 # Arrays travel as one array literal each. Handing psycopg a list makes it adapt every element in
 # Python, which for a 4096-row registration costs more than the statement itself.
 def uuids(values: Iterable[uuid.UUID]) -> str:
@@ -54,9 +55,11 @@ def texts(values: Iterable[str | None]) -> str:
         if '"' not in whole and "\\" not in whole:
             # Nothing to escape (tiers, checksums, names): one join.
             return '{"' + '","'.join(values) + '"}'  # type: ignore[arg-type]
-    return "{" + ",".join(
-        "NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values
-    ) + "}"
+    return (
+        "{"
+        + ",".join("NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+        + "}"
+    )
 
 
 def times(values: Iterable[datetime]) -> str:
@@ -152,8 +155,12 @@ def lookup(
     content_keys: Sequence[uuid.UUID] = (),
 ) -> LookupAnswer:
     """Run the lookup statement once. None for namespace/model/node means "any"."""
-    cursor.execute(LOOKUP_SQL, lookup_params(namespace=namespace, model_key=model_key, node=node,
-                                             prefix_keys=prefix_keys, content_keys=content_keys))
+    cursor.execute(
+        LOOKUP_SQL,
+        lookup_params(
+            namespace=namespace, model_key=model_key, node=node, prefix_keys=prefix_keys, content_keys=content_keys
+        ),
+    )
     records = cursor.fetchall()
     first = records[0]
     # Rows are kept as tuples: a 4096-key answer is turned into the caller's objects once, not twice.
@@ -179,11 +186,16 @@ class Scope:
     nodes: dict[str, int]
 
 
-def resolve(cursor: Any, *, namespaces: Iterable[str], model_keys: Iterable[uuid.UUID],
-            nodes: Iterable[str]) -> Scope:
+def resolve(cursor: Any, *, namespaces: Iterable[str], model_keys: Iterable[uuid.UUID], nodes: Iterable[str]) -> Scope:
     """Map names and model keys to ids in one round trip."""
-    cursor.execute(RESOLVE_SQL, {"namespaces": texts(sorted(set(namespaces))),
-                                 "model_keys": uuids(sorted(set(model_keys))), "nodes": texts(sorted(set(nodes)))})
+    cursor.execute(
+        RESOLVE_SQL,
+        {
+            "namespaces": texts(sorted(set(namespaces))),
+            "model_keys": uuids(sorted(set(model_keys))),
+            "nodes": texts(sorted(set(nodes))),
+        },
+    )
     scope = Scope(namespaces={}, models={}, nodes={})
     for kind, name, ident in cursor.fetchall():
         if kind == "namespace":
@@ -295,13 +307,38 @@ class RegisterCounts:
 def register_params(rows: Sequence[RegisterRow], now: datetime) -> dict[str, Any]:
     """The parameters of the three registration statements (each takes those it names), built
     once; `new_block_ids` (every row's block is new: none) is filled in by `register`."""
-    (namespace_ids, model_ids, prefix_keys, content_keys, positions, token_counts, sizes, priorities, tiers,
-     node_ids, locators, offsets, checksums) = zip(*rows, strict=True)
-    return {"now": now, "namespace_ids": ints(namespace_ids), "model_ids": ints(model_ids),
-            "prefix_keys": uuids(prefix_keys), "content_keys": uuids(content_keys), "positions": ints(positions),
-            "token_counts": ints(token_counts), "sizes": ints(sizes), "priorities": texts(priorities),
-            "tiers": texts(tiers), "node_ids": ints(node_ids), "locators": texts(locators),
-            "offsets": ints(offsets), "checksums": texts(checksums), "new_block_ids": ints([None] * len(rows))}
+    (
+        namespace_ids,
+        model_ids,
+        prefix_keys,
+        content_keys,
+        positions,
+        token_counts,
+        sizes,
+        priorities,
+        tiers,
+        node_ids,
+        locators,
+        offsets,
+        checksums,
+    ) = zip(*rows, strict=True)
+    return {
+        "now": now,
+        "namespace_ids": ints(namespace_ids),
+        "model_ids": ints(model_ids),
+        "prefix_keys": uuids(prefix_keys),
+        "content_keys": uuids(content_keys),
+        "positions": ints(positions),
+        "token_counts": ints(token_counts),
+        "sizes": ints(sizes),
+        "priorities": texts(priorities),
+        "tiers": texts(tiers),
+        "node_ids": ints(node_ids),
+        "locators": texts(locators),
+        "offsets": ints(offsets),
+        "checksums": texts(checksums),
+        "new_block_ids": ints([None] * len(rows)),
+    }
 
 
 def register(cursor: Any, *, rows: Sequence[RegisterRow], now: datetime) -> RegisterCounts:
@@ -461,30 +498,74 @@ def registration_rows(
         if namespace_id is None:
             rejected.append((index, UnknownNamespace(f"namespace: no namespace named {reg.namespace!r}")))
         elif model_id is None:
-            rejected.append((index, UnknownModel(f"model_key: no model profile with key {reg.model_key}",
-                                                 field="model_key")))
+            rejected.append(
+                (index, UnknownModel(f"model_key: no model profile with key {reg.model_key}", field="model_key"))
+            )
         elif reg.tier != TierLevel.REMOTE and node_id is None:
-            rejected.append((index, UnknownNode(f"node: no node named {reg.node!r} (it registers with its first heartbeat)")))
+            rejected.append(
+                (index, UnknownNode(f"node: no node named {reg.node!r} (it registers with its first heartbeat)"))
+            )
         else:
-            rows.append(RegisterRow(namespace_id, model_id, reg.prefix_key, reg.content_key, reg.position,
-                                    reg.tokens, reg.nbytes, reg.priority, reg.tier, node_id, reg.locator,
-                                    reg.offset, reg.checksum))
+            rows.append(
+                RegisterRow(
+                    namespace_id,
+                    model_id,
+                    reg.prefix_key,
+                    reg.content_key,
+                    reg.position,
+                    reg.tokens,
+                    reg.nbytes,
+                    reg.priority,
+                    reg.tier,
+                    node_id,
+                    reg.locator,
+                    reg.offset,
+                    reg.checksum,
+                )
+            )
     return rows, rejected
 
 
-def lookup_result(answer: LookupAnswer, *, prefix_keys: Sequence[uuid.UUID],
-                  content_keys: Sequence[uuid.UUID]) -> LookupResult:
+def lookup_result(
+    answer: LookupAnswer, *, prefix_keys: Sequence[uuid.UUID], content_keys: Sequence[uuid.UUID]
+) -> LookupResult:
     """The data plane's view of a lookup: one location or None per asked key, in order."""
     prefix: list[BlockLocation | None] = [None] * len(prefix_keys)
     content: list[BlockLocation | None] = [None] * len(content_keys)
-    for (kind, ordinal, block_id, prefix_key, content_key, position, tokens, placement_id, tier, node, locator,
-         offset, nbytes, checksum, epoch) in answer.rows:
+    for (
+        kind,
+        ordinal,
+        block_id,
+        prefix_key,
+        content_key,
+        position,
+        tokens,
+        placement_id,
+        tier,
+        node,
+        locator,
+        offset,
+        nbytes,
+        checksum,
+        epoch,
+    ) in answer.rows:
         index = ordinal - 1
         found, asked = (prefix, prefix_keys) if kind == 0 else (content, content_keys)
         found[index] = BlockLocation(
-            key=asked[index], prefix_key=prefix_key, content_key=content_key, position=position, tokens=tokens,
-            block_id=block_id, placement_id=placement_id, tier=tier, node=node, locator=locator, offset=offset,
-            nbytes=nbytes, checksum=checksum, epoch=epoch,
+            key=asked[index],
+            prefix_key=prefix_key,
+            content_key=content_key,
+            position=position,
+            tokens=tokens,
+            block_id=block_id,
+            placement_id=placement_id,
+            tier=tier,
+            node=node,
+            locator=locator,
+            offset=offset,
+            nbytes=nbytes,
+            checksum=checksum,
+            epoch=epoch,
         )
     return LookupResult(prefix=tuple(prefix), content=tuple(content))
 

@@ -41,8 +41,9 @@ class RegistrationsWritten:
     """Registrations not written (index in the batch, why): they name an unknown namespace, model or node."""
 
 
-def registrations_write(cursor: Any, *, registrations: Sequence[BlockRegistration], now: datetime,
-                        all_or_nothing: bool) -> RegistrationsWritten:
+def registrations_write(
+    cursor: Any, *, registrations: Sequence[BlockRegistration], now: datetime, all_or_nothing: bool
+) -> RegistrationsWritten:
     """Record blocks and one READY copy of each (an upsert in key order: idempotent, and safe when
     two writers register the same blocks at once; an identical copy is left untouched). A
     registration naming an unknown namespace, model or node is not written: with `all_or_nothing`
@@ -50,9 +51,12 @@ def registrations_write(cursor: Any, *, registrations: Sequence[BlockRegistratio
     are written and the rejected ones come back. Run it inside the caller's transaction."""
     if not registrations:
         return RegistrationsWritten(counts=queries.RegisterCounts(blocks=0, placements=0), written=0, rejected=[])
-    scope = queries.resolve(cursor, namespaces=[r.namespace for r in registrations],
-                            model_keys=[r.model_key for r in registrations],
-                            nodes=[r.node for r in registrations if r.node])
+    scope = queries.resolve(
+        cursor,
+        namespaces=[r.namespace for r in registrations],
+        model_keys=[r.model_key for r in registrations],
+        nodes=[r.node for r in registrations if r.node],
+    )
     rows, rejected = queries.registration_rows(scope, registrations)
     if rejected and all_or_nothing:
         raise rejected[0][1]
@@ -65,7 +69,16 @@ def placement_changes_write(cursor: Any, *, changes: Sequence[PlacementChange], 
     whose copy is missing or whose epoch moved on are skipped. Returns how many copies changed."""
     changed = 0
     for action, run in runs(changes, key=lambda c: c.action):
-        change_rows = [queries.ChangeRow(namespace=c.namespace, model_key=c.model_key, prefix_key=c.prefix_key,
-                                         tier=c.tier, node=c.node, expected_epoch=c.expected_epoch) for c in run]
+        change_rows = [
+            queries.ChangeRow(
+                namespace=c.namespace,
+                model_key=c.model_key,
+                prefix_key=c.prefix_key,
+                tier=c.tier,
+                node=c.node,
+                expected_epoch=c.expected_epoch,
+            )
+            for c in run
+        ]
         changed += queries.placements_change(cursor, rows=change_rows, action=action, now=now)
     return changed

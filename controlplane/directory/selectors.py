@@ -34,8 +34,11 @@ def sql_cursor() -> Iterator[Any]:
         connection.connection.prepare_threshold = PREPARE_AFTER
     raw = psycopg.Cursor(connection.connection)
     # The stubs type these for Django's own wrapper; any DB-API cursor is what they wrap.
-    cursor = (connection.make_debug_cursor(raw) if connection.queries_logged  # type: ignore[arg-type]
-              else connection.make_cursor(raw))  # type: ignore[arg-type]
+    cursor = (
+        connection.make_debug_cursor(raw)  # type: ignore[arg-type]
+        if connection.queries_logged
+        else connection.make_cursor(raw)  # type: ignore[arg-type]
+    )
     with cursor:
         yield cursor
 
@@ -68,8 +71,14 @@ def blocks_lookup(
     either means any, None for `node` means copies on any node. With `strict`, a namespace, model
     or node that does not exist raises (the REST API answers 400) instead of simply missing."""
     with sql_cursor() as cursor:
-        answer = queries.lookup(cursor, namespace=namespace, model_key=model_key, node=node,
-                                prefix_keys=prefix_keys, content_keys=content_keys)
+        answer = queries.lookup(
+            cursor,
+            namespace=namespace,
+            model_key=model_key,
+            node=node,
+            prefix_keys=prefix_keys,
+            content_keys=content_keys,
+        )
     if strict:
         if namespace is not None and answer.namespace_id is None:
             raise UnknownNamespace(f"namespace: no namespace named {namespace!r}")

@@ -15,15 +15,22 @@ from controlplane.movements.selectors import movement_tallies
 
 class MovementsCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
-        moved = CounterMetricFamily("strata_blocks_moved", "Blocks moved or warmed between tiers, by result.",
-                                    labels=["src_tier", "dst_tier", "result"])
-        moved_bytes = CounterMetricFamily("strata_bytes_moved", "Bytes moved or warmed between tiers.",
-                                          labels=["src_tier", "dst_tier"])
-        evictions = CounterMetricFamily("strata_evictions", "Copies evicted (freed with no tier below), by reason.",
-                                        labels=["tier", "reason"])
-        failures = CounterMetricFamily("strata_checksum_failures",
-                                       "Copies found corrupt or missing (by scrub, move or reconcile), quarantined.",
-                                       labels=["tier", "found_by"])
+        moved = CounterMetricFamily(
+            "strata_blocks_moved",
+            "Blocks moved or warmed between tiers, by result.",
+            labels=["src_tier", "dst_tier", "result"],
+        )
+        moved_bytes = CounterMetricFamily(
+            "strata_bytes_moved", "Bytes moved or warmed between tiers.", labels=["src_tier", "dst_tier"]
+        )
+        evictions = CounterMetricFamily(
+            "strata_evictions", "Copies evicted (freed with no tier below), by reason.", labels=["tier", "reason"]
+        )
+        failures = CounterMetricFamily(
+            "strata_checksum_failures",
+            "Copies found corrupt or missing (by scrub, move or reconcile), quarantined.",
+            labels=["tier", "found_by"],
+        )
         blocks: dict[tuple[str, ...], int] = defaultdict(int)
         nbytes: dict[tuple[str, ...], int] = defaultdict(int)
         evicted: dict[tuple[str, ...], int] = defaultdict(int)

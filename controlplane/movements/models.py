@@ -21,8 +21,9 @@ class Movement(models.Model):
     per block."""
 
     plan = models.UUIDField(help_text="The planning run that wrote this movement.")
-    block = models.ForeignKey(Block, on_delete=models.DO_NOTHING, related_name="movements", db_index=False,
-                              db_constraint=False)
+    block = models.ForeignKey(
+        Block, on_delete=models.DO_NOTHING, related_name="movements", db_index=False, db_constraint=False
+    )
     kind = models.CharField(max_length=8, choices=MovementKind.choices)
     reason = models.CharField(max_length=16, choices=MovementReason.choices)
     state = models.CharField(max_length=12, choices=MovementState.choices, default=MovementState.PLANNED)
@@ -32,8 +33,9 @@ class Movement(models.Model):
     src_node = models.CharField(max_length=63, blank=True, help_text="Empty for the shared remote tier.")
     dst_tier = models.CharField(max_length=8, blank=True, help_text="Empty for an eviction.")
     dst_node = models.CharField(max_length=63, blank=True, help_text="Empty for remote or an eviction.")
-    dst_placement_id = models.BigIntegerField(null=True, blank=True,
-                                              help_text="The target copy the node reserved (moves and warms).")
+    dst_placement_id = models.BigIntegerField(
+        null=True, blank=True, help_text="The target copy the node reserved (moves and warms)."
+    )
     exec_node = models.CharField(max_length=63, help_text="Node whose worker executes it (queue node.<name>).")
     attempts = models.PositiveIntegerField(default=0)
     policy_version = models.PositiveBigIntegerField(default=0)
@@ -50,8 +52,11 @@ class Movement(models.Model):
     class Meta:
         ordering = ["-id"]
         constraints = [
-            models.UniqueConstraint(fields=["block"], condition=Q(state__in=[s.value for s in IN_FLIGHT]),
-                                    name="movement_one_in_flight_per_block"),
+            models.UniqueConstraint(
+                fields=["block"],
+                condition=Q(state__in=[s.value for s in IN_FLIGHT]),
+                name="movement_one_in_flight_per_block",
+            ),
             models.CheckConstraint(
                 condition=Q(kind=MovementKind.EVICT, dst_tier="") | (~Q(kind=MovementKind.EVICT) & ~Q(dst_tier="")),
                 name="movement_dst_iff_not_evict",
@@ -65,8 +70,11 @@ class Movement(models.Model):
             models.Index(fields=["reason", "id"], name="movement_reason_idx"),
             models.Index(fields=["kind", "id"], name="movement_kind_idx"),
             # What is already leaving a node's tier: the planner subtracts it from the tier's use.
-            models.Index(fields=["src_node", "src_tier"], condition=Q(state__in=[s.value for s in IN_FLIGHT]),
-                         name="movement_in_flight_src_idx"),
+            models.Index(
+                fields=["src_node", "src_tier"],
+                condition=Q(state__in=[s.value for s in IN_FLIGHT]),
+                name="movement_in_flight_src_idx",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -92,8 +100,9 @@ class MovementTally(models.Model):
     class Meta:
         ordering = ["kind", "src_tier", "dst_tier", "reason", "result"]
         constraints = [
-            models.UniqueConstraint(fields=["kind", "src_tier", "dst_tier", "reason", "result"],
-                                    name="movementtally_labels_uniq"),
+            models.UniqueConstraint(
+                fields=["kind", "src_tier", "dst_tier", "reason", "result"], name="movementtally_labels_uniq"
+            ),
         ]
 
     def __str__(self) -> str:

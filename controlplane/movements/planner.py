@@ -51,8 +51,10 @@ ORDER_KEYS: dict[str, tuple[str, str]] = {
     "lfu": ("b.access_count", _EPOCH),
     # S3-FIFO: copies never used again since they were written leave first, in the order they came
     # (a FIFO); copies used again leave least recently used first.
-    "s3fifo": ("(b.access_count > 0)::int",
-               f"CASE WHEN b.access_count > 0 THEN {_EPOCH} ELSE extract(epoch from b.created_at) END"),
+    "s3fifo": (
+        "(b.access_count > 0)::int",
+        f"CASE WHEN b.access_count > 0 THEN {_EPOCH} ELSE extract(epoch from b.created_at) END",
+    ),
     # Value of keeping a copy per byte: reuse likelihood (accesses, decaying with idle hours) times
     # the cost of recomputing the block (its tokens, dearer deeper in a prompt) over its size.
     "cost-aware": (
@@ -67,8 +69,10 @@ ORDER_KEYS: dict[str, tuple[str, str]] = {
 def candidates_sql(*, algorithm: str, remote: bool) -> str:
     """The victim query of one tier of one node (the shared remote tier when `remote`)."""
     if algorithm not in ORDER_KEYS:
-        raise MovementError(f"algorithm: unknown eviction algorithm {algorithm!r}; expected one of "
-                            f"{', '.join(ALGORITHMS)}", field="algorithm")
+        raise MovementError(
+            f"algorithm: unknown eviction algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}",
+            field="algorithm",
+        )
     first, second = ORDER_KEYS[algorithm]
     where_node = "p.node_id IS NULL" if remote else "p.node_id = %(node_id)s"
     order = "expired DESC, below_min DESC, weight, s1, s2, block_id"
@@ -106,9 +110,17 @@ LIMIT %(limit)s
 """
 
 
-def candidates_params(*, snapshot: PolicySnapshot, spec: TierPolicySpec, node_id: int | None, tier: str,
-                      needed: int, now: datetime, namespaces: dict[int, str],
-                      limit: int = MAX_PER_TIER) -> dict[str, Any]:
+def candidates_params(
+    *,
+    snapshot: PolicySnapshot,
+    spec: TierPolicySpec,
+    node_id: int | None,
+    tier: str,
+    needed: int,
+    now: datetime,
+    namespaces: dict[int, str],
+    limit: int = MAX_PER_TIER,
+) -> dict[str, Any]:
     """Parameters of `candidates_sql`. A block's class is the one its `priority` names, or else
     its namespace's class; weights come from the snapshot."""
     classes = [c for c in snapshot.classes if c.name != DEFAULT_CLASS]
@@ -225,8 +237,9 @@ def node_group(node: Node) -> str:
     return getattr(node, "group", "") or ""
 
 
-def managed_tiers(nodes: Sequence[Node], *, include_remote: bool
-                  ) -> tuple[dict[tuple[str, str], ManagedTier], list[str]]:
+def managed_tiers(
+    nodes: Sequence[Node], *, include_remote: bool
+) -> tuple[dict[tuple[str, str], ManagedTier], list[str]]:
     """Managed tiers per node from their last heartbeat (`nodes` with their tiers prefetched),
     plus the shared remote tier (its largest reported capacity and use: every node sees the same
     store). Returns the tiers keyed by (node, tier) and the nodes that can execute remote work."""
@@ -242,19 +255,27 @@ def managed_tiers(nodes: Sequence[Node], *, include_remote: bool
                 remote_capacity = max(remote_capacity, t.capacity_bytes)
                 remote_used = max(remote_used, t.used_bytes)
                 continue
-            tiers[(node.name, t.tier)] = ManagedTier(node=node.name, node_id=node.id, tier=t.tier,
-                                                     group=node_group(node), capacity=t.capacity_bytes,
-                                                     used=t.used_bytes)
+            tiers[(node.name, t.tier)] = ManagedTier(
+                node=node.name,
+                node_id=node.id,
+                tier=t.tier,
+                group=node_group(node),
+                capacity=t.capacity_bytes,
+                used=t.used_bytes,
+            )
     if remote_nodes and include_remote:
-        tiers[("", TierLevel.REMOTE)] = ManagedTier(node="", node_id=None, tier=TierLevel.REMOTE, group="",
-                                                    capacity=remote_capacity, used=remote_used)
+        tiers[("", TierLevel.REMOTE)] = ManagedTier(
+            node="", node_id=None, tier=TierLevel.REMOTE, group="", capacity=remote_capacity, used=remote_used
+        )
     return tiers, sorted(remote_nodes)
 
 
 def in_flight_add(cursor: Any, tiers: dict[tuple[str, str], ManagedTier]) -> None:
     """Add the bytes already leaving or arriving at each tier (movements not finished yet)."""
-    cursor.execute(f"SELECT src_node, src_tier, dst_node, dst_tier, sum(bytes) FROM {MOVEMENT_TABLE} "
-                   f"WHERE state IN {_IN_FLIGHT_SQL} GROUP BY 1, 2, 3, 4")
+    cursor.execute(
+        f"SELECT src_node, src_tier, dst_node, dst_tier, sum(bytes) FROM {MOVEMENT_TABLE} "
+        f"WHERE state IN {_IN_FLIGHT_SQL} GROUP BY 1, 2, 3, 4"
+    )
     for src_node, src_tier, dst_node, dst_tier, total in cursor.fetchall():
         source = tiers.get((src_node, src_tier))
         if source is not None:
@@ -266,16 +287,20 @@ def in_flight_add(cursor: Any, tiers: dict[tuple[str, str], ManagedTier]) -> Non
 
 def leaving_bytes(cursor: Any, tier: ManagedTier) -> int:
     """Bytes of movements in flight out of `tier` now."""
-    cursor.execute(f"SELECT coalesce(sum(bytes), 0) FROM {MOVEMENT_TABLE} WHERE state IN {_IN_FLIGHT_SQL} "
-                   "AND src_node = %s AND src_tier = %s", [tier.node, tier.tier])
+    cursor.execute(
+        f"SELECT coalesce(sum(bytes), 0) FROM {MOVEMENT_TABLE} WHERE state IN {_IN_FLIGHT_SQL} "
+        "AND src_node = %s AND src_tier = %s",
+        [tier.node, tier.tier],
+    )
     return int(cursor.fetchone()[0])
 
 
-def _next_tiers(load: ManagedTier, tiers: dict[tuple[str, str], ManagedTier],
-                spec: TierPolicySpec) -> list[ManagedTier]:
+def _next_tiers(
+    load: ManagedTier, tiers: dict[tuple[str, str], ManagedTier], spec: TierPolicySpec
+) -> list[ManagedTier]:
     """Tiers a victim of `load` may go to, in order of preference: the policy's demote tier, or
     else every slower tier the node has, nearest first."""
-    below = DEMOTION_ORDER[DEMOTION_ORDER.index(load.tier) + 1:]
+    below = DEMOTION_ORDER[DEMOTION_ORDER.index(load.tier) + 1 :]
     if spec.demote_tier:
         below = tuple(t for t in below if t == spec.demote_tier)
     found = []
@@ -291,10 +316,19 @@ TierClaim = Callable[[Any, ManagedTier], None]
 serialises planners of that tier there (a dry run claims nothing)."""
 
 
-def plan_movements(cursor: Any, *, snapshot: PolicySnapshot, tiers: dict[tuple[str, str], ManagedTier],
-                   remote_nodes: Sequence[str], namespaces: dict[int, str], reason: str, now: datetime,
-                   plan_remote: bool = True, limit_per_tier: int = MAX_PER_TIER,
-                   claim: TierClaim | None = None) -> tuple[list[PlannedMovement], list[dict[str, Any]]]:
+def plan_movements(
+    cursor: Any,
+    *,
+    snapshot: PolicySnapshot,
+    tiers: dict[tuple[str, str], ManagedTier],
+    remote_nodes: Sequence[str],
+    namespaces: dict[int, str],
+    reason: str,
+    now: datetime,
+    plan_remote: bool = True,
+    limit_per_tier: int = MAX_PER_TIER,
+    claim: TierClaim | None = None,
+) -> tuple[list[PlannedMovement], list[dict[str, Any]]]:
     """The movements that bring every tier in `tiers` back under its policy, and a report of each
     tier looked at (capacity, use, watermarks in bytes). `tiers` already count what is in flight
     (`in_flight_add`); the shared remote tier is a destination always and is planned itself only
@@ -312,9 +346,19 @@ def plan_movements(cursor: Any, *, snapshot: PolicySnapshot, tiers: dict[tuple[s
         high, low = spec.high_water_bytes(load.capacity), spec.low_water_bytes(load.capacity)
         over = load.effective_used > high
         needed = load.effective_used - low if over else 0
-        reports.append({"node": load.node, "tier": load.tier, "capacity_bytes": capacity, "used_bytes": load.used,
-                        "in_flight_bytes": load.leaving, "high_bytes": high, "low_bytes": low,
-                        "algorithm": spec.algorithm, "over_high_watermark": over})
+        reports.append(
+            {
+                "node": load.node,
+                "tier": load.tier,
+                "capacity_bytes": capacity,
+                "used_bytes": load.used,
+                "in_flight_bytes": load.leaving,
+                "high_bytes": high,
+                "low_bytes": low,
+                "algorithm": spec.algorithm,
+                "over_high_watermark": over,
+            }
+        )
         if not over and not spec.ttl_seconds:
             continue
         if claim is not None:
@@ -322,9 +366,19 @@ def plan_movements(cursor: Any, *, snapshot: PolicySnapshot, tiers: dict[tuple[s
             if over:  # another planner may have finished planning this tier while we waited
                 load.leaving = leaving_bytes(cursor, load)
                 needed = max(0, load.effective_used - low)
-        cursor.execute(candidates_sql(algorithm=spec.algorithm, remote=load.tier == TierLevel.REMOTE),
-                       candidates_params(snapshot=snapshot, spec=spec, node_id=load.node_id, tier=load.tier,
-                                         needed=needed, now=now, namespaces=namespaces, limit=limit_per_tier))
+        cursor.execute(
+            candidates_sql(algorithm=spec.algorithm, remote=load.tier == TierLevel.REMOTE),
+            candidates_params(
+                snapshot=snapshot,
+                spec=spec,
+                node_id=load.node_id,
+                tier=load.tier,
+                needed=needed,
+                now=now,
+                namespaces=namespaces,
+                limit=limit_per_tier,
+            ),
+        )
         below = _next_tiers(load, tiers, spec)
         for placement_id, epoch, size, block_id, expired, below_min, held_below in cursor.fetchall():
             why = MovementReason.TTL if expired else reason
@@ -332,14 +386,25 @@ def plan_movements(cursor: Any, *, snapshot: PolicySnapshot, tiers: dict[tuple[s
             already = next((t.tier for t in below if t.tier in held_below), None)
             if already is not None:  # (never for remote: nothing is below it)
                 load.planned_out += size
-                movements.append(PlannedMovement(
-                    block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,
-                    src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier="", dst_node="",
-                    exec_node=load.node, bytes=size, detail=f"a copy is already held in {already}"))
+                movements.append(
+                    PlannedMovement(
+                        block_id=block_id,
+                        kind=MovementKind.EVICT,
+                        reason=why,
+                        src_placement_id=placement_id,
+                        src_epoch=epoch,
+                        src_tier=load.tier,
+                        src_node=load.node,
+                        dst_tier="",
+                        dst_node="",
+                        exec_node=load.node,
+                        bytes=size,
+                        detail=f"a copy is already held in {already}",
+                    )
+                )
                 continue
             if not (expired and below_min):
-                target = next((t for t in below if t.room(snapshot.tier(t.tier, node_group=t.group)) >= size),
-                              None)
+                target = next((t for t in below if t.room(snapshot.tier(t.tier, node_group=t.group)) >= size), None)
             if load.tier == TierLevel.REMOTE:
                 exec_node = remote_nodes[remote_turn % len(remote_nodes)]
                 remote_turn += 1
@@ -347,24 +412,55 @@ def plan_movements(cursor: Any, *, snapshot: PolicySnapshot, tiers: dict[tuple[s
                 exec_node = load.node
             load.planned_out += size
             if target is None:
-                detail = ("expired and used fewer than min_accesses times" if expired and below_min
-                          else "no tier below with room" if below else "no tier below")
-                movements.append(PlannedMovement(
-                    block_id=block_id, kind=MovementKind.EVICT, reason=why, src_placement_id=placement_id,
-                    src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier="", dst_node="",
-                    exec_node=exec_node, bytes=size, detail=detail))
+                detail = (
+                    "expired and used fewer than min_accesses times"
+                    if expired and below_min
+                    else "no tier below with room"
+                    if below
+                    else "no tier below"
+                )
+                movements.append(
+                    PlannedMovement(
+                        block_id=block_id,
+                        kind=MovementKind.EVICT,
+                        reason=why,
+                        src_placement_id=placement_id,
+                        src_epoch=epoch,
+                        src_tier=load.tier,
+                        src_node=load.node,
+                        dst_tier="",
+                        dst_node="",
+                        exec_node=exec_node,
+                        bytes=size,
+                        detail=detail,
+                    )
+                )
                 continue
             target.planned_in += size
-            movements.append(PlannedMovement(
-                block_id=block_id, kind=MovementKind.MOVE, reason=why, src_placement_id=placement_id,
-                src_epoch=epoch, src_tier=load.tier, src_node=load.node, dst_tier=target.tier,
-                dst_node=target.node, exec_node=exec_node, bytes=size,
-                detail="idle past the tier's TTL" if expired else f"{spec.algorithm} victim over the high watermark"))
+            movements.append(
+                PlannedMovement(
+                    block_id=block_id,
+                    kind=MovementKind.MOVE,
+                    reason=why,
+                    src_placement_id=placement_id,
+                    src_epoch=epoch,
+                    src_tier=load.tier,
+                    src_node=load.node,
+                    dst_tier=target.tier,
+                    dst_node=target.node,
+                    exec_node=exec_node,
+                    bytes=size,
+                    detail="idle past the tier's TTL"
+                    if expired
+                    else f"{spec.algorithm} victim over the high watermark",
+                )
+            )
     return movements, reports
 
 
-def warm_movements(*, host: ManagedTier, spec: TierPolicySpec, candidates: Sequence[tuple[int, int, int, int]],
-                   reason: str) -> list[PlannedMovement]:
+def warm_movements(
+    *, host: ManagedTier, spec: TierPolicySpec, candidates: Sequence[tuple[int, int, int, int]], reason: str
+) -> list[PlannedMovement]:
     """Remote copies to bring up to `host` (a node's host tier, counting what is in flight), in
     the order of `candidates` ((placement id, epoch, size, block id)), as far as the tier has
     room below its high watermark."""
@@ -373,8 +469,20 @@ def warm_movements(*, host: ManagedTier, spec: TierPolicySpec, candidates: Seque
         if host.room(spec) < size:
             break
         host.planned_in += size
-        movements.append(PlannedMovement(
-            block_id=block_id, kind=MovementKind.WARM, reason=reason, src_placement_id=placement_id,
-            src_epoch=epoch, src_tier=TierLevel.REMOTE, src_node="", dst_tier=TierLevel.HOST, dst_node=host.node,
-            exec_node=host.node, bytes=size, detail="warm ahead of use"))
+        movements.append(
+            PlannedMovement(
+                block_id=block_id,
+                kind=MovementKind.WARM,
+                reason=reason,
+                src_placement_id=placement_id,
+                src_epoch=epoch,
+                src_tier=TierLevel.REMOTE,
+                src_node="",
+                dst_tier=TierLevel.HOST,
+                dst_node=host.node,
+                exec_node=host.node,
+                bytes=size,
+                detail="warm ahead of use",
+            )
+        )
     return movements

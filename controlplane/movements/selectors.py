@@ -85,16 +85,25 @@ LIMIT %(limit)s
 """
 
 
-def warm_candidates(cursor: Any, *, node_id: int, block_ids: Sequence[int] | None, namespace: str | None,
-                    limit: int) -> list[tuple[int, int, int, int]]:
+def warm_candidates(
+    cursor: Any, *, node_id: int, block_ids: Sequence[int] | None, namespace: str | None, limit: int
+) -> list[tuple[int, int, int, int]]:
     """Remote copies worth bringing to a node: (placement id, epoch, size, block id), most used first."""
     namespace_id = None
     if namespace is not None:
         namespace_id = Namespace.objects.filter(name=namespace).values_list("id", flat=True).first()
         if namespace_id is None:
             raise MovementError(f"namespace: no namespace named {namespace!r}", field="namespace")
-    cursor.execute(_WARM_SQL, {"node_id": node_id, "any_block": block_ids is None,
-                               "block_ids": ints(block_ids or []), "namespace_id": namespace_id, "limit": limit})
+    cursor.execute(
+        _WARM_SQL,
+        {
+            "node_id": node_id,
+            "any_block": block_ids is None,
+            "block_ids": ints(block_ids or []),
+            "namespace_id": namespace_id,
+            "limit": limit,
+        },
+    )
     return [tuple(row) for row in cursor.fetchall()]  # type: ignore[misc]
 
 

@@ -74,35 +74,53 @@ RETURNING id, exec_node, kind
 """
 
 
-def movements_record(*, plan_id: uuid.UUID, movements: Sequence[PlannedMovement], policy_version: int, mode: str,
-                     now: datetime) -> list[int]:
+def movements_record(
+    *, plan_id: uuid.UUID, movements: Sequence[PlannedMovement], policy_version: int, mode: str, now: datetime
+) -> list[int]:
     """Write planned movements and queue them to their nodes once the transaction commits. A block
     that already has a movement in flight is skipped (the partial unique index decides, so two
     planners racing cannot both move one block). Returns the ids written."""
     params: dict[str, Any] = {
-        "plan": plan_id, "policy_version": policy_version, "mode": mode, "now": now,
-        "block_ids": ints(m.block_id for m in movements), "kinds": texts(m.kind for m in movements),
-        "reasons": texts(m.reason for m in movements), "src_ids": ints(m.src_placement_id for m in movements),
-        "src_epochs": ints(m.src_epoch for m in movements), "src_tiers": texts(m.src_tier for m in movements),
-        "src_nodes": texts(m.src_node for m in movements), "dst_tiers": texts(m.dst_tier for m in movements),
-        "dst_nodes": texts(m.dst_node for m in movements), "exec_nodes": texts(m.exec_node for m in movements),
-        "bytes": ints(m.bytes for m in movements), "details": texts(m.detail for m in movements),
+        "plan": plan_id,
+        "policy_version": policy_version,
+        "mode": mode,
+        "now": now,
+        "block_ids": ints(m.block_id for m in movements),
+        "kinds": texts(m.kind for m in movements),
+        "reasons": texts(m.reason for m in movements),
+        "src_ids": ints(m.src_placement_id for m in movements),
+        "src_epochs": ints(m.src_epoch for m in movements),
+        "src_tiers": texts(m.src_tier for m in movements),
+        "src_nodes": texts(m.src_node for m in movements),
+        "dst_tiers": texts(m.dst_tier for m in movements),
+        "dst_nodes": texts(m.dst_node for m in movements),
+        "exec_nodes": texts(m.exec_node for m in movements),
+        "bytes": ints(m.bytes for m in movements),
+        "details": texts(m.detail for m in movements),
     }
     with connection.cursor() as cursor:
         cursor.execute(_RECORD_SQL, params)
         rows = cursor.fetchall()
     if len(rows) < len(movements):
-        log.info("plan %s: %d block(s) already had a movement in flight; skipped", plan_id,
-                 len(movements) - len(rows))
+        log.info("plan %s: %d block(s) already had a movement in flight; skipped", plan_id, len(movements) - len(rows))
     batches: dict[tuple[str, str], list[int]] = defaultdict(list)
     for ident, exec_node, kind in rows:
         batches[(exec_node, kind)].append(ident)
     transaction.on_commit(lambda: movements_dispatch(batches=dict(batches)))
     moved = [m for m in movements if m.kind != MovementKind.EVICT]
-    send_event_on_commit(kind="movement.planned", payload={
-        "plan": str(plan_id), "reason": movements[0].reason if movements else "", "written": len(rows),
-        "moves": len(moved), "evictions": len(movements) - len(moved),
-        "bytes": sum(m.bytes for m in movements), "policy_version": policy_version, "mode": mode})
+    send_event_on_commit(
+        kind="movement.planned",
+        payload={
+            "plan": str(plan_id),
+            "reason": movements[0].reason if movements else "",
+            "written": len(rows),
+            "moves": len(moved),
+            "evictions": len(movements) - len(moved),
+            "bytes": sum(m.bytes for m in movements),
+            "policy_version": policy_version,
+            "mode": mode,
+        },
+    )
     return sorted(ident for ident, _, _ in rows)
 
 
@@ -113,12 +131,17 @@ def movements_dispatch(*, batches: dict[tuple[str, str], list[int]]) -> int:
     sent: list[int] = []
     for (exec_node, kind), ids in sorted(batches.items()):
         for start in range(0, len(ids), DISPATCH_BATCH):
-            chunk = ids[start:start + DISPATCH_BATCH]
+            chunk = ids[start : start + DISPATCH_BATCH]
             try:
                 app.send_task(f"node.{kind}", args=[chunk], queue=f"node.{exec_node}")
             except Exception as exc:  # noqa: BLE001 - the broker is down: the sweep retries later
-                log.warning("could not queue %d %s movement(s) to node %s: %s; they stay planned",
-                            len(chunk), kind, exec_node, exc)
+                log.warning(
+                    "could not queue %d %s movement(s) to node %s: %s; they stay planned",
+                    len(chunk),
+                    kind,
+                    exec_node,
+                    exc,
+                )
                 continue
             sent.extend(chunk)
     if sent:
@@ -126,8 +149,12 @@ def movements_dispatch(*, batches: dict[tuple[str, str], list[int]]) -> int:
         # the rows it holds instead of waiting, or the two lock orders can deadlock. Those become
         # running anyway; a wave that rolls back leaves them planned, which the sweep also re-sends.
         with transaction.atomic():
-            free = list(Movement.objects.select_for_update(skip_locked=True)
-                        .filter(id__in=sent, state=MovementState.PLANNED).order_by("id").values_list("id", flat=True))
+            free = list(
+                Movement.objects.select_for_update(skip_locked=True)
+                .filter(id__in=sent, state=MovementState.PLANNED)
+                .order_by("id")
+                .values_list("id", flat=True)
+            )
             Movement.objects.filter(id__in=free).update(state=MovementState.DISPATCHED, dispatched_at=timezone.now())
     return len(sent)
 
@@ -139,8 +166,9 @@ def movement_start(*, movement_id: int, node: str, now: datetime | None = None) 
     return movements_start_many(movement_ids=[movement_id], node=node, now=now)[0]
 
 
-def movements_start_many(*, movement_ids: Sequence[int], node: str,
-                         now: datetime | None = None) -> list[Movement | None]:
+def movements_start_many(
+    *, movement_ids: Sequence[int], node: str, now: datetime | None = None
+) -> list[Movement | None]:
     """`movement_start` for a node's wave of movements: one locking read (in id order, so two
     attempts of one batch queue instead of deadlocking) and one update for all of them. Returns
     them in the order given, None for each that finished already or does not exist. A movement of
@@ -155,14 +183,19 @@ def movements_start_many(*, movement_ids: Sequence[int], node: str,
         foreign = next((m for m in starting.values() if m.exec_node != node), None)
         if starting and foreign is None:
             now = now or timezone.now()
-            Movement.objects.filter(id__in=list(starting)).update(state=MovementState.RUNNING,
-                                                                  attempts=F("attempts") + 1, started_at=now)
+            Movement.objects.filter(id__in=list(starting)).update(
+                state=MovementState.RUNNING, attempts=F("attempts") + 1, started_at=now
+            )
             for movement in starting.values():
-                movement.state, movement.attempts, movement.started_at = (MovementState.RUNNING,
-                                                                          movement.attempts + 1, now)
+                movement.state, movement.attempts, movement.started_at = (
+                    MovementState.RUNNING,
+                    movement.attempts + 1,
+                    now,
+                )
     if foreign is not None:
-        raise MovementError(f"node: movement {foreign.id} belongs to node {foreign.exec_node!r}, not {node!r}",
-                            field="node")
+        raise MovementError(
+            f"node: movement {foreign.id} belongs to node {foreign.exec_node!r}, not {node!r}", field="node"
+        )
     for ident in movement_ids:
         if ident not in locked:
             log.warning("movement %d does not exist; nothing to do", ident)
@@ -184,11 +217,13 @@ def movements_set_targets(*, targets: Sequence[tuple[int, int]]) -> None:
         cursor.execute(
             f"UPDATE {MOVEMENT_TABLE} m SET dst_placement_id = r.placement_id "
             "FROM unnest(%s::bigint[], %s::bigint[]) AS r(id, placement_id) WHERE m.id = r.id",
-            [ints(m for m, _ in targets), ints(p for _, p in targets)])
+            [ints(m for m, _ in targets), ints(p for _, p in targets)],
+        )
 
 
-def _tally(cursor: Any, *, kind: str, src_tier: str, dst_tier: str, reason: str, result: str, blocks: int,
-           nbytes: int) -> None:
+def _tally(
+    cursor: Any, *, kind: str, src_tier: str, dst_tier: str, reason: str, result: str, blocks: int, nbytes: int
+) -> None:
     cursor.execute(
         f"INSERT INTO {TALLY_TABLE} AS t (kind, src_tier, dst_tier, reason, result, blocks, bytes) "
         "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (kind, src_tier, dst_tier, reason, result) "
@@ -247,12 +282,21 @@ SELECT * FROM finished
 
 
 @transaction.atomic
-def movement_finish(*, movement_id: int, state: str, nbytes: int | None = None, duration_s: float | None = None,
-                    detail: str = "", error: str = "", now: datetime | None = None) -> Movement | None:
+def movement_finish(
+    *,
+    movement_id: int,
+    state: str,
+    nbytes: int | None = None,
+    duration_s: float | None = None,
+    detail: str = "",
+    error: str = "",
+    now: datetime | None = None,
+) -> Movement | None:
     """Record a movement's result and add it to the tallies, in one transaction. Finishing a
     finished movement changes nothing (returns None)."""
-    result = MovementResult(movement_id=movement_id, state=state, nbytes=nbytes, duration_s=duration_s,
-                            detail=detail, error=error)
+    result = MovementResult(
+        movement_id=movement_id, state=state, nbytes=nbytes, duration_s=duration_s, detail=detail, error=error
+    )
     return movements_finish_many(results=[result], now=now)[0]
 
 
@@ -264,18 +308,27 @@ def movements_finish_many(*, results: Sequence[MovementResult], now: datetime | 
     before it writes (no savepoint of its own, as movements_start_many)."""
     for i, result in enumerate(results):
         if result.state not in FINISHED:
-            raise MovementError(f"state: a movement finishes as {', '.join(FINISHED)}, not {result.state!r}",
-                                field="state" if len(results) == 1 else f"results[{i}].state")
+            raise MovementError(
+                f"state: a movement finishes as {', '.join(FINISHED)}, not {result.state!r}",
+                field="state" if len(results) == 1 else f"results[{i}].state",
+            )
     if len({r.movement_id for r in results}) != len(results):
         raise MovementError("results: a movement is named twice", field="results")
     if not results:
         return []
     with transaction.atomic(savepoint=False), connection.cursor() as cursor:
-        cursor.execute(_FINISH_MANY_SQL, {
-            "now": now or timezone.now(), "ids": ints(r.movement_id for r in results),
-            "states": texts(r.state for r in results), "bytes": ints(r.nbytes for r in results),
-            "durations": floats(r.duration_s for r in results),
-            "details": texts(r.detail for r in results), "errors": texts(r.error for r in results)})
+        cursor.execute(
+            _FINISH_MANY_SQL,
+            {
+                "now": now or timezone.now(),
+                "ids": ints(r.movement_id for r in results),
+                "states": texts(r.state for r in results),
+                "bytes": ints(r.nbytes for r in results),
+                "durations": floats(r.duration_s for r in results),
+                "details": texts(r.detail for r in results),
+                "errors": texts(r.error for r in results),
+            },
+        )
         names = [f.attname for f in Movement._meta.concrete_fields]
         finished = {m.id: m for m in (Movement.from_db(connection.alias, names, row) for row in cursor.fetchall())}
     return [finished.get(r.movement_id) for r in results]
@@ -287,33 +340,60 @@ def checksum_failures_count(*, tier: str, count: int = 1, found_by: str = "scrub
     if count <= 0:
         return
     with connection.cursor() as cursor:
-        _tally(cursor, kind=TALLY_SCRUB, src_tier=tier, dst_tier="", reason=found_by, result="corrupt",
-               blocks=count, nbytes=0)
+        _tally(
+            cursor,
+            kind=TALLY_SCRUB,
+            src_tier=tier,
+            dst_tier="",
+            reason=found_by,
+            result="corrupt",
+            blocks=count,
+            nbytes=0,
+        )
 
 
-def movements_finished_announce(*, node: str, done: int, failed: int, cancelled: int, nbytes: int,
-                                routes: dict[str, int]) -> None:
+def movements_finished_announce(
+    *, node: str, done: int, failed: int, cancelled: int, nbytes: int, routes: dict[str, int]
+) -> None:
     """One dashboard event for a batch of finished movements of a node (never one per block)."""
-    send_event_on_commit(kind="movement.finished", payload={
-        "node": node, "done": done, "failed": failed, "cancelled": cancelled, "bytes": nbytes, "routes": routes})
+    send_event_on_commit(
+        kind="movement.finished",
+        payload={
+            "node": node,
+            "done": done,
+            "failed": failed,
+            "cancelled": cancelled,
+            "bytes": nbytes,
+            "routes": routes,
+        },
+    )
 
 
 def _lock_tier(cursor: Any, tier: ManagedTier) -> None:
     """Serialise planners of the same tier for the rest of the transaction: a second planner
     waits, then sees the first one's movements as in flight and does not pick the same bytes."""
-    cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
-                   [0x5354524D, zlib.crc32(f"{tier.node}/{tier.tier}".encode()) & 0x7FFFFFFF])
+    cursor.execute(
+        "SELECT pg_advisory_xact_lock(%s, %s)",
+        [0x5354524D, zlib.crc32(f"{tier.node}/{tier.tier}".encode()) & 0x7FFFFFFF],
+    )
 
 
-def movements_plan(*, snapshot: PolicySnapshot | None = None, node: str | None = None,
-                   reason: str = MovementReason.SCHEDULE, dry_run: bool = False, now: datetime | None = None,
-                   limit_per_tier: int = MAX_PER_TIER) -> PlanResult:
+def movements_plan(
+    *,
+    snapshot: PolicySnapshot | None = None,
+    node: str | None = None,
+    reason: str = MovementReason.SCHEDULE,
+    dry_run: bool = False,
+    now: datetime | None = None,
+    limit_per_tier: int = MAX_PER_TIER,
+) -> PlanResult:
     """Plan movements for every up node (or only `node`) under `snapshot` (the policies in force
     when None). A dry run only answers what would move; otherwise the tiers it plans are locked,
     and Movement rows are written and dispatched to the nodes' queues when the transaction commits."""
     if reason not in MovementReason.values and not dry_run:  # a dry run's reason is never recorded
-        raise MovementError(f"reason: unknown reason {reason!r}; expected one of {', '.join(MovementReason.values)}",
-                            field="reason")
+        raise MovementError(
+            f"reason: unknown reason {reason!r}; expected one of {', '.join(MovementReason.values)}", field="reason"
+        )
     if snapshot is None:
         snapshot = policies_snapshot()
     now = now or timezone.now()
@@ -332,19 +412,38 @@ def movements_plan(*, snapshot: PolicySnapshot | None = None, node: str | None =
     with transaction.atomic(), connection.cursor() as cursor:
         in_flight_add(cursor, tiers)
         result.movements, result.tiers = plan_movements(
-            cursor, snapshot=snapshot, tiers=tiers, remote_nodes=remote_nodes, namespaces=namespaces, reason=reason,
-            now=now, plan_remote=node is None, limit_per_tier=limit_per_tier, claim=None if dry_run else _lock_tier)
+            cursor,
+            snapshot=snapshot,
+            tiers=tiers,
+            remote_nodes=remote_nodes,
+            namespaces=namespaces,
+            reason=reason,
+            now=now,
+            plan_remote=node is None,
+            limit_per_tier=limit_per_tier,
+            claim=None if dry_run else _lock_tier,
+        )
         if not dry_run and result.movements:
-            result.written = movements_record(plan_id=result.plan_id, movements=result.movements,
-                                              policy_version=snapshot.version, mode=snapshot.mode, now=now)
+            result.written = movements_record(
+                plan_id=result.plan_id,
+                movements=result.movements,
+                policy_version=snapshot.version,
+                mode=snapshot.mode,
+                now=now,
+            )
     if result.movements:
         counts: dict[str, int] = defaultdict(int)
         for m in result.movements:
             counts[m.route] += 1
-        log.info("plan %s (%s, policy version %d%s): %s%s", result.plan_id, reason, snapshot.version,
-                 f", mode {snapshot.mode}" if snapshot.mode else "",
-                 ", ".join(f"{n} {route}" for route, n in sorted(counts.items())),
-                 " (dry run)" if dry_run else f"; {len(result.written)} written")
+        log.info(
+            "plan %s (%s, policy version %d%s): %s%s",
+            result.plan_id,
+            reason,
+            snapshot.version,
+            f", mode {snapshot.mode}" if snapshot.mode else "",
+            ", ".join(f"{n} {route}" for route, n in sorted(counts.items())),
+            " (dry run)" if dry_run else f"; {len(result.written)} written",
+        )
     return result
 
 
@@ -354,9 +453,17 @@ def movements_run(*, node: str | None = None, reason: str = MovementReason.MANUA
     return movements_plan(node=node, reason=reason, dry_run=dry_run)
 
 
-def movements_warm(*, node: str, block_ids: Sequence[int] | None = None, namespace: str | None = None,
-                   limit: int = 256, reason: str = MovementReason.SCHEDULE, snapshot: PolicySnapshot | None = None,
-                   dry_run: bool = False, now: datetime | None = None) -> PlanResult:
+def movements_warm(
+    *,
+    node: str,
+    block_ids: Sequence[int] | None = None,
+    namespace: str | None = None,
+    limit: int = 256,
+    reason: str = MovementReason.SCHEDULE,
+    snapshot: PolicySnapshot | None = None,
+    dry_run: bool = False,
+    now: datetime | None = None,
+) -> PlanResult:
     """Warm a node's host tier from the remote tier ahead of a scheduled job: bring up the named
     blocks, or the most accessed remote blocks (of `namespace`) that the node has no local copy
     of, as far as its host tier has room below the high watermark."""
@@ -373,23 +480,37 @@ def movements_warm(*, node: str, block_ids: Sequence[int] | None = None, namespa
     if host_row is None or host_row.capacity_bytes <= 0:
         raise MovementError(f"node: node {node!r} has no host tier to warm into", field="node")
     spec = snapshot.tier(TierLevel.HOST, node_group=node_group(row))
-    host = ManagedTier(node=node, node_id=row.id, tier=TierLevel.HOST, group=node_group(row),
-                       capacity=host_row.capacity_bytes, used=host_row.used_bytes)
+    host = ManagedTier(
+        node=node,
+        node_id=row.id,
+        tier=TierLevel.HOST,
+        group=node_group(row),
+        capacity=host_row.capacity_bytes,
+        used=host_row.used_bytes,
+    )
     result = PlanResult(policy_version=snapshot.version, mode=snapshot.mode, dry_run=dry_run, plan_id=uuid.uuid4())
     with transaction.atomic(), connection.cursor() as cursor:
         in_flight_add(cursor, {(node, TierLevel.HOST): host})
         candidates = warm_candidates(cursor, node_id=row.id, block_ids=block_ids, namespace=namespace, limit=limit)
         result.movements = warm_movements(host=host, spec=spec, candidates=candidates, reason=reason)
         if not dry_run and result.movements:
-            result.written = movements_record(plan_id=result.plan_id, movements=result.movements,
-                                              policy_version=snapshot.version, mode=snapshot.mode, now=now)
+            result.written = movements_record(
+                plan_id=result.plan_id,
+                movements=result.movements,
+                policy_version=snapshot.version,
+                mode=snapshot.mode,
+                now=now,
+            )
     return result
 
 
 @transaction.atomic
-def movements_redispatch(*, older_than: timedelta = timedelta(minutes=10),
-                         running_longer_than: timedelta = timedelta(hours=2),
-                         now: datetime | None = None) -> dict[str, int]:
+def movements_redispatch(
+    *,
+    older_than: timedelta = timedelta(minutes=10),
+    running_longer_than: timedelta = timedelta(hours=2),
+    now: datetime | None = None,
+) -> dict[str, int]:
     """Sweep movements that stopped moving: ones still planned or dispatched after `older_than`
     (or running for longer than any move takes, their retries spent) are queued again when their
     node is up (a duplicate delivery is harmless: the node resumes from what the directory says
@@ -398,8 +519,11 @@ def movements_redispatch(*, older_than: timedelta = timedelta(minutes=10),
     now = now or timezone.now()
     waiting = Q(state__in=[MovementState.PLANNED, MovementState.DISPATCHED], created_at__lt=now - older_than)
     running = Q(state=MovementState.RUNNING, started_at__lt=now - running_longer_than)
-    stuck = list(Movement.objects.select_for_update(skip_locked=True).filter(waiting | running)
-                 .values_list("id", "exec_node", "kind")[:5000])
+    stuck = list(
+        Movement.objects.select_for_update(skip_locked=True)
+        .filter(waiting | running)
+        .values_list("id", "exec_node", "kind")[:5000]
+    )
     if not stuck:
         return {"requeued": 0, "cancelled": 0}
     up = set(Node.objects.filter(name__in={n for _, n, _ in stuck}, state=NodeState.UP).values_list("name", flat=True))
@@ -410,9 +534,17 @@ def movements_redispatch(*, older_than: timedelta = timedelta(minutes=10),
             batches[(exec_node, kind)].append(ident)
         else:
             gone.append(ident)
-    movements_finish_many(results=[MovementResult(movement_id=ident, state=MovementState.CANCELLED,
-                                                  error="its node is not up", detail="cancelled by the redispatch sweep")
-                                   for ident in gone])
+    movements_finish_many(
+        results=[
+            MovementResult(
+                movement_id=ident,
+                state=MovementState.CANCELLED,
+                error="its node is not up",
+                detail="cancelled by the redispatch sweep",
+            )
+            for ident in gone
+        ]
+    )
     if batches:
         transaction.on_commit(lambda: movements_dispatch(batches=dict(batches)))
     requeued = sum(len(v) for v in batches.values())

@@ -41,8 +41,11 @@ def movements_plan_watermarks_task() -> list[str]:
 def _fan_out(task: str) -> list[str]:
     up = list(Node.objects.filter(state=NodeState.UP).order_by("name").values_list("name", flat=True))
     # The shared remote tier is checked by one node, in turn.
-    remote = list(NodeTier.objects.filter(node__name__in=up, tier=TierLevel.REMOTE, available=True)
-                  .order_by("node__name").values_list("node__name", flat=True))
+    remote = list(
+        NodeTier.objects.filter(node__name__in=up, tier=TierLevel.REMOTE, available=True)
+        .order_by("node__name")
+        .values_list("node__name", flat=True)
+    )
     chosen = remote[_turn() % len(remote)] if remote else None
     for name in up:
         app.send_task(task, kwargs={"include_remote": name == chosen}, queue=f"node.{name}")

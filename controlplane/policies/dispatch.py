@@ -49,8 +49,9 @@ def policies_dispatch(*, version: int, reason: str, classes: list[dict[str, obje
     try:
         app.send_task(PLAN_TASK, kwargs={"reason": reason}, queue=CONTROL_QUEUE)
     except (KombuError, OSError) as exc:
-        log.warning("policy version %d saved, but the planner was not told (%s); its schedule will pick it up",
-                    version, exc)
+        log.warning(
+            "policy version %d saved, but the planner was not told (%s); its schedule will pick it up", version, exc
+        )
         return
     nodes = list(Node.objects.filter(state=NodeState.UP).order_by("name").values_list("name", flat=True))
     sent = 0
@@ -60,5 +61,10 @@ def policies_dispatch(*, version: int, reason: str, classes: list[dict[str, obje
             sent += 1
         except (KombuError, OSError) as exc:
             log.warning("policy version %d not sent to node %s: %s", version, name, exc)
-    log.info("policy version %d (%s): planner asked to plan again, %d of %d up nodes sent the new classes",
-             version, reason, sent, len(nodes))
+    log.info(
+        "policy version %d (%s): planner asked to plan again, %d of %d up nodes sent the new classes",
+        version,
+        reason,
+        sent,
+        len(nodes),
+    )

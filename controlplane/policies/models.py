@@ -23,8 +23,12 @@ class PriorityClass(models.Model):
     name = models.SlugField(max_length=63, unique=True)
     weight = models.FloatField(default=1.0)
     device_share = models.FloatField(default=1.0)
-    namespaces = ArrayField(models.SlugField(max_length=63), default=list, blank=True,
-                            help_text="Names of the namespaces whose blocks belong to this class.")
+    namespaces = ArrayField(
+        models.SlugField(max_length=63),
+        default=list,
+        blank=True,
+        help_text="Names of the namespaces whose blocks belong to this class.",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -32,8 +36,9 @@ class PriorityClass(models.Model):
         verbose_name_plural = "priority classes"
         constraints = [
             models.CheckConstraint(condition=Q(weight__gt=0), name="priorityclass_weight_positive"),
-            models.CheckConstraint(condition=Q(device_share__gte=0) & Q(device_share__lte=1),
-                                   name="priorityclass_device_share_fraction"),
+            models.CheckConstraint(
+                condition=Q(device_share__gte=0) & Q(device_share__lte=1), name="priorityclass_device_share_fraction"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -51,20 +56,29 @@ class TierPolicy(models.Model):
     `demote_tier` (empty: the next slower tier the node has)."""
 
     tier = models.CharField(max_length=8, choices=TierLevel.choices)
-    node_group = models.CharField(max_length=63, blank=True, default="",
-                                  help_text="Empty: every node; otherwise the nodes of this group.")
-    capacity_bytes = models.PositiveBigIntegerField(null=True, blank=True,
-                                                    help_text="Cap on the tier; empty: what the node reports.")
-    capacity_fraction = models.FloatField(default=1.0,
-                                          help_text="Share of the capacity the cache may fill; the rest is headroom.")
+    node_group = models.CharField(
+        max_length=63, blank=True, default="", help_text="Empty: every node; otherwise the nodes of this group."
+    )
+    capacity_bytes = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Cap on the tier; empty: what the node reports."
+    )
+    capacity_fraction = models.FloatField(
+        default=1.0, help_text="Share of the capacity the cache may fill; the rest is headroom."
+    )
     high_watermark = models.FloatField(default=0.90)
     low_watermark = models.FloatField(default=0.75)
     algorithm = models.CharField(max_length=16, choices=Algorithm.choices, default=Algorithm.LRU)
-    ttl_seconds = models.PositiveIntegerField(null=True, blank=True,
-                                              help_text="Blocks idle this long leave the tier; empty: never by age.")
+    ttl_seconds = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Blocks idle this long leave the tier; empty: never by age."
+    )
     min_accesses = models.PositiveIntegerField(default=0)
-    demote_tier = models.CharField(max_length=8, choices=TierLevel.choices, blank=True, default="",
-                                   help_text="Where leaving blocks go; empty: the next slower tier.")
+    demote_tier = models.CharField(
+        max_length=8,
+        choices=TierLevel.choices,
+        blank=True,
+        default="",
+        help_text="Where leaving blocks go; empty: the next slower tier.",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -73,12 +87,14 @@ class TierPolicy(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["tier", "node_group"], name="tierpolicy_tier_group_uniq"),
             models.CheckConstraint(
-                condition=Q(low_watermark__gt=0) & Q(low_watermark__lt=models.F("high_watermark"))
+                condition=Q(low_watermark__gt=0)
+                & Q(low_watermark__lt=models.F("high_watermark"))
                 & Q(high_watermark__lte=1),
                 name="tierpolicy_watermarks_ordered",
             ),
-            models.CheckConstraint(condition=Q(capacity_fraction__gt=0) & Q(capacity_fraction__lte=1),
-                                   name="tierpolicy_capacity_fraction"),
+            models.CheckConstraint(
+                condition=Q(capacity_fraction__gt=0) & Q(capacity_fraction__lte=1), name="tierpolicy_capacity_fraction"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -116,8 +132,14 @@ class ModeSchedule(models.Model):
     mode = models.ForeignKey(Mode, on_delete=models.CASCADE, related_name="schedules")
     cron = models.CharField(max_length=128, help_text='Five fields, "minute hour day-of-month month day-of-week", UTC.')
     enabled = models.BooleanField(default=True)
-    periodic_task = models.OneToOneField("django_celery_beat.PeriodicTask", on_delete=models.SET_NULL, null=True,
-                                         blank=True, related_name="+", editable=False)
+    periodic_task = models.OneToOneField(
+        "django_celery_beat.PeriodicTask",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+        editable=False,
+    )
     author = models.CharField(max_length=150, blank=True, help_text="User name of the last change.")
     created_at = models.DateTimeField(auto_now_add=True)
 

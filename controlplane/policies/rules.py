@@ -70,8 +70,10 @@ def _choice(choices: Sequence[str], *, blank: bool = False) -> Checker:
         if blank and value == "":
             return ""
         if not isinstance(value, str) or value not in choices:
-            raise _fail(path, f"unknown value {value!r}; expected one of {', '.join(choices)}"
-                        + (" (or empty)" if blank else ""))
+            raise _fail(
+                path,
+                f"unknown value {value!r}; expected one of {', '.join(choices)}" + (" (or empty)" if blank else ""),
+            )
         return value
 
     return check
@@ -142,11 +144,17 @@ def fields_check(data: Mapping[str, Any], rules: Mapping[str, Checker], *, prefi
 def tier_check(spec: TierPolicySpec, path: Callable[[str], str] = str) -> None:
     """Rules between a tier policy's fields (`path` names a field for the error)."""
     if spec.low_watermark >= spec.high_watermark:
-        raise _fail(path("low_watermark"), f"the low watermark ({spec.low_watermark:g}) must be below the high "
-                                           f"watermark ({spec.high_watermark:g}) of the {spec.tier} tier")
+        raise _fail(
+            path("low_watermark"),
+            f"the low watermark ({spec.low_watermark:g}) must be below the high "
+            f"watermark ({spec.high_watermark:g}) of the {spec.tier} tier",
+        )
     if spec.demote_tier and TIER_ORDER.index(spec.demote_tier) <= TIER_ORDER.index(spec.tier):
-        raise _fail(path("demote_tier"), f"blocks leaving the {spec.tier} tier can only go to a slower tier "
-                                         f"({', '.join(TIER_ORDER[TIER_ORDER.index(spec.tier) + 1:]) or 'none'})")
+        raise _fail(
+            path("demote_tier"),
+            f"blocks leaving the {spec.tier} tier can only go to a slower tier "
+            f"({', '.join(TIER_ORDER[TIER_ORDER.index(spec.tier) + 1 :]) or 'none'})",
+        )
 
 
 def classes_check(classes: Sequence[PriorityClassSpec], path: Callable[[str, str], str] = lambda name, f: f) -> None:
@@ -157,18 +165,22 @@ def classes_check(classes: Sequence[PriorityClassSpec], path: Callable[[str, str
     if total > 1 + SHARE_TOLERANCE:
         parts = ", ".join(f"{c.name} {c.device_share:.0%}" for c in classes if c.device_share)
         culprit = max(classes, key=lambda c: c.device_share).name
-        raise _fail(path(culprit, "device_share"),
-                    f"device shares of all classes add up to {total:.0%} ({parts}); at most 100%")
+        raise _fail(
+            path(culprit, "device_share"), f"device shares of all classes add up to {total:.0%} ({parts}); at most 100%"
+        )
     owner: dict[str, str] = {}
     for spec in classes:
         for namespace in spec.namespaces:
             if namespace in owner:
-                raise _fail(path(spec.name, "namespaces"),
-                            f"namespace {namespace!r} already belongs to class {owner[namespace]!r}")
+                raise _fail(
+                    path(spec.name, "namespaces"),
+                    f"namespace {namespace!r} already belongs to class {owner[namespace]!r}",
+                )
             owner[namespace] = spec.name
 
 
 # -- overrides -------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Overrides:
@@ -202,8 +214,9 @@ def overrides_parse(raw: Any, *, prefix: str = "overrides") -> Overrides:
     return Overrides(tiers=tiers, classes=classes)
 
 
-def _entries(raw: Any, rules: Mapping[str, Checker], key: Sequence[str], prefix: str,
-             defaults: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+def _entries(
+    raw: Any, rules: Mapping[str, Checker], key: Sequence[str], prefix: str, defaults: Mapping[str, Any]
+) -> tuple[dict[str, Any], ...]:
     if not isinstance(raw, list | tuple):
         raise _fail(prefix, f"must be a list, got {raw!r}")
     seen: dict[tuple[Any, ...], int] = {}
@@ -248,7 +261,10 @@ def _under(prefix: str) -> Callable[[str], str]:
 
 
 def overrides_apply(
-    classes: Sequence[PriorityClassSpec], tiers: Sequence[TierPolicySpec], overrides: Overrides, *,
+    classes: Sequence[PriorityClassSpec],
+    tiers: Sequence[TierPolicySpec],
+    overrides: Overrides,
+    *,
     prefix: str = "overrides",
 ) -> tuple[tuple[PriorityClassSpec, ...], tuple[TierPolicySpec, ...]]:
     """The classes and tier policies with `overrides` laid over them, checked together: an error
@@ -300,4 +316,3 @@ def class_spec(data: Mapping[str, Any]) -> PriorityClassSpec:
     if "namespaces" in fields:
         fields["namespaces"] = tuple(fields["namespaces"])
     return PriorityClassSpec(**fields)
-

@@ -45,15 +45,22 @@ def policyversion_current() -> int:
 
 
 def class_row_spec(row: PriorityClass) -> PriorityClassSpec:
-    return PriorityClassSpec(name=row.name, weight=row.weight, device_share=row.device_share,
-                             namespaces=tuple(sorted(row.namespaces)))
+    return PriorityClassSpec(
+        name=row.name, weight=row.weight, device_share=row.device_share, namespaces=tuple(sorted(row.namespaces))
+    )
 
 
 def tier_row_spec(row: TierPolicy) -> TierPolicySpec:
     return TierPolicySpec(
-        tier=row.tier, node_group=row.node_group, capacity_bytes=row.capacity_bytes,
-        high_watermark=row.high_watermark, low_watermark=row.low_watermark, algorithm=row.algorithm,
-        ttl_seconds=row.ttl_seconds, min_accesses=row.min_accesses, capacity_fraction=row.capacity_fraction,
+        tier=row.tier,
+        node_group=row.node_group,
+        capacity_bytes=row.capacity_bytes,
+        high_watermark=row.high_watermark,
+        low_watermark=row.low_watermark,
+        algorithm=row.algorithm,
+        ttl_seconds=row.ttl_seconds,
+        min_accesses=row.min_accesses,
+        capacity_fraction=row.capacity_fraction,
         demote_tier=row.demote_tier,
     )
 
@@ -72,19 +79,29 @@ def snapshot_current(*, overrides: Mapping[str, Any] | None = None) -> PolicySna
     classes, tiers = base_specs()
     mode = Mode.objects.filter(active=True).first()
     if mode is not None:
-        classes, tiers = rules.overrides_apply(classes, tiers, rules.overrides_parse(mode.overrides),
-                                               prefix=f"modes.{mode.name}.overrides")
+        classes, tiers = rules.overrides_apply(
+            classes, tiers, rules.overrides_parse(mode.overrides), prefix=f"modes.{mode.name}.overrides"
+        )
     if overrides is not None:
         classes, tiers = rules.overrides_apply(classes, tiers, rules.overrides_parse(overrides))
-    return PolicySnapshot(version=policyversion_current(), mode=mode.name if mode else "", classes=classes,
-                          tiers=tiers)
+    return PolicySnapshot(version=policyversion_current(), mode=mode.name if mode else "", classes=classes, tiers=tiers)
 
 
 # -- the stored state as JSON (what a version holds) -----------------------------------------------
 
 CLASS_FIELDS = ("name", "weight", "device_share", "namespaces")
-TIER_FIELDS = ("tier", "node_group", "capacity_bytes", "capacity_fraction", "high_watermark", "low_watermark",
-               "algorithm", "ttl_seconds", "min_accesses", "demote_tier")
+TIER_FIELDS = (
+    "tier",
+    "node_group",
+    "capacity_bytes",
+    "capacity_fraction",
+    "high_watermark",
+    "low_watermark",
+    "algorithm",
+    "ttl_seconds",
+    "min_accesses",
+    "demote_tier",
+)
 MODE_FIELDS = ("name", "kind", "description", "overrides")
 
 
@@ -129,9 +146,21 @@ def policy_state_diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> li
             else:
                 for field in sorted(a.keys() | b.keys()):
                     if a.get(field) != b.get(field):
-                        changes.append({"path": f"{path}.{field}", "change": "changed",
-                                        "before": a.get(field), "after": b.get(field)})
+                        changes.append(
+                            {
+                                "path": f"{path}.{field}",
+                                "change": "changed",
+                                "before": a.get(field),
+                                "after": b.get(field),
+                            }
+                        )
     if before.get("active_mode", "") != after.get("active_mode", ""):
-        changes.append({"path": "active_mode", "change": "changed", "before": before.get("active_mode", ""),
-                        "after": after.get("active_mode", "")})
+        changes.append(
+            {
+                "path": "active_mode",
+                "change": "changed",
+                "before": before.get("active_mode", ""),
+                "after": after.get("active_mode", ""),
+            }
+        )
     return changes

@@ -69,17 +69,27 @@ def _state_check(*, editing_mode: str | None = None) -> None:
             raise PolicyError(f"{field}: under mode {mode.name!r} this would be invalid: {exc}", field=field) from exc
 
 
-def _version_write(*, before: PolicySnapshot, action: str, author: str, comment: str,
-                   reason: str = "policy-change", editing_mode: str | None = None) -> PolicyVersion:
+def _version_write(
+    *,
+    before: PolicySnapshot,
+    action: str,
+    author: str,
+    comment: str,
+    reason: str = "policy-change",
+    editing_mode: str | None = None,
+) -> PolicyVersion:
     """Check the new state, store it as the next version, announce it and, when the policies in
     force changed, tell the planner and the nodes (after commit)."""
     _state_check(editing_mode=editing_mode)
     number = policyversion_current() + 1
-    version = PolicyVersion.objects.create(number=number, snapshot=policy_state(), action=action, author=author,
-                                           comment=comment[:255])
+    version = PolicyVersion.objects.create(
+        number=number, snapshot=policy_state(), action=action, author=author, comment=comment[:255]
+    )
     after = snapshot_current()
-    send_event_on_commit(kind="policy.changed", payload={"version": number, "action": action, "author": author,
-                                                         "comment": version.comment, "mode": after.mode})
+    send_event_on_commit(
+        kind="policy.changed",
+        payload={"version": number, "action": action, "author": author, "comment": version.comment, "mode": after.mode},
+    )
     if (after.mode, after.classes, after.tiers) != (before.mode, before.classes, before.tiers):
         policies_dispatch_on_commit(version=number, reason=reason, classes=after.classes)
     return version
@@ -96,6 +106,7 @@ def _describe(kind: str, name: str, fields: Iterable[str]) -> str:
 
 # -- priority classes ------------------------------------------------------------------------------
 
+
 def _class_values(data: Mapping[str, Any]) -> dict[str, Any]:
     clean = rules.fields_check(data, rules.CLASS_RULES)
     if "namespaces" in clean:
@@ -104,23 +115,33 @@ def _class_values(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @transaction.atomic
-def priorityclass_create(*, name: str, device_share: float, weight: float = 1.0, namespaces: Sequence[str] = (),
-                         author: str = "", comment: str = "") -> PriorityClass:
+def priorityclass_create(
+    *,
+    name: str,
+    device_share: float,
+    weight: float = 1.0,
+    namespaces: Sequence[str] = (),
+    author: str = "",
+    comment: str = "",
+) -> PriorityClass:
     """A new class. Its device share must fit beside the others' (all together at most 100%)."""
     before = _begin()
-    clean = _class_values({"name": name, "weight": weight, "device_share": device_share,
-                           "namespaces": list(namespaces)})
+    clean = _class_values(
+        {"name": name, "weight": weight, "device_share": device_share, "namespaces": list(namespaces)}
+    )
     if PriorityClass.objects.filter(name=name).exists():
         raise PolicyError(f"name: a priority class named {name!r} exists", field="name")
     row = PriorityClass.objects.create(**clean)
-    _version_write(before=before, action="priority-class.create", author=author,
-                   comment=comment or f"create priority class {name}")
+    _version_write(
+        before=before, action="priority-class.create", author=author, comment=comment or f"create priority class {name}"
+    )
     return row
 
 
 @transaction.atomic
-def priorityclass_update(*, priority_class: PriorityClass, author: str = "", comment: str = "",
-                         **changes: Any) -> PriorityClass:
+def priorityclass_update(
+    *, priority_class: PriorityClass, author: str = "", comment: str = "", **changes: Any
+) -> PriorityClass:
     """Change a class's weight, device share or namespaces (its name is what blocks refer to)."""
     before = _begin()
     if "name" in changes and changes["name"] != priority_class.name:
@@ -131,8 +152,12 @@ def priorityclass_update(*, priority_class: PriorityClass, author: str = "", com
     for field, value in clean.items():
         setattr(priority_class, field, value)
     priority_class.save()
-    _version_write(before=before, action="priority-class.update", author=author,
-                   comment=comment or _describe("update priority class", priority_class.name, changed))
+    _version_write(
+        before=before,
+        action="priority-class.update",
+        author=author,
+        comment=comment or _describe("update priority class", priority_class.name, changed),
+    )
     return priority_class
 
 
@@ -141,19 +166,23 @@ def priorityclass_delete(*, priority_class: PriorityClass, author: str = "", com
     """Delete a class; its namespaces fall back to `default`, which itself cannot be deleted."""
     before = _begin()
     if priority_class.name == DEFAULT_CLASS:
-        raise InUse(f"name: {DEFAULT_CLASS!r} holds every namespace no other class names; it cannot be deleted",
-                    field="name")
+        raise InUse(
+            f"name: {DEFAULT_CLASS!r} holds every namespace no other class names; it cannot be deleted", field="name"
+        )
     name = priority_class.name
     priority_class.delete()
-    _version_write(before=before, action="priority-class.delete", author=author,
-                   comment=comment or f"delete priority class {name}")
+    _version_write(
+        before=before, action="priority-class.delete", author=author, comment=comment or f"delete priority class {name}"
+    )
 
 
 # -- tier policies ---------------------------------------------------------------------------------
 
+
 @transaction.atomic
-def tierpolicy_create(*, tier: str, node_group: str = "", author: str = "", comment: str = "",
-                      **fields: Any) -> TierPolicy:
+def tierpolicy_create(
+    *, tier: str, node_group: str = "", author: str = "", comment: str = "", **fields: Any
+) -> TierPolicy:
     """A policy for one tier, fleet-wide (`node_group` empty) or for one group of nodes."""
     before = _begin()
     clean = rules.fields_check({"tier": tier, "node_group": node_group, **fields}, rules.TIER_RULES)
@@ -163,8 +192,9 @@ def tierpolicy_create(*, tier: str, node_group: str = "", author: str = "", comm
     row = TierPolicy(**clean)
     rules.tier_check(rules.tier_spec(clean))
     row.save()
-    _version_write(before=before, action="tier-policy.create", author=author,
-                   comment=comment or f"create tier policy {row}")
+    _version_write(
+        before=before, action="tier-policy.create", author=author, comment=comment or f"create tier policy {row}"
+    )
     return row
 
 
@@ -175,8 +205,9 @@ def tierpolicy_update(*, policy: TierPolicy, author: str = "", comment: str = ""
     before = _begin()
     for key in rules.TIER_KEY:
         if key in changes and changes[key] != getattr(policy, key):
-            raise PolicyError(f"{key}: a tier policy's tier and node group cannot change; create a new policy",
-                              field=key)
+            raise PolicyError(
+                f"{key}: a tier policy's tier and node group cannot change; create a new policy", field=key
+            )
         changes.pop(key, None)
     clean = rules.fields_check(changes, rules.TIER_RULES)
     changed = _changed(policy, clean)
@@ -184,8 +215,12 @@ def tierpolicy_update(*, policy: TierPolicy, author: str = "", comment: str = ""
         setattr(policy, field, value)
     rules.tier_check(tier_row_spec(policy))
     policy.save()
-    _version_write(before=before, action="tier-policy.update", author=author,
-                   comment=comment or _describe("update tier policy", str(policy), changed))
+    _version_write(
+        before=before,
+        action="tier-policy.update",
+        author=author,
+        comment=comment or _describe("update tier policy", str(policy), changed),
+    )
     return policy
 
 
@@ -195,19 +230,28 @@ def tierpolicy_delete(*, policy: TierPolicy, author: str = "", comment: str = ""
     before = _begin()
     label = str(policy)
     policy.delete()
-    _version_write(before=before, action="tier-policy.delete", author=author,
-                   comment=comment or f"delete tier policy {label}")
+    _version_write(
+        before=before, action="tier-policy.delete", author=author, comment=comment or f"delete tier policy {label}"
+    )
 
 
 # -- modes -----------------------------------------------------------------------------------------
+
 
 def _overrides_clean(overrides: Any) -> dict[str, Any]:
     return rules.overrides_parse(overrides, prefix="overrides").as_json()
 
 
 @transaction.atomic
-def mode_create(*, name: str, kind: str = ModeKind.CUSTOM, description: str = "",
-                overrides: Mapping[str, Any] | None = None, author: str = "", comment: str = "") -> Mode:
+def mode_create(
+    *,
+    name: str,
+    kind: str = ModeKind.CUSTOM,
+    description: str = "",
+    overrides: Mapping[str, Any] | None = None,
+    author: str = "",
+    comment: str = "",
+) -> Mode:
     """A new (inactive) mode. Its overrides must give valid policies over the current ones."""
     before = _begin()
     rules.fields_check({"name": name}, {"name": rules.CLASS_RULES["name"]})
@@ -215,16 +259,25 @@ def mode_create(*, name: str, kind: str = ModeKind.CUSTOM, description: str = ""
         raise PolicyError(f"kind: unknown kind {kind!r}; expected one of {', '.join(ModeKind.values)}", field="kind")
     if Mode.objects.filter(name=name).exists():
         raise PolicyError(f"name: a mode named {name!r} exists", field="name")
-    mode = Mode.objects.create(name=name, kind=kind, description=description,
-                               overrides=_overrides_clean(overrides or {}))
-    _version_write(before=before, action="mode.create", author=author, comment=comment or f"create mode {name}",
-                   editing_mode=name)
+    mode = Mode.objects.create(
+        name=name, kind=kind, description=description, overrides=_overrides_clean(overrides or {})
+    )
+    _version_write(
+        before=before, action="mode.create", author=author, comment=comment or f"create mode {name}", editing_mode=name
+    )
     return mode
 
 
 @transaction.atomic
-def mode_update(*, mode: Mode, kind: str | None = None, description: str | None = None,
-                overrides: Mapping[str, Any] | None = None, author: str = "", comment: str = "") -> Mode:
+def mode_update(
+    *,
+    mode: Mode,
+    kind: str | None = None,
+    description: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    author: str = "",
+    comment: str = "",
+) -> Mode:
     """Change a mode's kind, description or overrides (all of them: the new overrides replace the
     old). Changing the active mode's overrides takes effect at once."""
     before = _begin()
@@ -232,8 +285,9 @@ def mode_update(*, mode: Mode, kind: str | None = None, description: str | None 
     changed = []
     if kind is not None:
         if kind not in ModeKind.values:
-            raise PolicyError(f"kind: unknown kind {kind!r}; expected one of {', '.join(ModeKind.values)}",
-                              field="kind")
+            raise PolicyError(
+                f"kind: unknown kind {kind!r}; expected one of {', '.join(ModeKind.values)}", field="kind"
+            )
         changed += ["kind"] if kind != mode.kind else []
         mode.kind = kind
     if description is not None:
@@ -244,8 +298,13 @@ def mode_update(*, mode: Mode, kind: str | None = None, description: str | None 
         changed += ["overrides"] if clean != mode.overrides else []
         mode.overrides = clean
     mode.save()
-    _version_write(before=before, action="mode.update", author=author,
-                   comment=comment or _describe("update mode", mode.name, changed), editing_mode=mode.name)
+    _version_write(
+        before=before,
+        action="mode.update",
+        author=author,
+        comment=comment or _describe("update mode", mode.name, changed),
+        editing_mode=mode.name,
+    )
     return mode
 
 
@@ -296,14 +355,16 @@ def mode_deactivate(*, name: str, author: str = "", comment: str = "") -> Policy
 
 
 def _switched(*, before: PolicySnapshot, mode: str, author: str, comment: str) -> PolicyVersion:
-    version = _version_write(before=before, action="mode.switch", author=author, comment=comment,
-                             reason="mode-switch")
-    send_event_on_commit(kind="mode.switched", payload={"mode": mode, "previous": before.mode,
-                                                        "version": version.number, "author": author})
+    version = _version_write(before=before, action="mode.switch", author=author, comment=comment, reason="mode-switch")
+    send_event_on_commit(
+        kind="mode.switched",
+        payload={"mode": mode, "previous": before.mode, "version": version.number, "author": author},
+    )
     return version
 
 
 # -- rollback --------------------------------------------------------------------------------------
+
 
 @transaction.atomic
 def policy_rollback(*, version: int, author: str = "", comment: str = "") -> PolicyVersion:
@@ -316,15 +377,23 @@ def policy_rollback(*, version: int, author: str = "", comment: str = "") -> Pol
         raise PolicyError(f"version: no policy version {version}", field="version")
     try:
         _state_restore(target.snapshot)
-        written = _version_write(before=before, action="policy.rollback", author=author,
-                                 comment=comment or f"rollback to {version}")
+        written = _version_write(
+            before=before, action="policy.rollback", author=author, comment=comment or f"rollback to {version}"
+        )
     except PolicyError as exc:
-        raise PolicyError(f"version: version {version} cannot be restored under today's rules: {exc}",
-                          field="version") from exc
+        raise PolicyError(
+            f"version: version {version} cannot be restored under today's rules: {exc}", field="version"
+        ) from exc
     if before.mode != written.snapshot["active_mode"]:
-        send_event_on_commit(kind="mode.switched", payload={"mode": written.snapshot["active_mode"],
-                                                            "previous": before.mode, "version": written.number,
-                                                            "author": author})
+        send_event_on_commit(
+            kind="mode.switched",
+            payload={
+                "mode": written.snapshot["active_mode"],
+                "previous": before.mode,
+                "version": written.number,
+                "author": author,
+            },
+        )
     return written
 
 
@@ -341,26 +410,36 @@ def _state_restore(state: Mapping[str, Any]) -> None:
             row.delete()
     for values in tiers:
         rules.tier_check(rules.tier_spec(values))
-        TierPolicy.objects.update_or_create(tier=values["tier"], node_group=values.get("node_group", ""),
-                                            defaults=values)
+        TierPolicy.objects.update_or_create(
+            tier=values["tier"], node_group=values.get("node_group", ""), defaults=values
+        )
 
     modes = state.get("modes", [])
     Mode.objects.filter(active=True).update(active=False)
     for mode in Mode.objects.exclude(name__in=[m["name"] for m in modes]):
         _mode_forget(mode)
     for entry in modes:
-        Mode.objects.update_or_create(name=entry["name"], defaults={
-            "kind": entry.get("kind", ModeKind.CUSTOM), "description": entry.get("description", ""),
-            "overrides": _overrides_clean(entry.get("overrides", {})),
-        })
+        Mode.objects.update_or_create(
+            name=entry["name"],
+            defaults={
+                "kind": entry.get("kind", ModeKind.CUSTOM),
+                "description": entry.get("description", ""),
+                "overrides": _overrides_clean(entry.get("overrides", {})),
+            },
+        )
     if state.get("active_mode"):
         Mode.objects.filter(name=state["active_mode"]).update(active=True)
 
 
 # -- mode schedules --------------------------------------------------------------------------------
 
-CRON_FIELDS = (("minute", "minute"), ("hour", "hour"), ("day of month", "day_of_month"),
-               ("month", "month_of_year"), ("day of week", "day_of_week"))
+CRON_FIELDS = (
+    ("minute", "minute"),
+    ("hour", "hour"),
+    ("day of month", "day_of_month"),
+    ("month", "month_of_year"),
+    ("day of week", "day_of_week"),
+)
 
 
 def cron_parse(cron: str) -> dict[str, str]:
@@ -370,8 +449,10 @@ def cron_parse(cron: str) -> dict[str, str]:
         raise PolicyError(f"cron: expected text, got {cron!r}", field="cron")
     parts = cron.split()
     if len(parts) != 5:
-        raise PolicyError(f'cron: expected 5 fields "minute hour day-of-month month day-of-week", got {len(parts)} '
-                          f"in {cron!r}", field="cron")
+        raise PolicyError(
+            f'cron: expected 5 fields "minute hour day-of-month month day-of-week", got {len(parts)} in {cron!r}',
+            field="cron",
+        )
     fields = {}
     for (label, argument), value in zip(CRON_FIELDS, parts, strict=True):
         try:
@@ -425,18 +506,26 @@ def _mode_named(name: str) -> Mode:
 def modeschedule_create(*, mode: str, cron: str, enabled: bool = True, author: str = "") -> ModeSchedule:
     """Switch to `mode` at the times of `cron` (UTC) from now on, through a beat entry."""
     cron_parse(cron)
-    schedule = ModeSchedule.objects.create(mode=_mode_named(mode), cron=" ".join(cron.split()), enabled=enabled,
-                                           author=author)
+    schedule = ModeSchedule.objects.create(
+        mode=_mode_named(mode), cron=" ".join(cron.split()), enabled=enabled, author=author
+    )
     _beat_sync(schedule)
     return schedule
 
 
 @transaction.atomic
-def modeschedule_update(*, schedule: ModeSchedule, mode: str | None = None, cron: str | None = None,
-                        enabled: bool | None = None, author: str = "") -> ModeSchedule:
+def modeschedule_update(
+    *,
+    schedule: ModeSchedule,
+    mode: str | None = None,
+    cron: str | None = None,
+    enabled: bool | None = None,
+    author: str = "",
+) -> ModeSchedule:
     """Change a schedule's mode, times or whether it runs; its beat entry follows."""
-    schedule = ModeSchedule.objects.select_for_update(of=("self",)).select_related("mode", "periodic_task").get(
-        pk=schedule.pk)
+    schedule = (
+        ModeSchedule.objects.select_for_update(of=("self",)).select_related("mode", "periodic_task").get(pk=schedule.pk)
+    )
     if cron is not None:
         cron_parse(cron)
         schedule.cron = " ".join(cron.split())

@@ -97,4 +97,3 @@ class PolicySnapshot:
             if spec.name == DEFAULT_CLASS:
                 return spec
         return PriorityClassSpec(name=DEFAULT_CLASS)
-

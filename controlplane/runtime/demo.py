@@ -55,32 +55,41 @@ def demo_engines(value: str) -> list[str]:
         names *= len(NODES)
     unknown = sorted(set(names) - set(ENGINES))
     if unknown or len(names) != len(NODES):
-        raise ConfigurationError(f"STRATA_DEMO_ENGINE: expected strata or vllm, once or once per node "
-                                 f"({', '.join(NODES)}), got {value!r}")
+        raise ConfigurationError(
+            f"STRATA_DEMO_ENGINE: expected strata or vllm, once or once per node ({', '.join(NODES)}), got {value!r}"
+        )
     return names
 
 
-def _procfile(port: int, model: str, first_node_port: int, api_port: int,
-              engines: list[str] | None = None) -> list[tuple[str, str]]:
+def _procfile(
+    port: int, model: str, first_node_port: int, api_port: int, engines: list[str] | None = None
+) -> list[tuple[str, str]]:
     python = shlex.quote(sys.executable)
     celery = f"{python} -m celery -A controlplane.celery_app"
     processes = [
         ("web", f"{python} -m daphne -b 127.0.0.1 -p {port} controlplane.asgi:application"),
-        ("api", f"{python} -m gunicorn -c python:controlplane.runtime.gunicorn -b 127.0.0.1:{api_port} "
-                "controlplane.wsgi:application"),
+        (
+            "api",
+            f"{python} -m gunicorn -c python:controlplane.runtime.gunicorn -b 127.0.0.1:{api_port} "
+            "controlplane.wsgi:application",
+        ),
     ]
     node_urls = []
     for index, name in enumerate(NODES):
         engine = (engines or ["strata"] * len(NODES))[index]
-        serve = (f" --model {shlex.quote(model)} --serve-port {first_node_port + index} --engine {engine}"
-                 if model else "")
+        serve = (
+            f" --model {shlex.quote(model)} --serve-port {first_node_port + index} --engine {engine}" if model else ""
+        )
         processes.append((name, f"{python} manage.py strata_node --name {name}{serve}"))
         node_urls.append(f"--node http://127.0.0.1:{first_node_port + index}")
     if model:
         processes.append(("workload", f"{python} -m worker.workload {' '.join(node_urls)}"))
     processes += [
-        ("control", f"{celery} worker -Q control -n control@%h --pool threads --concurrency 2 "
-                    "--without-gossip --without-mingle --loglevel WARNING"),
+        (
+            "control",
+            f"{celery} worker -Q control -n control@%h --pool threads --concurrency 2 "
+            "--without-gossip --without-mingle --loglevel WARNING",
+        ),
         ("beat", f"{celery} beat --loglevel WARNING --pidfile="),
     ]
     return processes
@@ -132,10 +141,13 @@ def run(port: int, model: str, api_port: int, engines: list[str] | None = None) 
         f"  nodes      {base}/api/v1/nodes/\n"
         f"  admin      {base}/admin/\n"
         f"  health     {base}/readyz   metrics {base}/metrics\n"
-        + (f"  node APIs  http://127.0.0.1:{first_node_port}/v1 and http://127.0.0.1:{first_node_port + 1}/v1"
-           f" (OpenAI-compatible, model {model}, engines {', '.join(engines or ['strata'] * len(NODES))}; "
-           "a workload driver sends chats and document questions)\n"
-           if model else "")
+        + (
+            f"  node APIs  http://127.0.0.1:{first_node_port}/v1 and http://127.0.0.1:{first_node_port + 1}/v1"
+            f" (OpenAI-compatible, model {model}, engines {', '.join(engines or ['strata'] * len(NODES))}; "
+            "a workload driver sends chats and document questions)\n"
+            if model
+            else ""
+        )
         + "Ctrl-C (or `make stop` elsewhere) stops everything.\n",
         flush=True,
     )

@@ -1,6 +1,6 @@
 """Embedded PostgreSQL and Redis for a machine with nothing running: data under var/, unix sockets only.
 
-    python -m controlplane.runtime.embedded start|stop|status
+python -m controlplane.runtime.embedded start|stop|status
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _system_user() -> str | None:
     except KeyError:
         subprocess.run(
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", _PG_SYSTEM_USER],
-            check=True, capture_output=True,
+            check=True,
+            capture_output=True,
         )
     return _PG_SYSTEM_USER
 
@@ -127,8 +128,9 @@ class EmbeddedPostgres:
             return subprocess.run(args, text=True, capture_output=True)
         # Drop root's group too: a directory's group bits (root, ---) would win over its other bits.
         entry = pwd.getpwnam(user)
-        return subprocess.run(args, text=True, capture_output=True, user=entry.pw_uid, group=entry.pw_gid,
-                              extra_groups=[], cwd="/")
+        return subprocess.run(
+            args, text=True, capture_output=True, user=entry.pw_uid, group=entry.pw_gid, extra_groups=[], cwd="/"
+        )
 
     def _reachable(self, user: str | None) -> None:
         # Another tool (pytest resets its temp root to 0700) may have closed a parent since start.
@@ -160,8 +162,16 @@ class EmbeddedPostgres:
             self.data.mkdir(parents=True)
             _chown(self.root, user)
             result = self._run(
-                [_pg_bin("initdb"), "-D", str(self.data), "--auth=trust", "--encoding=UTF8",
-                 "--data-checksums", "-U", "postgres"],
+                [
+                    _pg_bin("initdb"),
+                    "-D",
+                    str(self.data),
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    "--data-checksums",
+                    "-U",
+                    "postgres",
+                ],
                 user,
             )
             if result.returncode != 0:
@@ -169,9 +179,19 @@ class EmbeddedPostgres:
         _chown(self.root, user)
         tuned = " ".join(f"-c {name}={value}" for name, value in server_settings(_memory_bytes()).items())
         result = self._run(
-            [_pg_bin("pg_ctl"), "-D", str(self.data), "-w", "-t", "60", "-l", str(self.log),
-             "-o", f"-c listen_addresses='' -k {self.sockets} -c max_connections=200 -c fsync=on {tuned}",
-             "start"],
+            [
+                _pg_bin("pg_ctl"),
+                "-D",
+                str(self.data),
+                "-w",
+                "-t",
+                "60",
+                "-l",
+                str(self.log),
+                "-o",
+                f"-c listen_addresses='' -k {self.sockets} -c max_connections=200 -c fsync=on {tuned}",
+                "start",
+            ],
             user,
         )
         if result.returncode != 0:
@@ -227,10 +247,29 @@ class EmbeddedRedis:
         self.root.mkdir(parents=True, exist_ok=True)
         self.socket.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [_redis_bin(), "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
-             "--daemonize", "yes", "--pidfile", str(self.pidfile), "--dir", str(self.root),
-             "--logfile", str(self.root / "server.log"), "--appendonly", "yes", "--save", ""],
-            check=True, capture_output=True,
+            [
+                _redis_bin(),
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.socket),
+                "--unixsocketperm",
+                "700",
+                "--daemonize",
+                "yes",
+                "--pidfile",
+                str(self.pidfile),
+                "--dir",
+                str(self.root),
+                "--logfile",
+                str(self.root / "server.log"),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+            ],
+            check=True,
+            capture_output=True,
         )
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:

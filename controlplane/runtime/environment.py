@@ -166,8 +166,12 @@ def load_environment(environ: Mapping[str, str] | None = None) -> Environment:
         database = parse_database_url(database_url)
     else:
         database = Database(
-            name=embedded_database_name(), user="postgres", password="", host=str(sockets),
-            port="", options={},
+            name=embedded_database_name(),
+            user="postgres",
+            password="",
+            host=str(sockets),
+            port="",
+            options={},
         )
     if redis_url:
         redis = parse_redis_url(redis_url)

@@ -38,5 +38,8 @@ accesslog = None  # one line per lookup would drown the log; /metrics counts req
 
 def when_ready(server: object) -> None:
     addresses = ", ".join(str(listener) for listener in getattr(server, "LISTENERS", []))
-    print(f"Strata engine API ready on {addresses}: {workers} workers x {threads} threads "
-          "(HTTP only; the dashboard's websockets are on daphne)", flush=True)
+    print(
+        f"Strata engine API ready on {addresses}: {workers} workers x {threads} threads "
+        "(HTTP only; the dashboard's websockets are on daphne)",
+        flush=True,
+    )

@@ -129,4 +129,3 @@ LOGGING = {
 globals().update(celery_settings.settings(ENV))
 globals().update(channels_settings.settings(ENV))
 globals().update(drf_settings.settings())
-

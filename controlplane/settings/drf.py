@@ -20,8 +20,10 @@ def settings() -> dict[str, Any]:
                 "rest_framework.throttling.AnonRateThrottle",
             ],
             "DEFAULT_THROTTLE_RATES": {"user": "100000/min", "anon": "60/min"},
-            "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer",
-                                         "rest_framework.renderers.BrowsableAPIRenderer"],
+            "DEFAULT_RENDERER_CLASSES": [
+                "rest_framework.renderers.JSONRenderer",
+                "rest_framework.renderers.BrowsableAPIRenderer",
+            ],
         },
         "SPECTACULAR_SETTINGS": {
             "TITLE": "Strata control plane API",

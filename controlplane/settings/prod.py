@@ -31,10 +31,18 @@ SECURE_REDIRECT_EXEMPT = [r"^livez$", r"^readyz$", r"^metrics$"]
 # STRATA_DB_POOL_MAX=0 turns it off (e.g. behind PgBouncer in transaction mode).
 _POOL_MAX = os.environ.get("STRATA_DB_POOL_MAX", "8")
 if not _POOL_MAX.isdigit():
-    raise SystemExit(f"strata: STRATA_DB_POOL_MAX: expected a whole number of connections (0 = no pool), got {_POOL_MAX!r}")
+    raise SystemExit(
+        f"strata: STRATA_DB_POOL_MAX: expected a whole number of connections (0 = no pool), got {_POOL_MAX!r}"
+    )
 if int(_POOL_MAX) > 0:
     _default = base.DATABASES["default"]
-    DATABASES = {"default": {**_default, "CONN_MAX_AGE": 0, "OPTIONS": {
-        **_default.get("OPTIONS", {}),
-        "pool": {"min_size": min(2, int(_POOL_MAX)), "max_size": int(_POOL_MAX), "timeout": 10},
-    }}}
+    DATABASES = {
+        "default": {
+            **_default,
+            "CONN_MAX_AGE": 0,
+            "OPTIONS": {
+                **_default.get("OPTIONS", {}),
+                "pool": {"min_size": min(2, int(_POOL_MAX)), "max_size": int(_POOL_MAX), "timeout": 10},
+            },
+        }
+    }

@@ -26,7 +26,8 @@ DASHBOARD_EVENTS_LOST = Counter(
 )
 NODE_FETCH_FAILURES = Counter(
     "strata_node_fetch_failures_total",
-    "Times the control plane could not read a node's engine server (request timelines, cache counters).", ["node"]
+    "Times the control plane could not read a node's engine server (request timelines, cache counters).",
+    ["node"],
 )
 
 
@@ -34,16 +35,20 @@ class DirectoryCollector(Collector):
     """Node and tier gauges read from PostgreSQL at scrape time (the database is the truth)."""
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        up = GaugeMetricFamily("strata_node_up", "1 when the node's heartbeats arrive, else 0.", labels=["node", "state"])
+        up = GaugeMetricFamily(
+            "strata_node_up", "1 when the node's heartbeats arrive, else 0.", labels=["node", "state"]
+        )
         capacity = GaugeMetricFamily("strata_tier_capacity_bytes", "Tier capacity per node.", labels=["node", "tier"])
         used = GaugeMetricFamily("strata_tier_used_bytes", "Tier bytes in use per node.", labels=["node", "tier"])
         heartbeats = CounterMetricFamily(
             "strata_node_heartbeats", "Heartbeats recorded by the control plane, per node.", labels=["node"]
         )
-        age = GaugeMetricFamily("strata_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat.",
-                                labels=["node"])
-        available = GaugeMetricFamily("strata_tier_available", "1 when the node reports the tier usable, else 0.",
-                                      labels=["node", "tier"])
+        age = GaugeMetricFamily(
+            "strata_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat.", labels=["node"]
+        )
+        available = GaugeMetricFamily(
+            "strata_tier_available", "1 when the node reports the tier usable, else 0.", labels=["node", "tier"]
+        )
         now = timezone.now()
         for node in nodes_list():
             up.add_metric([node.name, node.state], 1.0 if node.state == NodeState.UP else 0.0)

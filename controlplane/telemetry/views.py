@@ -45,6 +45,9 @@ def prometheus_nodes(request: HttpRequest) -> HttpResponse:
     name (the engine's with `exporter` too), so a new node is scraped without editing prometheus.yml."""
     nodes = Node.objects.exclude(address="").exclude(state=NodeState.DOWN).order_by("name")
     targets = [{"targets": [node.address], "labels": {"node": node.name}} for node in nodes]
-    targets += [{"targets": [node.engine_address], "labels": {"node": node.name, "exporter": node.engine}}
-                for node in nodes if node.engine_address]
+    targets += [
+        {"targets": [node.engine_address], "labels": {"node": node.name, "exporter": node.engine}}
+        for node in nodes
+        if node.engine_address
+    ]
     return JsonResponse(targets, safe=False)

@@ -31,17 +31,31 @@ def models() -> Callable[..., LoadedModel]:
     return get
 
 
-def blend_engine(model: LoadedModel, *, blocks: int = 512, tiers: tuple[str, ...] = ("device",),
-                 **blend: object) -> Engine:
+def blend_engine(
+    model: LoadedModel, *, blocks: int = 512, tiers: tuple[str, ...] = ("device",), **blend: object
+) -> Engine:
     """An engine with fragment reuse on, over an in-memory pool (real DeviceTier on CPU)."""
-    layout = BlockLayout(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
-                         block_tokens=BLOCK_TOKENS, dtype=model.dtype)
+    layout = BlockLayout(
+        layers=model.layers,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        block_tokens=BLOCK_TOKENS,
+        dtype=model.dtype,
+    )
     store = TieredStore(layout=layout, tiers=[DeviceTier(layout=layout, capacity_bytes=blocks * layout.block_bytes)])
     settings: dict[str, object] = {"enabled": True, "sample_rate": 0.0}
     settings.update(blend)
-    return Engine(model=model, store=store, options=EngineOptions(
-        block_tokens=BLOCK_TOKENS, write_back_tier="device", keep_in_device=False, decide=False,
-        blend=BlendOptions(**settings)))  # type: ignore[arg-type]
+    return Engine(
+        model=model,
+        store=store,
+        options=EngineOptions(
+            block_tokens=BLOCK_TOKENS,
+            write_back_tier="device",
+            keep_in_device=False,
+            decide=False,
+            blend=BlendOptions(**settings),
+        ),
+    )  # type: ignore[arg-type]
 
 
 def tokens(count: int, seed: int) -> list[int]:

@@ -16,16 +16,28 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def directory():
-    client = PostgresDirectory(options=DirectoryOptions(flush_interval_s=0.02, batch_size=500, lookup_timeout_ms=5000),
-                             announce=lambda **_: None)
+    client = PostgresDirectory(
+        options=DirectoryOptions(flush_interval_s=0.02, batch_size=500, lookup_timeout_ms=5000),
+        announce=lambda **_: None,
+    )
     yield client
     client.close()
 
 
 def remote_engine(model, store, directory, node: str) -> Engine:
-    return Engine(model=model, store=store, node=node, directory=directory, options=EngineOptions(
-        block_tokens=BLOCK_TOKENS, write_back_tier="remote", keep_in_device=False, decide=False,
-        blend=BlendOptions(enabled=True, recompute_percent=20, sample_rate=0.0)))
+    return Engine(
+        model=model,
+        store=store,
+        node=node,
+        directory=directory,
+        options=EngineOptions(
+            block_tokens=BLOCK_TOKENS,
+            write_back_tier="remote",
+            keep_in_device=False,
+            decide=False,
+            blend=BlendOptions(enabled=True, recompute_percent=20, sample_rate=0.0),
+        ),
+    )
 
 
 def test_a_fresh_node_finds_fragments_by_content_key(models, make_store, directory):  # noqa: F811

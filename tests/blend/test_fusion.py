@@ -25,14 +25,26 @@ def rag_setup(engine, *, seed: int) -> tuple[list[int], list]:
         engine.generate(prompt, max_tokens=1, segments=[[start, start + len(passage)]])
         stored += [p.prefix_key for p in fp.blocks(prompt)]
         for offset in (start, start + BLOCK_TOKENS):
-            key = content_key(ns_salt=fp.ns_salt, model_key=fp.model_key, token_ids=prompt[offset : offset + BLOCK_TOKENS])
+            key = content_key(
+                ns_salt=fp.ns_salt, model_key=fp.model_key, token_ids=prompt[offset : offset + BLOCK_TOKENS]
+            )
             stored.append(fragment_key(ns_salt=fp.ns_salt, model_key=fp.model_key, content_key=key, position=offset))
-    prompt = [1, *header, *passages[2], *tokens(5, seed=seed + 20), *passages[0], *passages[1], *tokens(6, seed=seed + 21)]
+    prompt = [
+        1,
+        *header,
+        *passages[2],
+        *tokens(5, seed=seed + 20),
+        *passages[0],
+        *passages[1],
+        *tokens(6, seed=seed + 21),
+    ]
     return prompt, stored
 
 
-@pytest.mark.parametrize(("family", "dtype"), [("tiny", "float32"), ("tiny-qwen2", "float32"),
-                                                ("tiny-mistral", "float32"), ("tiny", "bfloat16")])
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("tiny", "float32"), ("tiny-qwen2", "float32"), ("tiny-mistral", "float32"), ("tiny", "bfloat16")],
+)
 def test_full_recompute_equals_full_prefill(models, family, dtype):
     model = models(family, dtype)
     engine = blend_engine(model, recompute_percent=100)
@@ -61,8 +73,11 @@ def test_lower_ratios_recompute_fewer_tokens(models, selection):
         fragment = result.trace.fragment_tokens
         assert fragment == 6 * BLOCK_TOKENS
         # deviation: r% of all fragment tokens; chunk-start: r% of each reused block, from its start.
-        expected = math.ceil(percent / 100 * fragment) if selection == "deviation" else \
-            6 * math.ceil(percent / 100 * BLOCK_TOKENS)
+        expected = (
+            math.ceil(percent / 100 * fragment)
+            if selection == "deviation"
+            else 6 * math.ceil(percent / 100 * BLOCK_TOKENS)
+        )
         assert result.trace.recomputed_tokens == expected
         assert result.trace.cached_tokens == result.trace.prefix_tokens + fragment - expected
         full_logp = torch.log_softmax(full.first_logits, -1)

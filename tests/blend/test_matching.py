@@ -83,10 +83,10 @@ def test_overlapping_windows_are_never_both_used(models):
     engine = blend_engine(model)
     run = tokens(40, seed=10)
     # Two stored copies of overlapping windows: 0..16 and 8..24 of `run`.
-    engine.generate([1, *tokens(15, seed=11), *run[:BLOCK_TOKENS], 3], max_tokens=1,
-                    segments=[[16, 16 + BLOCK_TOKENS]])
-    engine.generate([1, *tokens(15, seed=12), *run[8 : 8 + BLOCK_TOKENS], 3], max_tokens=1,
-                    segments=[[16, 16 + BLOCK_TOKENS]])
+    engine.generate([1, *tokens(15, seed=11), *run[:BLOCK_TOKENS], 3], max_tokens=1, segments=[[16, 16 + BLOCK_TOKENS]])
+    engine.generate(
+        [1, *tokens(15, seed=12), *run[8 : 8 + BLOCK_TOKENS], 3], max_tokens=1, segments=[[16, 16 + BLOCK_TOKENS]]
+    )
     result = engine.generate([1, *tokens(20, seed=13), *run[:24], *tokens(6, seed=14)], max_tokens=1)
     assert result.trace.fragment_tokens == BLOCK_TOKENS
 

@@ -16,7 +16,8 @@ from worker.dataplane.blend.options import (
 from worker.dataplane.config import ConfigError, load_config
 
 FLEET = BlendOptions(
-    enabled=True, recompute_percent=15,
+    enabled=True,
+    recompute_percent=15,
     namespace_percent=parse_namespace_percents("llama-8b/tenant-a=20, tenant-a=25, tenant-b=5, qwen-7b/tenant-b=40"),
     model_percent=parse_model_percents("llama-8b=10, qwen-7b=30"),
 )
@@ -55,8 +56,16 @@ def test_a_node_knows_the_namespaces_configured_for_its_model_only():
         (parse_namespace_percents, "rag=ten", r"blend_namespace_percent: 'ten' of rag is not a number"),
         (parse_namespace_percents, "rag=120", r"blend_namespace_percent\[rag\]: must be between 0 and 100"),
         (parse_namespace_percents, "llama-8b/rag=-1", r"blend_namespace_percent\[llama-8b/rag\]: must be between"),
-        (parse_namespace_percents, "llama 8b/rag=5", r"blend_namespace_percent: 'llama 8b' of 'llama 8b/rag' is not a model"),
-        (parse_namespace_percents, "llama/-rag=5", r"blend_namespace_percent: '-rag' of 'llama/-rag' is not a namespace"),
+        (
+            parse_namespace_percents,
+            "llama 8b/rag=5",
+            r"blend_namespace_percent: 'llama 8b' of 'llama 8b/rag' is not a model",
+        ),
+        (
+            parse_namespace_percents,
+            "llama/-rag=5",
+            r"blend_namespace_percent: '-rag' of 'llama/-rag' is not a namespace",
+        ),
         (parse_namespace_percents, "/rag=5", r"blend_namespace_percent: '' of '/rag' is not a model"),
         (parse_namespace_percents, "rag=5,rag=6", r"blend_namespace_percent: rag is given twice"),
         (parse_model_percents, "llama-8b", r"blend_model_percent: expected model=percent pairs"),
@@ -71,8 +80,10 @@ def test_bad_percent_maps_name_the_entry(parse, value, message):
 
 def test_percent_maps_from_yaml_mappings(tmp_path):
     path = tmp_path / "node.yaml"
-    path.write_text("blend: true\nblend_namespace_percent:\n  llama-8b/tenant-a: 20\n  tenant-b: 5\n"
-                    "blend_model_percent:\n  llama-8b: 10\nblend_selection: chunk-start\nblend_reprobe_seconds: 30\n")
+    path.write_text(
+        "blend: true\nblend_namespace_percent:\n  llama-8b/tenant-a: 20\n  tenant-b: 5\n"
+        "blend_model_percent:\n  llama-8b: 10\nblend_selection: chunk-start\nblend_reprobe_seconds: 30\n"
+    )
     options = BlendOptions.from_config(load_config(environ={}, yaml_path=path))
     assert options.namespace_percent == {"llama-8b/tenant-a": 20.0, "tenant-b": 5.0}
     assert options.model_percent == {"llama-8b": 10.0}
@@ -83,7 +94,12 @@ def test_percent_maps_from_yaml_mappings(tmp_path):
 # Every knob of the tuner is a typed option: (variable, value, BlendOptions field, parsed value).
 KNOBS = [
     ("STRATA_BLEND_RECOMPUTE_PERCENT", "25", "recompute_percent", 25.0),
-    ("STRATA_BLEND_NAMESPACE_PERCENT", "llama-8b/rag=20,chat=5", "namespace_percent", {"llama-8b/rag": 20.0, "chat": 5.0}),
+    (
+        "STRATA_BLEND_NAMESPACE_PERCENT",
+        "llama-8b/rag=20,chat=5",
+        "namespace_percent",
+        {"llama-8b/rag": 20.0, "chat": 5.0},
+    ),
     ("STRATA_BLEND_MODEL_PERCENT", "llama-8b=10", "model_percent", {"llama-8b": 10.0}),
     ("STRATA_BLEND_SELECTION", "chunk-start", "selection", "chunk-start"),
     ("STRATA_BLEND_CHECK_LAYER", "3", "check_layer", 3),

@@ -9,8 +9,10 @@ import pytest
 from benchmarks import blend_model
 from tests.blend.conftest import FIXTURE_MODEL
 
-pytestmark = pytest.mark.skipif(not (FIXTURE_MODEL / "config.json").exists(),
-                                reason="the trained fixture model is missing (python -m benchmarks.blend_model train)")
+pytestmark = pytest.mark.skipif(
+    not (FIXTURE_MODEL / "config.json").exists(),
+    reason="the trained fixture model is missing (python -m benchmarks.blend_model train)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,9 @@ def test_the_fixture_is_small_and_in_safetensors():
 def test_accuracy_is_as_documented(documented, measured):
     for variant, row in documented["report"].items():
         # The same seeded questions on the same weights: equal up to floating-point ties (1 question).
-        assert measured[variant]["accuracy"] == pytest.approx(row["accuracy"], abs=1.01 / documented["arguments"]["questions"]), variant
+        assert measured[variant]["accuracy"] == pytest.approx(
+            row["accuracy"], abs=1.01 / documented["arguments"]["questions"]
+        ), variant
 
 
 def test_the_model_has_learnt_the_task(measured):

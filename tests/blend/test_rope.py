@@ -68,8 +68,9 @@ def test_fused_cache_holds_the_keys_of_the_new_positions(models):
     with torch.inference_mode():
         expected = keys_at(model, prompt, torch.arange(len(prompt)))
     fused = result.cache.layer_kv(0)[0]
-    torch.testing.assert_close(fused[:, :, 42:42 + len(passage)], expected[:, :, 42:42 + len(passage)],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fused[:, :, 42 : 42 + len(passage)], expected[:, :, 42 : 42 + len(passage)], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_rope_variants_that_cannot_be_realigned_are_named(models):

@@ -1,4 +1,5 @@
-"""Fragment reuse over the node's HTTP API: segments in the request, the split in the usage, /metrics and /v1/strata/blend."""
+"""Fragment reuse over the node's HTTP API: segments in the request, the split in the usage, /metrics and
+/v1/strata/blend."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def get(server, path: str) -> tuple[int, str]:
 def test_fragments_reused_through_the_api_and_reported(client, server):
     passage = tokens(2 * BLOCK_TOKENS, seed=1)
     first = [1, *tokens(4, seed=2), *passage, 7]
-    client.completions.create(model="tiny", prompt=first, max_tokens=1, extra_body={"segments": [[5, 5 + len(passage)]]})
+    client.completions.create(
+        model="tiny", prompt=first, max_tokens=1, extra_body={"segments": [[5, 5 + len(passage)]]}
+    )
     second = [1, *tokens(21, seed=3), *passage, *tokens(6, seed=4)]
     answer = client.completions.create(model="tiny", prompt=second, max_tokens=2)
     details = answer.usage.prompt_tokens_details
@@ -91,11 +94,18 @@ ADMIN_KEY = "node-admin-key-1"
 @pytest.fixture
 def operated(models) -> Iterator[NodeServer]:
     """A blend node of a fleet-wide config (entries of other models too), with an admin key and a tenant key."""
-    engine = blend_engine(models("tiny"), recompute_percent=15, max_percent=30, min_samples=1, reprobe_seconds=3600,
-                          model_percent={"tiny": 12.0, "llama-8b": 50.0},
-                          namespace_percent={"tiny/rag": 25.0, "llama-8b/legal": 40.0})
-    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="operated", api_keys={"tenant-key": "rag"},
-                      admin_key=ADMIN_KEY).start()
+    engine = blend_engine(
+        models("tiny"),
+        recompute_percent=15,
+        max_percent=30,
+        min_samples=1,
+        reprobe_seconds=3600,
+        model_percent={"tiny": 12.0, "llama-8b": 50.0},
+        namespace_percent={"tiny/rag": 25.0, "llama-8b/legal": 40.0},
+    )
+    node = NodeServer(
+        engine=engine, host="127.0.0.1", port=0, node="operated", api_keys={"tenant-key": "rag"}, admin_key=ADMIN_KEY
+    ).start()
     yield node
     node.stop()
     engine.close()
@@ -127,8 +137,9 @@ def test_r_per_model_is_exported_before_any_request(operated):
     assert metric(text, 'strata_blend_prefix_only{model="tiny",namespace="rag",node="operated"}') == 0.0
     assert 'namespace="legal"' not in text  # another model's entry
     # Fragment positions count recomputed ones too, and the help says so.
-    assert "recomputed positions included" in next(line for line in text.splitlines()
-                                                   if line.startswith("# HELP strata_reused_tokens_total"))
+    assert "recomputed positions included" in next(
+        line for line in text.splitlines() if line.startswith("# HELP strata_reused_tokens_total")
+    )
     status, text = get(operated, "/v1/strata/blend")
     report = json.loads(text)
     assert report["default_recompute_percent"] == 12.0
@@ -142,8 +153,13 @@ def test_an_operator_sets_r_and_resets_a_fallen_back_namespace(operated):
     tuner.record("rag", agree=False, kl=1.0, percent=30.0)  # -> prefix-only
     status, text = get(operated, "/metrics")
     assert metric(text, 'strata_blend_prefix_only{model="tiny",namespace="rag",node="operated"}') == 1.0
-    assert metric(text, 'strata_blend_namespace_samples_total{model="tiny",namespace="rag",node="operated",'
-                        'result="disagreed"}') == 2.0
+    assert (
+        metric(
+            text,
+            'strata_blend_namespace_samples_total{model="tiny",namespace="rag",node="operated",result="disagreed"}',
+        )
+        == 2.0
+    )
     assert json.loads(get(operated, "/v1/strata/blend")[1])["namespaces"]["rag"]["reprobe_in_s"] > 3500
 
     status, answer = call(operated, "POST", "/v1/strata/blend", {"namespace": "rag", "percent": 10})
@@ -188,8 +204,11 @@ def test_bad_operator_input_is_refused_naming_the_field(operated, body, param, m
 
 @pytest.mark.parametrize(
     ("key", "status", "message"),
-    [(None, 401, "need the node's admin key"), ("wrong", 401, "need the node's admin key"),
-     ("tenant-key", 401, "need the node's admin key")],
+    [
+        (None, 401, "need the node's admin key"),
+        ("wrong", 401, "need the node's admin key"),
+        ("tenant-key", 401, "need the node's admin key"),
+    ],
 )
 def test_operator_controls_need_the_admin_key(operated, key, status, message):
     answer_status, answer = call(operated, "POST", "/v1/strata/blend", {"namespace": "rag", "percent": 1}, key=key)

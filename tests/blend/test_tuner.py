@@ -21,8 +21,9 @@ def test_poor_agreement_raises_r_then_falls_back_to_prefix_only(models):
     """With a KL bound no fused answer can meet (random weights, r < 100%), every sampled request
     disagrees: r climbs by its step to the ceiling, then the namespace falls back."""
     model = models("tiny")
-    engine = blend_engine(model, recompute_percent=10, sample_rate=1.0, min_samples=3, max_kl=1e-12,
-                          raise_step_percent=20, max_percent=30)
+    engine = blend_engine(
+        model, recompute_percent=10, sample_rate=1.0, min_samples=3, max_kl=1e-12, raise_step_percent=20, max_percent=30
+    )
     prompt = stored_passage_prompt(engine, seed=1)
     seen = []
     for _ in range(12):
@@ -60,9 +61,14 @@ def test_good_agreement_keeps_r(models):
 
 
 def test_namespaces_are_tuned_apart():
-    tuner = BlendTuner(options=BlendOptions(enabled=True, namespace_percent={"rag": 5.0}, min_samples=1,
-                                            raise_step_percent=10, max_percent=20),
-                       full_prefill=lambda prompt: torch.zeros(4), counters=Counters(), model="m")
+    tuner = BlendTuner(
+        options=BlendOptions(
+            enabled=True, namespace_percent={"rag": 5.0}, min_samples=1, raise_step_percent=10, max_percent=20
+        ),
+        full_prefill=lambda prompt: torch.zeros(4),
+        counters=Counters(),
+        model="m",
+    )
     assert tuner.current("rag") == ("blend", 5.0) and tuner.current("chat") == ("blend", 15.0)
     tuner.record("rag", agree=False, kl=1.0, percent=5.0)
     assert tuner.current("rag") == ("blend", 15.0) and tuner.current("chat") == ("blend", 15.0)
@@ -124,8 +130,13 @@ def test_a_check_layer_past_the_model_is_refused(models):
 def test_node_options_carry_blend_settings():
     from worker.dataplane.config import ConfigError, load_config
 
-    config = load_config(environ={"STRATA_BLEND": "true", "STRATA_BLEND_RECOMPUTE_PERCENT": "5",
-                                  "STRATA_BLEND_NAMESPACE_PERCENT": "contracts=30"})
+    config = load_config(
+        environ={
+            "STRATA_BLEND": "true",
+            "STRATA_BLEND_RECOMPUTE_PERCENT": "5",
+            "STRATA_BLEND_NAMESPACE_PERCENT": "contracts=30",
+        }
+    )
     options = BlendOptions.from_config(config)
     assert options.enabled and options.percent_for("rag") == 5.0 and options.percent_for("contracts") == 30.0
     with pytest.raises(ConfigError, match="STRATA_BLEND_RECOMPUTE_PERCENT: must be between 0 and 100 percent"):
@@ -146,11 +157,21 @@ class Clock:
 
 def falling_back_tuner(clock: Clock, **options: object) -> BlendTuner:
     """A tuner already at its ceiling: one poor sample falls namespace `rag` back."""
-    settings: dict[str, object] = {"enabled": True, "recompute_percent": 40, "max_percent": 40, "min_samples": 1,
-                                   "reprobe_seconds": 60}
+    settings: dict[str, object] = {
+        "enabled": True,
+        "recompute_percent": 40,
+        "max_percent": 40,
+        "min_samples": 1,
+        "reprobe_seconds": 60,
+    }
     settings.update(options)
-    return BlendTuner(options=BlendOptions(**settings), full_prefill=lambda prompt: torch.zeros(4),  # type: ignore[arg-type]
-                      counters=Counters(), model="m", clock=clock)
+    return BlendTuner(
+        options=BlendOptions(**settings),
+        full_prefill=lambda prompt: torch.zeros(4),  # type: ignore[arg-type]
+        counters=Counters(),
+        model="m",
+        clock=clock,
+    )
 
 
 def test_a_fallback_probes_blending_again_after_the_cooldown_and_backs_off():
@@ -224,9 +245,14 @@ def test_an_operator_lowers_r_or_resets_to_the_configured_one():
 
 
 def test_configured_namespaces_are_known_before_their_first_request():
-    tuner = BlendTuner(options=BlendOptions(enabled=True, model_percent={"m": 12.0},
-                                            namespace_percent={"m/rag": 30.0, "chat": 5.0, "other/legal": 50.0}),
-                       full_prefill=lambda prompt: torch.zeros(4), counters=Counters(), model="m")
+    tuner = BlendTuner(
+        options=BlendOptions(
+            enabled=True, model_percent={"m": 12.0}, namespace_percent={"m/rag": 30.0, "chat": 5.0, "other/legal": 50.0}
+        ),
+        full_prefill=lambda prompt: torch.zeros(4),
+        counters=Counters(),
+        model="m",
+    )
     snapshot = tuner.snapshot()
     assert {name: state["recompute_percent"] for name, state in snapshot.items()} == {"chat": 5.0, "rag": 30.0}
     assert tuner.default_percent == 12.0 and tuner.current("legal") == ("blend", 12.0)

@@ -59,16 +59,23 @@ class System:
     processes: list[tuple[str, subprocess.Popen[bytes], Path]] = field(default_factory=list)
 
     def manage(self, *args: str, timeout: float = 300) -> str:
-        result = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO_ROOT, env=self.env,
-                                capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=REPO_ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert result.returncode == 0, f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
         return result.stdout
 
     def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> None:
         log_path = self.var_dir / f"{name}.log"
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(argv, cwd=REPO_ROOT, env={**self.env, **(extra_env or {})},
-                                       stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                argv, cwd=REPO_ROOT, env={**self.env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT
+            )
         self.processes.append((name, process, log_path))
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
@@ -87,9 +94,16 @@ class Api:
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.base + path, data=data, method=method, headers={
-            "Authorization": f"Token {self.token}", "Accept": "application/json",
-            **({"Content-Type": "application/json"} if data is not None else {})})
+        request = urllib.request.Request(
+            self.base + path,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Token {self.token}",
+                "Accept": "application/json",
+                **({"Content-Type": "application/json"} if data is not None else {}),
+            },
+        )
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 text = response.read()
@@ -154,19 +168,51 @@ def system() -> Iterator[System]:
         system.manage("migrate", "--noinput", "-v", "0")
         system.manage("collectstatic", "--noinput", "-v", "0")
         system.manage("shell", "-c", CREATE_USERS.format(passwords=repr(PASSWORDS)))
-        system.start("daphne", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-                                "controlplane.asgi:application"])
-        system.start("node", [sys.executable, "manage.py", "strata_node", "--name", NODE, "--heartbeat-seconds", "0.5",
-                              "--model", "tiny", "--serve-port", str(node_port), "--disk-path", str(var_dir / "disk"),
-                              "--disk-bytes", "64MiB"],
-                     {"STRATA_HOST_POOL_NAME": pool, "STRATA_BLOCK_TOKENS": "16", "STRATA_HOST_BYTES": "64MiB",
-                      "STRATA_DEVICE_BYTES": "8MiB", "STRATA_TIERS": "device,host,disk",
-                      # Fragment reuse on, with one namespace's r set for this model by a fleet-wide entry.
-                      "STRATA_BLEND": "true", "STRATA_BLEND_SAMPLE_RATE": "0",
-                      "STRATA_BLEND_NAMESPACE_PERCENT": f"tiny/{BLEND_NAMESPACE}=25,other-model/{BLEND_NAMESPACE}=90"})
-        wait_for(lambda: _answers(system.base + "/livez"), timeout=60, what=f"daphne at {system.base}\n{system.log_tail('daphne')}")
-        wait_for(lambda: _answers(system.node_api + "/v1/models"), timeout=180,
-                 what=f"the node's engine server\n{system.log_tail('node')}")
+        system.start(
+            "daphne",
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
+        )
+        system.start(
+            "node",
+            [
+                sys.executable,
+                "manage.py",
+                "strata_node",
+                "--name",
+                NODE,
+                "--heartbeat-seconds",
+                "0.5",
+                "--model",
+                "tiny",
+                "--serve-port",
+                str(node_port),
+                "--disk-path",
+                str(var_dir / "disk"),
+                "--disk-bytes",
+                "64MiB",
+            ],
+            {
+                "STRATA_HOST_POOL_NAME": pool,
+                "STRATA_BLOCK_TOKENS": "16",
+                "STRATA_HOST_BYTES": "64MiB",
+                "STRATA_DEVICE_BYTES": "8MiB",
+                "STRATA_TIERS": "device,host,disk",
+                # Fragment reuse on, with one namespace's r set for this model by a fleet-wide entry.
+                "STRATA_BLEND": "true",
+                "STRATA_BLEND_SAMPLE_RATE": "0",
+                "STRATA_BLEND_NAMESPACE_PERCENT": f"tiny/{BLEND_NAMESPACE}=25,other-model/{BLEND_NAMESPACE}=90",
+            },
+        )
+        wait_for(
+            lambda: _answers(system.base + "/livez"),
+            timeout=60,
+            what=f"daphne at {system.base}\n{system.log_tail('daphne')}",
+        )
+        wait_for(
+            lambda: _answers(system.node_api + "/v1/models"),
+            timeout=180,
+            what=f"the node's engine server\n{system.log_tail('node')}",
+        )
         yield system
     finally:
         for _name, process, _ in reversed(system.processes):
@@ -204,8 +250,11 @@ def browser() -> Iterator[Any]:
     # Module scope: Playwright's sync API keeps an event loop running in this thread while it is
     # open, and Django refuses database calls from a thread with a running loop (later tests).
     if not CHROMIUM.exists():
-        pytest.fail(f"Chromium is not installed at {CHROMIUM}: run `make setup` (it installs Debian's chromium "
-                    "package when it is missing), or `apt-get install -y chromium`.", pytrace=False)
+        pytest.fail(
+            f"Chromium is not installed at {CHROMIUM}: run `make setup` (it installs Debian's chromium "
+            "package when it is missing), or `apt-get install -y chromium`.",
+            pytrace=False,
+        )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

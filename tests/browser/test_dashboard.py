@@ -14,8 +14,14 @@ from tests.browser.conftest import BLEND_NAMESPACE, NODE, Api, System, live, now
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-PAGES = {"overview": "/", "nodes": "/nodes/", "blocks": "/blocks/", "requests": "/requests/",
-         "policies": "/policies/", "movements": "/movements/"}
+PAGES = {
+    "overview": "/",
+    "nodes": "/nodes/",
+    "blocks": "/blocks/",
+    "requests": "/requests/",
+    "policies": "/policies/",
+    "movements": "/movements/",
+}
 
 
 def _tier(api: Api, tier: str) -> dict[str, Any]:
@@ -25,8 +31,12 @@ def _tier(api: Api, tier: str) -> dict[str, Any]:
 
 def _complete(system: System, prompt: str | list[int], **extra: Any) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, **extra}
-    request = urllib.request.Request(system.node_api + "/v1/completions", method="POST",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        system.node_api + "/v1/completions",
+        method="POST",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
 
@@ -44,8 +54,11 @@ def _host_cell(page: Any) -> Any:
 
 
 def test_login_then_the_overview_shows_the_numbers_of_the_rest_api(system, apis, login, screenshots):
-    wait_for(lambda: any(n["name"] == NODE for n in apis["viewer"].get("/api/v1/nodes/")["results"]),
-             timeout=60, what="the node's first heartbeat")
+    wait_for(
+        lambda: any(n["name"] == NODE for n in apis["viewer"].get("/api/v1/nodes/")["results"]),
+        timeout=60,
+        what="the node's first heartbeat",
+    )
     page = login("admin")
     live(page)
     host = _tier(apis["viewer"], "host")
@@ -78,7 +91,8 @@ def test_a_change_shows_on_the_overview_within_two_seconds(system, apis, login, 
     seen_at = now()
     page.wait_for_function(
         f"""document.querySelector('#nodes tr[data-node="{NODE}"] td[data-tier="host"]')?.dataset.used === '{after}'""",
-        timeout=2000)
+        timeout=2000,
+    )
     assert now() - seen_at < 2.0
     assert page.locator("#events li").count() >= 1
     page.screenshot(path=str(screenshots / "overview-after-change.png"), full_page=True)
@@ -104,11 +118,17 @@ def test_the_page_reconverges_to_the_snapshot_after_a_reconnect(system, apis, lo
 
 def test_a_movement_appears_within_two_seconds(system, apis, login, screenshots):
     _complete(system, "Blocks move between tiers when a tier fills past its high watermark. " * 6)
-    wait_for(lambda: apis["viewer"].get(f"/api/v1/blocks/?node={NODE}&tier=host")["results"], timeout=30,
-             what="host blocks of the node in the directory")
+    wait_for(
+        lambda: apis["viewer"].get(f"/api/v1/blocks/?node={NODE}&tier=host")["results"],
+        timeout=30,
+        what="host blocks of the node in the directory",
+    )
     policy = _host_policy(apis["admin"])
-    status, body = apis["admin"].call("PATCH", f"/api/v1/tier-policies/{policy['id']}/",
-                                      {"capacity_bytes": 1, "comment": "browser test: force a demotion"})
+    status, body = apis["admin"].call(
+        "PATCH",
+        f"/api/v1/tier-policies/{policy['id']}/",
+        {"capacity_bytes": 1, "comment": "browser test: force a demotion"},
+    )
     assert status == 200, body
     try:
         page = login("operator")
@@ -120,18 +140,27 @@ def test_a_movement_appears_within_two_seconds(system, apis, login, screenshots)
         assert plan["moves"] + plan["evictions"] >= 1, plan
         planned_at = now()
         # Only the live stream tells this page about the new movements (the run was not made here).
-        page.wait_for_function(f"""[...document.querySelectorAll('#history-table tr[data-movement]')]
-            .some(row => Number(row.dataset.movement) > {last})""", timeout=2000)
+        page.wait_for_function(
+            f"""[...document.querySelectorAll('#history-table tr[data-movement]')]
+            .some(row => Number(row.dataset.movement) > {last})""",
+            timeout=2000,
+        )
         assert now() - planned_at < 2.0
         first = page.locator("#history-table tbody tr[data-movement]").first
         assert "host" in first.inner_text()
-        wait_for(lambda: apis["viewer"].get("/api/v1/movements/?state=done")["results"], timeout=60,
-                 what=f"the node to finish a movement\n{system.log_tail('node')}")
+        wait_for(
+            lambda: apis["viewer"].get("/api/v1/movements/?state=done")["results"],
+            timeout=60,
+            what=f"the node to finish a movement\n{system.log_tail('node')}",
+        )
         page.locator('#history-table tbody tr[data-state="done"]').first.wait_for(timeout=5000)
         page.screenshot(path=str(screenshots / "movements.png"), full_page=True)
     finally:
-        status, body = apis["admin"].call("PATCH", f"/api/v1/tier-policies/{policy['id']}/",
-                                          {"capacity_bytes": None, "comment": "browser test: restore"})
+        status, body = apis["admin"].call(
+            "PATCH",
+            f"/api/v1/tier-policies/{policy['id']}/",
+            {"capacity_bytes": None, "comment": "browser test: restore"},
+        )
         assert status == 200, body
 
 
@@ -149,7 +178,10 @@ def test_a_policy_edit_round_trips(system, apis, login, screenshots):
     page.get_by_label("Comment", exact=True).first.fill("browser: lower the host high watermark")
     page.locator("#tier-form").get_by_role("button", name="Save").click()
     page.locator("#notice .good").wait_for()
-    page.wait_for_function("""document.querySelector('#tier-table tr[data-tier="host"] [data-field="high_watermark"]').textContent === '85%'""")
+    page.wait_for_function(
+        'document.querySelector(\'#tier-table tr[data-tier="host"] [data-field="high_watermark"]\')'
+        ".textContent === '85%'"
+    )
     assert _host_policy(apis["viewer"])["high_watermark"] == pytest.approx(0.85)
     after = _versions(apis["viewer"])
     assert len(after) == len(versions) + 1
@@ -169,14 +201,20 @@ def test_a_policy_edit_round_trips(system, apis, login, screenshots):
     # Roll back to the version before: the watermark is what it was.
     page.once("dialog", lambda dialog: dialog.accept())
     page.get_by_role("button", name=f"Roll back to version {versions[0]}").click()
-    page.wait_for_function("""document.querySelector('#tier-table tr[data-tier="host"] [data-field="high_watermark"]').textContent === '90%'""")
+    page.wait_for_function(
+        'document.querySelector(\'#tier-table tr[data-tier="host"] [data-field="high_watermark"]\')'
+        ".textContent === '90%'"
+    )
     assert _host_policy(apis["viewer"])["high_watermark"] == pytest.approx(0.9)
 
 
-@pytest.mark.parametrize(("value", "field", "message"), [
-    ("0.5", "high_watermark", "low"),           # below the low watermark of 0.75
-    ("lots", "high_watermark", "valid number"),
-])
+@pytest.mark.parametrize(
+    ("value", "field", "message"),
+    [
+        ("0.5", "high_watermark", "low"),  # below the low watermark of 0.75
+        ("lots", "high_watermark", "valid number"),
+    ],
+)
 def test_an_invalid_edit_shows_its_error_and_changes_nothing(system, apis, login, screenshots, value, field, message):
     before, versions = _host_policy(apis["viewer"]), _versions(apis["viewer"])
     page = login("operator")
@@ -213,11 +251,15 @@ def test_a_viewer_sees_no_edit_controls_and_the_api_refuses_their_writes(system,
     before = _host_policy(apis["viewer"])
     # The same session, with its CSRF token, straight at the API.
     token = next(c["value"] for c in page.context.cookies() if c["name"] == "csrftoken")
-    refused = page.request.patch(f"{system.base}/api/v1/tier-policies/{before['id']}/",
-                                 data={"high_watermark": 0.5}, headers={"X-CSRFToken": token, "Referer": system.base + "/"})
+    refused = page.request.patch(
+        f"{system.base}/api/v1/tier-policies/{before['id']}/",
+        data={"high_watermark": 0.5},
+        headers={"X-CSRFToken": token, "Referer": system.base + "/"},
+    )
     assert refused.status == 403
-    run = page.request.post(f"{system.base}/api/v1/movements/run/", data={}, headers={"X-CSRFToken": token,
-                                                                                      "Referer": system.base + "/"})
+    run = page.request.post(
+        f"{system.base}/api/v1/movements/run/", data={}, headers={"X-CSRFToken": token, "Referer": system.base + "/"}
+    )
     assert run.status == 403
     assert _host_policy(apis["viewer"]) == before
     # And a write without the CSRF token is refused before any role is considered.
@@ -226,8 +268,11 @@ def test_a_viewer_sees_no_edit_controls_and_the_api_refuses_their_writes(system,
 
 
 def test_the_overview_shows_fragment_reuse_as_the_nodes_report_it(system, apis, login, screenshots):
-    wait_for(lambda: any(n["name"] == NODE for n in apis["viewer"].get("/api/v1/nodes/")["results"]),
-             timeout=60, what="the node's first heartbeat")
+    wait_for(
+        lambda: any(n["name"] == NODE for n in apis["viewer"].get("/api/v1/nodes/")["results"]),
+        timeout=60,
+        what="the node's first heartbeat",
+    )
     # A passage stored from one prompt (marked as a segment) and found at another offset of the next.
     passage = [(7 * i) % 250 + 5 for i in range(32)]
     _complete(system, [1, 40, 41, 42, 43, *passage, 9], segments=[[5, 5 + len(passage)]])
@@ -243,7 +288,9 @@ def test_the_overview_shows_fragment_reuse_as_the_nodes_report_it(system, apis, 
     page.wait_for_function(f"document.querySelector('#reuse-fragment').textContent === '{expected}'", timeout=10000)
     assert page.locator("#reuse-prefix").inner_text() == f"{int(stats['reused_tokens']['prefix']):,}"
     shown_ratio = page.locator("#reuse-ratio").inner_text()
-    assert shown_ratio.endswith("%") and float(shown_ratio[:-1]) == pytest.approx(100 * stats["recompute_ratio"], abs=0.05)
+    assert shown_ratio.endswith("%") and float(shown_ratio[:-1]) == pytest.approx(
+        100 * stats["recompute_ratio"], abs=0.05
+    )
     row = page.locator(f'#blend-namespaces tr[data-node="{NODE}"][data-namespace="{BLEND_NAMESPACE}"]')
     assert row.locator('[data-field="percent"]').inner_text() == "25%"
     assert row.locator('[data-field="mode"]').inner_text() == "blend"
@@ -265,8 +312,10 @@ def test_every_page_is_labelled_keyboard_usable_and_readable_light_and_dark(syst
             page.goto(system.base + path)
             if name not in ("blocks", "requests"):
                 live(page)
-            unlabelled = page.evaluate("""[...document.querySelectorAll('input:not([type=hidden]), select, textarea, button')]
-                .filter(el => !(el.labels && el.labels.length) && !el.getAttribute('aria-label') && !el.textContent.trim())
+            unlabelled = page.evaluate("""
+                [...document.querySelectorAll('input:not([type=hidden]), select, textarea, button')]
+                .filter(el => !(el.labels && el.labels.length) && !el.getAttribute('aria-label')
+                              && !el.textContent.trim())
                 .map(el => el.outerHTML.slice(0, 80))""")
             assert unlabelled == [], (name, unlabelled)
             wide = page.evaluate("""[...document.querySelectorAll('body *')]

@@ -33,8 +33,13 @@ def vllm_env(connection_settings: dict[str, Any], redis_url: str) -> dict[str, s
         url = f"postgresql://{user}:{password}@/{name}?host={host}"
     else:
         url = f"postgresql://{user}:{password}@{host}:{connection_settings['PORT'] or 5432}/{name}"
-    return {"DATABASE_URL": url, "REDIS_URL": redis_url, "DJANGO_SETTINGS_MODULE": "controlplane.settings.test",
-            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    return {
+        "DATABASE_URL": url,
+        "REDIS_URL": redis_url,
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings.test",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 @contextlib.contextmanager
@@ -106,14 +111,26 @@ def node(directory_db, checkpoint) -> Iterator[Node]:
     remote = RedisServer(directory=work)
     try:
         remote.start()
-        node_heartbeat(name=name, host="test", heartbeat_seconds=3600.0,
-                       tiers=[TierReport(tier=t, capacity_bytes=1 << 30, used_bytes=0) for t in ("host", "disk")])
+        node_heartbeat(
+            name=name,
+            host="test",
+            heartbeat_seconds=3600.0,
+            tiers=[TierReport(tier=t, capacity_bytes=1 << 30, used_bytes=0) for t in ("host", "disk")],
+        )
         for namespace in ("default", "tenant-a", "tenant-b"):
             namespace_ensure(name=namespace)
-        extra = {"node_name": name, "tiers": "host,disk,remote", "host_pool_name": f"strata-test-{name}",
-                 "host_bytes": "64MiB", "disk_path": str(work / "disk"), "disk_bytes": "256MiB",
-                 "remote_url": remote.url, "remote_prefix": f"strata-test-{name}", "remote_bytes": "256MiB",
-                 "status_port": free_port()}
+        extra = {
+            "node_name": name,
+            "tiers": "host,disk,remote",
+            "host_pool_name": f"strata-test-{name}",
+            "host_bytes": "64MiB",
+            "disk_path": str(work / "disk"),
+            "disk_bytes": "256MiB",
+            "remote_url": remote.url,
+            "remote_prefix": f"strata-test-{name}",
+            "remote_bytes": "256MiB",
+            "status_port": free_port(),
+        }
         yield Node(name=name, extra=extra, remote=remote, checkpoint=checkpoint)
     finally:
         remote.stop()
@@ -126,8 +143,15 @@ def _llm(checkpoint: Path, env: dict[str, str], transfer: Any = None) -> Any:
     from vllm import LLM
 
     with environment(env):
-        return LLM(model=str(checkpoint), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                   num_gpu_blocks_override=PAGES, kv_transfer_config=transfer, seed=0, disable_log_stats=False)
+        return LLM(
+            model=str(checkpoint),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            num_gpu_blocks_override=PAGES,
+            kv_transfer_config=transfer,
+            seed=0,
+            disable_log_stats=False,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +175,13 @@ def strata(node, vllm_environment) -> Iterator[Any]:
     """vLLM with StrataConnector (the control plane's: the directory on), serving as `node`."""
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(kv_connector="StrataConnector", kv_connector_module_path="worker.vllm_connector",
-                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config=node.extra)
+    transfer = KVTransferConfig(
+        kv_connector="StrataConnector",
+        kv_connector_module_path="worker.vllm_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=node.extra,
+    )
     llm = _llm(node.checkpoint, vllm_environment, transfer)
     yield llm
     llm.llm_engine.engine_core.shutdown()
-

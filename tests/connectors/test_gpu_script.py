@@ -23,8 +23,9 @@ CONFIGS = ("vllm", "offloading", "lmcache", "strata")
 
 
 def script(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
-                          cwd=REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+    )
 
 
 def planned(*args: str) -> dict[str, dict[str, Any]]:
@@ -66,8 +67,14 @@ def test_every_configuration_is_planned_on_the_same_server_arguments(plan):
         argv = server["argv"]
         assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], config
         assert argv[argv.index("--model") + 1] == "<checkpoint>"
-        for flag in ("--num-gpu-blocks-override", "--block-size", "--max-model-len", "--enable-prefix-caching",
-                     "--attention-backend", "--enforce-eager"):
+        for flag in (
+            "--num-gpu-blocks-override",
+            "--block-size",
+            "--max-model-len",
+            "--enable-prefix-caching",
+            "--attention-backend",
+            "--enforce-eager",
+        ):
             assert flag in argv, (config, flag)
         assert argv[argv.index("--block-size") + 1] == "16"
         # The CPU suite's KV space (pages of 128 tokens) in 16-token pages, room for the longest prompt.

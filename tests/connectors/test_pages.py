@@ -23,8 +23,9 @@ def rows_layers(pages: int) -> list[torch.Tensor]:
 def split_layers(pages: int) -> list[torch.Tensor]:
     """FLASH_ATTN-style: logical [pages, heads, page_tokens, 2 * head_dim] stored token-major
     ([pages, page_tokens, heads, 2 * head_dim] physically), as vLLM's NHD stride order does."""
-    return [torch.zeros(pages, PAGE, LAYOUT.kv_heads, 2 * LAYOUT.head_dim).permute(0, 2, 1, 3)
-            for _ in range(LAYOUT.layers)]
+    return [
+        torch.zeros(pages, PAGE, LAYOUT.kv_heads, 2 * LAYOUT.head_dim).permute(0, 2, 1, 3) for _ in range(LAYOUT.layers)
+    ]
 
 
 def kv_of(kind: str, tensor: torch.Tensor, page: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +55,10 @@ def test_gather_then_scatter_round_trips_every_token(kind, make):
     pages = [5, 6, 7, 20, 9, 10, 11, 30, 1, 2, 3, 4]
     blocks = random_blocks(3, seed=1)
     for layer in range(LAYOUT.layers):
-        stacked = torch.stack([LAYOUT.kv_views(b)[layer][0] for b in blocks]), torch.stack(
-            [LAYOUT.kv_views(b)[layer][1] for b in blocks])
+        stacked = (
+            torch.stack([LAYOUT.kv_views(b)[layer][0] for b in blocks]),
+            torch.stack([LAYOUT.kv_views(b)[layer][1] for b in blocks]),
+        )
         typed = torch.stack(stacked, dim=1)  # [blocks, 2, tokens, heads, dim], as the loader's buffers
         paged.scatter(layer, typed, first_block=0, start=0, end=3 * LAYOUT.block_tokens, pages=pages)
     # Every token sits where the kernel reads it.
@@ -101,8 +104,11 @@ def test_scatter_refuses_a_range_off_the_pages():
 
 
 def test_layouts_it_cannot_read_are_refused_by_name():
-    with pytest.raises(UnsupportedLayout, match="attention backend FLASHINFER: Strata reads the KV caches of "
-                                                "CPU_ATTN, FLASH_ATTN, FLEX_ATTENTION, TRITON_ATTN only"):
+    with pytest.raises(
+        UnsupportedLayout,
+        match="attention backend FLASHINFER: Strata reads the KV caches of "
+        "CPU_ATTN, FLASH_ATTN, FLEX_ATTENTION, TRITON_ATTN only",
+    ):
         layout_of("FLASHINFER")
     with pytest.raises(UnsupportedLayout, match="hold 4 kv heads x 8 head dim, the model profile 2 x 8"):
         PagedKV([torch.zeros(4, 4, PAGE, 16)] * 3, kind="rows", layout=LAYOUT)

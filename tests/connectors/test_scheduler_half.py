@@ -77,15 +77,29 @@ class Directory:
 
 @pytest.fixture
 def half(tmp_path: Path, shm_name: str):
-    config = load_config(overrides={"node_name": "sched", "tiers": "host,remote", "host_pool_name": shm_name,
-                                    "host_bytes": "1MiB", "remote_url": str(tmp_path / "l3"), "status_port": 1},
-                         environ={})
+    config = load_config(
+        overrides={
+            "node_name": "sched",
+            "tiers": "host,remote",
+            "host_pool_name": shm_name,
+            "host_bytes": "1MiB",
+            "remote_url": str(tmp_path / "l3"),
+            "status_port": 1,
+        },
+        environ={},
+    )
     store = build_store(config, profile=PROFILE, environ={})
     directory = Directory()
-    manager = OffloadManager(store=store, profile=PROFILE, node="sched", directory=directory,  # type: ignore[arg-type]
-                             write_back_tier="host")
-    scheduler = SchedulerHalf(Runtime(config=config, profile=PROFILE, store=store, directory=None, manager=manager),
-                              page_tokens=16)
+    manager = OffloadManager(
+        store=store,
+        profile=PROFILE,
+        node="sched",
+        directory=directory,  # type: ignore[arg-type]
+        write_back_tier="host",
+    )
+    scheduler = SchedulerHalf(
+        Runtime(config=config, profile=PROFILE, store=store, directory=None, manager=manager), page_tokens=16
+    )
     yield scheduler, directory
     scheduler.close()
     store.close()

@@ -27,8 +27,9 @@ class Metrics:
 @pytest.fixture
 def server() -> Iterator[StatusServer]:
     traces = [RequestTrace(request_id=f"r{i}", namespace="default", prompt_tokens=i) for i in range(120)]
-    served = StatusServer(metrics=Metrics(), traces=lambda: traces, node="n0", host="127.0.0.1",
-                          port=free_port()).start()  # type: ignore[arg-type]
+    served = StatusServer(
+        metrics=Metrics(), traces=lambda: traces, node="n0", host="127.0.0.1", port=free_port()
+    ).start()  # type: ignore[arg-type]
     yield served
     served.stop()
 
@@ -54,4 +55,6 @@ def test_requests_come_newest_first_and_a_limit_asks_for_more(server):
 def test_a_bad_limit_is_refused_naming_it(server, limit):
     status, body = _get(server, f"/v1/strata/requests?limit={limit}")
     assert status == 400
-    assert body["error"]["message"].startswith("limit must be a whole number") and repr(limit) in body["error"]["message"]
+    assert (
+        body["error"]["message"].startswith("limit must be a whole number") and repr(limit) in body["error"]["message"]
+    )

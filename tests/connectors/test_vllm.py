@@ -99,12 +99,30 @@ def move(store: Any, profile: Any, node: Any, keys: list[uuid.UUID], *, source: 
     for index, key in enumerate(keys):
         copied = store.copy(key, source=source, target=target)
         store.delete(key, tier=source)
-        registrations.append(BlockRegistration(
-            namespace="default", model_key=model_key(profile), prefix_key=key, content_key=uuid.uuid4(),
-            position=index * BLOCK, tokens=BLOCK, tier=target, node=None if target == "remote" else node.name,
-            nbytes=block_layout(profile).block_bytes, checksum=copied.checksum.hex))
-        changes.append(PlacementChange(namespace="default", model_key=model_key(profile), prefix_key=key,
-                                       tier=source, node=None if source == "remote" else node.name, action="delete"))
+        registrations.append(
+            BlockRegistration(
+                namespace="default",
+                model_key=model_key(profile),
+                prefix_key=key,
+                content_key=uuid.uuid4(),
+                position=index * BLOCK,
+                tokens=BLOCK,
+                tier=target,
+                node=None if target == "remote" else node.name,
+                nbytes=block_layout(profile).block_bytes,
+                checksum=copied.checksum.hex,
+            )
+        )
+        changes.append(
+            PlacementChange(
+                namespace="default",
+                model_key=model_key(profile),
+                prefix_key=key,
+                tier=source,
+                node=None if source == "remote" else node.name,
+                action="delete",
+            )
+        )
     blocks_register(registrations=registrations)
     placements_change(changes=changes)
 
@@ -159,8 +177,11 @@ def test_a_corrupt_or_vanished_block_is_recomputed_counted_and_quarantined(plain
     assert newest(node)["load_failures"] == 1
     assert metric(node, "strata_load_failures_total") == failures + 1
     # The bad copy is marked corrupt at once (and its bytes dropped by the tier).
-    wait_for(lambda: placements(node, keys[2:3], "disk", state="corrupt") == 1, timeout=30,
-             what="the corrupt copy quarantined")
+    wait_for(
+        lambda: placements(node, keys[2:3], "disk", state="corrupt") == 1,
+        timeout=30,
+        what="the corrupt copy quarantined",
+    )
     assert not store.tier("disk").contains(keys[2])
     # The recomputed blocks are stored again: the next request finds all of them.
     got, cached = fresh(strata, prompt)
@@ -263,11 +284,19 @@ def test_serving_goes_on_while_postgresql_refuses_connections(plain, strata, nod
     database = connection.ops.quote_name(settings["NAME"])
     # The outage as vLLM's processes see it: their connections dropped, new ones refused (the
     # database can only be closed from another one; this test's own connection stays).
-    maintenance = psycopg.connect(dbname="postgres", host=settings["HOST"] or None, port=settings["PORT"] or None,
-                                  user=settings["USER"], password=settings["PASSWORD"] or None, autocommit=True)
+    maintenance = psycopg.connect(
+        dbname="postgres",
+        host=settings["HOST"] or None,
+        port=settings["PORT"] or None,
+        user=settings["USER"],
+        password=settings["PASSWORD"] or None,
+        autocommit=True,
+    )
     maintenance.execute(f"ALTER DATABASE {database} ALLOW_CONNECTIONS false")
-    maintenance.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
-                        (settings["NAME"], connection.connection.info.backend_pid))
+    maintenance.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
+        (settings["NAME"], connection.connection.info.backend_pid),
+    )
     try:
         got, cached = fresh(strata, held)  # the node's own tiers answer without the directory
         assert (got, cached) == (want, 3 * BLOCK)

@@ -29,9 +29,17 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.layers)]
 
 @pytest.fixture
 def runtime(tmp_path: Path, shm_name: str):
-    config = load_config(overrides={"node_name": "pages", "tiers": "host,disk", "host_pool_name": shm_name,
-                                    "host_bytes": "4MiB", "disk_path": str(tmp_path / "disk"), "disk_bytes": "8MiB"},
-                         environ={})
+    config = load_config(
+        overrides={
+            "node_name": "pages",
+            "tiers": "host,disk",
+            "host_pool_name": shm_name,
+            "host_bytes": "4MiB",
+            "disk_path": str(tmp_path / "disk"),
+            "disk_bytes": "8MiB",
+        },
+        environ={},
+    )
     store = build_store(config, profile=PROFILE, environ={})
     manager = OffloadManager(store=store, profile=PROFILE, node="pages", write_back_tier="host")
     yield Runtime(config=config, profile=PROFILE, store=store, directory=None, manager=manager)
@@ -40,8 +48,7 @@ def runtime(tmp_path: Path, shm_name: str):
 
 def engine_pages(pages: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(pages, LAYOUT.kv_heads, PAGE, 2 * LAYOUT.head_dim, generator=generator)
-            for name in NAMES}
+    return {name: torch.randn(pages, LAYOUT.kv_heads, PAGE, 2 * LAYOUT.head_dim, generator=generator) for name in NAMES}
 
 
 def worker_for(runtime: Runtime, kv: dict[str, torch.Tensor], **options) -> WorkerHalf:
@@ -66,8 +73,19 @@ def test_saved_blocks_hold_the_pages_bytes(runtime, layerwise):
     half = worker_for(runtime, kv, layerwise_saves=layerwise)
     pages = [3, 4, 5, 6, 10, 11, 12, 13, 20]  # two blocks of four pages, and a partial one
     keys = [uuid.uuid4(), uuid.uuid4()]
-    run_step(half, StrataMetadata(saves=[SaveSpec(request_id="r", namespace="default", pages=pages,
-                                                  blocks=[(0, keys[0], uuid.uuid4()), (1, keys[1], uuid.uuid4())])]))
+    run_step(
+        half,
+        StrataMetadata(
+            saves=[
+                SaveSpec(
+                    request_id="r",
+                    namespace="default",
+                    pages=pages,
+                    blocks=[(0, keys[0], uuid.uuid4()), (1, keys[1], uuid.uuid4())],
+                )
+            ]
+        ),
+    )
     assert half.take_report().saved == {"r": 2}
     expected = PagedKV(list(kv.values()), kind="rows", layout=LAYOUT)
     for index, key in enumerate(keys):
@@ -80,8 +98,11 @@ def test_saved_blocks_hold_the_pages_bytes(runtime, layerwise):
 def test_a_layerwise_save_missing_a_layer_is_not_stored(runtime):
     half = worker_for(runtime, engine_pages(), layerwise_saves=True)
     key = uuid.uuid4()
-    half.bind(StrataMetadata(saves=[SaveSpec(request_id="r", namespace="default", pages=list(range(4)),
-                                             blocks=[(0, key, uuid.uuid4())])]))
+    half.bind(
+        StrataMetadata(
+            saves=[SaveSpec(request_id="r", namespace="default", pages=list(range(4)), blocks=[(0, key, uuid.uuid4())])]
+        )
+    )
     for name in NAMES[:-1]:
         half.save_layer(name)
     half.finish_step()
@@ -93,15 +114,40 @@ def test_loads_scatter_every_layer_and_report_the_stalls(runtime):
     source = engine_pages(seed=1)
     writer = worker_for(runtime, source)
     keys = [uuid.uuid4(), uuid.uuid4()]
-    run_step(writer, StrataMetadata(saves=[SaveSpec(request_id="w", namespace="default", pages=list(range(8)),
-                                                    blocks=[(0, keys[0], uuid.uuid4()), (1, keys[1], uuid.uuid4())])]))
+    run_step(
+        writer,
+        StrataMetadata(
+            saves=[
+                SaveSpec(
+                    request_id="w",
+                    namespace="default",
+                    pages=list(range(8)),
+                    blocks=[(0, keys[0], uuid.uuid4()), (1, keys[1], uuid.uuid4())],
+                )
+            ]
+        ),
+    )
     target = engine_pages(seed=2)
     reader = worker_for(runtime, target)
     pages = [30, 31, 12, 13, 14, 15, 16, 17]
     # Tokens 8..60 (the engine's own cache held the first page; the last prompt token is computed).
-    run_step(reader, StrataMetadata(loads=[LoadSpec(request_id="q", namespace="default", keys=keys,
-                                                    tiers=["host", "host"], first_block=0, start=8, end=61,
-                                                    pages=pages)]))
+    run_step(
+        reader,
+        StrataMetadata(
+            loads=[
+                LoadSpec(
+                    request_id="q",
+                    namespace="default",
+                    keys=keys,
+                    tiers=["host", "host"],
+                    first_block=0,
+                    start=8,
+                    end=61,
+                    pages=pages,
+                )
+            ]
+        ),
+    )
     report = reader.take_report()
     assert report.loads["q"].failure == "" and len(report.loads["q"].stalls) == LAYOUT.layers
     assert reader.take_invalid() == set()
@@ -121,9 +167,23 @@ def test_loads_scatter_every_layer_and_report_the_stalls(runtime):
 def test_a_vanished_block_reports_every_page_of_the_load(runtime):
     reader = worker_for(runtime, engine_pages())
     pages = [5, 6, 7, 8, 9, 10, 11, 12]
-    run_step(reader, StrataMetadata(loads=[LoadSpec(request_id="q", namespace="default",
-                                                    keys=[uuid.uuid4(), uuid.uuid4()], tiers=["host", "host"],
-                                                    first_block=0, start=0, end=64, pages=pages)]))
+    run_step(
+        reader,
+        StrataMetadata(
+            loads=[
+                LoadSpec(
+                    request_id="q",
+                    namespace="default",
+                    keys=[uuid.uuid4(), uuid.uuid4()],
+                    tiers=["host", "host"],
+                    first_block=0,
+                    start=0,
+                    end=64,
+                    pages=pages,
+                )
+            ]
+        ),
+    )
     assert reader.take_invalid() == set(pages)
     assert reader.take_report().loads["q"].failure
     assert runtime.manager.counters.get("load_failures") == 1
@@ -143,8 +203,12 @@ class _Store:
 
 
 def test_a_gpu_load_stages_only_what_cannot_read_into_device_memory():
-    hits = [Hit(0, uuid.uuid4(), "host"), Hit(1, uuid.uuid4(), "disk"), Hit(2, uuid.uuid4(), "remote"),
-            Hit(3, uuid.uuid4(), "device")]
+    hits = [
+        Hit(0, uuid.uuid4(), "host"),
+        Hit(1, uuid.uuid4(), "disk"),
+        Hit(2, uuid.uuid4(), "remote"),
+        Hit(3, uuid.uuid4(), "device"),
+    ]
     # The disk with GPUDirect Storage reads into the GPU; host and remote land in host memory.
     assert staged_hits(_Store(host=False, disk=True, remote=False, device=True), hits) == [0, 2]
     assert staged_hits(_Store(host=False, disk=False, remote=False, device=True), hits) == [0, 1, 2]

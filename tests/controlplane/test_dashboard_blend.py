@@ -21,12 +21,19 @@ from worker.dataplane.engine.server import NodeServer
 @pytest.fixture
 def servers(models) -> Iterator[dict[str, NodeServer]]:  # noqa: F811 - the fixture imported above
     """A node reusing fragments under a fleet-wide config, and a node that reuses prefixes only."""
-    blending = blend_engine(models("tiny"), sample_rate=1.0, min_samples=1, max_percent=30,
-                            model_percent={"tiny": 12.0, "llama-8b": 50.0},
-                            namespace_percent={"tiny/rag": 25.0, "legal": 30.0, "llama-8b/chat": 40.0})
+    blending = blend_engine(
+        models("tiny"),
+        sample_rate=1.0,
+        min_samples=1,
+        max_percent=30,
+        model_percent={"tiny": 12.0, "llama-8b": 50.0},
+        namespace_percent={"tiny/rag": 25.0, "legal": 30.0, "llama-8b/chat": 40.0},
+    )
     plain = blend_engine(models("tiny"), enabled=False)
-    started = {"blend-a": NodeServer(engine=blending, host="127.0.0.1", port=0, node="blend-a").start(),
-               "plain-b": NodeServer(engine=plain, host="127.0.0.1", port=0, node="plain-b").start()}
+    started = {
+        "blend-a": NodeServer(engine=blending, host="127.0.0.1", port=0, node="blend-a").start(),
+        "plain-b": NodeServer(engine=plain, host="127.0.0.1", port=0, node="plain-b").start(),
+    }
     yield started
     for server in started.values():
         server.stop()
@@ -49,14 +56,23 @@ def _report(server: NodeServer) -> dict:
 @pytest.mark.django_db(transaction=True)
 def test_fragment_reuse_in_the_dashboard_data_matches_the_nodes(servers):
     for name, server in servers.items():
-        node_heartbeat(name=name, host="h", heartbeat_seconds=1.0, address=server.address,
-                       tiers=[TierReport(tier="device", capacity_bytes=1000, used_bytes=0)])
+        node_heartbeat(
+            name=name,
+            host="h",
+            heartbeat_seconds=1.0,
+            address=server.address,
+            tiers=[TierReport(tier="device", capacity_bytes=1000, used_bytes=0)],
+        )
     node_heartbeat(name="gone", host="h", heartbeat_seconds=1.0, address="127.0.0.1:9", tiers=[])
     blend_a = servers["blend-a"]
     client = openai.OpenAI(base_url=f"http://{blend_a.address}/v1", api_key="unused", max_retries=0, timeout=60)
     passage = tokens(2 * BLOCK_TOKENS, seed=11)
-    client.completions.create(model="tiny", prompt=[1, *tokens(4, seed=12), *passage, 7], max_tokens=1,
-                              extra_body={"segments": [[5, 5 + len(passage)]]})
+    client.completions.create(
+        model="tiny",
+        prompt=[1, *tokens(4, seed=12), *passage, 7],
+        max_tokens=1,
+        extra_body={"segments": [[5, 5 + len(passage)]]},
+    )
     reused = client.completions.create(model="tiny", prompt=[1, *tokens(21, seed=13), *passage, 9], max_tokens=1)
     details = reused.usage.prompt_tokens_details
     assert details.fragment_tokens == 2 * BLOCK_TOKENS and details.recomputed_tokens > 0
@@ -87,23 +103,34 @@ def test_fragment_reuse_in_the_dashboard_data_matches_the_nodes(servers):
         assert row["samples"] == {"agreed": state["agreed"], "disagreed": state["samples"] - state["agreed"]}
         assert row["window_agreement"] == state["window_agreement"]
     assert rows["legal"]["prefix_only"] and rows["legal"]["samples"] == {"agreed": 0, "disagreed": 1}
-    assert rows["rag"] == {"model": "tiny", "namespace": "rag", "recompute_percent": 25.0, "prefix_only": False,
-                           "samples": {"agreed": 0, "disagreed": 0}, "window_agreement": None}
+    assert rows["rag"] == {
+        "model": "tiny",
+        "namespace": "rag",
+        "recompute_percent": 25.0,
+        "prefix_only": False,
+        "samples": {"agreed": 0, "disagreed": 0},
+        "window_agreement": None,
+    }
 
     plain = nodes["plain-b"]["fragment_reuse"]
     assert not plain["enabled"] and plain["default_recompute_percent"] is None and plain["namespaces"] == []
     assert plain["recompute_ratio"] is None
 
     fleet = stats["fragment_reuse"]
-    assert fleet["reused_tokens"] == {kind: mine["reused_tokens"][kind] + plain["reused_tokens"][kind]
-                                      for kind in ("prefix", "fragment")}
+    assert fleet["reused_tokens"] == {
+        kind: mine["reused_tokens"][kind] + plain["reused_tokens"][kind] for kind in ("prefix", "fragment")
+    }
     assert fleet["recompute_ratio"] == pytest.approx(mine["recompute_ratio"])
     assert fleet["quality_samples"] == mine["quality_samples"]
-    assert fleet["nodes"] == [{"node": "blend-a", "model": "tiny", "enabled": True, "default_recompute_percent": 12.0},
-                              {"node": "plain-b", "model": "tiny", "enabled": False,
-                               "default_recompute_percent": None}]
+    assert fleet["nodes"] == [
+        {"node": "blend-a", "model": "tiny", "enabled": True, "default_recompute_percent": 12.0},
+        {"node": "plain-b", "model": "tiny", "enabled": False, "default_recompute_percent": None},
+    ]
     assert [(r["node"], r["namespace"], r["prefix_only"]) for r in fleet["namespaces"]] == [
-        ("blend-a", "default", False), ("blend-a", "legal", True), ("blend-a", "rag", False)]
+        ("blend-a", "default", False),
+        ("blend-a", "legal", True),
+        ("blend-a", "rag", False),
+    ]
     only = api.get("/api/v1/dashboard/cache/?node=plain-b").json()
     assert only["fragment_reuse"]["namespaces"] == [] and [n["node"] for n in only["nodes"]] == ["plain-b"]
 

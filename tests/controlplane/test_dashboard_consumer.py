@@ -78,19 +78,30 @@ async def _frames_until(communicator, predicate, timeout=5.0):
 
 def _announce(n: int, *, source: str = "test") -> None:
     for i in range(n):
-        send_event_on_commit(kind="blocks.registered", payload={"blocks": i, "new": 0, "placements": 0, "source": source})
+        send_event_on_commit(
+            kind="blocks.registered", payload={"blocks": i, "new": 0, "placements": 0, "source": source}
+        )
 
 
 def _fake_heartbeats(nodes: int, rounds: int) -> None:
     for r in range(rounds):
         for n in range(nodes):
-            send_event_on_commit(kind="node.heartbeat", payload={
-                "name": f"gpu-{n}", "host": "h", "address": "", "state": "up", "last_seen": f"round-{r}",
-                "heartbeat_seconds": 1.0, "tiers": [{"tier": "host", "capacity_bytes": 100, "used_bytes": r,
-                                                    "available": True}]})
+            send_event_on_commit(
+                kind="node.heartbeat",
+                payload={
+                    "name": f"gpu-{n}",
+                    "host": "h",
+                    "address": "",
+                    "state": "up",
+                    "last_seen": f"round-{r}",
+                    "heartbeat_seconds": 1.0,
+                    "tiers": [{"tier": "host", "capacity_bytes": 100, "used_bytes": r, "available": True}],
+                },
+            )
 
 
 # -- who may connect ---------------------------------------------------------------------------
+
 
 async def test_anonymous_is_refused():
     communicator, connected, code = await _connect([ORIGIN])
@@ -124,10 +135,13 @@ async def test_a_viewer_may_watch():
 
 # -- what arrives ------------------------------------------------------------------------------
 
+
 async def test_heartbeat_and_state_events_arrive_in_batches_with_sequence_numbers():
     communicator = await _logged_in()
     await sync_to_async(node_heartbeat)(
-        name="gpu-ws", host="h", heartbeat_seconds=1.0,
+        name="gpu-ws",
+        host="h",
+        heartbeat_seconds=1.0,
         tiers=[TierReport(tier="device", capacity_bytes=100, used_bytes=40)],
     )
     await sync_to_async(node_mark_down)(name="gpu-ws")
@@ -136,14 +150,21 @@ async def test_heartbeat_and_state_events_arrive_in_batches_with_sequence_number
         event_validate(event)
     heartbeat = next(e for e in events if e["type"] == "node.heartbeat")
     assert heartbeat["payload"]["name"] == "gpu-ws"
-    assert heartbeat["payload"]["tiers"] == [{"tier": "device", "capacity_bytes": 100, "used_bytes": 40, "available": True}]
+    assert heartbeat["payload"]["tiers"] == [
+        {"tier": "device", "capacity_bytes": 100, "used_bytes": 40, "available": True}
+    ]
     state = next(e for e in events if e["type"] == "node.state")
     assert state["payload"] == {"name": "gpu-ws", "state": "down", "previous": "up"}
     assert state["seq"] == heartbeat["seq"] + 1
     for frame in frames:
         assert frame["complete"] is True
         assert [e["seq"] for e in frame["events"]] == sorted(e["seq"] for e in frame["events"])
-        assert frame["first"] <= min(e["seq"] for e in frame["events"]) <= max(e["seq"] for e in frame["events"]) <= frame["last"]
+        assert (
+            frame["first"]
+            <= min(e["seq"] for e in frame["events"])
+            <= max(e["seq"] for e in frame["events"])
+            <= frame["last"]
+        )
     assert frames[0]["first"] == heartbeat["seq"]
     await communicator.disconnect()
 
@@ -152,14 +173,18 @@ async def test_heartbeats_collapse_to_each_nodes_latest_and_frames_are_at_most_o
     communicator = await _logged_in()
     await sync_to_async(_fake_heartbeats)(3, 20)
     frames, events = await _frames_until(
-        communicator, lambda ev: sum(1 for e in ev if e["payload"]["last_seen"] == "round-19") == 3)
+        communicator, lambda ev: sum(1 for e in ev if e["payload"]["last_seen"] == "round-19") == 3
+    )
     # 60 heartbeats sent within well under a second: one frame for the first, one for the rest.
     assert len(frames) <= 2
     assert len(events) <= 6
     last = frames[-1]
     assert last["complete"] is True
     assert {e["payload"]["name"]: e["payload"]["tiers"][0]["used_bytes"] for e in last["events"]} == {
-        "gpu-0": 19, "gpu-1": 19, "gpu-2": 19}
+        "gpu-0": 19,
+        "gpu-1": 19,
+        "gpu-2": 19,
+    }
     assert frames[0]["first"] + 59 == last["last"]
     await communicator.disconnect()
 
@@ -192,8 +217,12 @@ async def test_too_many_events_at_once_tell_the_page_to_reload():
 
 async def test_snapshot_sequence_number_covers_every_event_already_sent():
     communicator = await _logged_in()
-    await sync_to_async(node_heartbeat)(name="gpu-snap", host="h", heartbeat_seconds=1.0,
-                                        tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=10)])
+    await sync_to_async(node_heartbeat)(
+        name="gpu-snap",
+        host="h",
+        heartbeat_seconds=1.0,
+        tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=10)],
+    )
     _, events = await _frames_until(communicator, lambda ev: any(e["type"] == "node.heartbeat" for e in ev))
     snapshot = await sync_to_async(overview_get)()
     assert snapshot["seq"] >= events[-1]["seq"]
@@ -203,6 +232,7 @@ async def test_snapshot_sequence_number_covers_every_event_already_sent():
 
 
 # -- misbehaving clients -----------------------------------------------------------------------
+
 
 async def test_malformed_and_oversized_frames_get_an_error_and_keep_the_stream():
     communicator = await _logged_in()

@@ -15,7 +15,8 @@ from controlplane.directory.services import TierReport, node_heartbeat, node_mar
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFINITION = re.compile(
     r"\b(Counter|Gauge|Histogram|Summary|CounterMetricFamily|GaugeMetricFamily|HistogramMetricFamily)\(\s*"
-    r"\"(strata_[a-z0-9_]+)\"")
+    r"\"(strata_[a-z0-9_]+)\""
+)
 QUERIED = re.compile(r"\bstrata_[a-z0-9_]+\b")
 
 
@@ -47,17 +48,27 @@ def test_every_metric_grafana_queries_is_exported_by_the_code():
     exported = exported_names()
     queries = grafana_queries()
     assert len(queries) >= 25
-    missing = sorted({(title, name) for title, expr in queries for name in QUERIED.findall(expr) if name not in exported})
+    missing = sorted(
+        {(title, name) for title, expr in queries for name in QUERIED.findall(expr) if name not in exported}
+    )
     assert not missing, f"panels query metrics no code exports: {missing}"
 
 
 def test_the_dashboard_covers_what_operators_watch():
     queried = {name for _, expr in grafana_queries() for name in QUERIED.findall(expr)}
     assert {
-        "strata_tier_used_bytes", "strata_tier_capacity_bytes", "strata_node_up",
-        "strata_lookup_tokens_total", "strata_hit_tokens_total", "strata_hit_tier_tokens_total",
-        "strata_load_seconds_bucket", "strata_layer_stall_seconds_bucket", "strata_ttft_seconds_bucket",
-        "strata_blocks_moved_total", "strata_evictions_total", "strata_checksum_failures_total",
+        "strata_tier_used_bytes",
+        "strata_tier_capacity_bytes",
+        "strata_node_up",
+        "strata_lookup_tokens_total",
+        "strata_hit_tokens_total",
+        "strata_hit_tier_tokens_total",
+        "strata_load_seconds_bucket",
+        "strata_layer_stall_seconds_bucket",
+        "strata_ttft_seconds_bucket",
+        "strata_blocks_moved_total",
+        "strata_evictions_total",
+        "strata_checksum_failures_total",
     } <= queried
     dashboard = json.loads((REPO_ROOT / "deploy" / "grafana" / "strata.json").read_text())
     ids = [panel["id"] for panel in dashboard["panels"]]
@@ -71,16 +82,31 @@ def test_the_dashboard_covers_what_operators_watch():
 
 @pytest.mark.django_db
 def test_control_plane_metrics_match_the_directory(client):
-    node_heartbeat(name="m-up", host="h", heartbeat_seconds=1.0, address="127.0.0.1:9101",
-                   tiers=[TierReport(tier="host", capacity_bytes=4096, used_bytes=1024),
-                          TierReport(tier="disk", capacity_bytes=8192, used_bytes=0, available=False)])
-    node_heartbeat(name="m-down", host="h", heartbeat_seconds=1.0, address="127.0.0.1:9102",
-                   tiers=[TierReport(tier="host", capacity_bytes=10, used_bytes=0)])
+    node_heartbeat(
+        name="m-up",
+        host="h",
+        heartbeat_seconds=1.0,
+        address="127.0.0.1:9101",
+        tiers=[
+            TierReport(tier="host", capacity_bytes=4096, used_bytes=1024),
+            TierReport(tier="disk", capacity_bytes=8192, used_bytes=0, available=False),
+        ],
+    )
+    node_heartbeat(
+        name="m-down",
+        host="h",
+        heartbeat_seconds=1.0,
+        address="127.0.0.1:9102",
+        tiers=[TierReport(tier="host", capacity_bytes=10, used_bytes=0)],
+    )
     node_mark_down(name="m-down")
     response = client.get("/metrics")
     assert response.status_code == 200
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(response.content.decode()) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.content.decode())
+        for s in family.samples
+    }
     assert samples[("strata_tier_used_bytes", (("node", "m-up"), ("tier", "host")))] == 1024
     assert samples[("strata_tier_capacity_bytes", (("node", "m-up"), ("tier", "host")))] == 4096
     assert samples[("strata_tier_available", (("node", "m-up"), ("tier", "disk")))] == 0
@@ -111,11 +137,20 @@ def test_prometheus_discovers_the_engine_servers_of_nodes_not_down(client):
 
 @pytest.mark.django_db
 def test_prometheus_discovers_vllm_s_own_metrics_beside_a_vllm_node_s_strata_endpoints(client):
-    node_heartbeat(name="sd-v", host="h", heartbeat_seconds=1.0, address="10.0.0.4:10100", tiers=[],
-                   engine="vllm", engine_address="10.0.0.4:9100")
+    node_heartbeat(
+        name="sd-v",
+        host="h",
+        heartbeat_seconds=1.0,
+        address="10.0.0.4:10100",
+        tiers=[],
+        engine="vllm",
+        engine_address="10.0.0.4:9100",
+    )
     answer = client.get("/metrics/nodes")
-    assert answer.json() == [{"targets": ["10.0.0.4:10100"], "labels": {"node": "sd-v"}},
-                             {"targets": ["10.0.0.4:9100"], "labels": {"node": "sd-v", "exporter": "vllm"}}]
+    assert answer.json() == [
+        {"targets": ["10.0.0.4:10100"], "labels": {"node": "sd-v"}},
+        {"targets": ["10.0.0.4:9100"], "labels": {"node": "sd-v", "exporter": "vllm"}},
+    ]
 
 
 @pytest.mark.django_db

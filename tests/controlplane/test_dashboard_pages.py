@@ -67,14 +67,23 @@ def test_viewer_pages_carry_no_edit_controls_and_operator_pages_do(path):
 @pytest.mark.django_db
 def test_dashboard_api_needs_a_login():
     anonymous = APIClient()
-    for path in ("/api/v1/dashboard/overview/", "/api/v1/dashboard/cache/", "/api/v1/requests/",
-                 "/api/v1/dashboard/blocks/?key=" + str(uuid.uuid4())):
+    for path in (
+        "/api/v1/dashboard/overview/",
+        "/api/v1/dashboard/cache/",
+        "/api/v1/requests/",
+        "/api/v1/dashboard/blocks/?key=" + str(uuid.uuid4()),
+    ):
         assert anonymous.get(path).status_code == 401, path
 
 
 def _node(name: str, *, used: int, capacity: int = 1000, available: bool = True, tier: str = "host") -> Node:
-    return node_heartbeat(name=name, host="h", heartbeat_seconds=1.0, address="",
-                          tiers=[TierReport(tier=tier, capacity_bytes=capacity, used_bytes=used, available=available)])
+    return node_heartbeat(
+        name=name,
+        host="h",
+        heartbeat_seconds=1.0,
+        address="",
+        tiers=[TierReport(tier=tier, capacity_bytes=capacity, used_bytes=used, available=available)],
+    )
 
 
 @pytest.mark.django_db
@@ -93,10 +102,15 @@ def test_overview_matches_the_nodes_api_and_raises_alerts(directory_objects):
     nodes = {n["name"]: n for n in api.get("/api/v1/nodes/").json()["results"]}
     for node in overview["nodes"]:
         assert [(t["tier"], t["used_bytes"], t["capacity_bytes"]) for t in node["tiers"]] == [
-            (t["tier"], t["used_bytes"], t["capacity_bytes"]) for t in nodes[node["name"]]["tiers"]]
+            (t["tier"], t["used_bytes"], t["capacity_bytes"]) for t in nodes[node["name"]]["tiers"]
+        ]
     host = next(t for t in overview["tiers"] if t["tier"] == "host")
-    assert host == {"tier": "host", "used_bytes": 100 + 990 + 10 + directory_objects["host_used"],
-                    "capacity_bytes": 3000 + directory_objects["host_capacity"], "nodes": 3 + 1}
+    assert host == {
+        "tier": "host",
+        "used_bytes": 100 + 990 + 10 + directory_objects["host_used"],
+        "capacity_bytes": 3000 + directory_objects["host_capacity"],
+        "nodes": 3 + 1,
+    }
     kinds = {(a["kind"], a["node"]) for a in overview["alerts"]}
     assert ("watermark", "full") in kinds
     assert ("tier-unavailable", "broken") in kinds
@@ -120,13 +134,35 @@ def directory_objects(db):
     profile = modelprofile_create(name="llama", model_id="m", layers=2, kv_heads=2, head_dim=4, block_tokens=16)
     _node("holder", used=512, capacity=4096)
     key, content = uuid.uuid4(), uuid.uuid4()
-    blocks_register(registrations=[BlockRegistration(
-        namespace="tenant", model_key=profile.model_key, prefix_key=key, content_key=content, position=0,
-        tokens=16, tier="host", node="holder", nbytes=512, checksum="", locator="", offset=0, priority="default")])
+    blocks_register(
+        registrations=[
+            BlockRegistration(
+                namespace="tenant",
+                model_key=profile.model_key,
+                prefix_key=key,
+                content_key=content,
+                position=0,
+                tokens=16,
+                tier="host",
+                node="holder",
+                nbytes=512,
+                checksum="",
+                locator="",
+                offset=0,
+                priority="default",
+            )
+        ]
+    )
     from controlplane.directory.models import Block
 
-    return {"block": Block.objects.get(prefix_key=key), "prefix_key": key, "content_key": content, "node": "holder",
-            "host_used": 512, "host_capacity": 4096}
+    return {
+        "block": Block.objects.get(prefix_key=key),
+        "prefix_key": key,
+        "content_key": content,
+        "node": "holder",
+        "host_used": 512,
+        "host_capacity": 4096,
+    }
 
 
 @pytest.mark.django_db
@@ -153,10 +189,20 @@ def engine_server(models, make_store) -> Iterator[NodeServer]:  # noqa: F811 - f
 
 @pytest.mark.django_db(transaction=True)
 def test_requests_and_cache_counters_come_from_the_engine_servers(engine_server):
-    node_heartbeat(name="serving", host="h", heartbeat_seconds=1.0, address=engine_server.address,
-                   tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=0)])
-    node_heartbeat(name="gone", host="h", heartbeat_seconds=1.0, address="127.0.0.1:9",
-                   tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=0)])
+    node_heartbeat(
+        name="serving",
+        host="h",
+        heartbeat_seconds=1.0,
+        address=engine_server.address,
+        tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=0)],
+    )
+    node_heartbeat(
+        name="gone",
+        host="h",
+        heartbeat_seconds=1.0,
+        address="127.0.0.1:9",
+        tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=0)],
+    )
     client = openai.OpenAI(base_url=f"http://{engine_server.address}/v1", api_key="unused", max_retries=0, timeout=60)
     prompt = "Tiered caches keep prefill short. " * 8
     client.completions.create(model="tiny", prompt=prompt, max_tokens=2)

@@ -92,7 +92,10 @@ def test_data_services_are_durable_and_checked(compose):
 def test_production_settings_pass_check_deploy(tmp_path):
     result = subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={
             "PATH": "/usr/bin:/bin",
             "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
@@ -108,12 +111,21 @@ def test_production_settings_pass_check_deploy(tmp_path):
 def test_production_refuses_a_weak_secret(tmp_path):
     result = subprocess.run(
         [sys.executable, "manage.py", "check"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-        env={"PATH": "/usr/bin:/bin", "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
-             "STRATA_SECRET_KEY": "short", "STRATA_VAR_DIR": str(tmp_path)},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
+            "STRATA_SECRET_KEY": "short",
+            "STRATA_VAR_DIR": str(tmp_path),
+        },
     )
     assert result.returncode != 0
-    assert result.stderr.strip() == "strata: STRATA_SECRET_KEY: production needs a random secret of at least 50 characters"
+    assert (
+        result.stderr.strip() == "strata: STRATA_SECRET_KEY: production needs a random secret of at least 50 characters"
+    )
 
 
 def test_readme_documents_every_node_option():
@@ -156,7 +168,8 @@ def test_observability_profile_scrapes_the_control_plane_and_the_nodes(compose):
     assert node_env["STRATA_NODE_ADDRESS"] == f"node-gpu-0:{node_env['STRATA_SERVE_PORT']}"
     assert node_env["STRATA_SERVE_HOST"] == "0.0.0.0"
     datasource = yaml.safe_load(
-        (REPO_ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+        (REPO_ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )
     dashboard = json.loads((REPO_ROOT / "deploy" / "grafana" / "strata.json").read_text())
     uids = {p["datasource"]["uid"] for p in dashboard["panels"] if "datasource" in p}
     assert uids == {datasource["datasources"][0]["uid"]}

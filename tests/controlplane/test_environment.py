@@ -27,12 +27,18 @@ def test_long_var_dir_moves_sockets_to_tmp(tmp_path):
 
 
 def test_external_urls():
-    env = load_environment({
-        "DATABASE_URL": "postgresql://u:p%40ss@db.example:6543/strata?sslmode=require",
-        "REDIS_URL": "redis://cache:6380/4",
-    })
+    env = load_environment(
+        {
+            "DATABASE_URL": "postgresql://u:p%40ss@db.example:6543/strata?sslmode=require",
+            "REDIS_URL": "redis://cache:6380/4",
+        }
+    )
     assert (env.database.user, env.database.password, env.database.host, env.database.port) == (
-        "u", "p@ss", "db.example", "6543")
+        "u",
+        "p@ss",
+        "db.example",
+        "6543",
+    )
     assert env.database.options == {"sslmode": "require"}
     assert env.redis.url_for_db(5) == "redis://cache:6380/5"
     assert not env.embedded_postgres and not env.embedded_redis
@@ -58,7 +64,10 @@ def test_bad_values_are_refused_naming_the_variable(variable, value, expected):
 def test_bad_url_stops_startup_with_one_line(variable, tmp_path):
     result = subprocess.run(
         [sys.executable, "manage.py", "check"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"PATH": "/usr/bin:/bin", variable: "nonsense", "STRATA_VAR_DIR": str(tmp_path)},
     )
     assert result.returncode != 0

@@ -34,8 +34,12 @@ def test_readyz_503_names_redis_when_unreachable(client, settings, tmp_path):
 def test_metrics_exports_nodes_from_the_directory(client):
     from controlplane.directory.services import TierReport, node_heartbeat
 
-    node_heartbeat(name="gpu-m", host="h", heartbeat_seconds=5.0,
-                   tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=250)])
+    node_heartbeat(
+        name="gpu-m",
+        host="h",
+        heartbeat_seconds=5.0,
+        tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=250)],
+    )
     response = client.get("/metrics")
     assert response.status_code == 200
     text = response.content.decode()

@@ -27,8 +27,9 @@ TIERS = [
 
 
 def beat(name="gpu-0", now=None, seconds=2.0, tiers=TIERS):
-    return node_heartbeat(name=name, host="host-a", address="10.0.0.1:9000", heartbeat_seconds=seconds,
-                          tiers=list(tiers), now=now)
+    return node_heartbeat(
+        name=name, host="host-a", address="10.0.0.1:9000", heartbeat_seconds=seconds, tiers=list(tiers), now=now
+    )
 
 
 @pytest.mark.django_db

@@ -11,15 +11,25 @@ SECRET = "s" * 60
 
 
 def _settings(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    code = ("from django.conf import settings; import json; "
-            "print(json.dumps({'pool': settings.DATABASES['default']['OPTIONS'].get('pool'), "
-            "'age': settings.DATABASES['default']['CONN_MAX_AGE']}))")
+    code = (
+        "from django.conf import settings; import json; "
+        "print(json.dumps({'pool': settings.DATABASES['default']['OPTIONS'].get('pool'), "
+        "'age': settings.DATABASES['default']['CONN_MAX_AGE']}))"
+    )
     return subprocess.run(
         [sys.executable, "-c", f"import django; django.setup(); {code}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-        env={"PATH": "/usr/bin:/bin", "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
-             "STRATA_SECRET_KEY": SECRET, "STRATA_VAR_DIR": str(tmp_path),
-             "DATABASE_URL": "postgresql://strata@127.0.0.1:5432/strata", **env},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
+            "STRATA_SECRET_KEY": SECRET,
+            "STRATA_VAR_DIR": str(tmp_path),
+            "DATABASE_URL": "postgresql://strata@127.0.0.1:5432/strata",
+            **env,
+        },
     )
 
 
@@ -39,5 +49,6 @@ def test_the_pool_can_be_turned_off(tmp_path):
 def test_a_bad_pool_size_stops_start_up_naming_the_variable(tmp_path):
     result = _settings(tmp_path, STRATA_DB_POOL_MAX="lots")
     assert result.returncode != 0
-    assert result.stderr.strip() == ("strata: STRATA_DB_POOL_MAX: expected a whole number of connections "
-                                     "(0 = no pool), got 'lots'")
+    assert result.stderr.strip() == (
+        "strata: STRATA_DB_POOL_MAX: expected a whole number of connections (0 = no pool), got 'lots'"
+    )

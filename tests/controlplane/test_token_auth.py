@@ -28,8 +28,9 @@ def _body(model_key: uuid.UUID) -> dict:
 @pytest.fixture
 def model_key(db) -> uuid.UUID:
     namespace_create(name="auth-ns")
-    return modelprofile_create(name="auth-model", model_id="t/m", layers=2, kv_heads=1, head_dim=8,
-                               dtype="float32", block_tokens=16).model_key
+    return modelprofile_create(
+        name="auth-model", model_id="t/m", layers=2, kv_heads=1, head_dim=8, dtype="float32", block_tokens=16
+    ).model_key
 
 
 @pytest.mark.django_db

@@ -28,7 +28,6 @@ def hasher() -> Iterator[Hasher]:
         yield eng
 
 
-
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
     # Unix socket paths are limited to 107 bytes: keep it short, not under tmp_path.

@@ -47,9 +47,7 @@ def test_tiers_suite_writes_rows_with_baselines(tmp_path) -> None:
                 assert rows[f"tiers.{tier}.{op}_gbps{suffix}"]["unit"] == "GB/s"
                 ratio = rows[f"tiers.{tier}.{op}_vs_raw{suffix}"]
                 assert ratio["unit"] == "x" and ratio["baseline"] in rows and ratio["value"] > 0
-                assert (
-                    rows[f"tiers.{tier}.{op}_batch_vs_raw{suffix}"]["baseline"] == ratio["baseline"]
-                )
+                assert rows[f"tiers.{tier}.{op}_batch_vs_raw{suffix}"]["baseline"] == ratio["baseline"]
     assert result["params"]["scale"] == 0.001
     assert not list(tmp_path.glob("strata-bench-*"))  # the scratch directory is removed
 

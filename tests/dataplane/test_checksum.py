@@ -60,10 +60,7 @@ def test_engine_copy_and_hash_match_xxh3(fused: bool, threads: int, sizes: list[
         assert torch.equal(src, dst)
         view, offset = host_view(src), 0
         for i, n in enumerate(sizes):
-            assert (
-                digests[i]
-                == xxhash.xxh3_128(b"p%d" % i + bytes(view[offset : offset + n])).digest()
-            )
+            assert digests[i] == xxhash.xxh3_128(b"p%d" % i + bytes(view[offset : offset + n])).digest()
             offset += n
         # hash only, in place
         hashed = hasher.run([Span(src=s.src, nbytes=s.nbytes, prefix=s.prefix) for s in spans])
@@ -71,10 +68,7 @@ def test_engine_copy_and_hash_match_xxh3(fused: bool, threads: int, sizes: list[
         # copy only
         other = torch.zeros_like(src)
         hasher.run(
-            [
-                Span(src=s.src, nbytes=s.nbytes, dst=other.data_ptr() + (s.dst - dst.data_ptr()))
-                for s in spans
-            ],
+            [Span(src=s.src, nbytes=s.nbytes, dst=other.data_ptr() + (s.dst - dst.data_ptr())) for s in spans],
             digest=False,
         )
         assert torch.equal(other, src)
@@ -88,22 +82,15 @@ def test_block_checksum_chains_the_layer_checksums(hasher: Hasher) -> None:
     assert isinstance(checksum, BlockChecksum)
     view = host_view(block)
     layers = [
-        layer_checksum(k, i, view[i * layout.layer_bytes : (i + 1) * layout.layer_bytes])
-        for i in range(layout.layers)
+        layer_checksum(k, i, view[i * layout.layer_bytes : (i + 1) * layout.layer_bytes]) for i in range(layout.layers)
     ]
     assert list(checksum.layers) == layers
-    assert (
-        checksum.block
-        == block_checksum(k, layers)
-        == xxhash.xxh3_128(k.bytes + b"".join(layers)).digest()
-    )
+    assert checksum.block == block_checksum(k, layers) == xxhash.xxh3_128(k.bytes + b"".join(layers)).digest()
     assert checksum.consistent(k) and not checksum.consistent(key(2))
     assert BlockChecksum.unpack(checksum.pack(), layers=layout.layers) == checksum
     # Layer checksums depend on the key and on the layer's position.
     assert layer_prefix(k, 1) != layer_prefix(k, 2)
-    assert (
-        layer_checksum(k, 0, b"x") != layer_checksum(key(2), 0, b"x") != layer_checksum(k, 1, b"x")
-    )
+    assert layer_checksum(k, 0, b"x") != layer_checksum(key(2), 0, b"x") != layer_checksum(k, 1, b"x")
 
 
 def test_checksum_of_a_layer_range(hasher: Hasher) -> None:
@@ -245,12 +232,15 @@ def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
         dst = ctypes.create_string_buffer(len(data))
         out = ctypes.addressof(dst)
         prefixes = [tag + b"%d" % i for i in range(count)]
-        batch = native.CopyBatch([base + i * size for i in range(count)],
-                                 [out + i * size for i in range(count)], [size] * count,
-                                 prefixes, digest=True)
+        batch = native.CopyBatch(
+            [base + i * size for i in range(count)],
+            [out + i * size for i in range(count)],
+            [size] * count,
+            prefixes,
+            digest=True,
+        )
         batch.run_with_helpers()
-        want = [xxhash.xxh3_128(p + data[i * size : (i + 1) * size]).digest()
-                for i, p in enumerate(prefixes)]
+        want = [xxhash.xxh3_128(p + data[i * size : (i + 1) * size]).digest() for i, p in enumerate(prefixes)]
         return dst.raw == data and batch.digests() == want
 
     pid = os.fork()
@@ -272,9 +262,15 @@ def test_a_copy_batch_copies_exactly_with_either_kind_of_store(streaming: bool) 
     src = torch.randint(0, 256, (sum(sizes) + 1,), dtype=torch.uint8)[1:]  # misaligned
     dst = torch.zeros(sum(sizes) + 1, dtype=torch.uint8)[1:]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    batch = native.CopyBatch([src.data_ptr() + o for o in starts],
-                             [dst.data_ptr() + o for o in starts], sizes, [b"", b"", b""],
-                             digest=False, streaming=streaming, streaming_min_bytes=1)
+    batch = native.CopyBatch(
+        [src.data_ptr() + o for o in starts],
+        [dst.data_ptr() + o for o in starts],
+        sizes,
+        [b"", b"", b""],
+        digest=False,
+        streaming=streaming,
+        streaming_min_bytes=1,
+    )
     batch.run_with_helpers()
     assert torch.equal(src, dst)
 
@@ -282,8 +278,9 @@ def test_a_copy_batch_copies_exactly_with_either_kind_of_store(streaming: bool) 
 def test_a_copy_batch_without_digests_only_copies() -> None:
     src = torch.randint(0, 256, (3 * 65536,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    batch = native.CopyBatch([src.data_ptr(), src.data_ptr() + 65536], [dst.data_ptr(), None],
-                             [65536, 2 * 65536], [b"", b""], digest=False)
+    batch = native.CopyBatch(
+        [src.data_ptr(), src.data_ptr() + 65536], [dst.data_ptr(), None], [65536, 2 * 65536], [b"", b""], digest=False
+    )
     batch.run()
     assert batch.digests() == []
     assert torch.equal(dst[:65536], src[:65536])
@@ -294,7 +291,10 @@ def test_an_unknown_native_copy_setting_is_refused_by_name() -> None:
     env = {**os.environ, "STRATA_NATIVE_COPY": "avx512"}
     done = subprocess.run(
         [sys.executable, "-c", "import worker.dataplane.native"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode != 0
     assert "STRATA_NATIVE_COPY: expected one of 1, 0, sse2, got 'avx512'" in done.stderr
@@ -389,6 +389,4 @@ def test_a_read_batch_run_by_two_threads_at_once_reads_each_piece_once(tmp_path)
     assert got == [4096] * 64
     assert torch.equal(dst, data)
     raw = data.numpy().tobytes()
-    assert digests == [
-        xxhash.xxh3_128(str(i).encode() + raw[i * 4096 : (i + 1) * 4096]).digest() for i in range(64)
-    ]
+    assert digests == [xxhash.xxh3_128(str(i).encode() + raw[i * 4096 : (i + 1) * 4096]).digest() for i in range(64)]

@@ -30,9 +30,7 @@ def _expect_corrupt(tier, k, *, layers=None) -> None:
         with pytest.raises(BlockCorrupt):
             tier.get(k, out)
     else:
-        [future] = tier.get_layers(
-            [k], layers, [LAYOUT.empty(layers=len(LAYOUT.layer_range(layers)))]
-        )
+        [future] = tier.get_layers([k], layers, [LAYOUT.empty(layers=len(LAYOUT.layer_range(layers)))])
         with pytest.raises(BlockCorrupt):
             future.result(timeout=30)
 
@@ -46,9 +44,7 @@ def disk(open_tier, block_cache):
     return tier
 
 
-@pytest.mark.parametrize(
-    "where", ["layer 5 data", "header checksums", "header fixed fields", "last byte"]
-)
+@pytest.mark.parametrize("where", ["layer 5 data", "header checksums", "header fixed fields", "last byte"])
 def test_disk_flipped_byte_is_corrupt_and_quarantined(disk, where: str) -> None:
     path = disk.path_of(key(1))
     offset = {
@@ -142,10 +138,7 @@ def test_remote_flipped_byte_is_corrupt(remote) -> None:
     byte = remote.client.getrange(name, offset, offset)
     remote.client.setrange(name, offset, bytes([byte[0] ^ 0x80]))
     _expect_corrupt(remote, key(1), layers=4)
-    assert (
-        remote.counters.get("remote.corrupt") == 1
-        and remote.counters.get("remote.quarantined") == 1
-    )
+    assert remote.counters.get("remote.corrupt") == 1 and remote.counters.get("remote.quarantined") == 1
     assert not remote.contains(key(1))
 
 
@@ -210,9 +203,7 @@ def test_disk_layer_reads_of_many_blocks_fail_only_the_bad_ones(
     calls = []
     if fused:
         real = native.ReadBatch.read
-        monkeypatch.setattr(
-            native.ReadBatch, "read", lambda batch: calls.append(len(batch._sizes)) or real(batch)
-        )
+        monkeypatch.setattr(native.ReadBatch, "read", lambda batch: calls.append(len(batch._sizes)) or real(batch))
     else:
         monkeypatch.setattr(native, "available", lambda: False)
     tier = open_tier("disk", LAYOUT, blocks=8, io_threads=2)

@@ -113,15 +113,11 @@ def test_puts_share_one_sync_per_directory(open_tier, block_cache, io_log) -> No
     syncs = [inode for kind, inode, _ in events if kind == "fsync-dir"]
     assert sorted(syncs) == sorted([shared, other])  # once per directory, not once per block
     for directory in (shared, other):
-        last_rename = max(
-            i for i, (kind, inode, _) in enumerate(events) if kind == "replace" and inode == directory
-        )
+        last_rename = max(i for i, (kind, inode, _) in enumerate(events) if kind == "replace" and inode == directory)
         assert [(kind, inode) for kind, inode, _ in events].index(("fsync-dir", directory)) > last_rename
 
 
-def test_sync_reports_a_directory_that_fails_and_syncs_it_again_later(
-    open_tier, block_cache, monkeypatch
-) -> None:
+def test_sync_reports_a_directory_that_fails_and_syncs_it_again_later(open_tier, block_cache, monkeypatch) -> None:
     real_fsync = os.fsync
     failing = {"on": True}
 
@@ -148,9 +144,7 @@ def test_sync_reports_a_directory_that_fails_and_syncs_it_again_later(
     assert torch.equal(out, block_cache(LAYOUT, 2))
 
 
-def test_a_directory_that_cannot_be_synced_does_not_fail_the_put(
-    open_tier, block_cache, monkeypatch
-) -> None:
+def test_a_directory_that_cannot_be_synced_does_not_fail_the_put(open_tier, block_cache, monkeypatch) -> None:
     """Some filesystems refuse fsync on a directory (EINVAL): the rename is then as durable as
     they make it, and the put succeeds."""
     real_fsync = os.fsync

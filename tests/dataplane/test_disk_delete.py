@@ -1,6 +1,7 @@
 """Deleting a disk block: gone under its name at once, its file unlinked in the background (after
-a while for reuse: test_disk_reuse) with its bytes counted as pending until then; a put short of room waits for those bytes instead of
-refusing; a process that dies before the unlink leaves a temporary file the next reconcile removes."""
+a while for reuse: test_disk_reuse) with its bytes counted as pending until then; a put short of
+room waits for those bytes instead of refusing; a process that dies before the unlink leaves a
+temporary file the next reconcile removes."""
 
 from __future__ import annotations
 
@@ -49,9 +50,7 @@ def test_a_deleted_block_is_gone_at_once_and_its_bytes_pending_until_unlinked(
     assert tier.get(key(2), LAYOUT.empty()).nbytes == LAYOUT.block_bytes
 
 
-def test_a_put_short_of_room_waits_for_deleted_bytes_instead_of_refusing(
-    open_tier, block_cache, held_unlinks
-) -> None:
+def test_a_put_short_of_room_waits_for_deleted_bytes_instead_of_refusing(open_tier, block_cache, held_unlinks) -> None:
     # Deleted files unlinked at once (not kept for reuse, see test_disk_reuse): the put must wait.
     tier = open_tier("disk", LAYOUT, capacity_bytes=0, reuse_deleted_s=0)
     tier.capacity_bytes = 2 * tier.file_bytes
@@ -106,7 +105,7 @@ def test_a_process_killed_before_the_unlink_leaves_nothing_after_the_next_open(
     # A real process deletes a block and dies (SIGKILL) before its background unlink runs.
     script = textwrap.dedent(f"""
         import os, signal, sys, uuid
-        sys.path.insert(0, {str(REPO_ROOT / 'tests' / 'dataplane')!r})
+        sys.path.insert(0, {str(REPO_ROOT / "tests" / "dataplane")!r})
         from dataplane_support import SMALL, key, layout_of
         from worker.dataplane.tiers.disk import DiskTier
         real_unlink = os.unlink
@@ -120,8 +119,7 @@ def test_a_process_killed_before_the_unlink_leaves_nothing_after_the_next_open(
         tier.delete(key(1))
         tier.drain_deletes()
     """)
-    killed = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=120)
+    killed = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9 and "deleted" in killed.stdout, killed.stderr
     assert any(name.endswith(".tmp") for name in _files(root))  # the renamed file is still there
     reopened = open_tier("disk", LAYOUT, blocks=4, path=root)

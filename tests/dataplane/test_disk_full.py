@@ -42,17 +42,11 @@ def small_tmpfs(tmp_path: Path):
     try:
         yield mountpoint
     finally:
-        subprocess.run(
-            ["umount", "-l", str(mountpoint)], check=False, capture_output=True, timeout=30
-        )
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False, capture_output=True, timeout=30)
 
 
-def test_a_really_full_filesystem_gives_tier_full_and_no_partial_file(
-    small_tmpfs, open_tier, block_cache
-) -> None:
-    tier = open_tier(
-        "disk", LAYOUT, capacity_bytes=1 << 30, path=small_tmpfs / "disk"
-    )  # quota far above the fs
+def test_a_really_full_filesystem_gives_tier_full_and_no_partial_file(small_tmpfs, open_tier, block_cache) -> None:
+    tier = open_tier("disk", LAYOUT, capacity_bytes=1 << 30, path=small_tmpfs / "disk")  # quota far above the fs
     tier.put(key(1), block_cache(LAYOUT, 1))
     tier.put(key(2), block_cache(LAYOUT, 2))
     with pytest.raises(TierFull):
@@ -60,9 +54,7 @@ def test_a_really_full_filesystem_gives_tier_full_and_no_partial_file(
     assert not tier.contains(key(3))
     assert sorted(_leftovers(tier.root)) == sorted([f"{key(1).hex}.blk", f"{key(2).hex}.blk"])
     usage = tier.usage()
-    assert (
-        usage.blocks == 2 and usage.pending_bytes == 0 and usage.stored_bytes == 2 * tier.file_bytes
-    )
+    assert usage.blocks == 2 and usage.pending_bytes == 0 and usage.stored_bytes == 2 * tier.file_bytes
     assert tier.counters.get("disk.full") == 1
     # Room again: the same write succeeds, and the earlier blocks are intact.
     tier.delete(key(1))
@@ -76,9 +68,7 @@ def test_a_full_filesystem_waits_for_the_bytes_of_blocks_being_deleted(
     small_tmpfs, open_tier, block_cache, held_unlinks
 ) -> None:
     # Deleted files unlinked at once (not kept for reuse, see test_disk_reuse): the put must wait.
-    tier = open_tier(
-        "disk", LAYOUT, capacity_bytes=1 << 30, path=small_tmpfs / "disk", reuse_deleted_s=0
-    )
+    tier = open_tier("disk", LAYOUT, capacity_bytes=1 << 30, path=small_tmpfs / "disk", reuse_deleted_s=0)
     tier.put(key(1), block_cache(LAYOUT, 1))
     tier.put(key(2), block_cache(LAYOUT, 2))
     tier.delete(key(1))  # its file is still on the filesystem until the unlink is released
@@ -92,9 +82,7 @@ def test_a_full_filesystem_waits_for_the_bytes_of_blocks_being_deleted(
 
 
 @pytest.mark.parametrize("failing", ["pwritev", "fdatasync"])
-def test_injected_enospc_midway_leaves_nothing_partial(
-    failing: str, open_tier, block_cache, monkeypatch
-) -> None:
+def test_injected_enospc_midway_leaves_nothing_partial(failing: str, open_tier, block_cache, monkeypatch) -> None:
     tier = open_tier("disk", LAYOUT, blocks=4)
     tier.put(key(1), block_cache(LAYOUT, 1))
     real = getattr(os, failing)
@@ -128,9 +116,7 @@ def test_the_quota_refuses_before_writing(open_tier, block_cache) -> None:
     assert not tier.contains(key(3)) and tier.usage().used_bytes == 2 * tier.file_bytes
 
 
-def test_reopening_reconciles_the_ledger_and_sweeps_crashed_writers(
-    tmp_path, open_tier, block_cache
-) -> None:
+def test_reopening_reconciles_the_ledger_and_sweeps_crashed_writers(tmp_path, open_tier, block_cache) -> None:
     root = tmp_path / "shared"
     first = open_tier("disk", LAYOUT, blocks=3, path=root)
     first.put(key(1), block_cache(LAYOUT, 1))
@@ -152,9 +138,7 @@ def test_reopening_reconciles_the_ledger_and_sweeps_crashed_writers(
     assert first.reconcile().pending_bytes == 0
 
 
-def test_o_direct_refused_falls_back_to_buffered_io(
-    tmp_path, monkeypatch, caplog, block_cache
-) -> None:
+def test_o_direct_refused_falls_back_to_buffered_io(tmp_path, monkeypatch, caplog, block_cache) -> None:
     real_open = os.open
 
     def no_direct(path, flags, *args, **kwargs):
@@ -173,9 +157,7 @@ def test_o_direct_refused_falls_back_to_buffered_io(
         out = LAYOUT.empty()
         tier.get(key(1), out)
         assert torch.equal(out, block)
-        assert (
-            tier.counters.get("disk.io_buffered") == 2 and tier.counters.get("disk.io_direct") == 0
-        )
+        assert tier.counters.get("disk.io_buffered") == 2 and tier.counters.get("disk.io_direct") == 0
     finally:
         tier.close()
 
@@ -199,6 +181,4 @@ def test_keys_lists_the_blocks(open_tier, block_cache) -> None:
     tier = open_tier("disk", LAYOUT, blocks=3)
     for n in (1, 2):
         tier.put(key(n), block_cache(LAYOUT, n))
-    assert sorted(tier.keys(), key=uuid.UUID.__str__) == sorted(
-        [key(1), key(2)], key=uuid.UUID.__str__
-    )
+    assert sorted(tier.keys(), key=uuid.UUID.__str__) == sorted([key(1), key(2)], key=uuid.UUID.__str__)

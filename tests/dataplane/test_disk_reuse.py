@@ -90,9 +90,7 @@ def test_a_kept_file_is_removed_after_its_time_or_at_once_by_drain(open_tier, bl
     assert slow.usage().pending_bytes == 0 and _files(slow.root) == []
 
 
-def test_a_kept_file_someone_removed_is_not_reused_and_the_ledger_stays_exact(
-    open_tier, block_cache
-) -> None:
+def test_a_kept_file_someone_removed_is_not_reused_and_the_ledger_stays_exact(open_tier, block_cache) -> None:
     tier = open_tier("disk", LAYOUT, blocks=4)
     tier.put(key(1), block_cache(LAYOUT, 1))
     tier.delete(key(1))
@@ -106,9 +104,7 @@ def test_a_kept_file_someone_removed_is_not_reused_and_the_ledger_stays_exact(
     assert torch.equal(_read(tier, 2), block_cache(LAYOUT, 2))
 
 
-def test_a_write_over_a_kept_file_that_fails_leaves_nothing(
-    open_tier, block_cache, monkeypatch
-) -> None:
+def test_a_write_over_a_kept_file_that_fails_leaves_nothing(open_tier, block_cache, monkeypatch) -> None:
     tier = open_tier("disk", LAYOUT, blocks=4)
     tier.put(key(1), block_cache(LAYOUT, 1))
     tier.put(key(2), block_cache(LAYOUT, 2))

@@ -66,9 +66,7 @@ def test_stable_across_processes_and_hash_seeds() -> None:
     first = _fingerprints_in_subprocess("1")
     second = _fingerprints_in_subprocess("4242")
     assert first == second
-    here = fingerprint_prompt(
-        list(range(1000, 1011)), ns_salt=SALT, model_key=model_key(PROFILE), block_tokens=4
-    )
+    here = fingerprint_prompt(list(range(1000, 1011)), ns_salt=SALT, model_key=model_key(PROFILE), block_tokens=4)
     assert first == [model_key(PROFILE).hex] + [[f.prefix_key.hex, f.content_key.hex] for f in here]
 
 
@@ -114,9 +112,7 @@ def test_continuing_a_chain_equals_fingerprinting_at_once() -> None:
     tokens = list(range(16))
     whole = fingerprint_prompt(tokens, ns_salt=SALT, model_key=mk, block_tokens=4)
     head = fingerprint_prompt(tokens[:8], ns_salt=SALT, model_key=mk, block_tokens=4)
-    tail = fingerprint_prompt(
-        tokens[8:], ns_salt=SALT, model_key=mk, block_tokens=4, parent=head[-1].prefix_key
-    )
+    tail = fingerprint_prompt(tokens[8:], ns_salt=SALT, model_key=mk, block_tokens=4, parent=head[-1].prefix_key)
     assert [f.prefix_key for f in whole] == [f.prefix_key for f in head + tail]
 
 
@@ -173,8 +169,5 @@ def test_fingerprinter_binds_a_namespace_and_a_model() -> None:
     fingerprinter = Fingerprinter.for_profile(PROFILE, ns_salt="tenant-a")
     tokens = list(range(12))
     assert fingerprinter.prefix_keys(tokens) == [
-        fp.prefix_key
-        for fp in fingerprint_prompt(
-            tokens, ns_salt=SALT, model_key=model_key(PROFILE), block_tokens=4
-        )
+        fp.prefix_key for fp in fingerprint_prompt(tokens, ns_salt=SALT, model_key=model_key(PROFILE), block_tokens=4)
     ]

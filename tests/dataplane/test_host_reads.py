@@ -22,9 +22,7 @@ BIG = layout_of({"layers": 8, "kv_heads": 8, "head_dim": 128, "block_tokens": 25
 """8 MiB blocks: a copy long enough for another thread to change the slot during it."""
 
 PATHS = [
-    pytest.param(
-        True, id="native", marks=pytest.mark.skipif(not native_available(), reason="not built")
-    ),
+    pytest.param(True, id="native", marks=pytest.mark.skipif(not native_available(), reason="not built")),
     pytest.param(False, id="interpreter"),
 ]
 
@@ -60,9 +58,7 @@ def test_whole_blocks_and_layer_ranges_read_back_exactly_with_their_checksums(ho
         assert torch.equal(out, data)
         assert result.checksum == put[n].checksum and result.nbytes == LAYOUT.block_bytes
     outs = [LAYOUT.empty(layers=2) for _ in blocks]
-    results = [
-        f.result(timeout=30) for f in tier.get_layers([key(n) for n in blocks], range(1, 3), outs)
-    ]
+    results = [f.result(timeout=30) for f in tier.get_layers([key(n) for n in blocks], range(1, 3), outs)]
     for n, out in zip(blocks, outs, strict=True):
         assert torch.equal(out, blocks[n][LAYOUT.layer_bytes : 3 * LAYOUT.layer_bytes])
     assert all(r.checksum is None and r.nbytes == 2 * LAYOUT.layer_bytes for r in results)
@@ -191,9 +187,7 @@ def test_a_put_records_the_checksums_of_the_bytes_it_stored(host) -> None:
         )
 
     assert tier.put(key(0), blocks[0]).checksum == reference(0)
-    futures = tier.put_many(
-        [(key(1), blocks[1]), (key(2), blocks[2])], checksums=[None, reference(2)]
-    )
+    futures = tier.put_many([(key(1), blocks[1]), (key(2), blocks[2])], checksums=[None, reference(2)])
     assert [f.result(timeout=30).checksum for f in futures] == [reference(1), reference(2)]
     for n in blocks:
         slot = tier._find(key(n))
@@ -277,8 +271,6 @@ def test_the_native_pool_calls_refuse_mismatched_arguments(host) -> None:
             streaming=False,
             helpers=False,
         )
-    with pytest.raises(
-        ValueError, match="1 slots need 1 16-byte keys and 1 addresses, got 16 key bytes and 0"
-    ):
+    with pytest.raises(ValueError, match="1 slots need 1 16-byte keys and 1 addresses, got 16 key bytes and 0"):
         native.pool_fill(tier._pool_geometry, [0], key(1).bytes, [], streaming=True, helpers=False)
     assert tier.usage().blocks == 0

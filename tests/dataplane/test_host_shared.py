@@ -14,9 +14,7 @@ from dataplane_support import key, layout_of
 from worker.dataplane.errors import BlockCorrupt, BlockMissing, TierFull
 
 REPO = Path(__file__).resolve().parents[2]
-LAYOUT = layout_of(
-    {"layers": 4, "kv_heads": 2, "head_dim": 64, "block_tokens": 128}, "float16"
-)  # 128 KiB blocks
+LAYOUT = layout_of({"layers": 4, "kv_heads": 2, "head_dim": 64, "block_tokens": 128}, "float16")  # 128 KiB blocks
 
 
 def pattern(n: int) -> torch.Tensor:
@@ -35,9 +33,7 @@ def _run_child(body: str, pool: str) -> subprocess.Popen:
         from test_host_shared import LAYOUT, pattern
         tier = HostTier(layout=LAYOUT, capacity_bytes=0, pool_name={pool!r})
     """) + textwrap.dedent(body)
-    return subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(child: subprocess.Popen, timeout: float = 120) -> str:
@@ -67,15 +63,11 @@ def test_a_second_process_sees_and_adds_blocks(open_tier, shm_name) -> None:
     assert tier.usage().blocks == 2
 
 
-def test_reader_racing_an_overwriting_evicting_writer_never_sees_torn_bytes(
-    open_tier, shm_name
-) -> None:
+def test_reader_racing_an_overwriting_evicting_writer_never_sees_torn_bytes(open_tier, shm_name) -> None:
     """The child cycles blocks through 4 slots (put, overwrite, delete) as fast as it can for a
     few seconds; this process reads recent keys meanwhile, whole and by layers. Every read is a
     miss or exactly the right bytes: never torn, never reported corrupt."""
-    tier = open_tier(
-        "host", LAYOUT, blocks=4
-    )  # an overwrite holds a second slot until it publishes
+    tier = open_tier("host", LAYOUT, blocks=4)  # an overwrite holds a second slot until it publishes
     child = _run_child(
         """
         patterns = [pattern(n) for n in range(16)]
@@ -114,9 +106,7 @@ def test_reader_racing_an_overwriting_evicting_writer_never_sees_torn_bytes(
                 assert torch.equal(out, want), f"torn read of {k}"
             else:
                 tier.get_layers([k], range(1, 3), [layer_out])[0].result(timeout=30)
-                assert torch.equal(layer_out, want[LAYOUT.layer_bytes : 3 * LAYOUT.layer_bytes]), (
-                    f"torn layers of {k}"
-                )
+                assert torch.equal(layer_out, want[LAYOUT.layer_bytes : 3 * LAYOUT.layer_bytes]), f"torn layers of {k}"
             served += 1
         except BlockMissing:
             misses += 1

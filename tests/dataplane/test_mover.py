@@ -25,15 +25,18 @@ B = LAYOUT.block_bytes
 
 @pytest.fixture
 def store(tmp_path, shm_name):
-    config = load_config(overrides={
-        "node_name": "node-a",
-        "tiers": "device,host,disk",
-        "device_bytes": 2 * B,
-        "host_bytes": 16 * B,
-        "disk_bytes": 16 * B,
-        "disk_path": str(tmp_path / "{node}" / "disk"),
-        "host_pool_name": shm_name,
-    }, environ={})
+    config = load_config(
+        overrides={
+            "node_name": "node-a",
+            "tiers": "device,host,disk",
+            "device_bytes": 2 * B,
+            "host_bytes": 16 * B,
+            "disk_bytes": 16 * B,
+            "disk_path": str(tmp_path / "{node}" / "disk"),
+            "host_pool_name": shm_name,
+        },
+        environ={},
+    )
     built = build_store(config, profile=PROFILE, environ={})
     yield built
     built.close()
@@ -61,8 +64,9 @@ def test_copies_are_exact_verified_and_carry_the_source_checksum(store, verify, 
     made = _blocks(store, source, 5)
     mover = Mover(store, verify=verify)
     try:
-        futures = mover.copy([CopyJob(source=source, target=target, key=k, expected=c, size=B)
-                              for k, (_, c) in made.items()])
+        futures = mover.copy(
+            [CopyJob(source=source, target=target, key=k, expected=c, size=B) for k, (_, c) in made.items()]
+        )
         results = [future.result(timeout=60) for future in futures]
     finally:
         mover.close()
@@ -98,7 +102,7 @@ def test_waves_of_a_batch_read_ahead_and_keep_their_order(store, monkeypatch) ->
     jobs = [CopyJob(source="host", target="disk", key=k, expected=c) for k, (_, c) in made.items()]
     try:
         with mover.batch() as batch:
-            futures = [f for start in range(0, 9, 2) for f in batch.submit(jobs[start:start + 2])]
+            futures = [f for start in range(0, 9, 2) for f in batch.submit(jobs[start : start + 2])]
         results = [future.result() for future in futures]
     finally:
         mover.close()
@@ -112,8 +116,12 @@ def test_a_damaged_or_missing_source_is_reported_and_nothing_is_written(store) -
     [(block_key, (_, checksum))] = made.items()
     mover = Mover(store)
     try:
-        wrong, missing = mover.copy([CopyJob(source="host", target="disk", key=block_key, expected="0" * 32),
-                                     CopyJob(source="host", target="disk", key=key(99))])
+        wrong, missing = mover.copy(
+            [
+                CopyJob(source="host", target="disk", key=block_key, expected="0" * 32),
+                CopyJob(source="host", target="disk", key=key(99)),
+            ]
+        )
         wrong_result, missing_result = wrong.result(timeout=30), missing.result(timeout=30)
     finally:
         mover.close()
@@ -127,8 +135,12 @@ def test_a_full_target_is_no_room(store) -> None:
     made = _blocks(store, "host", 3)
     mover = Mover(store)
     try:
-        results = [f.result(timeout=30) for f in mover.copy(
-            [CopyJob(source="host", target="device", key=k, expected=c) for k, (_, c) in made.items()])]
+        results = [
+            f.result(timeout=30)
+            for f in mover.copy(
+                [CopyJob(source="host", target="device", key=k, expected=c) for k, (_, c) in made.items()]
+            )
+        ]
     finally:
         mover.close()
     assert [r.status for r in results] == [CopyStatus.DONE, CopyStatus.DONE, CopyStatus.NO_ROOM]
@@ -161,9 +173,11 @@ def test_a_bad_verify_mode_is_refused(store) -> None:
 
 
 def test_the_mover_imports_no_django_celery_or_control_plane() -> None:
-    code = ("import sys, worker.dataplane.mover; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('django', 'celery', 'controlplane') "
-            "or m.startswith('worker.movements')]; print(bad); assert not bad")
+    code = (
+        "import sys, worker.dataplane.mover; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('django', 'celery', 'controlplane') "
+        "or m.startswith('worker.movements')]; print(bad); assert not bad"
+    )
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -29,8 +29,9 @@ PROFILE = ModelProfile(model_id="test/small", dtype="bf16", **SMALL)
 LAYOUT = layout_of(SMALL, "bfloat16")
 
 
-def _survives_an_outage(tier: RemoteTier, block: torch.Tensor, *, stop: Callable[[], None],
-                        start: Callable[[], None], server: str) -> None:
+def _survives_an_outage(
+    tier: RemoteTier, block: torch.Tensor, *, stop: Callable[[], None], start: Callable[[], None], server: str
+) -> None:
     """A block stored, the server stopped: get, put, a layer read and contains all raise
     TierUnavailable (and are counted) within the client's timeout. The server started again with
     an empty dataset: the old block is a miss, and new blocks are stored and read back."""
@@ -63,17 +64,12 @@ def _survives_an_outage(tier: RemoteTier, block: torch.Tensor, *, stop: Callable
     assert future.result(timeout=30).tier == "remote"
 
 
-def test_redis_restarted_mid_run_is_unavailable_then_recovers(
-    open_tier, redis_server, block_cache
-) -> None:
+def test_redis_restarted_mid_run_is_unavailable_then_recovers(open_tier, redis_server, block_cache) -> None:
     tier = open_tier("remote", LAYOUT, blocks=4)
-    _survives_an_outage(tier, block_cache(LAYOUT, 1), stop=redis_server.stop, start=redis_server.start,
-                        server="Redis")
+    _survives_an_outage(tier, block_cache(LAYOUT, 1), stop=redis_server.stop, start=redis_server.start, server="Redis")
 
 
-def test_store_recomputes_nothing_wrong_while_redis_is_down(
-    open_tier, redis_server, block_cache
-) -> None:
+def test_store_recomputes_nothing_wrong_while_redis_is_down(open_tier, redis_server, block_cache) -> None:
     disk = open_tier("disk", LAYOUT, blocks=2)
     remote = open_tier("remote", LAYOUT, blocks=2, counters=disk.counters)
     store = TieredStore(layout=LAYOUT, tiers=[disk, remote], counters=disk.counters)
@@ -85,9 +81,7 @@ def test_store_recomputes_nothing_wrong_while_redis_is_down(
     assert any(isinstance(c, TierUnavailable) for c in missing.value.causes)
     assert store.get(key(2)).tier == "disk"
     assert store.locate([key(1), key(2)]) == {key(1): (), key(2): ("disk",)}
-    futures = store.get_layers(
-        [key(1), key(2)], layers=0, outs=[LAYOUT.empty(layers=1) for _ in range(2)]
-    )
+    futures = store.get_layers([key(1), key(2)], layers=0, outs=[LAYOUT.empty(layers=1) for _ in range(2)])
     with pytest.raises(BlockMissing):
         futures[0].result(timeout=30)
     assert futures[1].result(timeout=30).tier == "disk"
@@ -100,9 +94,7 @@ def test_quota_and_accounting(open_tier, block_cache) -> None:
     tier.put(key(2), block_cache(LAYOUT, 2))
     tier.put(key(2), block_cache(LAYOUT, 2))  # an overwrite does not count twice
     usage = tier.usage()
-    assert (
-        usage.blocks == 2 and usage.used_bytes == 2 * tier.value_bytes and usage.pending_bytes == 0
-    )
+    assert usage.blocks == 2 and usage.used_bytes == 2 * tier.value_bytes and usage.pending_bytes == 0
     with pytest.raises(TierFull):
         tier.put(key(3), block_cache(LAYOUT, 3))
     assert not tier.contains(key(3))
@@ -129,9 +121,7 @@ def test_redis_out_of_memory_is_tier_full(open_tier, block_cache) -> None:
     assert torch.equal(out, block_cache(LAYOUT, 1))
 
 
-def test_value_carries_header_and_checksum_and_layers_sit_at_fixed_offsets(
-    open_tier, block_cache
-) -> None:
+def test_value_carries_header_and_checksum_and_layers_sit_at_fixed_offsets(open_tier, block_cache) -> None:
     tier = open_tier("remote", LAYOUT, blocks=2, prefix="deployment-a")
     block = block_cache(LAYOUT, 1)
     result = tier.put(key(1), block)
@@ -163,9 +153,7 @@ def test_batched_layer_reads_mix_hits_and_misses(open_tier, block_cache) -> None
 
 
 def test_a_shared_filesystem_path_is_a_remote_tier(tmp_path, block_cache) -> None:
-    tier = open_remote_tier(
-        str(tmp_path / "cephfs"), layout=LAYOUT, capacity_bytes=1 << 30, prefix="deploy"
-    )
+    tier = open_remote_tier(str(tmp_path / "cephfs"), layout=LAYOUT, capacity_bytes=1 << 30, prefix="deploy")
     try:
         assert isinstance(tier, DiskTier) and tier.name == "remote"
         assert tier.root == tmp_path / "cephfs" / "deploy"
@@ -176,9 +164,7 @@ def test_a_shared_filesystem_path_is_a_remote_tier(tmp_path, block_cache) -> Non
         assert tier.counters.get("remote.hits") == 1
     finally:
         tier.close()
-    url_tier = open_remote_tier(
-        f"file://{tmp_path / 'nfs'}", layout=LAYOUT, capacity_bytes=1 << 30, prefix="p"
-    )
+    url_tier = open_remote_tier(f"file://{tmp_path / 'nfs'}", layout=LAYOUT, capacity_bytes=1 << 30, prefix="p")
     url_tier.close()
     assert (tmp_path / "nfs" / "p").is_dir()
 
@@ -315,14 +301,10 @@ def test_redis_cluster_client(redis_cluster, block_cache, hasher) -> None:
         tier.close()
 
 
-def test_the_client_factory_builds_a_cluster_client_the_tier_works_through(
-    redis_cluster, block_cache, hasher
-) -> None:
+def test_the_client_factory_builds_a_cluster_client_the_tier_works_through(redis_cluster, block_cache, hasher) -> None:
     client = redis_client(redis_cluster.url, cluster=True, timeout_s=1.5)
     assert isinstance(client, redis.cluster.RedisCluster)
-    tier = RemoteTier(
-        layout=LAYOUT, capacity_bytes=1 << 30, client=client, prefix="factory", hasher=hasher
-    )
+    tier = RemoteTier(layout=LAYOUT, capacity_bytes=1 << 30, client=client, prefix="factory", hasher=hasher)
     try:
         block = block_cache(LAYOUT, 1)
         tier.put(key(1), block)
@@ -333,9 +315,7 @@ def test_the_client_factory_builds_a_cluster_client_the_tier_works_through(
         assert tier.usage().blocks == 1
     finally:
         tier.close()
-    built = open_remote_tier(
-        redis_cluster.url, layout=LAYOUT, capacity_bytes=1 << 30, prefix="factory", cluster=True
-    )
+    built = open_remote_tier(redis_cluster.url, layout=LAYOUT, capacity_bytes=1 << 30, prefix="factory", cluster=True)
     try:
         assert isinstance(built, RemoteTier)
         assert isinstance(built.client, redis.cluster.RedisCluster)
@@ -344,9 +324,7 @@ def test_the_client_factory_builds_a_cluster_client_the_tier_works_through(
         built.close()
 
 
-def test_the_remote_cluster_option_builds_a_cluster_backed_store(
-    redis_cluster, block_cache
-) -> None:
+def test_the_remote_cluster_option_builds_a_cluster_backed_store(redis_cluster, block_cache) -> None:
     config = load_config(
         environ={
             "STRATA_TIERS": "remote",
@@ -367,9 +345,7 @@ def test_the_remote_cluster_option_builds_a_cluster_backed_store(
         assert tier.client.exists(tier.key_name(key(2))) == 1  # the value lives in the cluster
 
 
-def test_redis_cluster_down_is_unavailable_then_recovers(
-    redis_cluster, block_cache, hasher
-) -> None:
+def test_redis_cluster_down_is_unavailable_then_recovers(redis_cluster, block_cache, hasher) -> None:
     tier = open_remote_tier(
         redis_cluster.url,
         layout=LAYOUT,
@@ -380,8 +356,9 @@ def test_redis_cluster_down_is_unavailable_then_recovers(
         hasher=hasher,
     )
     try:
-        _survives_an_outage(tier, block_cache(LAYOUT, 1), stop=redis_cluster.stop, start=redis_cluster.start,
-                            server="cluster")
+        _survives_an_outage(
+            tier, block_cache(LAYOUT, 1), stop=redis_cluster.stop, start=redis_cluster.start, server="cluster"
+        )
     finally:
         tier.close()
 

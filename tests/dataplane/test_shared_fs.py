@@ -123,4 +123,3 @@ def test_this_hosts_temp_files_are_judged_by_pid(tmp_path, on_host) -> None:
         assert usage.pending_bytes == 8192 + 16384
     finally:
         tier.close()
-

@@ -25,11 +25,7 @@ def test_round_trip_is_exact(kind: str, dtype: str, shape: dict, open_tier, bloc
         assert (result.checksum is None) == (kind == "device")
     assert tier.contains(key(1)) and not tier.contains(key(9))
     usage = tier.usage()
-    assert (
-        usage.blocks == 2
-        and usage.pending_bytes == 0
-        and usage.stored_bytes >= 2 * layout.block_bytes
-    )
+    assert usage.blocks == 2 and usage.pending_bytes == 0 and usage.stored_bytes >= 2 * layout.block_bytes
 
     for k, block in blocks.items():
         out = layout.empty()
@@ -37,9 +33,7 @@ def test_round_trip_is_exact(kind: str, dtype: str, shape: dict, open_tier, bloc
         read = tier.get(k, out)
         assert read.tier == kind and read.layers == range(layout.layers)
         assert torch.equal(out, block)
-        for (k_out, v_out), (k_in, v_in) in zip(
-            layout.kv_views(out), layout.kv_views(block), strict=True
-        ):
+        for (k_out, v_out), (k_in, v_in) in zip(layout.kv_views(out), layout.kv_views(block), strict=True):
             assert torch.equal(k_out, k_in) and torch.equal(v_out, v_in)
 
     last = layout.layers - 1
@@ -122,9 +116,7 @@ def test_batched_puts_and_gets(kind: str, shape: dict, open_tier, block_cache, h
         tier.capacity_bytes = 3 * (tier.file_bytes if kind == "disk" else tier.value_bytes)
     blocks = [block_cache(layout, n) for n in range(4)]
     given = hasher.checksum(key(0), blocks[0], layout)
-    futures = tier.put_many(
-        [(key(n), blocks[n]) for n in range(4)], checksums=[given, None, None, None]
-    )
+    futures = tier.put_many([(key(n), blocks[n]) for n in range(4)], checksums=[given, None, None, None])
     outcomes = []
     for future in futures:
         try:

@@ -47,13 +47,24 @@ def other_namespace(db) -> Namespace:  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def profile(db) -> ModelProfile:  # type: ignore[no-untyped-def]
-    return modelprofile_create(name="tiny-llama", model_id="strata/tiny-llama", layers=2, kv_heads=2,
-                               head_dim=16, dtype="float16", block_tokens=16)
+    return modelprofile_create(
+        name="tiny-llama",
+        model_id="strata/tiny-llama",
+        layers=2,
+        kv_heads=2,
+        head_dim=16,
+        dtype="float16",
+        block_tokens=16,
+    )
 
 
 def node_create(name: str) -> Node:
-    return node_heartbeat(name=name, host="host-" + name, heartbeat_seconds=5.0,
-                          tiers=[TierReport(tier="host", capacity_bytes=1 << 30, used_bytes=0)])
+    return node_heartbeat(
+        name=name,
+        host="host-" + name,
+        heartbeat_seconds=5.0,
+        tiers=[TierReport(tier="host", capacity_bytes=1 << 30, used_bytes=0)],
+    )
 
 
 @pytest.fixture
@@ -72,9 +83,16 @@ def registration(namespace, profile, node) -> Callable[..., BlockRegistration]: 
 
     def build(**overrides: object) -> BlockRegistration:
         fields: dict[str, object] = dict(
-            namespace=namespace.name, model_key=profile.model_key, prefix_key=uuid.uuid4(),
-            content_key=uuid.uuid4(), position=0, tokens=16, tier="host", node=node.name,
-            nbytes=profile.block_bytes, checksum="0" * 32,
+            namespace=namespace.name,
+            model_key=profile.model_key,
+            prefix_key=uuid.uuid4(),
+            content_key=uuid.uuid4(),
+            position=0,
+            tokens=16,
+            tier="host",
+            node=node.name,
+            nbytes=profile.block_bytes,
+            checksum="0" * 32,
         )
         fields.update(overrides)
         return BlockRegistration(**fields)  # type: ignore[arg-type]

@@ -33,19 +33,33 @@ def test_register_lookup_touch_and_change_round_trip(directory, registration, pr
     regs = [registration(position=16 * i) for i in range(3)]
     directory.register(blocks=regs)
     assert directory.flush(timeout=10)
-    result = directory.lookup(keys=[r.prefix_key for r in regs], node="gpu-0", namespace="tenant-a",
-                              model_key=profile.model_key)
+    result = directory.lookup(
+        keys=[r.prefix_key for r in regs], node="gpu-0", namespace="tenant-a", model_key=profile.model_key
+    )
     assert result.prefix_hit_blocks == 3 and set(result.values()) == {"host"}
-    directory.touch(touches=[BlockTouch(namespace="tenant-a", model_key=profile.model_key,
-                                        prefix_key=regs[0].prefix_key, hits=2)] * 3)
-    directory.change_placements(changes=[PlacementChange(
-        namespace="tenant-a", model_key=profile.model_key, prefix_key=regs[1].prefix_key, tier="host",
-        node="gpu-0", action="corrupt", expected_epoch=1)])
+    directory.touch(
+        touches=[BlockTouch(namespace="tenant-a", model_key=profile.model_key, prefix_key=regs[0].prefix_key, hits=2)]
+        * 3
+    )
+    directory.change_placements(
+        changes=[
+            PlacementChange(
+                namespace="tenant-a",
+                model_key=profile.model_key,
+                prefix_key=regs[1].prefix_key,
+                tier="host",
+                node="gpu-0",
+                action="corrupt",
+                expected_epoch=1,
+            )
+        ]
+    )
     assert directory.flush(timeout=10)
     assert Block.objects.get(prefix_key=regs[0].prefix_key).access_count == 6
     assert Placement.objects.get(block__prefix_key=regs[1].prefix_key).state == "corrupt"
-    again = directory.lookup(keys=[r.prefix_key for r in regs], node="gpu-0", namespace="tenant-a",
-                             model_key=profile.model_key)
+    again = directory.lookup(
+        keys=[r.prefix_key for r in regs], node="gpu-0", namespace="tenant-a", model_key=profile.model_key
+    )
     assert again.prefix_hit_blocks == 1
     stats = directory.stats()
     assert (stats.queued, stats.flushed, stats.pending, stats.dropped_touches, stats.lookups) == (7, 7, 0, 0, 2)
@@ -56,9 +70,18 @@ def test_namespace_salt_comes_from_the_directory(directory, namespace):
 
 
 def test_registrations_may_be_any_object_with_the_fields(directory, namespace, profile, node):
-    stored = SimpleNamespace(namespace="tenant-a", model_key=profile.model_key, prefix_key=uuid.uuid4(),
-                         content_key=uuid.uuid4(), position=0, tokens=16, tier="host", node="gpu-0", nbytes=4096,
-                         checksum="1" * 32)
+    stored = SimpleNamespace(
+        namespace="tenant-a",
+        model_key=profile.model_key,
+        prefix_key=uuid.uuid4(),
+        content_key=uuid.uuid4(),
+        position=0,
+        tokens=16,
+        tier="host",
+        node="gpu-0",
+        nbytes=4096,
+        checksum="1" * 32,
+    )
     directory.register(blocks=[stored])
     assert directory.flush(timeout=10)
     hits = directory.lookup(keys=[stored.prefix_key, uuid.uuid4()], node="gpu-0")
@@ -66,13 +89,24 @@ def test_registrations_may_be_any_object_with_the_fields(directory, namespace, p
 
 
 def test_stale_epochs_and_unknown_references_are_counted_not_retried(registration, profile):
-    directory = PostgresDirectory(options=DirectoryOptions(flush_interval_s=0.02, unknown_grace_s=0),
-                                announce=lambda **_: None)
+    directory = PostgresDirectory(
+        options=DirectoryOptions(flush_interval_s=0.02, unknown_grace_s=0), announce=lambda **_: None
+    )
     reg = registration()
     directory.register(blocks=[reg, registration(node="gpu-404"), registration(namespace="nobody")])
-    directory.change_placements(changes=[PlacementChange(
-        namespace="tenant-a", model_key=profile.model_key, prefix_key=reg.prefix_key, tier="host", node="gpu-0",
-        action="deleting", expected_epoch=9)])
+    directory.change_placements(
+        changes=[
+            PlacementChange(
+                namespace="tenant-a",
+                model_key=profile.model_key,
+                prefix_key=reg.prefix_key,
+                tier="host",
+                node="gpu-0",
+                action="deleting",
+                expected_epoch=9,
+            )
+        ]
+    )
     assert directory.flush(timeout=10)
     stats = directory.stats()
     directory.close()
@@ -124,7 +158,7 @@ def test_writes_never_wait_and_are_announced_in_batches(directory, registration,
     directory._apply = held_apply
     try:
         for start in range(0, len(regs), 50):
-            directory.register(blocks=regs[start:start + 50])
+            directory.register(blocks=regs[start : start + 50])
         assert writing.wait(timeout=10), "the writer never started"
         assert not Block.objects.exists()  # every call returned while nothing was written yet
     finally:
@@ -143,8 +177,11 @@ def test_writes_never_wait_and_are_announced_in_batches(directory, registration,
 
 def test_touches_over_capacity_are_dropped_and_counted(registration, profile):
     with PostgresDirectory(options=DirectoryOptions(flush_interval_s=5, touch_capacity=2)) as client:
-        client.touch(touches=[BlockTouch(namespace="tenant-a", model_key=profile.model_key, prefix_key=uuid.uuid4())
-                              for _ in range(5)])
+        client.touch(
+            touches=[
+                BlockTouch(namespace="tenant-a", model_key=profile.model_key, prefix_key=uuid.uuid4()) for _ in range(5)
+            ]
+        )
         assert client.stats().dropped_touches == 3
 
 

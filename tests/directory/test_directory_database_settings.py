@@ -16,12 +16,15 @@ from controlplane.runtime.environment import embedded_database_name, load_enviro
 GB = 1 << 30
 
 
-@pytest.mark.parametrize("memory, shared, cache", [
-    (256 << 20, "128MB", "128MB"),   # never below PostgreSQL's default
-    (4 * GB, "1024MB", "2048MB"),    # a quarter of memory; the planner counts on half
-    (24 * GB, "6144MB", "12288MB"),
-    (512 * GB, "8192MB", "262144MB"),  # at most 8 GB of buffers; the OS caches the rest
-])
+@pytest.mark.parametrize(
+    "memory, shared, cache",
+    [
+        (256 << 20, "128MB", "128MB"),  # never below PostgreSQL's default
+        (4 * GB, "1024MB", "2048MB"),  # a quarter of memory; the planner counts on half
+        (24 * GB, "6144MB", "12288MB"),
+        (512 * GB, "8192MB", "262144MB"),  # at most 8 GB of buffers; the OS caches the rest
+    ],
+)
 def test_shared_buffers_follow_memory(memory, shared, cache):
     settings = server_settings(memory)
     assert (settings["shared_buffers"], settings["effective_cache_size"]) == (shared, cache)

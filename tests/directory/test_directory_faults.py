@@ -45,28 +45,46 @@ def private_pg(private_var, db):
     server.start()
 
     def connect():
-        return psycopg.connect(host=str(server.sockets), dbname=embedded_database_name(), user="postgres",
-                               connect_timeout=2)
+        return psycopg.connect(
+            host=str(server.sockets), dbname=embedded_database_name(), user="postgres", connect_timeout=2
+        )
 
     try:
         # The tables as the models define them, created by plain SQL (no Django alias to register).
         with connection.schema_editor(collect_sql=True, atomic=False) as editor:
             for model in (Node, Namespace, ModelProfile, Block, Placement):
                 editor.create_model(model)
-        key, layout = modelprofile_key(model_id="m/private", layers=1, kv_heads=1, head_dim=8, dtype="float16",
-                                       block_tokens=16, revision="main", rope_theta=10000.0, rope_scaling="")
+        key, layout = modelprofile_key(
+            model_id="m/private",
+            layers=1,
+            kv_heads=1,
+            head_dim=8,
+            dtype="float16",
+            block_tokens=16,
+            revision="main",
+            rope_theta=10000.0,
+            rope_scaling="",
+        )
         with connect() as conn:
             for statement in editor.collected_sql:
                 conn.execute(statement)
-            conn.execute("INSERT INTO directory_namespace (name, salt, shared, description, created_at) "
-                         "VALUES ('tenant-a', %s, false, '', now())", (salt_new(),))
-            conn.execute("INSERT INTO directory_modelprofile (name, model_id, revision, dtype, layers, kv_heads, "
-                         "head_dim, block_tokens, rope_theta, rope_scaling, model_key, created_at) VALUES "
-                         "('private', %(model_id)s, %(revision)s, %(dtype)s, %(layers)s, %(kv_heads)s, %(head_dim)s, "
-                         "%(block_tokens)s, %(rope_theta)s, %(rope_scaling)s, %(key)s, now())", {**layout, "key": key})
-            conn.execute("INSERT INTO directory_node (name, host, address, state, version, heartbeat_seconds, "
-                         "heartbeats, registered_at, last_seen, stale_after) "
-                         "VALUES ('gpu-0', 'h', '', 'up', '', 5, 0, now(), now(), now())")
+            conn.execute(
+                "INSERT INTO directory_namespace (name, salt, shared, description, created_at) "
+                "VALUES ('tenant-a', %s, false, '', now())",
+                (salt_new(),),
+            )
+            conn.execute(
+                "INSERT INTO directory_modelprofile (name, model_id, revision, dtype, layers, kv_heads, "
+                "head_dim, block_tokens, rope_theta, rope_scaling, model_key, created_at) VALUES "
+                "('private', %(model_id)s, %(revision)s, %(dtype)s, %(layers)s, %(kv_heads)s, %(head_dim)s, "
+                "%(block_tokens)s, %(rope_theta)s, %(rope_scaling)s, %(key)s, now())",
+                {**layout, "key": key},
+            )
+            conn.execute(
+                "INSERT INTO directory_node (name, host, address, state, version, heartbeat_seconds, "
+                "heartbeats, registered_at, last_seen, stale_after) "
+                "VALUES ('gpu-0', 'h', '', 'up', '', 5, 0, now(), now(), now())"
+            )
         yield server, connect, key
     finally:
         server.stop()
@@ -80,13 +98,25 @@ def _count(connect, table):
 @pytest.mark.slow
 def test_registrations_survive_a_postgres_restart(private_pg):
     server, connect, model_key = private_pg
-    options = DirectoryOptions(flush_interval_s=0.02, batch_size=200, retry_initial_s=0.05, retry_max_s=0.3,
-                               unavailable_s=0.2)
+    options = DirectoryOptions(
+        flush_interval_s=0.02, batch_size=200, retry_initial_s=0.05, retry_max_s=0.3, unavailable_s=0.2
+    )
     total, chunk = 3000, 10
     stop_at, restart_at = total // 3, 2 * total // 3
-    regs = [BlockRegistration(namespace="tenant-a", model_key=model_key, prefix_key=uuid.uuid4(),
-                              content_key=uuid.uuid4(), position=16 * (i % 64), tokens=16, tier="host",
-                              node="gpu-0", nbytes=512) for i in range(total)]
+    regs = [
+        BlockRegistration(
+            namespace="tenant-a",
+            model_key=model_key,
+            prefix_key=uuid.uuid4(),
+            content_key=uuid.uuid4(),
+            position=16 * (i % 64),
+            tokens=16,
+            tier="host",
+            node="gpu-0",
+            nbytes=512,
+        )
+        for i in range(total)
+    ]
     slowest_call = 0.0
     outage_lookups: list[float] = []
     with PostgresDirectory(connect=connect, options=options, announce=lambda **_: None) as directory:
@@ -99,12 +129,13 @@ def test_registrations_survive_a_postgres_restart(private_pg):
                     with pytest.raises(DirectoryUnavailable):
                         directory.lookup(keys=[regs[0].prefix_key], node="gpu-0")
                     outage_lookups.append(time.perf_counter() - began)
-                directory.touch(touches=[BlockTouch(namespace="tenant-a", model_key=model_key,
-                                                    prefix_key=regs[0].prefix_key)])
+                directory.touch(
+                    touches=[BlockTouch(namespace="tenant-a", model_key=model_key, prefix_key=regs[0].prefix_key)]
+                )
             if start == restart_at:
                 assert server.start() == "started"
             began = time.perf_counter()
-            directory.register(blocks=regs[start:start + chunk])
+            directory.register(blocks=regs[start : start + chunk])
             slowest_call = max(slowest_call, time.perf_counter() - began)
             # About 1 s of registrations while the server is down, a few ms apart otherwise.
             time.sleep(0.01 if stop_at <= start < restart_at else 0.002)
@@ -148,20 +179,39 @@ print("ok")
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_concurrent_registration_from_two_processes(tmp_path, subprocess_env, python, namespace, profile, node,
-                                                    other_node):
+def test_concurrent_registration_from_two_processes(
+    tmp_path, subprocess_env, python, namespace, profile, node, other_node
+):
     keys = [(str(uuid.uuid4()), str(uuid.uuid4())) for _ in range(1500)]
     procs = []
     for name in ("gpu-0", "gpu-1"):
         shuffled = keys[:]
         random.Random(name).shuffle(shuffled)
         spec = tmp_path / f"{name}.json"
-        spec.write_text(json.dumps({"keys": shuffled, "node": name, "model_key": str(profile.model_key),
-                                    "rounds": 12, "step": 250, "batch": 500}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "keys": shuffled,
+                    "node": name,
+                    "model_key": str(profile.model_key),
+                    "rounds": 12,
+                    "step": 250,
+                    "batch": 500,
+                }
+            )
+        )
         script = tmp_path / "child.py"
         script.write_text(CHILD)
-        procs.append(subprocess.Popen([python, str(script), str(spec)], env=subprocess_env, cwd=Path.cwd(),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [python, str(script), str(spec)],
+                env=subprocess_env,
+                cwd=Path.cwd(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output[-3000:]
@@ -176,8 +226,10 @@ def test_concurrent_registration_from_two_processes(tmp_path, subprocess_env, py
 def test_concurrent_registration_from_threads(namespace, profile, node, other_node):
     """The same through two Directory clients (two writer connections) in one process."""
     keys = [(uuid.uuid4(), uuid.uuid4()) for _ in range(800)]
-    clients = [PostgresDirectory(options=DirectoryOptions(flush_interval_s=0.01, batch_size=100),
-                               announce=lambda **_: None) for _ in range(2)]
+    clients = [
+        PostgresDirectory(options=DirectoryOptions(flush_interval_s=0.01, batch_size=100), announce=lambda **_: None)
+        for _ in range(2)
+    ]
     barrier = threading.Barrier(2)
 
     def produce(client, node_name, seed):
@@ -185,14 +237,28 @@ def test_concurrent_registration_from_threads(namespace, profile, node, other_no
         random.Random(seed).shuffle(order)
         barrier.wait()
         for start in range(0, len(order), 40):
-            client.register(blocks=[
-                BlockRegistration(namespace="tenant-a", model_key=profile.model_key, prefix_key=p, content_key=c,
-                                  position=0, tokens=16, tier=tier, node=n, nbytes=64)
-                for p, c in order[start:start + 40] for tier, n in (("host", node_name), ("remote", None))
-            ])
+            client.register(
+                blocks=[
+                    BlockRegistration(
+                        namespace="tenant-a",
+                        model_key=profile.model_key,
+                        prefix_key=p,
+                        content_key=c,
+                        position=0,
+                        tokens=16,
+                        tier=tier,
+                        node=n,
+                        nbytes=64,
+                    )
+                    for p, c in order[start : start + 40]
+                    for tier, n in (("host", node_name), ("remote", None))
+                ]
+            )
 
-    threads = [threading.Thread(target=produce, args=(c, n, i)) for i, (c, n) in
-               enumerate(zip(clients, ("gpu-0", "gpu-1"), strict=True))]
+    threads = [
+        threading.Thread(target=produce, args=(c, n, i))
+        for i, (c, n) in enumerate(zip(clients, ("gpu-0", "gpu-1"), strict=True))
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -47,8 +47,7 @@ def test_the_window_throttle_counts_one_integer_per_window(clock, three_a_minute
     assert [throttle_cache.get(f"throttle_user_{user.pk}:{window}") for window in (100, 101)] == [5, 1]
 
 
-def test_lookups_past_the_user_rate_are_refused_with_retry_after(clock, three_a_minute, api_as, registration,
-                                                                 profile):
+def test_lookups_past_the_user_rate_are_refused_with_retry_after(clock, three_a_minute, api_as, registration, profile):
     client = api_as("viewer")
     body = {"namespace": "tenant-a", "model_key": str(profile.model_key), "prefix_keys": [str(uuid.uuid4())]}
     codes = [client.post("/api/v1/blocks/lookup/", body, format="json") for _ in range(4)]
@@ -56,10 +55,13 @@ def test_lookups_past_the_user_rate_are_refused_with_retry_after(clock, three_a_
     assert codes[-1]["Retry-After"] == "60"
 
 
-@pytest.mark.parametrize("keys, error_at", [
-    ([str(uuid.uuid4()), "not-a-uuid"], 1),
-    (["{12345678-1234-5678-1234-567812345678}", 7, None], 2),
-])
+@pytest.mark.parametrize(
+    "keys, error_at",
+    [
+        ([str(uuid.uuid4()), "not-a-uuid"], 1),
+        (["{12345678-1234-5678-1234-567812345678}", 7, None], 2),
+    ],
+)
 def test_key_lists_parse_as_drf_does(keys, error_at):
     data = LookupInputSerializer(data={"namespace": "a", "model_key": str(uuid.uuid4()), "prefix_keys": keys})
     assert not data.is_valid()

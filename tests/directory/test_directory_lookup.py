@@ -36,7 +36,13 @@ def test_lookup_answers_in_chain_order_in_one_query(registration, profile, djang
     assert result.hits == 5
     first = result.prefix[0]
     assert first is not None
-    assert (first.tier, first.node, first.tokens, first.nbytes, first.epoch) == ("host", "gpu-0", 16, profile.block_bytes, 1)
+    assert (first.tier, first.node, first.tokens, first.nbytes, first.epoch) == (
+        "host",
+        "gpu-0",
+        16,
+        profile.block_bytes,
+        1,
+    )
     # The result is also a key -> tier mapping (what the engine's BlockIndex protocol expects).
     assert dict(result) == {k: "host" for k in keys if k != unknown}
 
@@ -51,12 +57,14 @@ def test_best_tier_for_the_asking_node(registration, profile, node, other_node):
     key = uuid.uuid4()
     content = uuid.uuid4()
     # One block, four copies: gpu-1's device, gpu-0's disk and host, and the shared remote tier.
-    blocks_register(registrations=[
-        registration(prefix_key=key, content_key=content, tier="device", node="gpu-1"),
-        registration(prefix_key=key, content_key=content, tier="disk", node="gpu-0", locator="/nvme/a"),
-        registration(prefix_key=key, content_key=content, tier="host", node="gpu-0", locator="slot:7"),
-        registration(prefix_key=key, content_key=content, tier="remote", node=None, locator="strata:k"),
-    ])
+    blocks_register(
+        registrations=[
+            registration(prefix_key=key, content_key=content, tier="device", node="gpu-1"),
+            registration(prefix_key=key, content_key=content, tier="disk", node="gpu-0", locator="/nvme/a"),
+            registration(prefix_key=key, content_key=content, tier="host", node="gpu-0", locator="slot:7"),
+            registration(prefix_key=key, content_key=content, tier="remote", node=None, locator="strata:k"),
+        ]
+    )
 
     def best(asking):
         loc = blocks_lookup(namespace="tenant-a", model_key=profile.model_key, node=asking, prefix_keys=[key]).prefix[0]
@@ -71,21 +79,29 @@ def test_best_tier_for_the_asking_node(registration, profile, node, other_node):
 @pytest.mark.parametrize("state", ["pending", "corrupt", "deleting"])
 def test_only_ready_copies_are_served(registration, profile, state):
     reg = registration()
-    blocks_register(registrations=[reg, registration(prefix_key=reg.prefix_key, content_key=reg.content_key,
-                                                     tier="remote", node=None)])
+    blocks_register(
+        registrations=[
+            reg,
+            registration(prefix_key=reg.prefix_key, content_key=reg.content_key, tier="remote", node=None),
+        ]
+    )
     Placement.objects.filter(tier="host").update(state=state)
-    loc = blocks_lookup(namespace="tenant-a", model_key=profile.model_key, node="gpu-0", prefix_keys=[reg.prefix_key]).prefix[0]
+    loc = blocks_lookup(
+        namespace="tenant-a", model_key=profile.model_key, node="gpu-0", prefix_keys=[reg.prefix_key]
+    ).prefix[0]
     assert loc is not None and loc.tier == "remote"
     Placement.objects.filter(tier="remote").update(state=state)
-    assert blocks_lookup(namespace="tenant-a", model_key=profile.model_key, node="gpu-0",
-                         prefix_keys=[reg.prefix_key]).prefix == (None,)
+    assert blocks_lookup(
+        namespace="tenant-a", model_key=profile.model_key, node="gpu-0", prefix_keys=[reg.prefix_key]
+    ).prefix == (None,)
 
 
 def test_content_keys_find_a_fragment_anywhere(registration, profile):
     regs = _chain(registration, 3)
     asked = [uuid.uuid4(), regs[2].content_key]
-    result = blocks_lookup(namespace="tenant-a", model_key=profile.model_key, node="gpu-0",
-                           prefix_keys=[uuid.uuid4()], content_keys=asked)
+    result = blocks_lookup(
+        namespace="tenant-a", model_key=profile.model_key, node="gpu-0", prefix_keys=[uuid.uuid4()], content_keys=asked
+    )
     assert result.prefix == (None,)
     assert result.content[0] is None
     hit = result.content[1]
@@ -104,19 +120,30 @@ def test_namespace_isolation_with_identical_tokens(registration, profile, namesp
     fp_a = fingerprint_prompt(tokens, ns_salt=namespace.salt_bytes, model_key=profile.model_key, block_tokens=16)
     fp_b = fingerprint_prompt(tokens, ns_salt=other_namespace.salt_bytes, model_key=profile.model_key, block_tokens=16)
     assert {f.prefix_key for f in fp_a}.isdisjoint({f.prefix_key for f in fp_b})
-    blocks_register(registrations=[
-        registration(prefix_key=f.prefix_key, content_key=f.content_key, position=f.start) for f in fp_a
-    ])
-    in_a = blocks_lookup(namespace="tenant-a", model_key=profile.model_key, node="gpu-0",
-                         prefix_keys=[f.prefix_key for f in fp_a])
+    blocks_register(
+        registrations=[registration(prefix_key=f.prefix_key, content_key=f.content_key, position=f.start) for f in fp_a]
+    )
+    in_a = blocks_lookup(
+        namespace="tenant-a", model_key=profile.model_key, node="gpu-0", prefix_keys=[f.prefix_key for f in fp_a]
+    )
     assert in_a.prefix_hit_blocks == 4
     # Tenant B fingerprints the same tokens with its own salt: nothing matches.
-    in_b = blocks_lookup(namespace="tenant-b", model_key=profile.model_key, node="gpu-0",
-                         prefix_keys=[f.prefix_key for f in fp_b], content_keys=[f.content_key for f in fp_b])
+    in_b = blocks_lookup(
+        namespace="tenant-b",
+        model_key=profile.model_key,
+        node="gpu-0",
+        prefix_keys=[f.prefix_key for f in fp_b],
+        content_keys=[f.content_key for f in fp_b],
+    )
     assert in_b.hits == 0
     # Even asking with A's very keys from B finds nothing: the namespace is checked, not only the salt.
-    stolen = blocks_lookup(namespace="tenant-b", model_key=profile.model_key, node="gpu-0",
-                           prefix_keys=[f.prefix_key for f in fp_a], content_keys=[f.content_key for f in fp_a])
+    stolen = blocks_lookup(
+        namespace="tenant-b",
+        model_key=profile.model_key,
+        node="gpu-0",
+        prefix_keys=[f.prefix_key for f in fp_a],
+        content_keys=[f.content_key for f in fp_a],
+    )
     assert stolen.hits == 0
 
 
@@ -135,17 +162,31 @@ def test_shared_namespace_matches_from_any_namespace(registration, profile, name
     tokens = np.arange(32, dtype=np.uint32)
     shared_fp = fingerprint_prompt(tokens, ns_salt=common.salt_bytes, model_key=profile.model_key, block_tokens=16)
     private_fp = fingerprint_prompt(tokens, ns_salt=private.salt_bytes, model_key=profile.model_key, block_tokens=16)
-    blocks_register(registrations=[registration(namespace="policies", prefix_key=f.prefix_key,
-                                                content_key=f.content_key, position=f.start) for f in shared_fp])
-    blocks_register(registrations=[registration(namespace="tenant-c", prefix_key=f.prefix_key,
-                                                content_key=f.content_key, position=f.start) for f in private_fp])
+    blocks_register(
+        registrations=[
+            registration(namespace="policies", prefix_key=f.prefix_key, content_key=f.content_key, position=f.start)
+            for f in shared_fp
+        ]
+    )
+    blocks_register(
+        registrations=[
+            registration(namespace="tenant-c", prefix_key=f.prefix_key, content_key=f.content_key, position=f.start)
+            for f in private_fp
+        ]
+    )
     # tenant-a asks with the shared namespace's keys: hits. With tenant-c's keys: a private namespace never matches.
     shared_keys = [f.prefix_key for f in shared_fp]
     private_keys = [f.prefix_key for f in private_fp]
-    assert blocks_lookup(namespace="tenant-a", model_key=profile.model_key, node="gpu-0",
-                         prefix_keys=shared_keys).prefix_hit_blocks == 2
-    assert blocks_lookup(namespace="tenant-a", model_key=profile.model_key, node="gpu-0",
-                         prefix_keys=private_keys).hits == 0
+    assert (
+        blocks_lookup(
+            namespace="tenant-a", model_key=profile.model_key, node="gpu-0", prefix_keys=shared_keys
+        ).prefix_hit_blocks
+        == 2
+    )
+    assert (
+        blocks_lookup(namespace="tenant-a", model_key=profile.model_key, node="gpu-0", prefix_keys=private_keys).hits
+        == 0
+    )
 
 
 def test_strict_lookup_names_what_is_unknown(profile, namespace, node):

@@ -26,23 +26,28 @@ def test_one_batch_mixes_new_blocks_existing_blocks_and_repeated_copies(registra
     known = registration()
     blocks_register(registrations=[known])
     new = registration()
-    counts = blocks_register(registrations=[
-        known,                                                    # the same copy again: nothing changes
-        registration(prefix_key=known.prefix_key, tier="disk"),   # a second copy of a known block
-        new,
-        registration(prefix_key=new.prefix_key, checksum="1" * 32),  # the same copy named twice: the last wins
-        registration(prefix_key=new.prefix_key, tier="host", node=other_node.name),  # another node's copy
-        registration(prefix_key=new.prefix_key, tier="remote", node=None),
-    ])
+    counts = blocks_register(
+        registrations=[
+            known,  # the same copy again: nothing changes
+            registration(prefix_key=known.prefix_key, tier="disk"),  # a second copy of a known block
+            new,
+            registration(prefix_key=new.prefix_key, checksum="1" * 32),  # the same copy named twice: the last wins
+            registration(prefix_key=new.prefix_key, tier="host", node=other_node.name),  # another node's copy
+            registration(prefix_key=new.prefix_key, tier="remote", node=None),
+        ]
+    )
     assert (counts.blocks, counts.placements) == (1, 4)
     assert Block.objects.count() == 2
     assert _copies() == {
-        (known.prefix_key, "host", "0" * 32, 1), (known.prefix_key, "disk", "0" * 32, 1),
-        (new.prefix_key, "host", "1" * 32, 1), (new.prefix_key, "host", "0" * 32, 1),
+        (known.prefix_key, "host", "0" * 32, 1),
+        (known.prefix_key, "disk", "0" * 32, 1),
+        (new.prefix_key, "host", "1" * 32, 1),
+        (new.prefix_key, "host", "0" * 32, 1),
         (new.prefix_key, "remote", "0" * 32, 1),
     }
-    assert set(Placement.objects.filter(block__prefix_key=new.prefix_key, tier="host")
-               .values_list("node__name", "checksum")) == {("gpu-0", "1" * 32), ("gpu-1", "0" * 32)}
+    assert set(
+        Placement.objects.filter(block__prefix_key=new.prefix_key, tier="host").values_list("node__name", "checksum")
+    ) == {("gpu-0", "1" * 32), ("gpu-1", "0" * 32)}
 
 
 def test_a_changed_copy_of_a_known_block_moves_its_epoch(registration):
@@ -66,8 +71,11 @@ def test_new_copies_need_no_conflict_check_and_known_ones_probe_the_key_index(re
         params = queries.register_params(rows, now)
         blocks = queries.explain(cursor, queries.REGISTER_BLOCKS_SQL, params)
         ids = dict(Block.objects.values_list("prefix_key", "id"))
-        new = queries.explain(cursor, queries.REGISTER_NEW_PLACEMENTS_SQL,
-                              {**params, "new_block_ids": queries.ints(ids[row.prefix_key] for row in rows)})
+        new = queries.explain(
+            cursor,
+            queries.REGISTER_NEW_PLACEMENTS_SQL,
+            {**params, "new_block_ids": queries.ints(ids[row.prefix_key] for row in rows)},
+        )
         known = queries.explain(cursor, queries.REGISTER_PLACEMENTS_SQL, params)
     assert "Conflict Arbiter Indexes: block_prefix_uniq" in blocks and "Tuples Inserted: 64" in blocks
     assert "Conflict" not in new and "directory_block" not in new, new

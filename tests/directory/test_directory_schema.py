@@ -9,9 +9,19 @@ schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is a dev
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-ENDPOINTS = ["/api/v1/namespaces/", "/api/v1/namespaces/{name}/", "/api/v1/model-profiles/",
-             "/api/v1/model-profiles/{name}/", "/api/v1/blocks/", "/api/v1/blocks/{id}/", "/api/v1/blocks/lookup/",
-             "/api/v1/blocks/register/", "/api/v1/blocks/purge/", "/api/v1/nodes/", "/api/v1/nodes/{name}/"]
+ENDPOINTS = [
+    "/api/v1/namespaces/",
+    "/api/v1/namespaces/{name}/",
+    "/api/v1/model-profiles/",
+    "/api/v1/model-profiles/{name}/",
+    "/api/v1/blocks/",
+    "/api/v1/blocks/{id}/",
+    "/api/v1/blocks/lookup/",
+    "/api/v1/blocks/register/",
+    "/api/v1/blocks/purge/",
+    "/api/v1/nodes/",
+    "/api/v1/nodes/{name}/",
+]
 
 
 def test_schema_validates_without_warnings(tmp_path):
@@ -67,8 +77,9 @@ def test_no_server_errors(api_schema, admin_token, profile):
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=40, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        )
         def fuzz(case):
             # Random names almost never exist, so most bodies would stop at "unknown namespace";
             # pointing them at real ones lets the rest of the generated body reach the database.

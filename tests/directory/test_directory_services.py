@@ -49,16 +49,18 @@ CHECKSUM = "ab" * 16
 
 
 def test_model_profile_key_is_the_data_planes(profile):
-    expected = dataplane_model_key(LayoutProfile(model_id="strata/tiny-llama", layers=2, kv_heads=2, head_dim=16,
-                                                 dtype="float16", block_tokens=16))
+    expected = dataplane_model_key(
+        LayoutProfile(model_id="strata/tiny-llama", layers=2, kv_heads=2, head_dim=16, dtype="float16", block_tokens=16)
+    )
     assert profile.model_key == expected
     assert profile.block_bytes == 2 * 2 * 16 * 2 * 16 * 2
 
 
 def test_model_profile_refuses_a_duplicate_layout_and_bad_fields(profile):
     with pytest.raises(DirectoryError, match="model_key: profile 'tiny-llama' has the same layout") as info:
-        modelprofile_create(name="again", model_id="strata/tiny-llama", layers=2, kv_heads=2, head_dim=16,
-                            dtype="fp16", block_tokens=16)
+        modelprofile_create(
+            name="again", model_id="strata/tiny-llama", layers=2, kv_heads=2, head_dim=16, dtype="fp16", block_tokens=16
+        )
     assert info.value.field == "model_key"
     with pytest.raises(DirectoryError, match="layers") as info:
         modelprofile_create(name="bad", model_id="m", layers=0, kv_heads=2, head_dim=16)
@@ -97,7 +99,7 @@ def test_register_is_idempotent_and_bumps_the_epoch_only_on_change(registration,
 
 
 def test_any_locator_text_round_trips(registration, profile):
-    odd = 'a"b\\c,{d} NULL \'q\' é/\t'
+    odd = "a\"b\\c,{d} NULL 'q' é/\t"
     reg = registration(locator=odd)
     blocks_register(registrations=[reg])
     assert Placement.objects.get().locator == odd
@@ -122,8 +124,12 @@ def test_register_is_all_or_nothing(registration):
 
 def test_registration_refuses_bad_values_naming_the_field(registration):
     for overrides, field in [
-        (dict(tier="gpu"), "tier"), (dict(tier="host", node=None), "node"), (dict(tier="remote", node="gpu-0"), "node"),
-        (dict(nbytes=-1), "nbytes"), (dict(position=-16), "position"), (dict(tokens=0), "tokens"),
+        (dict(tier="gpu"), "tier"),
+        (dict(tier="host", node=None), "node"),
+        (dict(tier="remote", node="gpu-0"), "node"),
+        (dict(nbytes=-1), "nbytes"),
+        (dict(position=-16), "position"),
+        (dict(tokens=0), "tokens"),
         (dict(checksum="xyz"), "checksum"),
     ]:
         with pytest.raises(ValueError, match=f"^{field}: "):
@@ -154,14 +160,16 @@ def _ready_copy(registration, **overrides):
 
 def test_move_pending_ready_flip_and_free(registration, profile):
     source = _ready_copy(registration)
-    target = placement_create_pending(block_id=source.block_id, tier="remote", node=None,
-                                      size_bytes=source.size_bytes, locator="strata:x")
+    target = placement_create_pending(
+        block_id=source.block_id, tier="remote", node=None, size_bytes=source.size_bytes, locator="strata:x"
+    )
     assert (target.state, target.epoch) == ("pending", 1)
     key = source.block.prefix_key
     ask = dict(namespace="tenant-a", model_key=profile.model_key, node="gpu-1", prefix_keys=[key])
     assert blocks_lookup(**ask).prefix == (None,)  # pending copies are never served
-    source_after, target_after = placement_flip(source_id=source.id, source_epoch=1, target_id=target.id,
-                                                target_epoch=1, checksum=CHECKSUM)
+    source_after, target_after = placement_flip(
+        source_id=source.id, source_epoch=1, target_id=target.id, target_epoch=1, checksum=CHECKSUM
+    )
     assert (source_after.state, source_after.epoch) == ("deleting", 2)
     assert (target_after.state, target_after.epoch, target_after.checksum) == ("ready", 2, CHECKSUM)
     loc = blocks_lookup(**ask).prefix[0]
@@ -200,20 +208,25 @@ def test_transitions_from_the_wrong_state_are_refused(registration):
         placement_flip(source_id=ready.id, source_epoch=1, target_id=other.id, target_epoch=1, checksum=CHECKSUM)
 
 
-
 def test_flip_many_flips_moves_and_warms_and_refuses_stale_ones_alone(registration, django_assert_max_num_queries):
     moved = _ready_copy(registration)
     warmed = _ready_copy(registration, tier="remote", node=None)
     stale = _ready_copy(registration)
-    targets = {p.id: placement_create_pending(block_id=p.block_id, tier=tier, node=node, size_bytes=1)
-               for p, tier, node in ((moved, "remote", None), (warmed, "host", "gpu-0"), (stale, "remote", None))}
+    targets = {
+        p.id: placement_create_pending(block_id=p.block_id, tier=tier, node=node, size_bytes=1)
+        for p, tier, node in ((moved, "remote", None), (warmed, "host", "gpu-0"), (stale, "remote", None))
+    }
     placement_mark_corrupt(placement_id=stale.id)  # someone else changed this source: epoch 2
-    flips = [PlacementFlip(target_id=targets[moved.id].id, target_epoch=1, checksum=CHECKSUM,
-                           source_id=moved.id, source_epoch=1),
-             PlacementFlip(target_id=targets[warmed.id].id, target_epoch=1, checksum=CHECKSUM),
-             PlacementFlip(target_id=targets[stale.id].id, target_epoch=1, checksum=CHECKSUM,
-                           source_id=stale.id, source_epoch=1),
-             PlacementFlip(target_id=999_999, target_epoch=1, checksum=CHECKSUM)]
+    flips = [
+        PlacementFlip(
+            target_id=targets[moved.id].id, target_epoch=1, checksum=CHECKSUM, source_id=moved.id, source_epoch=1
+        ),
+        PlacementFlip(target_id=targets[warmed.id].id, target_epoch=1, checksum=CHECKSUM),
+        PlacementFlip(
+            target_id=targets[stale.id].id, target_epoch=1, checksum=CHECKSUM, source_id=stale.id, source_epoch=1
+        ),
+        PlacementFlip(target_id=999_999, target_epoch=1, checksum=CHECKSUM),
+    ]
     with django_assert_max_num_queries(4):  # savepoint, one locking read, one update, release
         outcomes = placements_flip_many(flips=flips)
     assert outcomes[:2] == [None, None]
@@ -235,20 +248,32 @@ def test_flip_many_refuses_malformed_input_naming_the_field_and_changes_nothing(
     source = _ready_copy(registration)
     target = placement_create_pending(block_id=source.block_id, tier="remote", node=None, size_bytes=1)
     good = PlacementFlip(target_id=target.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id, source_epoch=1)
-    for bad, field in ((PlacementFlip(target_id=target.id, target_epoch=1, checksum="XYZ"), "flips[1].checksum"),
-                       (PlacementFlip(target_id=source.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id,
-                                      source_epoch=1), "flips[1].target_id"),
-                       (PlacementFlip(target_id=target.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id),
-                        "flips[1].source_epoch")):
+    for bad, field in (
+        (PlacementFlip(target_id=target.id, target_epoch=1, checksum="XYZ"), "flips[1].checksum"),
+        (
+            PlacementFlip(target_id=source.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id, source_epoch=1),
+            "flips[1].target_id",
+        ),
+        (
+            PlacementFlip(target_id=target.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id),
+            "flips[1].source_epoch",
+        ),
+    ):
         with pytest.raises(DirectoryError, match=field.replace("[", r"\[").replace("]", r"\]")) as info:
             placements_flip_many(flips=[good, bad])
         assert info.value.field == field
     assert {(p.id, p.state, p.epoch) for p in Placement.objects.all()} == {
-        (source.id, "ready", 1), (target.id, "pending", 1)}
+        (source.id, "ready", 1),
+        (target.id, "pending", 1),
+    }
     other = _ready_copy(registration, tier="remote", node=None)
-    [mismatch] = placements_flip_many(flips=[PlacementFlip(target_id=other.id, target_epoch=1, checksum=CHECKSUM,
-                                                           source_id=source.id, source_epoch=1)])
+    [mismatch] = placements_flip_many(
+        flips=[
+            PlacementFlip(target_id=other.id, target_epoch=1, checksum=CHECKSUM, source_id=source.id, source_epoch=1)
+        ]
+    )
     assert isinstance(mismatch, DirectoryError) and "different blocks" in str(mismatch)
+
 
 def test_a_corrupt_copy_can_be_rewritten(registration):
     copy = _ready_copy(registration)
@@ -267,16 +292,25 @@ def test_changes_by_key_respect_the_epoch(registration, profile):
     assert placements_change(changes=[PlacementChange(**ref, action="corrupt", expected_epoch=1)]) == 1
     copy.refresh_from_db()
     assert (copy.state, copy.epoch) == ("corrupt", 2)
-    assert placements_change(changes=[PlacementChange(**ref, action="deleting"),
-                                      PlacementChange(**ref, action="delete", expected_epoch=3)]) == 2
+    assert (
+        placements_change(
+            changes=[
+                PlacementChange(**ref, action="deleting"),
+                PlacementChange(**ref, action="delete", expected_epoch=3),
+            ]
+        )
+        == 2
+    )
     assert not Placement.objects.exists()
 
 
 def test_purge_by_namespace_and_model(registration, profile, other_namespace):
     other_profile = modelprofile_create(name="other", model_id="strata/other", layers=1, kv_heads=1, head_dim=8)
-    blocks_register(registrations=[registration() for _ in range(3)]
-                    + [registration(model_key=other_profile.model_key)]
-                    + [registration(namespace="tenant-b")])
+    blocks_register(
+        registrations=[registration() for _ in range(3)]
+        + [registration(model_key=other_profile.model_key)]
+        + [registration(namespace="tenant-b")]
+    )
     counts = blocks_purge(namespace="tenant-a", model="tiny-llama")
     assert (counts.blocks, counts.placements) == (3, 3)
     assert blocks_purge(namespace="tenant-a").blocks == 1
@@ -289,7 +323,7 @@ def test_every_hot_statement_is_an_index_scan(registration, profile, node):
     """At scale the planner must walk indexes; 20K rows are enough for it to prefer them."""
     regs = [registration(position=16 * (i % 64)) for i in range(20000)]
     for start in range(0, len(regs), 4096):
-        blocks_register(registrations=regs[start:start + 4096])
+        blocks_register(registrations=regs[start : start + 4096])
     now = timezone.now()
     fresh = [registration() for _ in range(64)]
     with connection.cursor() as cursor:
@@ -297,19 +331,39 @@ def test_every_hot_statement_is_an_index_scan(registration, profile, node):
         scope = queries.resolve(cursor, namespaces=["tenant-a"], model_keys=[profile.model_key], nodes=["gpu-0"])
         register_rows, _ = queries.registration_rows(scope, fresh)
         register_params = queries.register_params(register_rows, now)
-        touches = [queries.TouchRow(namespace="tenant-a", model_key=profile.model_key, prefix_key=r.prefix_key,
-                                    hits=1, at=now) for r in regs[:64]]
-        changes = [queries.ChangeRow(namespace="tenant-a", model_key=profile.model_key, prefix_key=r.prefix_key,
-                                     tier="host", node="gpu-0", expected_epoch=1) for r in regs[100:164]]
+        touches = [
+            queries.TouchRow(namespace="tenant-a", model_key=profile.model_key, prefix_key=r.prefix_key, hits=1, at=now)
+            for r in regs[:64]
+        ]
+        changes = [
+            queries.ChangeRow(
+                namespace="tenant-a",
+                model_key=profile.model_key,
+                prefix_key=r.prefix_key,
+                tier="host",
+                node="gpu-0",
+                expected_epoch=1,
+            )
+            for r in regs[100:164]
+        ]
         plans = {
-            "lookup": queries.explain(cursor, queries.LOOKUP_SQL, queries.lookup_params(
-                namespace="tenant-a", model_key=profile.model_key, node="gpu-0",
-                prefix_keys=[r.prefix_key for r in regs[:64]], content_keys=[r.content_key for r in regs[64:72]])),
+            "lookup": queries.explain(
+                cursor,
+                queries.LOOKUP_SQL,
+                queries.lookup_params(
+                    namespace="tenant-a",
+                    model_key=profile.model_key,
+                    node="gpu-0",
+                    prefix_keys=[r.prefix_key for r in regs[:64]],
+                    content_keys=[r.content_key for r in regs[64:72]],
+                ),
+            ),
             "register blocks": queries.explain(cursor, queries.REGISTER_BLOCKS_SQL, register_params),
             "register placements": queries.explain(cursor, queries.REGISTER_PLACEMENTS_SQL, register_params),
             "touch": queries.explain(cursor, queries.TOUCH_SQL, queries.touch_params(touches)),
-            "change": queries.explain(cursor, queries.CHANGE_STATE_SQL,
-                                      queries.change_params(changes, action="corrupt", now=now)),
+            "change": queries.explain(
+                cursor, queries.CHANGE_STATE_SQL, queries.change_params(changes, action="corrupt", now=now)
+            ),
         }
     for name, plan in plans.items():
         print(f"--- {name}\n{plan}")
@@ -332,8 +386,9 @@ def test_ensure_services_are_idempotent():
 
     first = namespace_ensure(name="default")
     assert namespace_ensure(name="default").salt == first.salt
-    layout = LayoutProfile(model_id="strata/node-model", layers=2, kv_heads=2, head_dim=16, dtype="float16",
-                           block_tokens=16)
+    layout = LayoutProfile(
+        model_id="strata/node-model", layers=2, kv_heads=2, head_dim=16, dtype="float16", block_tokens=16
+    )
     created = modelprofile_ensure(profile=layout)
     assert created.model_key == dataplane_model_key(layout)
     assert modelprofile_ensure(profile=layout).pk == created.pk

@@ -22,8 +22,12 @@ def test_concurrent_first_heartbeats_of_one_node_make_one_row():
         def beat(name: str = name, start: threading.Barrier = start, errors: list[BaseException] = errors) -> None:
             try:
                 start.wait()
-                node_heartbeat(name=name, host="h", heartbeat_seconds=5.0,
-                               tiers=[TierReport(tier="host", capacity_bytes=100, used_bytes=1)])
+                node_heartbeat(
+                    name=name,
+                    host="h",
+                    heartbeat_seconds=5.0,
+                    tiers=[TierReport(tier="host", capacity_bytes=100, used_bytes=1)],
+                )
             except BaseException as exc:  # noqa: BLE001 - collected and asserted below
                 errors.append(exc)
             finally:

@@ -27,7 +27,8 @@ def _ready_copy(registration, **overrides):  # type: ignore[no-untyped-def]
 
 
 def test_create_pending_many_reserves_new_and_reusable_copies_and_refuses_the_others_alone(
-        registration, django_assert_num_queries):
+    registration, django_assert_num_queries
+):
     fresh = _ready_copy(registration)
     corrupt = _ready_copy(registration)
     corrupt_target = placement_create_pending(block_id=corrupt.block_id, tier="remote", node=None, size_bytes=1)
@@ -36,16 +37,25 @@ def test_create_pending_many_reserves_new_and_reusable_copies_and_refuses_the_ot
     taken_target = placement_create_pending(block_id=taken.block_id, tier="remote", node=None, size_bytes=1)
     gone = _ready_copy(registration)
     Block.objects.filter(id=gone.block_id).delete()
-    copies = [PendingCopy(block_id=fresh.block_id, tier="remote", node=None, size_bytes=10),
-              PendingCopy(block_id=corrupt.block_id, tier="remote", node=None, size_bytes=10),
-              PendingCopy(block_id=fresh.block_id, tier="disk", node="gpu-0", size_bytes=10)]
+    copies = [
+        PendingCopy(block_id=fresh.block_id, tier="remote", node=None, size_bytes=10),
+        PendingCopy(block_id=corrupt.block_id, tier="remote", node=None, size_bytes=10),
+        PendingCopy(block_id=fresh.block_id, tier="disk", node="gpu-0", size_bytes=10),
+    ]
 
     with django_assert_num_queries(2):  # the node names, the insert (no savepoint of its own)
         new_remote, reused, new_disk = placements_create_pending_many(copies=copies)
     assert isinstance(new_remote, Placement) and (new_remote.state, new_remote.epoch, new_remote.size_bytes) == (
-        "pending", 1, 10)
+        "pending",
+        1,
+        10,
+    )
     assert new_remote.node_id is None and new_remote.block_id == fresh.block_id
-    assert isinstance(reused, Placement) and (reused.id, reused.state, reused.epoch) == (corrupt_target.id, "pending", 3)
+    assert isinstance(reused, Placement) and (reused.id, reused.state, reused.epoch) == (
+        corrupt_target.id,
+        "pending",
+        3,
+    )
     assert isinstance(new_disk, Placement) and new_disk.node_id == fresh.node_id and new_disk.tier == "disk"
     for answer in (new_remote, reused, new_disk):
         stored = Placement.objects.get(id=answer.id)
@@ -53,10 +63,13 @@ def test_create_pending_many_reserves_new_and_reusable_copies_and_refuses_the_ot
 
     # Copies that cannot be reserved are refused each on its own; the others in the call go on.
     another = _ready_copy(registration)
-    refused, missing, reserved = placements_create_pending_many(copies=[
-        PendingCopy(block_id=taken.block_id, tier="remote", node=None, size_bytes=10),
-        PendingCopy(block_id=gone.block_id, tier="remote", node=None, size_bytes=10),
-        PendingCopy(block_id=another.block_id, tier="remote", node=None, size_bytes=10)])
+    refused, missing, reserved = placements_create_pending_many(
+        copies=[
+            PendingCopy(block_id=taken.block_id, tier="remote", node=None, size_bytes=10),
+            PendingCopy(block_id=gone.block_id, tier="remote", node=None, size_bytes=10),
+            PendingCopy(block_id=another.block_id, tier="remote", node=None, size_bytes=10),
+        ]
+    )
     assert isinstance(refused, InvalidTransition) and f"placement {taken_target.id} is pending" in str(refused)
     taken_target.refresh_from_db()
     assert (taken_target.state, taken_target.epoch) == ("pending", 1)  # another movement's target: untouched
@@ -73,36 +86,45 @@ def test_create_pending_many_refuses_malformed_input_naming_the_field_and_change
     source = _ready_copy(registration)
     good = PendingCopy(block_id=source.block_id, tier="remote", node=None, size_bytes=1)
     for bad, field, error in (
-            (PendingCopy(block_id=source.block_id, tier="tape", node=None, size_bytes=1), "copies[1].tier",
-             DirectoryError),
-            (PendingCopy(block_id=source.block_id, tier="remote", node="gpu-0", size_bytes=1), "copies[1].node",
-             DirectoryError),
-            (PendingCopy(block_id=source.block_id, tier="disk", node=None, size_bytes=1), "copies[1].node",
-             DirectoryError),
-            (PendingCopy(block_id=source.block_id, tier="disk", node="gpu-9", size_bytes=1), "copies[1].node",
-             DirectoryError),
-            (PendingCopy(block_id=source.block_id, tier="disk", node="gpu-0", size_bytes=-1), "copies[1].size_bytes",
-             DirectoryError),
-            (good, "copies[1].block_id", DirectoryError)):
+        (PendingCopy(block_id=source.block_id, tier="tape", node=None, size_bytes=1), "copies[1].tier", DirectoryError),
+        (
+            PendingCopy(block_id=source.block_id, tier="remote", node="gpu-0", size_bytes=1),
+            "copies[1].node",
+            DirectoryError,
+        ),
+        (PendingCopy(block_id=source.block_id, tier="disk", node=None, size_bytes=1), "copies[1].node", DirectoryError),
+        (
+            PendingCopy(block_id=source.block_id, tier="disk", node="gpu-9", size_bytes=1),
+            "copies[1].node",
+            DirectoryError,
+        ),
+        (
+            PendingCopy(block_id=source.block_id, tier="disk", node="gpu-0", size_bytes=-1),
+            "copies[1].size_bytes",
+            DirectoryError,
+        ),
+        (good, "copies[1].block_id", DirectoryError),
+    ):
         with pytest.raises(error) as info:
             placements_create_pending_many(copies=[good, bad])
         assert info.value.field == field, info.value
     with pytest.raises(DirectoryError, match=r"copies\[0\]\.node: no node named 'gpu-9'"):
-        placements_create_pending_many(copies=[PendingCopy(block_id=source.block_id, tier="disk", node="gpu-9",
-                                                           size_bytes=1)])
+        placements_create_pending_many(
+            copies=[PendingCopy(block_id=source.block_id, tier="disk", node="gpu-9", size_bytes=1)]
+        )
     assert list(Placement.objects.values_list("id", flat=True)) == [source.id]
     assert placements_create_pending_many(copies=[]) == []
 
 
-def test_delete_many_forgets_freed_copies_at_their_epoch_and_leaves_changed_ones(registration,
-                                                                               django_assert_num_queries):
+def test_delete_many_forgets_freed_copies_at_their_epoch_and_leaves_changed_ones(
+    registration, django_assert_num_queries
+):
     freed = [placement_mark_deleting(placement_id=_ready_copy(registration).id, epoch=1) for _ in range(3)]
     corrupt = placement_mark_corrupt(placement_id=_ready_copy(registration).id)
     ready = _ready_copy(registration)
     moved_on = freed[2]
     Placement.objects.filter(id=moved_on.id).update(epoch=moved_on.epoch + 1)  # someone re-registered it
-    asked = [(p.id, p.epoch) for p in freed] + [(corrupt.id, corrupt.epoch), (ready.id, ready.epoch),
-                                                (999_999, 1)]
+    asked = [(p.id, p.epoch) for p in freed] + [(corrupt.id, corrupt.epoch), (ready.id, ready.epoch), (999_999, 1)]
     with django_assert_num_queries(1):
         deleted = placements_delete_many(placements=asked)
     assert deleted == {freed[0].id, freed[1].id, corrupt.id}

@@ -24,8 +24,13 @@ BLOCK_TOKENS = 16
 
 
 def layout_for(model: LoadedModel, block_tokens: int = BLOCK_TOKENS) -> BlockLayout:
-    return BlockLayout(layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
-                       block_tokens=block_tokens, dtype=model.dtype)
+    return BlockLayout(
+        layers=model.layers,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        block_tokens=block_tokens,
+        dtype=model.dtype,
+    )
 
 
 @pytest.fixture(scope="session")

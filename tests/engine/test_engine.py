@@ -188,9 +188,18 @@ def lose_during_the_load(store, victim, damage: str) -> list[int]:
     return lost
 
 
-@pytest.mark.parametrize(("tier", "damage", "layerwise"), [
-    ("disk", "delete", True), ("disk", "corrupt", True), ("host", "delete", True), ("device", "delete", True),
-    ("remote", "delete", True), ("disk", "delete", False), ("disk", "corrupt", False)])
+@pytest.mark.parametrize(
+    ("tier", "damage", "layerwise"),
+    [
+        ("disk", "delete", True),
+        ("disk", "corrupt", True),
+        ("host", "delete", True),
+        ("device", "delete", True),
+        ("remote", "delete", True),
+        ("disk", "delete", False),
+        ("disk", "corrupt", False),
+    ],
+)
 def test_a_block_lost_during_the_load_is_recomputed_and_counted(models, make_store, tier, damage, layerwise):
     model = models("tiny")
     store = make_store(model, (tier,))
@@ -282,10 +291,16 @@ def test_every_decision_is_logged_once_per_request_with_its_estimates(models, ma
     assert [request for _, _, request in lines] == ["req-1", "req-2", "req-3", "req-4"]  # one line each
     (cold, _, _), (unknown, _, _), (slow, slow_level, _), (fast, fast_level, _) = lines
     assert cold.startswith("request req-1: no-hit, 0 of 150 prompt tokens cached")
-    assert re.search(r"req-2: load, 144 of 150 prompt tokens cached \(disk 9 blocks\): load unknown, "
-                     r"recompute ~\d+\.\d+s$", unknown)
-    assert re.search(r"req-3: recompute, 144 of 150 prompt tokens cached \(disk 9 blocks\): "
-                     r"load ~\d+\.\d+s, recompute ~\d+\.\d+s$", slow)
+    assert re.search(
+        r"req-2: load, 144 of 150 prompt tokens cached \(disk 9 blocks\): load unknown, "
+        r"recompute ~\d+\.\d+s$",
+        unknown,
+    )
+    assert re.search(
+        r"req-3: recompute, 144 of 150 prompt tokens cached \(disk 9 blocks\): "
+        r"load ~\d+\.\d+s, recompute ~\d+\.\d+s$",
+        slow,
+    )
     assert re.search(r"req-4: load, 144 .*: load ~0\.0000s, recompute ~\d+\.\d+s$", fast)
     # Recomputing what is cached is what an operator looks for; loading it is the normal case.
     assert slow_level == logging.INFO and fast_level == logging.DEBUG
@@ -297,7 +312,7 @@ def test_every_decision_is_logged_once_per_request_with_its_estimates(models, ma
     caplog.clear()
     plain = engine_for(model, store, decide=False)
     plain.generate(prompt, max_tokens=2)
-    (line, level, _), = decision_lines(caplog)
+    ((line, level, _),) = decision_lines(caplog)
     assert line.endswith("load unknown, recompute unknown (deciding is off)") and level == logging.DEBUG
     assert plain.counters.get("decision.load") == 1
 
@@ -371,8 +386,9 @@ def test_a_new_request_prefills_between_the_decode_steps_of_another(models, make
         return False
 
     def run_short() -> None:
-        results["short"] = engine.generate(short_prompt, max_tokens=4, on_token=on_short_token,
-                                           use_cache=False).output_ids
+        results["short"] = engine.generate(
+            short_prompt, max_tokens=4, on_token=on_short_token, use_cache=False
+        ).output_ids
 
     second = threading.Thread(target=run_short)
 

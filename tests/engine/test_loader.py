@@ -29,8 +29,9 @@ def _stored(store, count: int) -> tuple[list[uuid.UUID], list[torch.Tensor]]:
 
 def _inline_loader(store, keys: list[uuid.UUID]) -> tuple[LayerLoader, PrefixBuffers]:
     buffers = PrefixBuffers(layout=store.layout, blocks=len(keys), device=torch.device("cpu"))
-    loader = LayerLoader(store=store, hits=[Hit(i, k, "device") for i, k in enumerate(keys)], buffers=buffers,
-                         inline=True)
+    loader = LayerLoader(
+        store=store, hits=[Hit(i, k, "device") for i, k in enumerate(keys)], buffers=buffers, inline=True
+    )
     return loader.start(), buffers
 
 
@@ -118,8 +119,10 @@ def test_a_mixed_load_credits_each_tier_with_what_it_served(models, make_store):
     loader.join()
     served = {load.tier: load for load in loader.tier_loads()}
     # The tier that served a block is credited, not the one it was found in: block 2 came from disk.
-    assert {tier: load.bytes for tier, load in served.items()} == {"host": 2 * layout.block_bytes,
-                                                                   "disk": 4 * layout.block_bytes}
+    assert {tier: load.bytes for tier, load in served.items()} == {
+        "host": 2 * layout.block_bytes,
+        "disk": 4 * layout.block_bytes,
+    }
     for load in served.values():
         assert 0 < load.seconds <= loader.finished_at - loader.started_at
 
@@ -186,16 +189,21 @@ def test_off_the_cpu_blocks_below_l1_are_staged_in_host_memory_and_copied_per_ru
             destinations[key] = out.device.type
         device_keys = [i for i, out in enumerate(outs) if out.device.type == "meta"]
         # Nothing can be read into meta memory: only the staged (host-memory) reads run.
-        futures = original([k for i, k in enumerate(keys_) if i not in device_keys], layers=layers,
-                           outs=[o for i, o in enumerate(outs) if i not in device_keys], **kwargs)
+        futures = original(
+            [k for i, k in enumerate(keys_) if i not in device_keys],
+            layers=layers,
+            outs=[o for i, o in enumerate(outs) if i not in device_keys],
+            **kwargs,
+        )
         answer = iter(futures)
         return [resolved(None) if i in device_keys else next(answer) for i in range(len(keys_))]
 
     store.get_layers = recorded
     buffers = PrefixBuffers(layout=layout, blocks=len(keys), device=torch.device("meta"))
     with torch.inference_mode():  # as the engine builds it (the tiers' threads then write outside it)
-        loader = LayerLoader(store=store, hits=[Hit(i, k, t) for i, (k, t) in enumerate(zip(keys, tiers, strict=True))],
-                             buffers=buffers).start()
+        loader = LayerLoader(
+            store=store, hits=[Hit(i, k, t) for i, (k, t) in enumerate(zip(keys, tiers, strict=True))], buffers=buffers
+        ).start()
     loader.wait_all()
     loader.join()
     assert destinations == {key: "meta" if tier == "device" else "cpu" for key, tier in zip(keys, tiers, strict=True)}
@@ -208,7 +216,9 @@ def test_off_the_cpu_blocks_below_l1_are_staged_in_host_memory_and_copied_per_ru
     assert all(gate.is_set() for gate in loader.gates) and len(loader.timings) == layout.layers
 
 
-@pytest.mark.parametrize(("staged", "runs"), [([], []), ([0], [(0, 0, 1)]), ([1, 2, 3, 5, 7, 8], [(1, 0, 3), (5, 3, 1), (7, 4, 2)])])
+@pytest.mark.parametrize(
+    ("staged", "runs"), [([], []), ([0], [(0, 0, 1)]), ([1, 2, 3, 5, 7, 8], [(1, 0, 3), (5, 3, 1), (7, 4, 2)])]
+)
 def test_staged_blocks_are_copied_in_runs_of_neighbours(staged, runs):
     from worker.dataplane.buffers import runs as runs_of
 
@@ -285,8 +295,9 @@ def test_the_gpu_loading_sequence_with_stand_ins_for_the_cuda_calls(models, make
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: calls.append(("keep", stream)),
-                        raising=False)
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda self, stream: calls.append(("keep", stream)), raising=False
+    )
     model = models("tiny")
     store = make_store(model, ("device", "host"))
     layout = store.layout
@@ -297,8 +308,9 @@ def test_the_gpu_loading_sequence_with_stand_ins_for_the_cuda_calls(models, make
         store.put(key, block, tier=tier)
     buffers = PrefixBuffers(layout=layout, blocks=len(keys), device=torch.device("cpu"))
     buffers.device = torch.device("cuda", 0)
-    loader = LayerLoader(store=store, hits=[Hit(i, k, t) for i, (k, t) in enumerate(zip(keys, tiers, strict=True))],
-                         buffers=buffers)
+    loader = LayerLoader(
+        store=store, hits=[Hit(i, k, t) for i, (k, t) in enumerate(zip(keys, tiers, strict=True))], buffers=buffers
+    )
     stream = loader._stream
     assert isinstance(stream, Stream) and stream is not compute
     # The buffers are written only after the work queued before them on the compute stream, and

@@ -27,19 +27,33 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level tokenizer trained on a few sentences; every sequence starts with <s>."""
     tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    tokenizer.train_from_iterator(
+        SENTENCES, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    )
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
 
 
-def save_checkpoint(path: Path, *, dtype: torch.dtype = torch.float32, tokenizer: bool = True, vocab_size: int = 0,
-                    seed: int = 0) -> PreTrainedTokenizerFast:
+def save_checkpoint(
+    path: Path, *, dtype: torch.dtype = torch.float32, tokenizer: bool = True, vocab_size: int = 0, seed: int = 0
+) -> PreTrainedTokenizerFast:
     """A 2-layer Llama with random weights (4 heads, 2 KV heads), saved with its tokenizer."""
     words = word_tokenizer()
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=vocab_size or len(words), max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab_size or len(words),
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).to(dtype).save_pretrained(path)
     if tokenizer:

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def directory():
-    client = PostgresDirectory(options=DirectoryOptions(flush_interval_s=0.02, batch_size=500, lookup_timeout_ms=5000),
-                             announce=lambda **_: None)
+    client = PostgresDirectory(
+        options=DirectoryOptions(flush_interval_s=0.02, batch_size=500, lookup_timeout_ms=5000),
+        announce=lambda **_: None,
+    )
     yield client
     client.close()
 
@@ -35,8 +37,12 @@ def test_a_corrupt_disk_copy_is_recomputed_and_quarantined(models, make_store, d
     store = make_store(model, ("disk",))
     engine = engine_for(model, store, write_back_tier="disk")
     engine.node, engine.directory = "gpu-q", directory
-    node_heartbeat(name="gpu-q", host="h", heartbeat_seconds=5.0,
-                   tiers=[TierReport(tier="disk", capacity_bytes=1 << 30, used_bytes=0)])
+    node_heartbeat(
+        name="gpu-q",
+        host="h",
+        heartbeat_seconds=5.0,
+        tiers=[TierReport(tier="disk", capacity_bytes=1 << 30, used_bytes=0)],
+    )
     modelprofile_ensure(profile=engine.profile)
     namespace_ensure(name="default")
     rng = random.Random(3)

@@ -49,8 +49,9 @@ def test_completion_then_cached_completion(client):
 
 def test_streaming_completion_matches_the_plain_one(client):
     plain = client.completions.create(model="tiny", prompt=LONG, max_tokens=10)
-    stream = client.completions.create(model="tiny", prompt=LONG, max_tokens=10, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="tiny", prompt=LONG, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
     text, usage = "", None
     for event in stream:
         if event.choices:
@@ -63,13 +64,17 @@ def test_streaming_completion_matches_the_plain_one(client):
 
 
 def test_chat_plain_and_streaming(client):
-    messages = [{"role": "system", "content": "You answer briefly. " * 5},
-                {"role": "user", "content": "What is a KV cache?"}]
+    messages = [
+        {"role": "system", "content": "You answer briefly. " * 5},
+        {"role": "user", "content": "What is a KV cache?"},
+    ]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
     assert plain.choices[0].message.role == "assistant"
-    parts = [chunk.choices[0].delta.content or "" for chunk in
-             client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True)
-             if chunk.choices]
+    parts = [
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True)
+        if chunk.choices
+    ]
     assert "".join(parts) == plain.choices[0].message.content
     again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
@@ -95,8 +100,9 @@ def test_api_keys_choose_the_namespace(models, make_store):
         with pytest.raises(openai.AuthenticationError, match="unknown API key"):
             bad.completions.create(model="tiny", prompt="hello", max_tokens=2)
         with pytest.raises(openai.PermissionDeniedError, match="belongs to namespace 'tenant-a'"):
-            good.completions.create(model="tiny", prompt="hello", max_tokens=2,
-                                    extra_headers={"X-Strata-Namespace": "tenant-b"})
+            good.completions.create(
+                model="tiny", prompt="hello", max_tokens=2, extra_headers={"X-Strata-Namespace": "tenant-b"}
+            )
     finally:
         node.stop()
 
@@ -167,7 +173,6 @@ def test_metrics_and_request_timeline(client, server):
     connection.close()
 
 
-
 def _get_json(server: NodeServer, path: str) -> tuple[int, dict]:
     host, port = server.address.split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -180,8 +185,9 @@ def _get_json(server: NodeServer, path: str) -> tuple[int, dict]:
 
 
 def test_request_timelines_take_a_limit(server):
-    server.engine.traces.extend(RequestTrace(request_id=f"r{i}", namespace="default", prompt_tokens=i)
-                                for i in range(RECENT + 10))
+    server.engine.traces.extend(
+        RequestTrace(request_id=f"r{i}", namespace="default", prompt_tokens=i) for i in range(RECENT + 10)
+    )
     status, body = _get_json(server, "/v1/strata/requests")
     assert status == 200 and body["node"] == "test-node"
     assert [r["request_id"] for r in body["requests"]] == [f"r{i}" for i in range(RECENT + 9, 9, -1)]
@@ -195,7 +201,10 @@ def test_request_timelines_take_a_limit(server):
 def test_a_bad_request_timeline_limit_is_refused_naming_it(server, limit):
     status, body = _get_json(server, f"/v1/strata/requests?limit={limit}")
     assert status == 400 and body["error"]["param"] == "limit"
-    assert body["error"]["message"].startswith("limit must be a whole number") and repr(limit) in body["error"]["message"]
+    assert (
+        body["error"]["message"].startswith("limit must be a whole number") and repr(limit) in body["error"]["message"]
+    )
+
 
 def test_a_node_without_fragment_reuse_says_so(models, make_store):
     model = models("tiny")
@@ -208,8 +217,12 @@ def test_a_node_without_fragment_reuse_says_so(models, make_store):
         text = connection.getresponse().read().decode()
         assert 'strata_blend_enabled{model="tiny",node="plain"} 0.0' in text
         assert "strata_blend_default_recompute_percent{" not in text
-        connection.request("POST", "/v1/strata/blend", body=json.dumps({"namespace": "default", "percent": 5}),
-                           headers={"Content-Type": "application/json", "Authorization": "Bearer admin-1"})
+        connection.request(
+            "POST",
+            "/v1/strata/blend",
+            body=json.dumps({"namespace": "default", "percent": 5}),
+            headers={"Content-Type": "application/json", "Authorization": "Bearer admin-1"},
+        )
         response = connection.getresponse()
         answer = json.loads(response.read())
         assert response.status == 409 and "fragment reuse is off on this node" in answer["error"]["message"]

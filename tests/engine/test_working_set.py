@@ -68,12 +68,15 @@ def test_a_zero_share_keeps_nothing_in_the_device_tier(pool):
     assert ws.counters.get("device.share_refused") == 1
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"name": "batch", "device_share": 1.5}, "device_share"),
-    ({"name": "batch", "device_share": "half"}, "device_share"),
-    ({"name": "", "device_share": 0.5}, "name"),
-    ({"name": "batch", "namespaces": "bulk"}, "namespaces"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"name": "batch", "device_share": 1.5}, "device_share"),
+        ({"name": "batch", "device_share": "half"}, "device_share"),
+        ({"name": "", "device_share": 0.5}, "name"),
+        ({"name": "batch", "namespaces": "bulk"}, "namespaces"),
+    ],
+)
 def test_bad_classes_are_refused_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         ClassShare.from_dict(bad)

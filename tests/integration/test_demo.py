@@ -25,7 +25,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-
 def _processes_of(var_dir: Path) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
@@ -58,8 +57,9 @@ class Session:
         self.get("/accounts/login/")
         token = next(c.value for c in self.jar if c.name == "csrftoken")
         data = urllib.parse.urlencode({"username": username, "password": password, "csrfmiddlewaretoken": token})
-        request = urllib.request.Request(self.base + "/accounts/login/", data=data.encode(),
-                                         headers={"Referer": self.base + "/accounts/login/"})
+        request = urllib.request.Request(
+            self.base + "/accounts/login/", data=data.encode(), headers={"Referer": self.base + "/accounts/login/"}
+        )
         with self.opener.open(request, timeout=10) as response:
             assert response.status == 200
         assert any(c.name == "sessionid" for c in self.jar), "login failed"
@@ -82,12 +82,24 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
         node_port, api_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
     pools = "strata-" + hashlib.sha256(str(var_dir.resolve()).encode()).hexdigest()[:8]
-    env.update(STRATA_VAR_DIR=str(var_dir), STRATA_HTTP_PORT=str(port), STRATA_API_PORT=str(api_port), PYTHONUNBUFFERED="1", STRATA_DEMO_MODEL="tiny",
-               STRATA_DEMO_NODE_PORT=str(node_port),
-               STRATA_HEARTBEAT_SECONDS="1")
+    env.update(
+        STRATA_VAR_DIR=str(var_dir),
+        STRATA_HTTP_PORT=str(port),
+        STRATA_API_PORT=str(api_port),
+        PYTHONUNBUFFERED="1",
+        STRATA_DEMO_MODEL="tiny",
+        STRATA_DEMO_NODE_PORT=str(node_port),
+        STRATA_HEARTBEAT_SECONDS="1",
+    )
     log = open(tmp_path / "demo.log", "w+")
-    demo = subprocess.Popen([sys.executable, "-m", "controlplane.runtime.demo", "run"], cwd=REPO_ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "controlplane.runtime.demo", "run"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         session = Session(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 120
@@ -130,8 +142,14 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
             time.sleep(0.5)
         assert served, "no request reached the first node"
 
-        stop = subprocess.run([sys.executable, "-m", "controlplane.runtime.demo", "stop"], cwd=REPO_ROOT,
-                              env=env, capture_output=True, text=True, timeout=90)
+        stop = subprocess.run(
+            [sys.executable, "-m", "controlplane.runtime.demo", "stop"],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert stop.returncode == 0, stop.stderr
         demo.wait(30)
         left = []

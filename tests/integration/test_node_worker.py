@@ -20,15 +20,28 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 
-
 @pytest.fixture
 def node_process(subprocess_env, python, tmp_path) -> Iterator[tuple[str, subprocess.Popen]]:
     name = f"test-{uuid.uuid4().hex[:8]}"
     log = open(tmp_path / "node.log", "w+")
     process = subprocess.Popen(
-        [python, "manage.py", "strata_node", "--name", name, "--heartbeat-seconds", "0.5",
-         "--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB"],
-        cwd=REPO_ROOT, env=subprocess_env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            python,
+            "manage.py",
+            "strata_node",
+            "--name",
+            name,
+            "--heartbeat-seconds",
+            "0.5",
+            "--disk-path",
+            str(tmp_path / "disk"),
+            "--disk-bytes",
+            "64MiB",
+        ],
+        cwd=REPO_ROOT,
+        env=subprocess_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     yield name, process
     if process.poll() is None:
@@ -73,21 +86,31 @@ def test_killed_worker_goes_stale(node_process):
 def test_bad_node_option_stops_with_a_message(subprocess_env, python):
     result = subprocess.run(
         [python, "manage.py", "strata_node", "--name", "gpu-0", "--host-bytes", "lots"],
-        cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "--host-bytes: expected a size such as 512MiB or 2GB, got 'lots'" in result.stderr
     result = subprocess.run(
         [python, "manage.py", "strata_node", "--name", "gpu-0"],
-        cwd=REPO_ROOT, env={**subprocess_env, "STRATA_HEARTBEAT_SECONDS": "-1"},
-        capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+        env={**subprocess_env, "STRATA_HEARTBEAT_SECONDS": "-1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "STRATA_HEARTBEAT_SECONDS: must be greater than zero" in result.stderr
     result = subprocess.run(
         [python, "manage.py", "strata_node", "--name", "gpu-0", "--model", "no-such-model"],
-        cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "strata_node: model: 'no-such-model' is neither a preset")
+    assert result.stderr.strip().splitlines()[-1].startswith("strata_node: model: 'no-such-model' is neither a preset")

@@ -37,8 +37,12 @@ def _get(url: str) -> bytes:
 
 
 def _metric(text: str, name: str) -> float:
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name)
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
 
 
 class VllmNode:
@@ -47,21 +51,43 @@ class VllmNode:
     def __init__(self, env: dict[str, str], python: str, tmp_path: Any, checkpoint: Any) -> None:
         self.name = f"vllm-node-{os.getpid()}"
         self.serve_port, self.status_port = free_port(), free_port()
-        self.env = {**env, "DJANGO_SETTINGS_MODULE": "tests.movements.fault_settings",
-                    "STRATA_HOST_POOL_NAME": f"strata-test-{self.name}", "STRATA_HOST_BYTES": "64MiB",
-                    "STRATA_TIERS": "host,disk", "STRATA_DISK_PATH": str(tmp_path / "disk"),
-                    "STRATA_DISK_BYTES": "256MiB", "STRATA_HEARTBEAT_SECONDS": "0.5", "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_SERVER_DEV_MODE": "1", "STRATA_VLLM_ARGS": "--max-model-len 4096 --num-gpu-blocks-override 64"}
+        self.env = {
+            **env,
+            "DJANGO_SETTINGS_MODULE": "tests.movements.fault_settings",
+            "STRATA_HOST_POOL_NAME": f"strata-test-{self.name}",
+            "STRATA_HOST_BYTES": "64MiB",
+            "STRATA_TIERS": "host,disk",
+            "STRATA_DISK_PATH": str(tmp_path / "disk"),
+            "STRATA_DISK_BYTES": "256MiB",
+            "STRATA_HEARTBEAT_SECONDS": "0.5",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "STRATA_VLLM_ARGS": "--max-model-len 4096 --num-gpu-blocks-override 64",
+        }
         self.python, self.tmp, self.checkpoint = python, tmp_path, checkpoint
         self.workers: list[tuple[subprocess.Popen[bytes], Any]] = []
         self.vllm: psutil.Process | None = None
 
     def start_worker(self, **extra: str) -> tuple[subprocess.Popen[bytes], Any]:
         log = self.tmp / f"node-{len(self.workers)}.log"
-        command = [self.python, "manage.py", "strata_node", "--name", self.name, "--engine", "vllm", "--model",
-                   str(self.checkpoint), "--serve-port", str(self.serve_port), "--status-port", str(self.status_port)]
-        worker = subprocess.Popen(command, cwd=REPO_ROOT, env={**self.env, **extra}, stdout=open(log, "wb"),
-                                  stderr=subprocess.STDOUT)
+        command = [
+            self.python,
+            "manage.py",
+            "strata_node",
+            "--name",
+            self.name,
+            "--engine",
+            "vllm",
+            "--model",
+            str(self.checkpoint),
+            "--serve-port",
+            str(self.serve_port),
+            "--status-port",
+            str(self.status_port),
+        ]
+        worker = subprocess.Popen(
+            command, cwd=REPO_ROOT, env={**self.env, **extra}, stdout=open(log, "wb"), stderr=subprocess.STDOUT
+        )
         self.workers.append((worker, log))
         return worker, log
 
@@ -81,8 +107,11 @@ class VllmNode:
                 return False
 
         wait_for(serving, timeout=300, what="vLLM to serve", every=1)
-        children = [p for p in psutil.Process(worker.pid).children()
-                    if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
+        children = [
+            p
+            for p in psutil.Process(worker.pid).children()
+            if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())
+        ]
         if children:
             self.vllm = children[0]
 
@@ -122,8 +151,9 @@ def vllm_node(subprocess_env, python, tmp_path) -> Any:
 
 
 def _complete(client: Any, model: str, **extra: Any) -> list[int]:
-    answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
-                                       extra_body={"return_token_ids": True, **extra})
+    answer = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"return_token_ids": True, **extra}
+    )
     return list(answer.choices[0].model_extra["token_ids"])
 
 
@@ -150,7 +180,10 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
     assert _complete(client, model) == cold
     row = wait_for(lambda: Node.objects.filter(name=node.name, state="up").first(), what="the node up")
     assert (row.engine, row.address, row.engine_address) == (
-        "vllm", f"127.0.0.1:{node.status_port}", f"127.0.0.1:{node.serve_port}")
+        "vllm",
+        f"127.0.0.1:{node.status_port}",
+        f"127.0.0.1:{node.serve_port}",
+    )
     wait_for(lambda: row.tiers.filter(tier="host", used_bytes__gt=0).exists(), what="host use in a heartbeat")
     timelines = requests_recent(node=node.name)
     assert timelines["nodes"] == [{"node": node.name, "error": ""}]
@@ -164,20 +197,28 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
     assert _metric(node.status("/metrics").decode(), "strata_hit_tokens_total") >= 1024
 
     # An answer abandoned mid-stream: vLLM aborts it, the connector forgets it.
-    stream = client.completions.create(model=model, prompt=PROMPT + " again", max_tokens=400, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model, prompt=PROMPT + " again", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     stream.close()
-    wait_for(lambda: _metric(node.status("/metrics").decode(), "strata_connector_requests") == 0, timeout=60,
-             what="the aborted request forgotten")
+    wait_for(
+        lambda: _metric(node.status("/metrics").decode(), "strata_connector_requests") == 0,
+        timeout=60,
+        what="the aborted request forgotten",
+    )
 
     # The worker moves the prompt's blocks to disk and is killed between copy and flip. The planner
     # works from the directory and the heartbeat: both hold the prompt's blocks first.
     block_bytes = 524288  # the small preset's 256-token block: 4 layers x K, V x 2 kv heads x 32 x fp32
-    wait_for(lambda: Placement.objects.filter(node__name=node.name, tier="host", state="ready").count() >= 4,
-             what="the prompt's blocks registered on host")
-    wait_for(lambda: row.tiers.filter(tier="host", used_bytes__gte=4 * block_bytes).exists(),
-             what="the blocks' bytes in a heartbeat")
+    wait_for(
+        lambda: Placement.objects.filter(node__name=node.name, tier="host", state="ready").count() >= 4,
+        what="the prompt's blocks registered on host",
+    )
+    wait_for(
+        lambda: row.tiers.filter(tier="host", used_bytes__gte=4 * block_bytes).exists(),
+        what="the blocks' bytes in a heartbeat",
+    )
     result = movements_plan(snapshot=DRAIN_HOST, node=node.name, reason="manual")
     assert result.written
     wait_for(lambda: "held at after-copy" in log.read_text(), timeout=60, what="a movement held after its copy")
@@ -191,8 +232,11 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
 
     # A new worker beside the running vLLM: the broker delivers the movements again, they finish.
     second, _ = node.start_worker(STRATA_VLLM_LAUNCH="false")
-    wait_for(lambda: all(state_of(i) == MovementState.DONE for i in result.written), timeout=120,
-             what="the redelivered movements")
+    wait_for(
+        lambda: all(state_of(i) == MovementState.DONE for i in result.written),
+        timeout=120,
+        what="the redelivered movements",
+    )
     assert Placement.objects.filter(node__name=node.name, tier="disk", state="ready").count() >= 4
     _reset(node)
     assert _complete(client, model) == cold
@@ -203,8 +247,9 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
     from worker.dataplane.store import build_store
 
     config = load_config(environ=node.env, overrides={"node_name": node.name})
-    store = build_store(config, profile=checkpoint_profile(node.checkpoint, dtype="float32", block_tokens=256),
-                        environ=node.env)
+    store = build_store(
+        config, profile=checkpoint_profile(node.checkpoint, dtype="float32", block_tokens=256), environ=node.env
+    )
     try:
         assert reconcile_and_check({node.name: store}, tiers=("host", "disk")).checked >= 4
     finally:

@@ -38,8 +38,15 @@ def throttle_cache(monkeypatch):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def profile(db) -> ModelProfile:  # type: ignore[no-untyped-def]
-    return modelprofile_create(name="tiny-llama", model_id="strata/tiny-llama", layers=LAYERS, kv_heads=KV_HEADS,
-                               head_dim=HEAD_DIM, dtype="float16", block_tokens=BLOCK_TOKENS)
+    return modelprofile_create(
+        name="tiny-llama",
+        model_id="strata/tiny-llama",
+        layers=LAYERS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype="float16",
+        block_tokens=BLOCK_TOKENS,
+    )
 
 
 @pytest.fixture
@@ -58,8 +65,12 @@ def flip_a_data_byte(path: str | Path) -> None:
 
 def node_report(name: str, **tiers: tuple[int, int]) -> Node:
     """Heartbeat a node whose tiers report (capacity, used) bytes, e.g. host=(10 * B, 9 * B)."""
-    return node_heartbeat(name=name, host="host-" + name, heartbeat_seconds=5.0,
-                          tiers=[TierReport(tier=t, capacity_bytes=c, used_bytes=u) for t, (c, u) in tiers.items()])
+    return node_heartbeat(
+        name=name,
+        host="host-" + name,
+        heartbeat_seconds=5.0,
+        tiers=[TierReport(tier=t, capacity_bytes=c, used_bytes=u) for t, (c, u) in tiers.items()],
+    )
 
 
 @pytest.fixture
@@ -67,19 +78,42 @@ def make_blocks(profile, namespaces) -> Callable[..., list[Block]]:  # type: ign
     """Register `count` blocks with a READY copy in (tier, node); `ages` (seconds since last
     access), `accesses`, `created` (seconds ago) and `positions` set per block."""
 
-    def build(count: int, *, tier: str = "host", node: str | None = "gpu-0", namespace: str = "tenant-a",
-              ages: list[float] | None = None, accesses: list[int] | None = None, created: list[float] | None = None,
-              positions: list[int] | None = None, checksums: list[str] | None = None,
-              keys: list[uuid.UUID] | None = None, priority: str = "default", now: datetime | None = None) -> list[Block]:
+    def build(
+        count: int,
+        *,
+        tier: str = "host",
+        node: str | None = "gpu-0",
+        namespace: str = "tenant-a",
+        ages: list[float] | None = None,
+        accesses: list[int] | None = None,
+        created: list[float] | None = None,
+        positions: list[int] | None = None,
+        checksums: list[str] | None = None,
+        keys: list[uuid.UUID] | None = None,
+        priority: str = "default",
+        now: datetime | None = None,
+    ) -> list[Block]:
         now = now or timezone.now()
         keys = keys or [uuid.uuid4() for _ in range(count)]
-        blocks_register(registrations=[
-            BlockRegistration(namespace=namespace, model_key=profile.model_key, prefix_key=keys[i],
-                              content_key=uuid.uuid4(), position=(positions or [0] * count)[i], tokens=BLOCK_TOKENS,
-                              tier=tier, node=None if tier == "remote" else node, nbytes=BLOCK_BYTES,
-                              checksum=(checksums or ["0" * 32] * count)[i], priority=priority)
-            for i in range(count)
-        ], now=now)
+        blocks_register(
+            registrations=[
+                BlockRegistration(
+                    namespace=namespace,
+                    model_key=profile.model_key,
+                    prefix_key=keys[i],
+                    content_key=uuid.uuid4(),
+                    position=(positions or [0] * count)[i],
+                    tokens=BLOCK_TOKENS,
+                    tier=tier,
+                    node=None if tier == "remote" else node,
+                    nbytes=BLOCK_BYTES,
+                    checksum=(checksums or ["0" * 32] * count)[i],
+                    priority=priority,
+                )
+                for i in range(count)
+            ],
+            now=now,
+        )
         blocks = {b.prefix_key: b for b in Block.objects.filter(prefix_key__in=keys)}
         ordered = [blocks[k] for k in keys]
         for i, block in enumerate(ordered):
@@ -92,18 +126,22 @@ def make_blocks(profile, namespaces) -> Callable[..., list[Block]]:  # type: ign
     return build
 
 
-def snapshot(*tiers: TierPolicySpec, classes: tuple[PriorityClassSpec, ...] = (), version: int = 7,
-             mode: str = "") -> PolicySnapshot:
+def snapshot(
+    *tiers: TierPolicySpec, classes: tuple[PriorityClassSpec, ...] = (), version: int = 7, mode: str = ""
+) -> PolicySnapshot:
     return PolicySnapshot(version=version, mode=mode, classes=classes, tiers=tiers)
 
 
 def placements(block: Block) -> dict[tuple[str, str], str]:
     """(tier, node name) -> state of every copy of a block."""
-    return {(p.tier, p.node.name if p.node else ""): p.state
-            for p in Placement.objects.filter(block=block).select_related("node")}
+    return {
+        (p.tier, p.node.name if p.node else ""): p.state
+        for p in Placement.objects.filter(block=block).select_related("node")
+    }
 
 
 # -- a real tiered store ----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def redis_url(settings) -> str:  # type: ignore[no-untyped-def]
@@ -122,21 +160,38 @@ def store_factory(tmp_path, redis_url) -> Iterator[Callable[..., object]]:
 
     pool = f"strata-test-mv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     prefix = f"strata-test-mv-{uuid.uuid4().hex[:8]}"
-    layout = BlockLayout(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_tokens=BLOCK_TOKENS,
-                         dtype="float16")
+    layout = BlockLayout(
+        layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_tokens=BLOCK_TOKENS, dtype="float16"
+    )
     built: list[TieredStore] = []
 
-    def build(*, blocks: int = 16, disk_bytes: int | None = None, tiers: tuple[str, ...] = ("host", "disk", "remote"),
-              disk_path: Path | None = None) -> TieredStore:
+    def build(
+        *,
+        blocks: int = 16,
+        disk_bytes: int | None = None,
+        tiers: tuple[str, ...] = ("host", "disk", "remote"),
+        disk_path: Path | None = None,
+    ) -> TieredStore:
         made = []
         if "host" in tiers:
             made.append(HostTier(layout=layout, capacity_bytes=blocks * (layout.block_bytes + 4096), pool_name=pool))
         if "disk" in tiers:
-            made.append(DiskTier(layout=layout, capacity_bytes=disk_bytes or blocks * (layout.block_bytes + 2 * 65536),
-                                 path=disk_path or tmp_path / "disk"))
+            made.append(
+                DiskTier(
+                    layout=layout,
+                    capacity_bytes=disk_bytes or blocks * (layout.block_bytes + 2 * 65536),
+                    path=disk_path or tmp_path / "disk",
+                )
+            )
         if "remote" in tiers:
-            made.append(RemoteTier(layout=layout, capacity_bytes=blocks * (layout.block_bytes + 65536),
-                                   client=redis_client(redis_url, timeout_s=2.0), prefix=prefix))
+            made.append(
+                RemoteTier(
+                    layout=layout,
+                    capacity_bytes=blocks * (layout.block_bytes + 65536),
+                    client=redis_client(redis_url, timeout_s=2.0),
+                    prefix=prefix,
+                )
+            )
         store = TieredStore(layout=layout, tiers=made)
         built.append(store)
         return store
@@ -152,8 +207,9 @@ def store_factory(tmp_path, redis_url) -> Iterator[Callable[..., object]]:
         path.unlink(missing_ok=True)
 
 
-def record_moves(blocks: list[Block], kind: str, dst_tier: str, *, exec_node: str = "gpu-0",
-                 policy_version: int = 1) -> list[int]:
+def record_moves(
+    blocks: list[Block], kind: str, dst_tier: str, *, exec_node: str = "gpu-0", policy_version: int = 1
+) -> list[int]:
     """Movements of `blocks` from their only copy to `dst_tier`, recorded by the real service as a
     plan would; their ids in the order of `blocks`."""
     from controlplane.movements.models import Movement
@@ -163,12 +219,24 @@ def record_moves(blocks: list[Block], kind: str, dst_tier: str, *, exec_node: st
     planned = []
     for block in blocks:
         source = Placement.objects.get(block=block)
-        planned.append(PlannedMovement(
-            block_id=block.id, kind=kind, reason="manual", src_placement_id=source.id, src_epoch=source.epoch,
-            src_tier=source.tier, src_node=source.node.name if source.node else "", dst_tier=dst_tier,
-            dst_node="" if dst_tier == "remote" else exec_node, exec_node=exec_node, bytes=source.size_bytes))
-    ids = movements_record(plan_id=uuid.uuid4(), movements=planned, policy_version=policy_version, mode="",
-                           now=timezone.now())
+        planned.append(
+            PlannedMovement(
+                block_id=block.id,
+                kind=kind,
+                reason="manual",
+                src_placement_id=source.id,
+                src_epoch=source.epoch,
+                src_tier=source.tier,
+                src_node=source.node.name if source.node else "",
+                dst_tier=dst_tier,
+                dst_node="" if dst_tier == "remote" else exec_node,
+                exec_node=exec_node,
+                bytes=source.size_bytes,
+            )
+        )
+    ids = movements_record(
+        plan_id=uuid.uuid4(), movements=planned, policy_version=policy_version, mode="", now=timezone.now()
+    )
     by_block = dict(Movement.objects.filter(id__in=ids).values_list("block_id", "id"))
     return [by_block[block.id] for block in blocks]
 
@@ -190,6 +258,7 @@ def random_block(layout, seed: int):  # type: ignore[no-untyped-def]
 
 
 # -- real node processes -----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def node_factory(subprocess_env, python, tmp_path) -> Iterator[Callable[..., object]]:  # type: ignore[no-untyped-def]

@@ -50,8 +50,10 @@ class InvariantReport:
 def _checksum_of(key: uuid.UUID, data: memoryview, layout: Any) -> str:
     from worker.dataplane.checksum import BlockChecksum, layer_checksum
 
-    sums = [layer_checksum(key, layer, data[layer * layout.layer_bytes:(layer + 1) * layout.layer_bytes])
-            for layer in range(layout.layers)]
+    sums = [
+        layer_checksum(key, layer, data[layer * layout.layer_bytes : (layer + 1) * layout.layer_bytes])
+        for layer in range(layout.layers)
+    ]
     return BlockChecksum.from_layers(key, sums).hex
 
 
@@ -69,8 +71,11 @@ def invariants_check(*, stores: Mapping[str, Any], orphans: bool = True) -> Inva
     if remote_store is not None:
         scopes.append(("", None, TierLevel.REMOTE, remote_store.tier(TierLevel.REMOTE)))
     for node, node_id, tier, backend in scopes:
-        rows = (Placement.objects.filter(node_id=node_id, tier=tier) if node_id is not None
-                else Placement.objects.filter(node__isnull=True, tier=tier)).select_related("block")
+        rows = (
+            Placement.objects.filter(node_id=node_id, tier=tier)
+            if node_id is not None
+            else Placement.objects.filter(node__isnull=True, tier=tier)
+        ).select_related("block")
         known: set[uuid.UUID] = set()
         for p in rows.order_by("id").iterator(chunk_size=500):
             key = p.block.prefix_key
@@ -94,7 +99,9 @@ def invariants_check(*, stores: Mapping[str, Any], orphans: bool = True) -> Inva
             for key in sorted(set(backend.keys()) - known):
                 report.orphans.append((node, tier, key))
     with connection.cursor() as cursor:
-        cursor.execute("SELECT block_id FROM movements_movement WHERE state = ANY(%s) GROUP BY block_id "
-                       "HAVING count(*) > 1", [[s.value for s in IN_FLIGHT]])
+        cursor.execute(
+            "SELECT block_id FROM movements_movement WHERE state = ANY(%s) GROUP BY block_id HAVING count(*) > 1",
+            [[s.value for s in IN_FLIGHT]],
+        )
         report.double_in_flight = [row[0] for row in cursor.fetchall()]
     return report

@@ -26,8 +26,12 @@ from worker.movements import MovementExecutor, MovementOptions
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Everything on the host tier is over this policy's capacity: every block moves to the next tier.
-DRAIN_HOST = PolicySnapshot(version=1, mode="", classes=(), tiers=(
-    TierPolicySpec(tier="host", capacity_bytes=1, high_watermark=0.9, low_watermark=0.5),))
+DRAIN_HOST = PolicySnapshot(
+    version=1,
+    mode="",
+    classes=(),
+    tiers=(TierPolicySpec(tier="host", capacity_bytes=1, high_watermark=0.9, low_watermark=0.5),),
+)
 
 
 def remote_url_of_test() -> str:
@@ -44,11 +48,22 @@ class NodeProcesses:
     lives in `tmp_path/<name>/disk`, its host pool in a unique /dev/shm pool and its remote
     blocks under a key prefix of `remote_url` (unique, unless nodes share `remote_prefix`)."""
 
-    def __init__(self, env: dict[str, str], python: str, tmp_path: Path, *, prefix: str = "mv",
-                 settings_module: str = "tests.movements.fault_settings", tiers: str = "device,host,disk,remote",
-                 disk_bytes: str = "64MiB", disk_path: Path | None = None, host_bytes: str = "16MiB",
-                 remote_url: str | None = None, remote_prefix: str | None = None,
-                 concurrency: int | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        python: str,
+        tmp_path: Path,
+        *,
+        prefix: str = "mv",
+        settings_module: str = "tests.movements.fault_settings",
+        tiers: str = "device,host,disk,remote",
+        disk_bytes: str = "64MiB",
+        disk_path: Path | None = None,
+        host_bytes: str = "16MiB",
+        remote_url: str | None = None,
+        remote_prefix: str | None = None,
+        concurrency: int | None = None,
+    ) -> None:
         self.name = f"{prefix}-{uuid.uuid4().hex[:6]}"
         self.tmp = tmp_path / self.name
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -57,10 +72,16 @@ class NodeProcesses:
         self.tiers = tiers
         self.remote_url = remote_url
         self.concurrency = concurrency
-        self.env = {**env, "DJANGO_SETTINGS_MODULE": settings_module,
-                    "STRATA_HOST_POOL_NAME": f"strata-test-{self.name}", "STRATA_BLOCK_TOKENS": "16",
-                    "STRATA_HOST_BYTES": host_bytes, "STRATA_DEVICE_BYTES": "4MiB",
-                    "STRATA_TIERS": tiers, "STRATA_REMOTE_PREFIX": remote_prefix or f"strata-test-{self.name}"}
+        self.env = {
+            **env,
+            "DJANGO_SETTINGS_MODULE": settings_module,
+            "STRATA_HOST_POOL_NAME": f"strata-test-{self.name}",
+            "STRATA_BLOCK_TOKENS": "16",
+            "STRATA_HOST_BYTES": host_bytes,
+            "STRATA_DEVICE_BYTES": "4MiB",
+            "STRATA_TIERS": tiers,
+            "STRATA_REMOTE_PREFIX": remote_prefix or f"strata-test-{self.name}",
+        }
         self.python = python
         self.started: list[tuple[subprocess.Popen, Path]] = []
         self.port = 0
@@ -69,18 +90,34 @@ class NodeProcesses:
     def start(self, **extra_env: str) -> tuple[subprocess.Popen, Path]:
         log = self.tmp / f"node-{len(self.started)}.log"
         self.port = free_port()
-        command = [self.python, "manage.py", "strata_node", "--name", self.name, "--heartbeat-seconds", "0.5",
-                   "--model", "tiny", "--serve-port", str(self.port), "--disk-path", str(self.disk_path),
-                   "--disk-bytes", self.disk_bytes]
+        command = [
+            self.python,
+            "manage.py",
+            "strata_node",
+            "--name",
+            self.name,
+            "--heartbeat-seconds",
+            "0.5",
+            "--model",
+            "tiny",
+            "--serve-port",
+            str(self.port),
+            "--disk-path",
+            str(self.disk_path),
+            "--disk-bytes",
+            self.disk_bytes,
+        ]
         if self.concurrency:
             command += ["--concurrency", str(self.concurrency)]
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env={**self.env, **extra_env}, stdout=open(log, "w"),
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env={**self.env, **extra_env}, stdout=open(log, "w"), stderr=subprocess.STDOUT
+        )
         self.started.append((process, log))
         return process, log
 
     def wait_up(self, process: subprocess.Popen, *, timeout: float = 180) -> None:
         """Until this process's worker heartbeats (its engine and store are up by then)."""
+
         def up() -> bool:
             if process.poll() is not None:
                 raise AssertionError(f"node process {process.pid} exited with {process.returncode}")
@@ -96,13 +133,28 @@ class NodeProcesses:
         from worker.dataplane.store import build_store
 
         row = wait_for(lambda: ModelProfile.objects.first(), what="the node's model profile")
-        profile = LayoutProfile(model_id=row.model_id, layers=row.layers, kv_heads=row.kv_heads,
-                                head_dim=row.head_dim, dtype=row.dtype, block_tokens=row.block_tokens,
-                                revision=row.revision, rope_theta=row.rope_theta, rope_scaling=row.rope_scaling)
+        profile = LayoutProfile(
+            model_id=row.model_id,
+            layers=row.layers,
+            kv_heads=row.kv_heads,
+            head_dim=row.head_dim,
+            dtype=row.dtype,
+            block_tokens=row.block_tokens,
+            revision=row.revision,
+            rope_theta=row.rope_theta,
+            rope_scaling=row.rope_scaling,
+        )
         tiers = ",".join(t for t in self.tiers.split(",") if t != "device")
         env = {**self.env, "REDIS_URL": self.remote_url or remote_url_of_test()}
-        config = load_config(environ=env, overrides={"node_name": self.name, "disk_path": str(self.disk_path),
-                                                     "disk_bytes": self.disk_bytes, "tiers": tiers})
+        config = load_config(
+            environ=env,
+            overrides={
+                "node_name": self.name,
+                "disk_path": str(self.disk_path),
+                "disk_bytes": self.disk_bytes,
+                "tiers": tiers,
+            },
+        )
         return build_store(config, profile=profile, environ=env), row
 
     def alive(self) -> list[subprocess.Popen]:
@@ -129,21 +181,42 @@ class NodeProcesses:
 
 # -- blocks with known bytes ------------------------------------------------------------------------
 
-def write_blocks(store: Any, profile: ModelProfile, node: str, count: int, *, seed: int = 100, tier: str = "host",
-                 wait_heartbeat: bool = True) -> dict[uuid.UUID, int]:
+
+def write_blocks(
+    store: Any,
+    profile: ModelProfile,
+    node: str,
+    count: int,
+    *,
+    seed: int = 100,
+    tier: str = "host",
+    wait_heartbeat: bool = True,
+) -> dict[uuid.UUID, int]:
     """Store `count` blocks of seeded random bytes in `tier` and register them; returns key -> seed."""
     seeds = {uuid.uuid4(): seed + i for i in range(count)}
     registrations = []
     for key, value in seeds.items():
         result = store.put(key, random_block(store.layout, value), tier=tier)
-        registrations.append(BlockRegistration(
-            namespace="default", model_key=profile.model_key, prefix_key=key, content_key=uuid.uuid4(), position=0,
-            tokens=profile.block_tokens, tier=tier, node=None if tier == "remote" else node,
-            nbytes=store.layout.block_bytes, checksum=result.checksum.hex))
+        registrations.append(
+            BlockRegistration(
+                namespace="default",
+                model_key=profile.model_key,
+                prefix_key=key,
+                content_key=uuid.uuid4(),
+                position=0,
+                tokens=profile.block_tokens,
+                tier=tier,
+                node=None if tier == "remote" else node,
+                nbytes=store.layout.block_bytes,
+                checksum=result.checksum.hex,
+            )
+        )
     blocks_register(registrations=registrations)
     if wait_heartbeat and tier != "remote":
-        wait_for(lambda: Node.objects.get(name=node).tiers.filter(tier=tier, used_bytes__gt=0).exists(),
-                 what=f"the {tier} use in a heartbeat")
+        wait_for(
+            lambda: Node.objects.get(name=node).tiers.filter(tier=tier, used_bytes__gt=0).exists(),
+            what=f"the {tier} use in a heartbeat",
+        )
     return seeds
 
 
@@ -155,8 +228,7 @@ def state_of(ident: int) -> str:
     return Movement.objects.get(id=ident).state
 
 
-def served_bytes_check(store: Any, seeds: dict[uuid.UUID, int], *, tiers: list[str] | None = None
-                       ) -> dict[str, int]:
+def served_bytes_check(store: Any, seeds: dict[uuid.UUID, int], *, tiers: list[str] | None = None) -> dict[str, int]:
     """I2/I5 from the reader's side: every block read through the store is either exactly the
     seeded bytes or a miss, never other bytes. Returns counts of 'served' and 'missed'."""
     import torch
@@ -174,8 +246,9 @@ def served_bytes_check(store: Any, seeds: dict[uuid.UUID, int], *, tiers: list[s
     return counts
 
 
-def reconcile_and_check(stores: dict[str, Any], *, tiers: tuple[str, ...] = ("host", "disk", "remote")
-                        ) -> InvariantReport:
+def reconcile_and_check(
+    stores: dict[str, Any], *, tiers: tuple[str, ...] = ("host", "disk", "remote")
+) -> InvariantReport:
     """Reconcile every node's tiers (grace 0: every node process is gone or idle by now), then
     I1-I4 must hold."""
     for node, store in stores.items():
@@ -188,6 +261,7 @@ def reconcile_and_check(stores: dict[str, Any], *, tiers: tuple[str, ...] = ("ho
 
 
 # -- services a test may stop and start ---------------------------------------------------------------
+
 
 def private_environment(root: Path) -> Any:
     """The embedded-services layout (var/ directory, sockets) of a private copy under `root`."""
@@ -261,7 +335,13 @@ def tolerant(call: Callable[[], Any]) -> Any:
 def control_plane(env: dict[str, str], python: str, code: str, *, timeout: float = 120) -> str:
     """Run `code` in a control-plane process of its own (`manage.py shell -c`) with `env`: its
     database and broker are the ones `env` names. Returns what it printed."""
-    done = subprocess.run([python, "manage.py", "shell", "-c", code], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    done = subprocess.run(
+        [python, "manage.py", "shell", "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, f"control-plane process failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout + done.stderr

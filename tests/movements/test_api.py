@@ -44,8 +44,9 @@ def ledger(db, make_blocks, monkeypatch):  # type: ignore[no-untyped-def]
     evictions on gpu-1; the policies in force are a fixed snapshot."""
     import controlplane.movements.services as services
 
-    policy = snapshot(TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.5, ttl_seconds=60,
-                                     min_accesses=1))
+    policy = snapshot(
+        TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.5, ttl_seconds=60, min_accesses=1)
+    )
     monkeypatch.setattr(services, "policies_snapshot", lambda: policy)
     node_report("gpu-0", host=(10 * B, 10 * B), disk=(100 * B, 0))
     make_blocks(10, accesses=[1] * 10, ages=[0] * 10)
@@ -85,7 +86,9 @@ def test_filters_and_pagination(ledger):
     assert len(everything) == 7
     assert [m["id"] for m in everything] == sorted((m["id"] for m in everything), reverse=True)
     assert {m["id"] for m in api.get("/api/v1/movements/?state=done").json()["results"]} == {
-        ledger["first"], *ledger["evictions"]}
+        ledger["first"],
+        *ledger["evictions"],
+    }
     assert [m["id"] for m in api.get("/api/v1/movements/?state=failed").json()["results"]] == [ledger["second"]]
     evicted = api.get("/api/v1/movements/?kind=evict&reason=ttl&node=gpu-1&src_tier=host&dst_tier=").json()["results"]
     assert sorted(m["id"] for m in evicted) == sorted(ledger["evictions"])
@@ -104,9 +107,17 @@ def test_filters_and_pagination(ledger):
     assert api.get("/api/v1/movements/999999/").status_code == 404
 
 
-@pytest.mark.parametrize(("query", "field"), [("state=lost", "state"), ("kind=teleport", "kind"),
-                                              ("src_tier=tape", "src_tier"), ("block=zero", "block"),
-                                              ("ordering=random", "ordering"), ("plan=nope", "plan")])
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ("state=lost", "state"),
+        ("kind=teleport", "kind"),
+        ("src_tier=tape", "src_tier"),
+        ("block=zero", "block"),
+        ("ordering=random", "ordering"),
+        ("plan=nope", "plan"),
+    ],
+)
 def test_bad_filters_name_the_field(ledger, query, field):
     response = client_as("viewer").get(f"/api/v1/movements/?{query}")
     assert response.status_code == 400
@@ -164,10 +175,10 @@ def test_event_schemas_match_what_the_services_send(ledger, django_capture_on_co
     node_report("gpu-0", host=(10 * B, 13 * B), disk=(100 * B, 0))
 
     with django_capture_on_commit_callbacks(execute=True):
-        movements_plan(snapshot=snapshot(TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.5)),
-                       node="gpu-0")
-        movements_finished_announce(node="gpu-0", done=3, failed=1, cancelled=0, nbytes=3 * B,
-                                    routes={"host->disk": 3})
+        movements_plan(
+            snapshot=snapshot(TierPolicySpec(tier="host", high_watermark=0.9, low_watermark=0.5)), node="gpu-0"
+        )
+        movements_finished_announce(node="gpu-0", done=3, failed=1, cancelled=0, nbytes=3 * B, routes={"host->disk": 3})
     assert [sorted(batch) for batch in dispatched] == [[("gpu-0", "move")]]  # sent on commit, one batch
     kinds = [k for k, _ in sent]
     assert kinds == ["movement.planned", "movement.finished"]

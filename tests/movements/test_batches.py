@@ -50,15 +50,15 @@ def _blocks(store, make_blocks, tier: str, count: int) -> list[tuple[Block, torc
         key = uuid.uuid4()
         data = random_block(store.layout, 100 + seed)
         checksum = store.put(key, data, tier=tier).checksum.hex
-        [block] = make_blocks(1, tier=tier, node=None if tier == "remote" else "gpu-0", keys=[key],
-                              checksums=[checksum])
+        [block] = make_blocks(
+            1, tier=tier, node=None if tier == "remote" else "gpu-0", keys=[key], checksums=[checksum]
+        )
         made.append((block, data.clone()))
     return made
 
 
 @pytest.mark.parametrize("verify", ["full", "header"])
-def test_a_batch_moves_in_waves_and_concludes_each_movement_on_its_own(node, store, make_blocks, monkeypatch,
-                                                                       verify):
+def test_a_batch_moves_in_waves_and_concludes_each_movement_on_its_own(node, store, make_blocks, monkeypatch, verify):
     monkeypatch.setattr(glue, "WAVE_BYTES", 2 * B)  # waves of two blocks: reserve, copy, flip overlap
     made = _blocks(store, make_blocks, "disk", 7)
     blocks = [block for block, _ in made]
@@ -156,8 +156,7 @@ def test_waves_keep_the_order_and_make_the_unhidden_first_and_last_waves_one_blo
         assert [i for wave in glue._waves(ids, per_wave) for i in wave] == ids
 
 
-def test_the_copy_pipeline_reads_the_next_wave_ahead_and_every_copy_is_exact(node, store, make_blocks,
-                                                                             monkeypatch):
+def test_the_copy_pipeline_reads_the_next_wave_ahead_and_every_copy_is_exact(node, store, make_blocks, monkeypatch):
     """Waves of two over nine moves, the puts slowed so each next wave is reserved while the current
     one is still copying: its first blocks are read into the freed buffers before its transfer starts
     (the pipeline does not drain between waves), and every target holds exactly its source's bytes."""

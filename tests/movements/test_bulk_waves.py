@@ -79,8 +79,7 @@ def _tallies() -> dict[tuple[str, str, str, str], tuple[int, int]]:
     return {(t.kind, t.src_tier, t.reason, t.result): (t.blocks, t.bytes) for t in MovementTally.objects.all()}
 
 
-def test_a_stale_epoch_in_the_middle_of_a_wave_is_refused_for_that_movement_only(node, store, make_blocks,
-                                                                                 monkeypatch):
+def test_a_stale_epoch_in_the_middle_of_a_wave_is_refused_for_that_movement_only(node, store, make_blocks, monkeypatch):
     monkeypatch.setattr(glue, "WAVE_BYTES", 8 * B)  # the five moves are one wave
     made = _blocks(store, make_blocks, "host", 5)
     blocks = [block for block, _ in made]
@@ -121,8 +120,10 @@ def test_a_stale_epoch_in_the_middle_of_a_wave_is_refused_for_that_movement_only
             assert store.contains(block.prefix_key) == ("disk",)
             assert torch.equal(read_block(store, block, "disk"), original)
             assert Placement.objects.get(block=block).checksum == store.tier("disk").checksum(block.prefix_key).hex
-    assert _tallies() == {("move", "host", "manual", "done"): (3, 3 * B),
-                          ("move", "host", "manual", "cancelled"): (2, 0)}
+    assert _tallies() == {
+        ("move", "host", "manual", "done"): (3, 3 * B),
+        ("move", "host", "manual", "cancelled"): (2, 0),
+    }
     report = invariants_check(stores={"gpu-0": store})
     assert report.ok, report.violations
 
@@ -150,15 +151,16 @@ def test_a_wave_with_failing_copies_finishes_the_others(node, store, make_blocks
             assert movement.state == MovementState.DONE
             assert placements(block) == {("remote", ""): PlacementState.READY}
             assert torch.equal(read_block(store, block, "remote"), original)
-    assert _tallies() == {("move", "disk", "manual", "done"): (4, 4 * B),
-                          ("move", "disk", "manual", "failed"): (2, 0),
-                          ("scrub", "disk", "move", "corrupt"): (2, 0)}
+    assert _tallies() == {
+        ("move", "disk", "manual", "done"): (4, 4 * B),
+        ("move", "disk", "manual", "failed"): (2, 0),
+        ("scrub", "disk", "move", "corrupt"): (2, 0),
+    }
     assert invariants_check(stores={"gpu-0": store}).ok
 
 
 @pytest.mark.parametrize("kind, src, dst", [("move", "host", "disk"), ("warm", "remote", "host")])
-def test_a_wave_costs_the_same_few_statements_whatever_its_size(node, store, make_blocks, monkeypatch, kind, src,
-                                                                dst):
+def test_a_wave_costs_the_same_few_statements_whatever_its_size(node, store, make_blocks, monkeypatch, kind, src, dst):
     executor = MovementExecutor(node="gpu-0", store=store)
     counts = {}
     for size in (2, 8):
@@ -171,8 +173,9 @@ def test_a_wave_costs_the_same_few_statements_whatever_its_size(node, store, mak
     assert counts[8] == counts[2] <= QUERIES_PER_WAVE, counts
 
 
-def test_resumed_finished_and_fresh_movements_share_a_wave_and_a_retry_changes_nothing(node, store, make_blocks,
-                                                                                       monkeypatch):
+def test_resumed_finished_and_fresh_movements_share_a_wave_and_a_retry_changes_nothing(
+    node, store, make_blocks, monkeypatch
+):
     monkeypatch.setattr(glue, "WAVE_BYTES", 8 * B)
     made = _blocks(store, make_blocks, "host", 4)
     blocks = [block for block, _ in made]
@@ -205,7 +208,10 @@ def test_resumed_finished_and_fresh_movements_share_a_wave_and_a_retry_changes_n
         assert torch.equal(read_block(store, block, "disk"), original)
     assert placements(blocks[3]) == {("host", "gpu-0"): PlacementState.READY}
     assert {m.id: m.attempts for m in Movement.objects.filter(id__in=[fresh, before_flip, after_flip])} == {
-        fresh: 1, before_flip: 2, after_flip: 2}
+        fresh: 1,
+        before_flip: 2,
+        after_flip: 2,
+    }
     tallies = _tallies()
     assert tallies[("move", "host", "manual", "done")] == (3, 3 * B)
 
@@ -235,10 +241,12 @@ def test_start_many_refuses_another_nodes_movement_and_skips_finished_ones(node,
 def test_finish_many_records_and_tallies_each_result_once(node, make_blocks, django_assert_num_queries):
     ids = _record(make_blocks(4), MovementKind.MOVE, "disk")
     movements_start_many(movement_ids=ids, node="gpu-0")
-    results = [MovementResult(movement_id=ids[0], state=MovementState.DONE, nbytes=B, duration_s=0.5),
-               MovementResult(movement_id=ids[1], state=MovementState.DONE, nbytes=B, duration_s=0.25),
-               MovementResult(movement_id=ids[2], state=MovementState.FAILED, duration_s=0.1, error="tier disk is full"),
-               MovementResult(movement_id=ids[3], state=MovementState.CANCELLED, detail="the copy changed")]
+    results = [
+        MovementResult(movement_id=ids[0], state=MovementState.DONE, nbytes=B, duration_s=0.5),
+        MovementResult(movement_id=ids[1], state=MovementState.DONE, nbytes=B, duration_s=0.25),
+        MovementResult(movement_id=ids[2], state=MovementState.FAILED, duration_s=0.1, error="tier disk is full"),
+        MovementResult(movement_id=ids[3], state=MovementState.CANCELLED, detail="the copy changed"),
+    ]
     with django_assert_num_queries(1):  # record and tally: one statement
         finished = movements_finish_many(results=results)
     assert [m.state for m in finished if m is not None] == ["done", "done", "failed", "cancelled"]
@@ -247,8 +255,11 @@ def test_finish_many_records_and_tallies_each_result_once(node, make_blocks, dja
     assert (rows[ids[2]].error, rows[ids[2]].detail) == ("tier disk is full", "")
     assert rows[ids[3]].detail == "the copy changed" and rows[ids[3]].duration_s is None
     assert all(m.finished_at is not None for m in rows.values())
-    expected = {("move", "host", "manual", "done"): (2, 2 * B), ("move", "host", "manual", "failed"): (1, 0),
-                ("move", "host", "manual", "cancelled"): (1, 0)}
+    expected = {
+        ("move", "host", "manual", "done"): (2, 2 * B),
+        ("move", "host", "manual", "failed"): (1, 0),
+        ("move", "host", "manual", "cancelled"): (1, 0),
+    }
     assert _tallies() == expected
     # Finishing again (a duplicate delivery) changes nothing, not even a tally.
     assert movements_finish_many(results=results[:2]) == [None, None]

@@ -59,8 +59,9 @@ def stored_block(store, make_blocks):  # type: ignore[no-untyped-def]
         key = uuid.uuid4()
         data = random_block(store.layout, seed)
         result = store.put(key, data, tier=tier)
-        block = make_blocks(1, tier=tier, node=None if tier == "remote" else "gpu-0", keys=[key],
-                            checksums=[result.checksum.hex])[0]
+        block = make_blocks(
+            1, tier=tier, node=None if tier == "remote" else "gpu-0", keys=[key], checksums=[result.checksum.hex]
+        )[0]
         return block, data.clone()
 
     return build
@@ -68,11 +69,22 @@ def stored_block(store, make_blocks):  # type: ignore[no-untyped-def]
 
 def movement(block: Block, kind: str, dst_tier: str = "", *, src_tier: str | None = None) -> Movement:
     source = Placement.objects.get(block=block, tier=src_tier) if src_tier else Placement.objects.get(block=block)
-    planned = PlannedMovement(block_id=block.id, kind=kind, reason="manual", src_placement_id=source.id,
-                              src_epoch=source.epoch, src_tier=source.tier, src_node=source.node.name if source.node else "",
-                              dst_tier=dst_tier, dst_node="" if dst_tier in ("", "remote") else "gpu-0",
-                              exec_node="gpu-0", bytes=source.size_bytes)
-    [ident] = movements_record(plan_id=uuid.uuid4(), movements=[planned], policy_version=3, mode="", now=source.updated_at)
+    planned = PlannedMovement(
+        block_id=block.id,
+        kind=kind,
+        reason="manual",
+        src_placement_id=source.id,
+        src_epoch=source.epoch,
+        src_tier=source.tier,
+        src_node=source.node.name if source.node else "",
+        dst_tier=dst_tier,
+        dst_node="" if dst_tier in ("", "remote") else "gpu-0",
+        exec_node="gpu-0",
+        bytes=source.size_bytes,
+    )
+    [ident] = movements_record(
+        plan_id=uuid.uuid4(), movements=[planned], policy_version=3, mode="", now=source.updated_at
+    )
     return Movement.objects.get(id=ident)
 
 
@@ -100,8 +112,11 @@ def test_move_host_disk_remote_and_warm_back_keeps_the_bytes(executor, store, st
     assert placements(block) == {("remote", ""): PlacementState.READY, ("host", "gpu-0"): PlacementState.READY}
     assert torch.equal(read(store, block, "host"), original)
     tallies = {(t.kind, t.src_tier, t.dst_tier, t.result): (t.blocks, t.bytes) for t in MovementTally.objects.all()}
-    assert tallies == {("move", "host", "disk", "done"): (1, B), ("move", "disk", "remote", "done"): (1, B),
-                       ("warm", "remote", "host", "done"): (1, B)}
+    assert tallies == {
+        ("move", "host", "disk", "done"): (1, B),
+        ("move", "disk", "remote", "done"): (1, B),
+        ("warm", "remote", "host", "done"): (1, B),
+    }
     report = invariants_check(stores={"gpu-0": store})
     assert report.ok, report.violations
     assert report.checked == 2
@@ -136,8 +151,13 @@ def test_a_move_resumed_after_its_flip_frees_the_source(executor, store, stored_
     target = placement_create_pending(block_id=block.id, tier="disk", node="gpu-0", size_bytes=B)
     Movement.objects.filter(id=m.id).update(dst_placement_id=target.id)
     store.put(block.prefix_key, original.clone(), tier="disk")
-    placement_flip(source_id=source.id, source_epoch=source.epoch, target_id=target.id, target_epoch=target.epoch,
-                   checksum=source.checksum)
+    placement_flip(
+        source_id=source.id,
+        source_epoch=source.epoch,
+        target_id=target.id,
+        target_epoch=target.epoch,
+        checksum=source.checksum,
+    )
     [outcome] = executor.run("move", [m.id])
     assert outcome.state == MovementState.DONE and "resumed after the flip" in outcome.detail
     assert placements(block) == {("disk", "gpu-0"): PlacementState.READY}
@@ -355,7 +375,9 @@ def test_a_node_without_a_model_records_why_it_cannot_move(node, make_blocks):
     m = movement(block, MovementKind.MOVE, "disk")
     [outcome] = MovementExecutor(node="gpu-0", store=None).run("move", [m.id])
     assert outcome.state == MovementState.FAILED
-    assert Movement.objects.get(id=m.id).error == "node gpu-0 serves no model: it has no tiered store to move bytes with"
+    assert (
+        Movement.objects.get(id=m.id).error == "node gpu-0 serves no model: it has no tiered store to move bytes with"
+    )
 
 
 def test_a_movement_of_another_node_is_refused(node, store, stored_block):

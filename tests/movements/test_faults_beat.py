@@ -36,8 +36,9 @@ while time.monotonic() < deadline:
 print(f"planner finished: {{runs}} runs of the watermark job")
 """
 
-_DOUBLE_IN_FLIGHT = ("SELECT block_id FROM movements_movement WHERE state = ANY(%s) GROUP BY block_id "
-                     "HAVING count(*) > 1")
+_DOUBLE_IN_FLIGHT = (
+    "SELECT block_id FROM movements_movement WHERE state = ANY(%s) GROUP BY block_id HAVING count(*) > 1"
+)
 
 
 def _double_in_flight() -> list[int]:
@@ -92,8 +93,18 @@ def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, su
         seeds = write_blocks(store, profile, nodes.name, 4)
         for i in range(2):
             out = open(tmp_path / f"planner-{i}.log", "w+")
-            planners.append((subprocess.Popen([python, "manage.py", "shell", "-c", _PLANNER_LOOP], cwd=REPO_ROOT,
-                                              env=subprocess_env, stdout=out, stderr=subprocess.STDOUT), out))
+            planners.append(
+                (
+                    subprocess.Popen(
+                        [python, "manage.py", "shell", "-c", _PLANNER_LOOP],
+                        cwd=REPO_ROOT,
+                        env=subprocess_env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    out,
+                )
+            )
         seen_double = _feed(store, profile, nodes, seeds, seconds=PLANNER_SECONDS - 4, seed=1000)
         for planner, out in planners:
             assert planner.wait(PLANNER_SECONDS + 60) == 0
@@ -101,8 +112,11 @@ def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, su
             text = out.read()  # type: ignore[attr-defined]
             print(text[-2000:])
             assert "planner finished" in text
-        wait_for(lambda: not Movement.objects.filter(state__in=IN_FLIGHT).exists(), timeout=90,
-                 what="the node to finish every planned move")
+        wait_for(
+            lambda: not Movement.objects.filter(state__in=IN_FLIGHT).exists(),
+            timeout=90,
+            what="the node to finish every planned move",
+        )
 
         assert seen_double == []
         movements, by_block = _movements_by_block()
@@ -113,8 +127,9 @@ def test_two_planner_processes_at_once_never_move_a_block_twice(node_factory, su
             for earlier, later in zip(moves, moves[1:], strict=False):
                 assert earlier.finished_at <= later.started_at, f"block {block_id} had overlapping movements"
         # A duplicate that slipped through would be refused on the node (cancelled): none was planned.
-        assert not [m for m in movements if m.state != MovementState.DONE], \
-            [(m.id, m.state, m.detail) for m in movements if m.state != MovementState.DONE]
+        assert not [m for m in movements if m.state != MovementState.DONE], [
+            (m.id, m.state, m.detail) for m in movements if m.state != MovementState.DONE
+        ]
         assert len(by_block) == len(seeds)
         assert served_bytes_check(store, seeds) == {"served": len(seeds), "missed": 0}
         reconcile_and_check({nodes.name: store}, tiers=("host", "disk"))
@@ -153,32 +168,71 @@ def test_two_beat_daemons_at_once_never_move_a_block_twice(node_factory, subproc
     every_second, _ = IntervalSchedule.objects.get_or_create(every=1, period=IntervalSchedule.SECONDS)
     PeriodicTask.objects.exclude(task="movements.plan_watermarks").update(enabled=False)
     # (Created when an earlier transactional test has flushed the rows the migration wrote.)
-    PeriodicTask.objects.update_or_create(name="movements: plan over watermark", defaults={
-        "task": "movements.plan_watermarks", "interval": every_second, "queue": queue, "enabled": True})
+    PeriodicTask.objects.update_or_create(
+        name="movements: plan over watermark",
+        defaults={"task": "movements.plan_watermarks", "interval": every_second, "queue": queue, "enabled": True},
+    )
     nodes, store, profile = _draining_node(node_factory)
     celery = [python, "-m", "celery", "-A", "controlplane.celery_app"]
     daemons: list[tuple[subprocess.Popen, object]] = []
     try:
         seeds = write_blocks(store, profile, nodes.name, 4)
-        commands = [celery + ["worker", "-Q", queue, "-n", f"{queue}@%h", "--pool", "threads", "--concurrency", "2",
-                              "--without-gossip", "--without-mingle", "--loglevel", "INFO"]]
-        commands += [celery + ["beat", "--loglevel", "INFO", f"--pidfile={tmp_path / f'beat-{i}.pid'}",
-                               "--max-interval", "1"] for i in range(2)]
+        commands = [
+            celery
+            + [
+                "worker",
+                "-Q",
+                queue,
+                "-n",
+                f"{queue}@%h",
+                "--pool",
+                "threads",
+                "--concurrency",
+                "2",
+                "--without-gossip",
+                "--without-mingle",
+                "--loglevel",
+                "INFO",
+            ]
+        ]
+        commands += [
+            celery + ["beat", "--loglevel", "INFO", f"--pidfile={tmp_path / f'beat-{i}.pid'}", "--max-interval", "1"]
+            for i in range(2)
+        ]
         beat_env = {**subprocess_env, "DJANGO_SETTINGS_MODULE": "tests.movements.beat_settings"}
         for i, command in enumerate(commands):
             out = open(tmp_path / f"daemon-{i}.log", "w+")
-            daemons.append((subprocess.Popen(command, cwd=REPO_ROOT, env=beat_env if i else subprocess_env,
-                                             stdout=out, stderr=subprocess.STDOUT), out))
+            daemons.append(
+                (
+                    subprocess.Popen(
+                        command,
+                        cwd=REPO_ROOT,
+                        env=beat_env if i else subprocess_env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    out,
+                )
+            )
         seen_double = _feed(store, profile, nodes, seeds, seconds=PLANNER_SECONDS, seed=2000)
         # The last blocks came in less than a beat interval ago: let a beat plan them before the
         # beats stop (else they are simply not planned yet, which is not what this test is about).
-        wait_for(lambda: Movement.objects.filter(block__prefix_key__in=list(seeds)).values("block_id").distinct().count()
-                 == len(seeds), timeout=60, what="a move planned for every block written")
+        wait_for(
+            lambda: (
+                Movement.objects.filter(block__prefix_key__in=list(seeds)).values("block_id").distinct().count()
+                == len(seeds)
+            ),
+            timeout=60,
+            what="a move planned for every block written",
+        )
         seen_double += _double_in_flight()
         for daemon, _ in daemons[1:]:  # stop sending; let the worker and the node finish
             _stop_beat(daemon)
-        wait_for(lambda: not Movement.objects.filter(state__in=IN_FLIGHT).exists(), timeout=90,
-                 what="the node to finish every planned move")
+        wait_for(
+            lambda: not Movement.objects.filter(state__in=IN_FLIGHT).exists(),
+            timeout=90,
+            what="the node to finish every planned move",
+        )
         logs = []
         for _, out in daemons:
             out.seek(0)  # type: ignore[attr-defined]
@@ -191,7 +245,10 @@ def test_two_beat_daemons_at_once_never_move_a_block_twice(node_factory, subproc
         movements, by_block = _movements_by_block()
         assert len({m.plan for m in movements}) >= 2
         for block_id, moves in by_block.items():
-            assert [m.state for m in moves] == [MovementState.DONE], (block_id, [(m.id, m.state, m.detail) for m in moves])
+            assert [m.state for m in moves] == [MovementState.DONE], (
+                block_id,
+                [(m.id, m.state, m.detail) for m in moves],
+            )
         assert len(by_block) == len(seeds)
         assert served_bytes_check(store, seeds) == {"served": len(seeds), "missed": 0}
         reconcile_and_check({nodes.name: store}, tiers=("host", "disk"))

@@ -74,13 +74,19 @@ def test_moves_complete_after_postgresql_restarts_mid_move(private_postgres, nod
         time.sleep(5)  # the held move resumes into a database that is gone
         print(f"starting PostgreSQL: {private_postgres.start()}")
         connections.close_all()
-        wait_for(lambda: tolerant(lambda: all(state_of(i) == MovementState.DONE for i in result.written)),
-                 timeout=120, what="every move to finish after the restart", every=0.5)
+        wait_for(
+            lambda: tolerant(lambda: all(state_of(i) == MovementState.DONE for i in result.written)),
+            timeout=120,
+            what="every move to finish after the restart",
+            every=0.5,
+        )
         # The interrupted moves failed on the lost database and ran again (the task's retry).
         assert max(Movement.objects.filter(id__in=result.written).values_list("attempts", flat=True)) >= 2
         assert process.poll() is None, "the node survived the database restart"
-        assert sorted(Placement.objects.filter(block__prefix_key__in=seeds).values_list("tier", "state")) == \
-            [("disk", "ready")] * 6
+        assert (
+            sorted(Placement.objects.filter(block__prefix_key__in=seeds).values_list("tier", "state"))
+            == [("disk", "ready")] * 6
+        )
         assert served_bytes_check(store, seeds) == {"served": 6, "missed": 0}
         reconcile_and_check({nodes.name: store}, tiers=("host", "disk"))
     finally:
@@ -88,6 +94,7 @@ def test_moves_complete_after_postgresql_restarts_mid_move(private_postgres, nod
 
 
 # -- the broker stops and restarts -----------------------------------------------------------------------
+
 
 @pytest.fixture
 def private_redis(tmp_path) -> Iterator[PrivateRedis]:
@@ -99,11 +106,15 @@ def private_redis(tmp_path) -> Iterator[PrivateRedis]:
         server.stop()
 
 
-_PLAN = ("import json; from tests.movements.procs import DRAIN_HOST; "
-         "from controlplane.movements.services import movements_plan; "
-         "print(json.dumps(movements_plan(snapshot=DRAIN_HOST, node={node!r}, reason='manual').written))")
-_REDISPATCH = ("import json, datetime; from controlplane.movements.services import movements_redispatch; "
-               "print(json.dumps(movements_redispatch(older_than=datetime.timedelta(0))))")
+_PLAN = (
+    "import json; from tests.movements.procs import DRAIN_HOST; "
+    "from controlplane.movements.services import movements_plan; "
+    "print(json.dumps(movements_plan(snapshot=DRAIN_HOST, node={node!r}, reason='manual').written))"
+)
+_REDISPATCH = (
+    "import json, datetime; from controlplane.movements.services import movements_redispatch; "
+    "print(json.dumps(movements_redispatch(older_than=datetime.timedelta(0))))"
+)
 
 
 def _last_json(output: str) -> object:
@@ -122,8 +133,7 @@ def test_movements_survive_a_broker_restart(private_redis, node_factory, subproc
     env = {**subprocess_env, "REDIS_URL": private_redis.url()}
     # One worker thread, the deployment's own visibility timeout: a batch sent while that thread
     # is busy waits in the broker's queue, and nothing is delivered twice.
-    nodes = node_factory(env=env, settings_module="controlplane.settings.test", tiers="device,host,disk",
-                         concurrency=1)
+    nodes = node_factory(env=env, settings_module="controlplane.settings.test", tiers="device,host,disk", concurrency=1)
     process, log = nodes.start(STRATA_FAULT_POINT="after-copy", STRATA_FAULT_HOLD_S="10")
     nodes.wait_up(process)
     store, profile = nodes.config_store()
@@ -137,7 +147,9 @@ def test_movements_survive_a_broker_restart(private_redis, node_factory, subproc
         second = write_blocks(store, profile, nodes.name, 3, seed=200)
         wait_for(lambda: _host_reported(nodes, store), what="the new host use in a heartbeat")
         queued = _last_json(control_plane(env, python, _PLAN.format(node=nodes.name)))
-        assert sorted(queued) == sorted(Movement.objects.filter(block__prefix_key__in=second).values_list("id", flat=True))
+        assert sorted(queued) == sorted(
+            Movement.objects.filter(block__prefix_key__in=second).values_list("id", flat=True)
+        )
         assert broker.llen(f"node.{nodes.name}") == 1
 
         print(f"stopping the broker: {private_redis.stop()}")
@@ -152,19 +164,25 @@ def test_movements_survive_a_broker_restart(private_redis, node_factory, subproc
         broker = redis.Redis.from_url(private_redis.url())
 
         # The queued batch survived the restart (append-only file) and the node reconnects to it.
-        wait_for(lambda: all(state_of(i) == MovementState.DONE for i in in_flight + queued), timeout=120,
-                 what="the in-flight and queued moves to finish after the broker restart")
+        wait_for(
+            lambda: all(state_of(i) == MovementState.DONE for i in in_flight + queued),
+            timeout=120,
+            what="the in-flight and queued moves to finish after the broker restart",
+        )
         assert {state_of(i) for i in stranded} == {MovementState.PLANNED}
         # The redispatch sweep (a beat job) queues what could not be sent.
         swept = _last_json(control_plane(env, python, _REDISPATCH))
         assert swept == {"requeued": 2, "cancelled": 0}
-        wait_for(lambda: all(state_of(i) == MovementState.DONE for i in stranded), timeout=60,
-                 what="the redispatched moves")
+        wait_for(
+            lambda: all(state_of(i) == MovementState.DONE for i in stranded), timeout=60, what="the redispatched moves"
+        )
         assert process.poll() is None, "the node survived the broker outage"
         assert "Connection to broker lost" in log.read_text() or "Cannot connect" in log.read_text()
         seeds = {**first, **second, **third}
-        assert sorted(Placement.objects.filter(block__prefix_key__in=seeds).values_list("tier", "state")) == \
-            [("disk", "ready")] * 8
+        assert (
+            sorted(Placement.objects.filter(block__prefix_key__in=seeds).values_list("tier", "state"))
+            == [("disk", "ready")] * 8
+        )
         assert served_bytes_check(store, seeds) == {"served": 8, "missed": 0}
         reconcile_and_check({nodes.name: store}, tiers=("host", "disk"))
     finally:

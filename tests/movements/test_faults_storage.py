@@ -40,8 +40,12 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 TINY_LAYOUT = BlockLayout(layers=2, kv_heads=2, head_dim=16, block_tokens=16, dtype="float32")
 DISK_FILE_BYTES = block_file_bytes(TINY_LAYOUT)
 
-DRAIN_DISK = PolicySnapshot(version=2, mode="", classes=(), tiers=(
-    TierPolicySpec(tier="disk", capacity_bytes=1, high_watermark=0.9, low_watermark=0.5),))
+DRAIN_DISK = PolicySnapshot(
+    version=2,
+    mode="",
+    classes=(),
+    tiers=(TierPolicySpec(tier="disk", capacity_bytes=1, high_watermark=0.9, low_watermark=0.5),),
+)
 
 
 def _all_finished(ids: list[int]) -> bool:
@@ -58,6 +62,7 @@ def _failures(found_by: str, tier: str = "disk") -> int:
 
 
 # -- a full disk tier ------------------------------------------------------------------------------------
+
 
 def _full_disk_outcome(nodes, store, seeds: dict[uuid.UUID, int]) -> tuple[list[Movement], list[Movement]]:  # type: ignore[no-untyped-def]
     result = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
@@ -109,8 +114,9 @@ def small_filesystem(tmp_path) -> Iterator[Path]:
     """A 64 KiB tmpfs: a disk tier on it runs out of real space long before its capacity option."""
     mount = tmp_path / "small-fs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the capacity-option test covers a full tier")
     try:
@@ -134,6 +140,7 @@ def test_moves_into_a_filesystem_that_runs_out_of_space_fail_cleanly(small_files
 
 
 # -- corrupt, truncated and swapped block files ------------------------------------------------------------
+
 
 def _damage(store, keys: list[uuid.UUID]) -> dict[str, uuid.UUID]:  # type: ignore[no-untyped-def]
     """Corrupt one byte of the first block's data, truncate the second's file, swap the files of
@@ -162,15 +169,21 @@ def test_the_scrub_task_quarantines_corrupt_truncated_and_swapped_files(node_fac
         seeds = write_blocks(store, profile, nodes.name, 6)
         moved = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(moved.written) == len(seeds)
-        wait_for(lambda: all(state_of(i) == MovementState.DONE for i in moved.written), timeout=60,
-                 what="the blocks to reach the disk tier")
+        wait_for(
+            lambda: all(state_of(i) == MovementState.DONE for i in moved.written),
+            timeout=60,
+            what="the blocks to reach the disk tier",
+        )
         keys = list(seeds)
         damaged = _damage(store, keys)
         intact = keys[4:]
         # The scrub beat job fans out node.scrub to every up node through the broker.
         assert movements_scrub_nodes_task() == [nodes.name]
-        wait_for(lambda: all(_copies(k) == {"disk": PlacementState.CORRUPT} for k in damaged.values()),
-                 timeout=60, what="the scrub to quarantine the four damaged copies")
+        wait_for(
+            lambda: all(_copies(k) == {"disk": PlacementState.CORRUPT} for k in damaged.values()),
+            timeout=60,
+            what="the scrub to quarantine the four damaged copies",
+        )
         wait_for(lambda: "scrub of disk on node" in log.read_text(), what="the scrub's report in the node log")
         assert f"scrub of disk on node {nodes.name}: 6 copies checked, 4 quarantined" in log.read_text()
         for key in intact:
@@ -199,15 +212,22 @@ def test_reads_of_damaged_files_are_misses_never_wrong_tokens(node_factory):
         first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
         expected = (first.usage.prompt_tokens + 3) // 16
         assert expected >= 5
-        wait_for(lambda: Placement.objects.filter(node__name=nodes.name, tier="host", state="ready").count()
-                 == expected, what="the write-back's registrations")
+        wait_for(
+            lambda: Placement.objects.filter(node__name=nodes.name, tier="host", state="ready").count() == expected,
+            what="the write-back's registrations",
+        )
         keys = list(Block.objects.order_by("position").values_list("prefix_key", flat=True))
-        wait_for(lambda: Node.objects.get(name=nodes.name).tiers.filter(tier="host", used_bytes__gt=0).exists(),
-                 what="the host use in a heartbeat")
+        wait_for(
+            lambda: Node.objects.get(name=nodes.name).tiers.filter(tier="host", used_bytes__gt=0).exists(),
+            what="the host use in a heartbeat",
+        )
         moved = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(moved.written) == expected, moved.summary()
-        wait_for(lambda: all(state_of(i) == MovementState.DONE for i in moved.written), timeout=60,
-                 what="the blocks to reach the disk tier")
+        wait_for(
+            lambda: all(state_of(i) == MovementState.DONE for i in moved.written),
+            timeout=60,
+            what="the blocks to reach the disk tier",
+        )
         second = client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
         assert second.usage.prompt_tokens_details.cached_tokens > 0, "the prompt's blocks load from disk"
         assert second.choices[0].text == first.choices[0].text
@@ -221,8 +241,11 @@ def test_reads_of_damaged_files_are_misses_never_wrong_tokens(node_factory):
 
         # A move reads its source before copying: the damaged copies are quarantined on the spot.
         # (Planned fleet-wide: the shared remote tier is a destination only then.)
-        drained = wait_for(lambda: movements_plan(snapshot=DRAIN_DISK, reason="manual").written, timeout=30,
-                           what="a plan out of the disk tier (after a heartbeat reports its use)")
+        drained = wait_for(
+            lambda: movements_plan(snapshot=DRAIN_DISK, reason="manual").written,
+            timeout=30,
+            what="a plan out of the disk tier (after a heartbeat reports its use)",
+        )
         wait_for(lambda: _all_finished(drained), timeout=60, what="the moves out of the disk tier")
         outcomes = {Block.objects.get(id=m.block_id).prefix_key: m for m in Movement.objects.filter(id__in=drained)}
         assert {m.route for m in outcomes.values()} == {"disk->remote"}
@@ -262,16 +285,22 @@ def test_a_store_read_and_the_reconcile_task_quarantine_a_damaged_file(node_fact
         seeds = write_blocks(store, profile, nodes.name, 5)
         moved = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(moved.written) == len(seeds)
-        wait_for(lambda: all(state_of(i) == MovementState.DONE for i in moved.written), timeout=60,
-                 what="the blocks to reach the disk tier")
+        wait_for(
+            lambda: all(state_of(i) == MovementState.DONE for i in moved.written),
+            timeout=60,
+            what="the blocks to reach the disk tier",
+        )
         damaged = _damage(store, list(seeds))
         # A reader through the store: a miss (never the damaged bytes), and the tier drops the file.
         assert served_bytes_check(store, seeds) == {"served": 1, "missed": 4}
         assert not any(store.tier("disk").contains(k) for k in damaged.values())
         # The placements still say READY until the node's reconcile (a beat job) notices.
         assert movements_reconcile_nodes_task() == [nodes.name]
-        wait_for(lambda: all(_copies(k) == {"disk": PlacementState.CORRUPT} for k in damaged.values()),
-                 timeout=60, what="the reconcile task to mark the copies without bytes")
+        wait_for(
+            lambda: all(_copies(k) == {"disk": PlacementState.CORRUPT} for k in damaged.values()),
+            timeout=60,
+            what="the reconcile task to mark the copies without bytes",
+        )
         assert _failures("reconcile") == 4
         assert blocks_of(seeds)  # the blocks themselves stay known: a miss recomputes them
         reconcile_and_check({nodes.name: store}, tiers=("host", "disk"))

@@ -51,13 +51,18 @@ def test_a_real_node_executes_a_planned_move_through_the_broker(nodes):
         blocks = _write_blocks(store, profile, nodes.name, 4)
         result = movements_plan(snapshot=DRAIN_HOST, node=nodes.name, reason="manual")
         assert len(result.written) == 4
-        wait_for(lambda: all(_state_of(i) == MovementState.DONE for i in result.written), timeout=60,
-                 what="the node to execute the moves")
+        wait_for(
+            lambda: all(_state_of(i) == MovementState.DONE for i in result.written),
+            timeout=60,
+            what="the node to execute the moves",
+        )
         for block in blocks:
             [copy] = Placement.objects.filter(block=block)
             assert (copy.tier, copy.node.name, copy.state) == ("disk", nodes.name, PlacementState.READY)
-        assert all(m.bytes == store.layout.block_bytes and m.attempts == 1
-                   for m in Movement.objects.filter(id__in=result.written))
+        assert all(
+            m.bytes == store.layout.block_bytes and m.attempts == 1
+            for m in Movement.objects.filter(id__in=result.written)
+        )
         assert "host->disk): done" in log.read_text()
         _check_after(store, nodes.name)
     finally:

@@ -60,9 +60,12 @@ def test_lfu_picks_the_fewest_accesses(full_node, make_blocks):
 def test_s3fifo_evicts_blocks_seen_once_first_in_arrival_order_then_lru(full_node, make_blocks):
     # Blocks 0-2 were never used again (access count 0): they leave first, oldest arrival first,
     # even though they were written more recently than the reused ones were last used.
-    blocks = make_blocks(10, accesses=[0, 0, 0, 3, 3, 3, 3, 3, 3, 3],
-                         created=[100, 300, 200, 900, 900, 900, 900, 900, 900, 900],
-                         ages=[1, 1, 1, 500, 100, 700, 300, 50, 20, 10])
+    blocks = make_blocks(
+        10,
+        accesses=[0, 0, 0, 3, 3, 3, 3, 3, 3, 3],
+        created=[100, 300, 200, 900, 900, 900, 900, 900, 900, 900],
+        ages=[1, 1, 1, 500, 100, 700, 300, 50, 20, 10],
+    )
     result = movements_plan(snapshot=snapshot(host_policy(algorithm="s3fifo")), dry_run=True)
     assert victims(result) == [blocks[i].id for i in (1, 2, 0, 5, 3)]
 
@@ -70,9 +73,12 @@ def test_s3fifo_evicts_blocks_seen_once_first_in_arrival_order_then_lru(full_nod
 def test_cost_aware_keeps_what_is_costly_to_recompute_and_likely_reused(full_node, make_blocks):
     # Same size everywhere: value = reuse likelihood x recompute cost. Deep positions cost more
     # to recompute; many recent accesses make reuse likely.
-    blocks = make_blocks(10, accesses=[0, 0, 50, 50, 0, 0, 50, 50, 10, 10],
-                         positions=[0, 16384, 0, 16384, 0, 16384, 0, 16384, 0, 16384],
-                         ages=[3600, 3600, 3600, 3600, 60, 60, 60, 60, 600, 600])
+    blocks = make_blocks(
+        10,
+        accesses=[0, 0, 50, 50, 0, 0, 50, 50, 10, 10],
+        positions=[0, 16384, 0, 16384, 0, 16384, 0, 16384, 0, 16384],
+        ages=[3600, 3600, 3600, 3600, 60, 60, 60, 60, 600, 600],
+    )
     result = movements_plan(snapshot=snapshot(host_policy(algorithm="cost-aware")), dry_run=True)
     # Lowest value first: never reused and shallow (0, then 4), then never reused and deep (1, 5),
     # then the shallow block with a few old accesses (8).
@@ -121,11 +127,18 @@ def test_min_accesses_sets_rarely_used_blocks_apart_first(full_node, make_blocks
 def test_lower_priority_weight_goes_first(full_node, make_blocks):
     recent_batch = make_blocks(3, namespace="batch", ages=[1, 2, 3])
     old_realtime = make_blocks(7, namespace="realtime", ages=[100, 200, 300, 400, 500, 600, 700])
-    classes = (PriorityClassSpec(name="bulk", weight=0.1, namespaces=("batch",)),
-               PriorityClassSpec(name="interactive", weight=10.0, namespaces=("realtime",)))
+    classes = (
+        PriorityClassSpec(name="bulk", weight=0.1, namespaces=("batch",)),
+        PriorityClassSpec(name="interactive", weight=10.0, namespaces=("realtime",)),
+    )
     result = movements_plan(snapshot=snapshot(host_policy(), classes=classes), dry_run=True)
-    assert victims(result) == [recent_batch[2].id, recent_batch[1].id, recent_batch[0].id,
-                               old_realtime[6].id, old_realtime[5].id]
+    assert victims(result) == [
+        recent_batch[2].id,
+        recent_batch[1].id,
+        recent_batch[0].id,
+        old_realtime[6].id,
+        old_realtime[5].id,
+    ]
     # A block's own priority names its class, whatever its namespace.
     flagged = make_blocks(1, namespace="realtime", ages=[0], priority="bulk")
     node_report("gpu-0", host=(10 * B, 11 * B), disk=(100 * B, 0))
@@ -140,10 +153,14 @@ def test_demotion_goes_host_disk_remote_and_evicts_at_the_bottom(db, make_blocks
     host = make_blocks(10, ages=list(range(10)))
     disk = make_blocks(10, tier="disk", ages=list(range(10)))
     remote = make_blocks(10, tier="remote", node=None, ages=list(range(10)))
-    result = movements_plan(snapshot=snapshot(host_policy(),
-                                              TierPolicySpec(tier="disk", high_watermark=0.9, low_watermark=0.5),
-                                              TierPolicySpec(tier="remote", high_watermark=0.9, low_watermark=0.5)),
-                            dry_run=True)
+    result = movements_plan(
+        snapshot=snapshot(
+            host_policy(),
+            TierPolicySpec(tier="disk", high_watermark=0.9, low_watermark=0.5),
+            TierPolicySpec(tier="remote", high_watermark=0.9, low_watermark=0.5),
+        ),
+        dry_run=True,
+    )
     routes = {m.block_id: (m.route, m.exec_node) for m in result.movements}
     assert sum(1 for b in remote if b.id in routes) == 5
     assert {routes[b.id][0] for b in remote if b.id in routes} == {"remote->evicted"}
@@ -152,9 +169,11 @@ def test_demotion_goes_host_disk_remote_and_evicts_at_the_bottom(db, make_blocks
     # Lowest tier first: the remote tier drops to 5 blocks, so it has room for 4 below its 90%
     # watermark; the disk sends its 4 idlest there and evicts the fifth. The host likewise.
     assert [routes[b.id] for b in reversed(disk) if b.id in routes] == [("disk->remote", "gpu-0")] * 4 + [
-        ("disk->evicted", "gpu-0")]
+        ("disk->evicted", "gpu-0")
+    ]
     assert [routes[b.id] for b in reversed(host) if b.id in routes] == [("host->disk", "gpu-0")] * 4 + [
-        ("host->evicted", "gpu-0")]
+        ("host->evicted", "gpu-0")
+    ]
     assert result.summary()["evictions"] == 7
 
 
@@ -168,8 +187,9 @@ def test_a_policy_demote_tier_skips_disk(full_node, make_blocks):
 def test_a_full_tier_below_means_eviction(db, make_blocks):
     node_report("gpu-0", host=(10 * B, 10 * B), disk=(10 * B, 9 * B))
     make_blocks(10, ages=list(range(10)))
-    result = movements_plan(snapshot=snapshot(host_policy(), TierPolicySpec(tier="disk", high_watermark=0.95)),
-                            dry_run=True)
+    result = movements_plan(
+        snapshot=snapshot(host_policy(), TierPolicySpec(tier="disk", high_watermark=0.95)), dry_run=True
+    )
     kinds = [m.kind for m in result.movements]
     # The disk takes half a block below its watermark: none fits, so every victim is evicted.
     assert kinds == [MovementKind.EVICT] * 5
@@ -182,7 +202,8 @@ def test_plan_writes_movements_and_a_second_plan_does_not_pick_them_again(full_n
     rows = list(Movement.objects.filter(id__in=first.written))
     assert {r.state for r in rows} == {MovementState.PLANNED}  # dispatched once the transaction commits
     assert {(r.reason, r.policy_version, r.exec_node, r.src_tier, r.dst_tier) for r in rows} == {
-        ("watermark", 7, "gpu-0", "host", "disk")}
+        ("watermark", 7, "gpu-0", "host", "disk")
+    }
     assert all(r.src_epoch == Placement.objects.get(id=r.src_placement_id).epoch for r in rows)
     # The node still reports the same use: what is already leaving counts, nothing new is planned.
     second = movements_plan(snapshot=snapshot(host_policy()), reason=MovementReason.WATERMARK)
@@ -193,9 +214,21 @@ def test_the_database_refuses_a_second_in_flight_movement_of_a_block(full_node, 
     make_blocks(10, ages=list(range(10)))
     first = movements_plan(snapshot=snapshot(host_policy()))
     row = Movement.objects.get(id=first.written[0])
-    twin = Movement(plan=row.plan, block_id=row.block_id, kind=row.kind, reason=row.reason, state=MovementState.RUNNING,
-                    src_placement_id=row.src_placement_id, src_epoch=row.src_epoch, src_tier="host", src_node="gpu-0",
-                    dst_tier="disk", dst_node="gpu-0", exec_node="gpu-0", created_at=timezone.now())
+    twin = Movement(
+        plan=row.plan,
+        block_id=row.block_id,
+        kind=row.kind,
+        reason=row.reason,
+        state=MovementState.RUNNING,
+        src_placement_id=row.src_placement_id,
+        src_epoch=row.src_epoch,
+        src_tier="host",
+        src_node="gpu-0",
+        dst_tier="disk",
+        dst_node="gpu-0",
+        exec_node="gpu-0",
+        created_at=timezone.now(),
+    )
     with pytest.raises(IntegrityError, match="movement_one_in_flight_per_block"), transaction.atomic():
         twin.save()
     # Once the first one finished, the block may move again.
@@ -272,10 +305,22 @@ def test_a_victim_already_held_below_is_evicted_not_copied_again(full_node, make
     blocks = make_blocks(10, ages=[50, 10, 90, 30, 70, 20, 80, 40, 60, 0])
     idlest = blocks[2]
     # The idlest block also has a servable copy on gpu-0's disk (e.g. warmed back up earlier).
-    blocks_register(registrations=[BlockRegistration(
-        namespace="tenant-a", model_key=profile.model_key, prefix_key=idlest.prefix_key,
-        content_key=idlest.content_key, position=0, tokens=idlest.token_count, tier="disk", node="gpu-0",
-        nbytes=B, checksum="0" * 32)])
+    blocks_register(
+        registrations=[
+            BlockRegistration(
+                namespace="tenant-a",
+                model_key=profile.model_key,
+                prefix_key=idlest.prefix_key,
+                content_key=idlest.content_key,
+                position=0,
+                tokens=idlest.token_count,
+                tier="disk",
+                node="gpu-0",
+                nbytes=B,
+                checksum="0" * 32,
+            )
+        ]
+    )
     result = movements_plan(snapshot=snapshot(host_policy(algorithm="lru")), dry_run=True)
     by_block = {m.block_id: m for m in result.movements}
     assert by_block[idlest.id].kind == MovementKind.EVICT

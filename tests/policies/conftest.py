@@ -12,9 +12,16 @@ GiB = 1 << 30
 
 
 def node_up(name: str, *, group: str | None = None, device: int = GiB, host: int = 8 * GiB):
-    return node_heartbeat(name=name, host="host-" + name, heartbeat_seconds=5.0, group=group,
-                          tiers=[TierReport(tier="device", capacity_bytes=device, used_bytes=0),
-                                 TierReport(tier="host", capacity_bytes=host, used_bytes=0)])
+    return node_heartbeat(
+        name=name,
+        host="host-" + name,
+        heartbeat_seconds=5.0,
+        group=group,
+        tiers=[
+            TierReport(tier="device", capacity_bytes=device, used_bytes=0),
+            TierReport(tier="host", capacity_bytes=host, used_bytes=0),
+        ],
+    )
 
 
 @pytest.fixture

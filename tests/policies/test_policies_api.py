@@ -76,8 +76,12 @@ MATRIX = [
     ("post", "/api/v1/modes/chat-peak/activate/", lambda w: {}, (401, 403, 403, 200, 200, 200)),
     ("get", "/api/v1/mode-schedules/", None, (401, 403, 200, 200, 200, 200)),
     ("get", "/api/v1/mode-schedules/{schedule}/", None, (401, 403, 200, 200, 200, 200)),
-    ("post", "/api/v1/mode-schedules/", lambda w: {"mode": "chat-peak", "cron": "0 8 * * *"},
-     (401, 403, 403, 201, 201, 201)),
+    (
+        "post",
+        "/api/v1/mode-schedules/",
+        lambda w: {"mode": "chat-peak", "cron": "0 8 * * *"},
+        (401, 403, 403, 201, 201, 201),
+    ),
     ("patch", "/api/v1/mode-schedules/{schedule}/", lambda w: {"enabled": False}, (401, 403, 403, 200, 200, 200)),
     ("delete", "/api/v1/mode-schedules/{schedule}/", None, (401, 403, 403, 204, 204, 204)),
     ("get", "/api/v1/policy-versions/", None, (401, 403, 200, 200, 200, 200)),
@@ -89,8 +93,9 @@ MATRIX = [
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "body", "expected"), MATRIX,
-                         ids=[f"{m.upper()} {p}" for m, p, _, _ in MATRIX])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "expected"), MATRIX, ids=[f"{m.upper()} {p}" for m, p, _, _ in MATRIX]
+)
 @pytest.mark.parametrize("role", ROLES)
 def test_role_matrix(world, api_as, sent_tasks, method, path, body, expected, role):
     before = policy_state()
@@ -119,14 +124,30 @@ BAD = [
     ("post", "/api/v1/priority-classes/", {"name": "gold", "device_share": 0, "weight": -1}, "weight"),
     ("post", "/api/v1/priority-classes/", {"name": "gold", "device_share": 0, "namespaces": ["a b"]}, "namespaces[0]"),
     ("patch", "/api/v1/priority-classes/batch/", {"device_share": 0.5}, "device_share"),
-    ("post", "/api/v1/modes/", {"name": "bad", "overrides": {"tiers": [{"tier": "host", "low_watermark": 0.95}]}},
-     "overrides.tiers[0].low_watermark"),
-    ("post", "/api/v1/modes/", {"name": "bad", "overrides": {"classes": [{"name": "batch", "device_share": 0.9}]}},
-     "overrides.classes[0].device_share"),
-    ("post", "/api/v1/modes/", {"name": "bad", "overrides": {"tiers": [{"tier": "disk", "capacity_bytes": -1}]}},
-     "overrides.tiers[0].capacity_bytes"),
-    ("patch", "/api/v1/modes/long-doc/", {"overrides": {"tiers": [{"tier": "host", "algorithm": "fifo"}]}},
-     "overrides.tiers[0].algorithm"),
+    (
+        "post",
+        "/api/v1/modes/",
+        {"name": "bad", "overrides": {"tiers": [{"tier": "host", "low_watermark": 0.95}]}},
+        "overrides.tiers[0].low_watermark",
+    ),
+    (
+        "post",
+        "/api/v1/modes/",
+        {"name": "bad", "overrides": {"classes": [{"name": "batch", "device_share": 0.9}]}},
+        "overrides.classes[0].device_share",
+    ),
+    (
+        "post",
+        "/api/v1/modes/",
+        {"name": "bad", "overrides": {"tiers": [{"tier": "disk", "capacity_bytes": -1}]}},
+        "overrides.tiers[0].capacity_bytes",
+    ),
+    (
+        "patch",
+        "/api/v1/modes/long-doc/",
+        {"overrides": {"tiers": [{"tier": "host", "algorithm": "fifo"}]}},
+        "overrides.tiers[0].algorithm",
+    ),
     ("post", "/api/v1/modes/", {"name": "long-doc"}, "name"),
     ("post", "/api/v1/modes/long-doc/deactivate/", {}, "name"),
     ("post", "/api/v1/mode-schedules/", {"mode": "chat-peak", "cron": "0 8 * * * *"}, "cron"),
@@ -135,17 +156,24 @@ BAD = [
     ("post", "/api/v1/mode-schedules/", {"mode": "no-such", "cron": "0 8 * * *"}, "mode"),
     ("patch", "/api/v1/mode-schedules/{schedule}/", {"cron": "0 8 32 * *"}, "cron"),
     ("get", "/api/v1/policy-versions/1/diff/?against=42", None, "against"),
-    ("post", "/api/v1/policies/dry-run/", {"tiers": [{"tier": "host", "low_watermark": 0.99}]},
-     "overrides.tiers[0].low_watermark"),
-    ("post", "/api/v1/policies/dry-run/", {"tiers": [{"tier": "host", "capacity_bytes": -1}]},
-     "overrides.tiers[0].capacity_bytes"),
+    (
+        "post",
+        "/api/v1/policies/dry-run/",
+        {"tiers": [{"tier": "host", "low_watermark": 0.99}]},
+        "overrides.tiers[0].low_watermark",
+    ),
+    (
+        "post",
+        "/api/v1/policies/dry-run/",
+        {"tiers": [{"tier": "host", "capacity_bytes": -1}]},
+        "overrides.tiers[0].capacity_bytes",
+    ),
     ("post", "/api/v1/policies/dry-run/", {"nodes": []}, "overrides.nodes"),
 ]
 
 
 @pytest.mark.parametrize(("method", "path", "body", "field"), BAD, ids=[f"{m} {p} {f}" for m, p, _, f in BAD])
-def test_bad_input_is_a_400_naming_the_field_and_changes_nothing(world, api_as, sent_tasks, method, path, body,
-                                                                  field):
+def test_bad_input_is_a_400_naming_the_field_and_changes_nothing(world, api_as, sent_tasks, method, path, body, field):
     before = policy_state()
     beat = list(PeriodicTask.objects.values_list("name", "crontab_id", "enabled", "kwargs"))
     response = getattr(api_as("operator"), method)(path.format(**world), body, format="json")
@@ -167,10 +195,12 @@ def test_deleting_the_default_class_or_the_active_mode_is_a_conflict(world, api_
 
 # -- versions, authors, diff, rollback -------------------------------------------------------------
 
+
 def test_edits_record_their_author_and_versions_grow(world, api_as, sent_tasks):
     client = api_as("operator")
-    response = client.patch("/api/v1/priority-classes/batch/", {"device_share": 0.2, "comment": "more for chat"},
-                            format="json")
+    response = client.patch(
+        "/api/v1/priority-classes/batch/", {"device_share": 0.2, "comment": "more for chat"}, format="json"
+    )
     assert response.status_code == 200 and response.json()["device_share"] == 0.2
     response = client.patch(HOST_POLICY.format(**world), {"ttl_seconds": 7200}, format="json")
     assert response.status_code == 200 and response.json()["ttl_seconds"] == 7200
@@ -221,6 +251,7 @@ def test_rollback_over_rest_restores_and_is_a_new_version(world, api_as, sent_ta
 
 # -- modes and schedules ---------------------------------------------------------------------------
 
+
 def test_mode_switch_over_rest(world, api_as, sent_tasks, django_capture_on_commit_callbacks):
     client = api_as("operator")
     with django_capture_on_commit_callbacks(execute=True):
@@ -245,13 +276,24 @@ def test_mode_switch_over_rest(world, api_as, sent_tasks, django_capture_on_comm
 
 def test_a_mode_created_over_rest_stores_its_overrides_normalised(world, api_as, sent_tasks):
     client = api_as("operator")
-    response = client.post("/api/v1/modes/", {
-        "name": "eval-run", "kind": "custom", "description": "evaluation sweep",
-        "overrides": {"tiers": [{"tier": "disk", "ttl_seconds": 120.0}], "classes": [{"name": "batch", "weight": 0.1}]},
-    }, format="json")
+    response = client.post(
+        "/api/v1/modes/",
+        {
+            "name": "eval-run",
+            "kind": "custom",
+            "description": "evaluation sweep",
+            "overrides": {
+                "tiers": [{"tier": "disk", "ttl_seconds": 120.0}],
+                "classes": [{"name": "batch", "weight": 0.1}],
+            },
+        },
+        format="json",
+    )
     assert response.status_code == 201, response.content
-    assert response.json()["overrides"] == {"tiers": [{"tier": "disk", "node_group": "", "ttl_seconds": 120}],
-                                            "classes": [{"name": "batch", "weight": 0.1}]}
+    assert response.json()["overrides"] == {
+        "tiers": [{"tier": "disk", "node_group": "", "ttl_seconds": 120}],
+        "classes": [{"name": "batch", "weight": 0.1}],
+    }
     assert response.json()["active"] is False
 
 
@@ -283,14 +325,32 @@ def full_host_tier(db):
     from controlplane.directory.services import namespace_create
 
     namespace_create(name="tenant-a")
-    node_heartbeat(name="gpu-0", host="h", heartbeat_seconds=5.0, tiers=[
-        TierReport(tier="host", capacity_bytes=64 * MiB, used_bytes=40 * MiB),
-        TierReport(tier="remote", capacity_bytes=1024 * MiB, used_bytes=0)])
-    blocks_register(registrations=[
-        BlockRegistration(namespace="tenant-a", model_key=profile.model_key, prefix_key=uuid.uuid4(),
-                          content_key=uuid.uuid4(), position=16 * i, tokens=16, tier="host", node="gpu-0",
-                          nbytes=MiB, checksum="0" * 32)
-        for i in range(40)])
+    node_heartbeat(
+        name="gpu-0",
+        host="h",
+        heartbeat_seconds=5.0,
+        tiers=[
+            TierReport(tier="host", capacity_bytes=64 * MiB, used_bytes=40 * MiB),
+            TierReport(tier="remote", capacity_bytes=1024 * MiB, used_bytes=0),
+        ],
+    )
+    blocks_register(
+        registrations=[
+            BlockRegistration(
+                namespace="tenant-a",
+                model_key=profile.model_key,
+                prefix_key=uuid.uuid4(),
+                content_key=uuid.uuid4(),
+                position=16 * i,
+                tokens=16,
+                tier="host",
+                node="gpu-0",
+                nbytes=MiB,
+                checksum="0" * 32,
+            )
+            for i in range(40)
+        ]
+    )
     Block.objects.update(last_access_at=timezone.now() - timedelta(hours=1), access_count=5)
 
 
@@ -300,8 +360,10 @@ def _movements_written() -> int:
     return Movement.objects.count()
 
 
-@pytest.mark.skipif(not (Path(__file__).parents[2] / "controlplane/movements/planner.py").exists(),
-                    reason="the movements planner is not part of this tree")
+@pytest.mark.skipif(
+    not (Path(__file__).parents[2] / "controlplane/movements/planner.py").exists(),
+    reason="the movements planner is not part of this tree",
+)
 def test_dry_run_shows_what_a_proposal_would_move_without_moving(full_host_tier, api_as, sent_tasks):
     client = api_as("operator")
     placements = list(Block.objects.values_list("placements__tier", "placements__epoch"))
@@ -311,11 +373,13 @@ def test_dry_run_shows_what_a_proposal_would_move_without_moving(full_host_tier,
     assert normal["dry_run"] is True and normal["policy_version"] == 1
     # 40 MiB used, high = 64 × 0.5 × 0.9 = 28.8 MiB, low = 24 MiB: 16 blocks leave the host tier.
     assert normal["moves"] + normal["evictions"] == 16 and normal["bytes_moved"] + normal["bytes_evicted"] == 16 * MiB
-    long_doc = client.post("/api/v1/policies/dry-run/", Mode.objects.get(name="long-doc").overrides,
-                           format="json").json()
+    long_doc = client.post(
+        "/api/v1/policies/dry-run/", Mode.objects.get(name="long-doc").overrides, format="json"
+    ).json()
     assert long_doc["moves"] == long_doc["evictions"] == 0  # the larger host tier holds them all
-    nightly = client.post("/api/v1/policies/dry-run/", Mode.objects.get(name="nightly-batch").overrides,
-                          format="json").json()
+    nightly = client.post(
+        "/api/v1/policies/dry-run/", Mode.objects.get(name="nightly-batch").overrides, format="json"
+    ).json()
     assert nightly["by_route"]["host->remote"]["blocks"] == 40  # all idle past the 15-minute TTL
     assert _movements_written() == 0
     assert list(Block.objects.values_list("placements__tier", "placements__epoch")) == placements
@@ -326,12 +390,23 @@ def test_dry_run_shows_what_a_proposal_would_move_without_moving(full_host_tier,
 
 # -- schema ----------------------------------------------------------------------------------------
 
-POLICY_PATHS = ["/api/v1/priority-classes/", "/api/v1/priority-classes/{name}/", "/api/v1/tier-policies/",
-                "/api/v1/tier-policies/{id}/", "/api/v1/modes/", "/api/v1/modes/{name}/",
-                "/api/v1/modes/{name}/activate/", "/api/v1/modes/{name}/deactivate/", "/api/v1/mode-schedules/",
-                "/api/v1/mode-schedules/{id}/", "/api/v1/policy-versions/", "/api/v1/policy-versions/{number}/",
-                "/api/v1/policy-versions/{number}/diff/", "/api/v1/policy-versions/{number}/rollback/",
-                "/api/v1/policies/dry-run/"]
+POLICY_PATHS = [
+    "/api/v1/priority-classes/",
+    "/api/v1/priority-classes/{name}/",
+    "/api/v1/tier-policies/",
+    "/api/v1/tier-policies/{id}/",
+    "/api/v1/modes/",
+    "/api/v1/modes/{name}/",
+    "/api/v1/modes/{name}/activate/",
+    "/api/v1/modes/{name}/deactivate/",
+    "/api/v1/mode-schedules/",
+    "/api/v1/mode-schedules/{id}/",
+    "/api/v1/policy-versions/",
+    "/api/v1/policy-versions/{number}/",
+    "/api/v1/policy-versions/{number}/diff/",
+    "/api/v1/policy-versions/{number}/rollback/",
+    "/api/v1/policies/dry-run/",
+]
 
 
 def test_schema_validates_and_lists_every_policies_endpoint(tmp_path):

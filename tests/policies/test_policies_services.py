@@ -55,7 +55,10 @@ def test_migrations_seed_the_built_in_policies_as_version_one():
     assert list(PolicyVersion.objects.values_list("number", "action")) == [(1, "policy.seed")]
     assert PolicyVersion.objects.get().snapshot == policy_state()
     assert set(Mode.objects.values_list("name", "kind")) == {
-        ("chat-peak", "chat-peak"), ("long-doc", "long-doc"), ("nightly-batch", "nightly-batch")}
+        ("chat-peak", "chat-peak"),
+        ("long-doc", "long-doc"),
+        ("nightly-batch", "nightly-batch"),
+    }
     snap = policies_snapshot()
     assert snap.version == 1 and snap.mode == ""
     assert {c.name: (c.weight, c.device_share) for c in snap.classes} == {"batch": (0.2, 0.3), "default": (1.0, 0.7)}
@@ -65,6 +68,7 @@ def test_migrations_seed_the_built_in_policies_as_version_one():
 
 
 # -- elastic behaviour: what the planner reads under each mode ---------------------------------------
+
 
 def test_chat_peak_caps_the_batch_class_share_of_the_device_tier():
     priorityclass_update(priority_class=PriorityClass.objects.get(name="batch"), namespaces=["nightly-jobs"])
@@ -112,8 +116,10 @@ def test_a_group_policy_wins_over_the_fleet_policy_and_modes_apply_to_it():
     snap = policies_snapshot()
     assert snap.tier("host", node_group="long-context").capacity_fraction == 0.8
     assert snap.tier("host", node_group="default").capacity_fraction == 0.5
-    mode_update(mode=Mode.objects.get(name="long-doc"), overrides={"tiers": [
-        {"tier": "host", "node_group": "long-context", "capacity_fraction": 1.0}]})
+    mode_update(
+        mode=Mode.objects.get(name="long-doc"),
+        overrides={"tiers": [{"tier": "host", "node_group": "long-context", "capacity_fraction": 1.0}]},
+    )
     mode_activate(name="long-doc")
     snap = policies_snapshot()
     assert snap.tier("host", node_group="long-context").capacity_fraction == 1.0
@@ -130,6 +136,7 @@ def test_a_dry_run_proposal_lays_over_the_active_mode_and_is_checked():
 
 
 # -- versions and rollback -------------------------------------------------------------------------
+
 
 def test_every_change_writes_the_next_version_with_the_full_state():
     priorityclass_create(name="interactive", device_share=0.0, weight=5, namespaces=["chat"], author="alice")
@@ -164,8 +171,12 @@ def test_rollback_restores_an_earlier_version_as_a_new_one():
     assert policy_state() != seed
 
     written = policy_rollback(version=1, author="ops")
-    assert (written.number, written.action, written.comment, written.author) == (7, "policy.rollback", "rollback to 1",
-                                                                                  "ops")
+    assert (written.number, written.action, written.comment, written.author) == (
+        7,
+        "policy.rollback",
+        "rollback to 1",
+        "ops",
+    )
     assert policy_state() == seed == written.snapshot
     assert not PriorityClass.objects.filter(name="gold").exists()
     assert Mode.objects.filter(name="nightly-batch").exists() and not Mode.objects.filter(active=True).exists()
@@ -188,7 +199,10 @@ def test_diff_between_versions_is_field_level():
     first, last = PolicyVersion.objects.get(number=1).snapshot, PolicyVersion.objects.get(number=4).snapshot
     changes = {c["path"]: c for c in policy_state_diff(first, last)}
     assert set(changes) == {"classes.batch.device_share", "classes.gold", "active_mode"}
-    assert (changes["classes.batch.device_share"]["before"], changes["classes.batch.device_share"]["after"]) == (0.3, 0.2)
+    assert (changes["classes.batch.device_share"]["before"], changes["classes.batch.device_share"]["after"]) == (
+        0.3,
+        0.2,
+    )
     assert changes["classes.gold"]["change"] == "added" and changes["classes.gold"]["after"]["device_share"] == 0.0
     assert (changes["active_mode"]["before"], changes["active_mode"]["after"]) == ("", "long-doc")
     assert policy_state_diff(last, last) == []
@@ -196,39 +210,63 @@ def test_diff_between_versions_is_field_level():
 
 # -- validation: each rule names its field and nothing changes -------------------------------------
 
-@pytest.mark.parametrize(("call", "field"), [
-    (lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="host", node_group=""), low_watermark=0.9),
-     "low_watermark"),
-    (lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="host", node_group=""), capacity_bytes=-1),
-     "capacity_bytes"),
-    (lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="host", node_group=""), algorithm="mru"),
-     "algorithm"),
-    (lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="host", node_group=""), tier="disk"), "tier"),
-    (lambda: tierpolicy_create(tier="host"), "node_group"),
-    (lambda: priorityclass_create(name="gold", device_share=0.2), "device_share"),
-    (lambda: priorityclass_update(priority_class=PriorityClass.objects.get(name="batch"), device_share=0.31),
-     "device_share"),
-    (lambda: priorityclass_create(name="batch", device_share=0.0), "name"),
-    (lambda: priorityclass_create(name="x", device_share=0.0, weight=0), "weight"),
-    (lambda: mode_create(name="bad", overrides={"tiers": [{"tier": "host", "low_watermark": 0.95}]}),
-     "overrides.tiers[0].low_watermark"),
-    (lambda: mode_create(name="bad", overrides={"classes": [{"name": "batch", "device_share": 0.5}]}),
-     "overrides.classes[0].device_share"),
-    (lambda: mode_create(name="bad", overrides={"tiers": [{"tier": "host", "capacity_bytes": -1}]}),
-     "overrides.tiers[0].capacity_bytes"),
-    (lambda: mode_create(name="bad", overrides={"tiers": [{"tier": "host", "algorithm": "clock"}]}),
-     "overrides.tiers[0].algorithm"),
-    (lambda: mode_create(name="bad", kind="rush-hour"), "kind"),
-    # A base edit that would make a mode invalid is refused too (chat-peak lowers the device low watermark to 0.6).
-    (lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="device", node_group=""), high_watermark=0.55,
-                               low_watermark=0.5), "low_watermark"),
-    (lambda: mode_activate(name="no-such-mode"), "name"),
-    (lambda: mode_deactivate(name="long-doc"), "name"),
-    (lambda: modeschedule_create(mode="chat-peak", cron="0 25 * * *"), "cron"),
-    (lambda: modeschedule_create(mode="chat-peak", cron="0 8 * *"), "cron"),
-    (lambda: modeschedule_create(mode="chat-peak", cron="0 0 31 2 *"), "cron"),
-    (lambda: modeschedule_create(mode="no-such-mode", cron="0 8 * * *"), "mode"),
-])
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (
+            lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="host", node_group=""), low_watermark=0.9),
+            "low_watermark",
+        ),
+        (
+            lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="host", node_group=""), capacity_bytes=-1),
+            "capacity_bytes",
+        ),
+        (
+            lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="host", node_group=""), algorithm="mru"),
+            "algorithm",
+        ),
+        (lambda: tierpolicy_update(policy=TierPolicy.objects.get(tier="host", node_group=""), tier="disk"), "tier"),
+        (lambda: tierpolicy_create(tier="host"), "node_group"),
+        (lambda: priorityclass_create(name="gold", device_share=0.2), "device_share"),
+        (
+            lambda: priorityclass_update(priority_class=PriorityClass.objects.get(name="batch"), device_share=0.31),
+            "device_share",
+        ),
+        (lambda: priorityclass_create(name="batch", device_share=0.0), "name"),
+        (lambda: priorityclass_create(name="x", device_share=0.0, weight=0), "weight"),
+        (
+            lambda: mode_create(name="bad", overrides={"tiers": [{"tier": "host", "low_watermark": 0.95}]}),
+            "overrides.tiers[0].low_watermark",
+        ),
+        (
+            lambda: mode_create(name="bad", overrides={"classes": [{"name": "batch", "device_share": 0.5}]}),
+            "overrides.classes[0].device_share",
+        ),
+        (
+            lambda: mode_create(name="bad", overrides={"tiers": [{"tier": "host", "capacity_bytes": -1}]}),
+            "overrides.tiers[0].capacity_bytes",
+        ),
+        (
+            lambda: mode_create(name="bad", overrides={"tiers": [{"tier": "host", "algorithm": "clock"}]}),
+            "overrides.tiers[0].algorithm",
+        ),
+        (lambda: mode_create(name="bad", kind="rush-hour"), "kind"),
+        # A base edit that would make a mode invalid is refused too (chat-peak lowers the device low watermark to 0.6).
+        (
+            lambda: tierpolicy_update(
+                policy=TierPolicy.objects.get(tier="device", node_group=""), high_watermark=0.55, low_watermark=0.5
+            ),
+            "low_watermark",
+        ),
+        (lambda: mode_activate(name="no-such-mode"), "name"),
+        (lambda: mode_deactivate(name="long-doc"), "name"),
+        (lambda: modeschedule_create(mode="chat-peak", cron="0 25 * * *"), "cron"),
+        (lambda: modeschedule_create(mode="chat-peak", cron="0 8 * *"), "cron"),
+        (lambda: modeschedule_create(mode="chat-peak", cron="0 0 31 2 *"), "cron"),
+        (lambda: modeschedule_create(mode="no-such-mode", cron="0 8 * * *"), "mode"),
+    ],
+)
 def test_invalid_changes_name_the_field_and_change_nothing(call, field):
     before = policy_state()
     error = _error(call)
@@ -249,13 +287,20 @@ def test_the_default_class_and_the_active_mode_cannot_be_deleted():
 
 # -- schedules and the beat task -------------------------------------------------------------------
 
+
 def test_a_schedule_owns_a_crontab_beat_entry_running_the_mode_switch():
     schedule = modeschedule_create(mode="nightly-batch", cron="0  1 * * *", author="ops")
     task = PeriodicTask.objects.get(pk=schedule.periodic_task_id)
     assert task.task == "policies.mode_switch" and json.loads(task.kwargs) == {"name": "nightly-batch"}
     assert task.queue == "control" and task.enabled and task.interval is None
     cron = task.crontab
-    assert (cron.minute, cron.hour, cron.day_of_month, cron.month_of_year, cron.day_of_week) == ("0", "1", "*", "*", "*")
+    assert (cron.minute, cron.hour, cron.day_of_month, cron.month_of_year, cron.day_of_week) == (
+        "0",
+        "1",
+        "*",
+        "*",
+        "*",
+    )
     assert str(cron.timezone) == "UTC" and schedule.cron == "0 1 * * *"
 
     modeschedule_update(schedule=schedule, mode="chat-peak", cron="30 8 * * mon-fri", enabled=False)
@@ -299,7 +344,10 @@ def test_the_beat_task_switches_modes_once(sent_tasks):
 
 # -- after commit: planner, nodes, dashboard -------------------------------------------------------
 
-def test_a_change_in_force_asks_the_planner_and_every_up_node_after_commit(sent_tasks, django_capture_on_commit_callbacks):
+
+def test_a_change_in_force_asks_the_planner_and_every_up_node_after_commit(
+    sent_tasks, django_capture_on_commit_callbacks
+):
     node_up("gpu-a")
     node_up("gpu-b")
     node_up("gpu-c")
@@ -364,8 +412,11 @@ def broker_queues(monkeypatch):
 
 def test_dispatch_reaches_the_real_broker(broker_queues):
     node = node_up(broker_queues["node"].removeprefix("node."))
-    dispatch.policies_dispatch(version=7, reason="policy-change",
-                               classes=[{"name": "default", "weight": 1.0, "device_share": 0.7, "namespaces": []}])
+    dispatch.policies_dispatch(
+        version=7,
+        reason="policy-change",
+        classes=[{"name": "default", "weight": 1.0, "device_share": 0.7, "namespaces": []}],
+    )
     received = {}
     with celery.connection_for_read() as connection:
         for key, queue_name in broker_queues.items():
@@ -390,8 +441,9 @@ def test_a_broker_that_cannot_be_reached_loses_no_change(monkeypatch, caplog):
     assert "policy version 3 saved, but the planner was not told" in caplog.text
 
 
-def test_changes_announce_versions_and_switches_on_the_dashboard(monkeypatch, django_capture_on_commit_callbacks,
-                                                                 sent_tasks):
+def test_changes_announce_versions_and_switches_on_the_dashboard(
+    monkeypatch, django_capture_on_commit_callbacks, sent_tasks
+):
     from controlplane.dashboard import events
 
     seen = []
@@ -399,8 +451,16 @@ def test_changes_announce_versions_and_switches_on_the_dashboard(monkeypatch, dj
     with django_capture_on_commit_callbacks(execute=True):
         mode_activate(name="long-doc", author="ops")
     assert seen == [
-        ("policy.changed", {"version": 2, "action": "mode.switch", "author": "ops", "comment": "switch to mode long-doc",
-                            "mode": "long-doc"}),
+        (
+            "policy.changed",
+            {
+                "version": 2,
+                "action": "mode.switch",
+                "author": "ops",
+                "comment": "switch to mode long-doc",
+                "mode": "long-doc",
+            },
+        ),
         ("mode.switched", {"mode": "long-doc", "previous": "", "version": 2, "author": "ops"}),
     ]
     for kind, payload in seen:

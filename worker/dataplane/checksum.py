@@ -110,12 +110,8 @@ class BlockChecksum:
     def unpack(cls, raw: bytes, *, layers: int) -> BlockChecksum:
         """Inverse of `pack`."""
         if len(raw) != CHECKSUM_BYTES * (layers + 1):
-            raise ValueError(
-                f"expected {CHECKSUM_BYTES * (layers + 1)} bytes of checksums, got {len(raw)}"
-            )
-        sums = tuple(
-            raw[i : i + CHECKSUM_BYTES] for i in range(CHECKSUM_BYTES, len(raw), CHECKSUM_BYTES)
-        )
+            raise ValueError(f"expected {CHECKSUM_BYTES * (layers + 1)} bytes of checksums, got {len(raw)}")
+        sums = tuple(raw[i : i + CHECKSUM_BYTES] for i in range(CHECKSUM_BYTES, len(raw), CHECKSUM_BYTES))
         return cls(block=raw[:CHECKSUM_BYTES], layers=sums)
 
     def pack(self) -> bytes:
@@ -178,11 +174,7 @@ class Hasher:
         if native and not native_available():
             raise RuntimeError("the fused copy-and-hash library is not built")
         self.native = native_available() if native is None else native
-        self._pool = (
-            ThreadPoolExecutor(threads - 1, thread_name_prefix="strata-copy")
-            if threads > 1
-            else None
-        )
+        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="strata-copy") if threads > 1 else None
         # Process-wide native threads that share verified copies with the caller (the Python
         # pool above keeps run_async and the Python fallback).
         self._helpers = start_helpers(threads - 1) if self.native and threads > 1 else 0
@@ -198,9 +190,7 @@ class Hasher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(
-        self, spans: Sequence[Span], *, digest: bool = True, streaming: bool | None = None
-    ) -> list[bytes]:
+    def run(self, spans: Sequence[Span], *, digest: bool = True, streaming: bool | None = None) -> list[bytes]:
         """Copy (where `dst` is set) and hash every span; returns one 16-byte digest per span
         (empty bytes when `digest` is False, which only copies). `streaming` True writes the
         copies past the cache whatever their size (a tier's own storage, which nobody reads
@@ -210,9 +200,7 @@ class Hasher:
         work = list(spans) if digest else self._split_for_copy(spans)
         if self.native:
             results = self._run_native(work, digest, streaming)
-        elif (
-            self._pool is None or len(work) == 1 or sum(s.nbytes for s in work) < PARALLEL_MIN_BYTES
-        ):
+        elif self._pool is None or len(work) == 1 or sum(s.nbytes for s in work) < PARALLEL_MIN_BYTES:
             results = self._run_group(work, digest)
         else:
             groups = self._partition(work)
@@ -310,11 +298,7 @@ class Hasher:
         groups: list[list[Span]] = [[]]
         filled = 0
         for s in spans:
-            if (
-                groups[-1]
-                and filled + s.nbytes / 2 > target * len(groups)
-                and len(groups) < self.threads
-            ):
+            if groups[-1] and filled + s.nbytes / 2 > target * len(groups) and len(groups) < self.threads:
                 groups.append([])
             groups[-1].append(s)
             filled += s.nbytes

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -13,142 +11,42 @@ from typing import Any
 import yaml
 
 from worker.dataplane.blend.options import (
-    SELECTIONS,
     parse_model_percents,
     parse_namespace_percents,
 )
-from worker.dataplane.directory import ENGINES, TIER_ORDER
+from worker.dataplane.config_values import (
+    FAULT_POINTS,
+    VERIFY_MODES,
+    TierList,
+    check_at_least_one,
+    check_fraction,
+    check_non_negative,
+    check_percent,
+    check_positive,
+    check_step_percent,
+    parse_api_keys,
+    parse_args,
+    parse_bool,
+    parse_choice,
+    parse_engine,
+    parse_float,
+    parse_int,
+    parse_native_copy,
+    parse_node_group,
+    parse_node_name,
+    parse_path,
+    parse_pool_name,
+    parse_seconds,
+    parse_selection,
+    parse_size,
+    parse_str,
+    parse_tiers,
+)
+from worker.dataplane.directory import TIER_ORDER
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the option."""
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
-    "p": 1000**5, "pb": 1000**5, "pib": 1024**5, "pi": 1024**5,
-}
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from an int or a string such as '512MiB', '2 GB', '1048576'."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size in bytes, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"a size cannot be negative, got {value}")
-        return value
-    match = _SIZE_RE.match(str(value))
-    if not match:
-        raise ValueError(f"expected a size such as 512MiB or 2GB, got {value!r}")
-    number, unit = match.groups()
-    return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
-
-
-def _parse_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"expected an integer, got {value!r}")
-    return int(value)
-
-
-def _parse_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {value!r}")
-    return float(value)
-
-
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in {"1", "true", "yes", "on"}:
-        return True
-    if text in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"expected true or false, got {value!r}")
-
-
-def _parse_str(value: Any) -> str:
-    return str(value)
-
-
-def _parse_path(value: Any) -> Path:
-    return Path(str(value)).expanduser()
-
-
-_NODE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
-
-
-class TierList(tuple):
-    """Tier names in lookup order (fastest first); prints as the comma list it is read from."""
-
-    def __str__(self) -> str:
-        return ",".join(self)
-
-
-def _parse_tiers(value: Any) -> TierList:
-    names = [part.strip().lower() for part in (value.split(",") if isinstance(value, str) else value)]
-    names = [name for name in names if name]
-    unknown = sorted(set(names) - set(TIER_ORDER))
-    if unknown:
-        raise ValueError(f"unknown tier(s) {', '.join(unknown)}; expected any of {', '.join(TIER_ORDER)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"a tier is listed twice in {value!r}")
-    return TierList(sorted(names, key=TIER_ORDER.index))
-
-
-_POOL_NAME_RE = re.compile(r"^[A-Za-z0-9{][A-Za-z0-9_.{}-]{0,120}$")
-
-
-def _parse_pool_name(value: Any) -> str:
-    text = str(value)
-    if not _POOL_NAME_RE.match(text):
-        raise ValueError(f"expected letters, digits, '.', '_', '-' and {{node}}, got {text!r}")
-    return text
-
-
-def _parse_node_name(value: Any) -> str:
-    text = str(value)
-    if not _NODE_NAME_RE.match(text):
-        raise ValueError(
-            f"expected 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit, got {text!r}"
-        )
-    return text
-
-
-_NODE_GROUP_RE = re.compile(r"^[A-Za-z0-9_-]{1,63}$")
-
-
-def _parse_node_group(value: Any) -> str:
-    text = str(value)
-    if not _NODE_GROUP_RE.match(text):
-        raise ValueError(f"expected 1-63 letters, digits, '_' or '-', got {text!r}")
-    return text
-
-
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-
-
-def _parse_api_keys(value: Any) -> dict[str, str]:
-    if isinstance(value, dict):
-        pairs = [(str(k), str(v)) for k, v in value.items()]
-    else:
-        text = str(value).strip()
-        pairs = []
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            key, sep, namespace = item.partition("=")
-            if not sep or not key or not namespace:
-                raise ValueError(f"expected key=namespace pairs separated by commas, got {item!r}")
-            pairs.append((key, namespace))
-    for _key, namespace in pairs:
-        if not _NAMESPACE_RE.match(namespace):
-            raise ValueError(f"namespace {namespace!r} of a key must be 1-63 letters, digits, '.', '_' or '-'")
-    return dict(pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,144 +64,309 @@ class Option:
         return "STRATA_" + self.name.upper()
 
 
-def _positive(value: Any) -> str | None:
-    return None if value > 0 else "must be greater than zero"
-
-
-def _non_negative(value: Any) -> str | None:
-    return None if value >= 0 else "cannot be negative"
-
-
-def _percent(value: Any) -> str | None:
-    return None if 0 <= value <= 100 else "must be between 0 and 100 percent"
-
-
-def _fraction(value: Any) -> str | None:
-    return None if 0 <= value <= 1 else "must be between 0 and 1"
-
-
-def _at_least_one(value: Any) -> str | None:
-    return None if value >= 1 else "must be at least 1"
-
-
-def _step_percent(value: Any) -> str | None:
-    return None if 0 < value <= 100 else "must be more than 0 and at most 100 percent"
-
-
-
-VERIFY_MODES = ("full", "header")
-"""How a moved copy is verified before its flip (`move_verify`)."""
-
-FAULT_POINTS = ("after-reserve", "after-copy", "after-flip")
-"""Where movements hold when fault injection is armed (`fault_point`)."""
-
-NATIVE_COPY_CHOICES = ("1", "0", "sse2")
-"""Values of `native_copy`: the best build of the fused copy-and-hash for the CPU, none, the SSE2 one."""
-
-
-def _parse_choice(choices: tuple[str, ...], *, empty: bool = False) -> Callable[[Any], str]:
-    """A parser accepting one of `choices` (and '' when `empty`), as written."""
-
-    def parse(value: Any) -> str:
-        text = str(value)
-        if not (text in choices or (empty and text == "")):
-            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
-        return text
-
-    return parse
-
-
-def _parse_native_copy(value: Any) -> str:
-    text = str(value).strip().lower() or "1"
-    if text not in NATIVE_COPY_CHOICES:
-        raise ValueError(f"expected one of {', '.join(NATIVE_COPY_CHOICES)}, got {text!r}")
-    return text
-
-
-def _parse_seconds(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number of seconds, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a number of seconds, got {value!r}") from None
-
-
-def _parse_engine(value: Any) -> str:
-    text = str(value).strip().lower()
-    if text not in ENGINES:
-        raise ValueError(f"expected one of {', '.join(ENGINES)}, got {value!r}")
-    return text
-
-
-def _parse_args(value: Any) -> tuple[str, ...]:
-    if isinstance(value, (list, tuple)):
-        return tuple(str(item) for item in value)
-    try:
-        return tuple(shlex.split(str(value)))
-    except ValueError as exc:
-        raise ValueError(f"expected command-line arguments, got {value!r}: {exc}") from exc
-
-
-def _parse_selection(value: Any) -> str:
-    text = str(value).strip().lower()
-    if text not in SELECTIONS:
-        raise ValueError(f"expected one of {', '.join(SELECTIONS)}, got {value!r}")
-    return text
-
-
 OPTIONS: tuple[Option, ...] = (
-    Option("node_name", _parse_node_name, "gpu-0", "Name of this node; its Celery queue is node.<name>."),
-    Option("node_group", _parse_node_group, "default", "Group of this node; tier policies for the group override the fleet-wide ones."),
-    Option("node_address", _parse_str, "", "Address other nodes and the control plane reach this node at (host:port)."),
-    Option("heartbeat_seconds", _parse_float, 5.0, "Seconds between node heartbeats; 3 missed make the node stale.", _positive),
-    Option("device_bytes", parse_size, 256 * 1024**2, "L1 device pool capacity (GPU memory, CPU memory where no GPU).", _non_negative),
-    Option("host_bytes", parse_size, 1024**3, "L2 DRAM pool capacity (POSIX shared memory on the node).", _non_negative),
-    Option("disk_bytes", parse_size, 4 * 1024**3, "L2 NVMe tier capacity.", _non_negative),
-    Option("disk_path", _parse_path, Path("{var}/nodes/{node}/disk"), "Directory of the NVMe tier; {node} is replaced by the node name, {var} by STRATA_VAR_DIR (default ./var)."),
-    Option("remote_bytes", parse_size, 16 * 1024**3, "L3 remote tier capacity accounted to this deployment.", _non_negative),
-    Option("remote_url", _parse_str, "", "L3 store: redis:// or unix:// URL of a Redis/Valkey, or a directory path of a shared filesystem mount. Empty: REDIS_URL."),
-    Option("remote_prefix", _parse_str, "strata", "Key prefix of this deployment in the remote tier."),
-    Option("worker_concurrency", _parse_int, 4, "Threads executing this node's Celery tasks.", _positive),
-    Option("tiers", _parse_tiers, TierList(TIER_ORDER), "Tiers this node stores blocks in (comma-separated; looked up fastest first): device, host, disk, remote."),
-    Option("host_pool_name", _parse_pool_name, "strata-{node}", "Name of the node's shared-memory DRAM pool in /dev/shm ({node} = node name); one pool per model, suffixed with its model key."),
-    Option("disk_direct_io", _parse_bool, True, "Use O_DIRECT for the disk tier where the filesystem allows it (else buffered I/O with posix_fadvise DONTNEED)."),
-    Option("io_threads", _parse_int, 2, "I/O threads of the remote tier (outstanding reads and writes); a remote on a shared filesystem mount too.", _positive),
-    Option("disk_io_threads", _parse_int, 4, "I/O threads of the disk tier: reads in flight at once, each hashed as it lands by the thread that read it.", _positive),
-    Option("disk_reuse_seconds", _parse_float, 10.0, "Seconds a deleted disk block's file is kept (its bytes counted as used) for a put of the same process to write over instead of creating a file; 0: unlinked at once.", _non_negative),
-    Option("copy_threads", _parse_int, 0, "Threads that copy and checksum blocks in memory; 0 = min(4, CPU count).", _non_negative),
-    Option("native_copy", _parse_native_copy, "1", "Fused copy-and-hash: 1 = the build for this CPU (AVX2 where present), sse2 = the baseline build, 0 = hash in Python."),
-    Option("move_verify", _parse_choice(VERIFY_MODES), "full", "How a moved copy is verified before its flip: full reads it back from the target and checks every byte; header compares the checksum the target stored with the source's."),
-    Option("reconcile_grace_s", _parse_seconds, 300.0, "Seconds bytes without a placement must stay orphaned (seen by an earlier reconcile) before the reconciler deletes them.", _non_negative),
-    Option("fault_point", _parse_choice(FAULT_POINTS, empty=True), "", "Tests only: after-reserve, after-copy or after-flip makes movements hold there (logged) so a test can kill or stop the worker; empty: off."),
-    Option("fault_hold_s", _parse_seconds, 3600.0, "Seconds a movement holds at fault_point.", _non_negative),
-    Option("remote_cluster", _parse_bool, False, "remote_url points at a Redis Cluster (redis-py RedisCluster)."),
-    Option("remote_timeout_seconds", _parse_float, 2.0, "Socket timeout of the remote tier; past it the tier is unavailable and callers recompute.", _positive),
-    Option("model", _parse_str, "", "Model the node's engine serves: a preset (tiny, small, bench, ...) or a local checkpoint directory. Empty: no engine."),
-    Option("engine", _parse_engine, "strata", "Engine serving the model: strata (the node's own server) or vllm (a vLLM OpenAI server on serve_port with Strata as its KV connector)."),
-    Option("vllm_args", _parse_args, (), "Extra arguments of the vLLM server (engine vllm), as on its command line, e.g. --max-model-len 16384 --num-gpu-blocks-override 256."),
-    Option("vllm_launch", _parse_bool, True, "With engine vllm: the node starts (and stops) the vLLM server itself; false: a vLLM server started elsewhere with the connector serves, and the node runs its worker beside it."),
-    Option("status_port", _parse_int, 0, "Port of a vLLM node's Strata endpoints (/metrics, /v1/strata/requests): the node's address for the control plane; 0 = serve_port + 1000.", _non_negative),
-    Option("model_dtype", _parse_str, "", "Model dtype (float32, bfloat16, float16); empty: the preset's or checkpoint's own."),
-    Option("block_tokens", _parse_int, 256, "Tokens per KV block.", _positive),
-    Option("serve_host", _parse_str, "127.0.0.1", "Interface the node's OpenAI-compatible server listens on."),
-    Option("serve_port", _parse_int, 9100, "Port of the node's OpenAI-compatible server (with a model).", _non_negative),
-    Option("api_keys", _parse_api_keys, {}, "API keys of the node server as key=namespace pairs, comma-separated; empty: no key needed, namespace from X-Strata-Namespace."),
-    Option("blend", _parse_bool, False, "Reuse blocks found anywhere in a prompt (content match, RoPE re-alignment, selective recompute), not only the prefix."),
-    Option("blend_recompute_percent", _parse_float, 15.0, "r: percent of reused fragment tokens recomputed (those whose KV deviates most).", _percent),
-    Option("blend_namespace_percent", parse_namespace_percents, {}, "r per namespace as namespace=percent or model/namespace=percent pairs, comma-separated. r of a namespace: its model/namespace entry, else its namespace entry, else its model's blend_model_percent entry, else blend_recompute_percent."),
-    Option("blend_model_percent", parse_model_percents, {}, "r per model as model=percent pairs, comma-separated: the r of that model's namespaces without an entry of their own (a fleet-wide setting for nodes of different models)."),
-    Option("blend_selection", _parse_selection, "deviation", "How the fragment tokens to recompute are chosen: deviation (CacheBlend: largest KV deviation at the check layer) or chunk-start (EPIC: the first tokens of every reused run)."),
-    Option("blend_check_layer", _parse_int, 1, "Layer whose KV deviation picks the tokens to recompute (deviation selection); layers before it are computed for every token.", _at_least_one),
-    Option("blend_sample_rate", _parse_float, 0.05, "Share of blended requests also run with a full prefill in the background to measure agreement.", _fraction),
-    Option("blend_agreement_threshold", _parse_float, 0.9, "Below this share of agreeing samples r is raised for the namespace, then it falls back to prefix-only.", _fraction),
-    Option("blend_max_kl", _parse_float, 0.1, "A sample agrees when blend and full prefill choose the same first token and KL(full || blend) is at most this.", _non_negative),
-    Option("blend_min_samples", _parse_int, 20, "Samples of a namespace judged together before r is raised or the namespace falls back.", _at_least_one),
-    Option("blend_raise_step_percent", _parse_float, 15.0, "Percent added to r each time a namespace's agreement is below the threshold.", _step_percent),
-    Option("blend_max_percent", _parse_float, 60.0, "Highest r the auto-tuner raises to; poor agreement at it falls back to prefix-only.", _percent),
-    Option("blend_min_fragment_blocks", _parse_int, 1, "Fewest reused fragment blocks that make a request blend (fewer: prefix-only for that request).", _at_least_one),
-    Option("blend_reprobe_seconds", _parse_float, 600.0, "Seconds after a fallback before the namespace blends again at the r it fell back at (each failed probe doubles the wait, up to 16x); 0: only an operator resumes it.", _non_negative),
-    Option("node_admin_key", _parse_str, "", "Key (Authorization: Bearer) of the node server's operator controls (POST /v1/strata/blend); empty: those controls are refused."),
+    Option("node_name", parse_node_name, "gpu-0", "Name of this node; its Celery queue is node.<name>."),
+    Option(
+        "node_group",
+        parse_node_group,
+        "default",
+        "Group of this node; tier policies for the group override the fleet-wide ones.",
+    ),
+    Option("node_address", parse_str, "", "Address other nodes and the control plane reach this node at (host:port)."),
+    Option(
+        "heartbeat_seconds",
+        parse_float,
+        5.0,
+        "Seconds between node heartbeats; 3 missed make the node stale.",
+        check_positive,
+    ),
+    Option(
+        "device_bytes",
+        parse_size,
+        256 * 1024**2,
+        "L1 device pool capacity (GPU memory, CPU memory where no GPU).",
+        check_non_negative,
+    ),
+    Option(
+        "host_bytes",
+        parse_size,
+        1024**3,
+        "L2 DRAM pool capacity (POSIX shared memory on the node).",
+        check_non_negative,
+    ),
+    Option("disk_bytes", parse_size, 4 * 1024**3, "L2 NVMe tier capacity.", check_non_negative),
+    Option(
+        "disk_path",
+        parse_path,
+        Path("{var}/nodes/{node}/disk"),
+        "Directory of the NVMe tier; {node} is replaced by the node name, {var} by STRATA_VAR_DIR (default ./var).",
+    ),
+    Option(
+        "remote_bytes",
+        parse_size,
+        16 * 1024**3,
+        "L3 remote tier capacity accounted to this deployment.",
+        check_non_negative,
+    ),
+    Option(
+        "remote_url",
+        parse_str,
+        "",
+        "L3 store: redis:// or unix:// URL of a Redis/Valkey, or a directory path of a shared filesystem mount. Empty:"
+        " REDIS_URL.",
+    ),
+    Option("remote_prefix", parse_str, "strata", "Key prefix of this deployment in the remote tier."),
+    Option("worker_concurrency", parse_int, 4, "Threads executing this node's Celery tasks.", check_positive),
+    Option(
+        "tiers",
+        parse_tiers,
+        TierList(TIER_ORDER),
+        "Tiers this node stores blocks in (comma-separated; looked up fastest first): device, host, disk, remote.",
+    ),
+    Option(
+        "host_pool_name",
+        parse_pool_name,
+        "strata-{node}",
+        "Name of the node's shared-memory DRAM pool in /dev/shm ({node} = node name); one pool per model, suffixed "
+        "with its model key.",
+    ),
+    Option(
+        "disk_direct_io",
+        parse_bool,
+        True,
+        "Use O_DIRECT for the disk tier where the filesystem allows it (else buffered I/O with posix_fadvise "
+        "DONTNEED).",
+    ),
+    Option(
+        "io_threads",
+        parse_int,
+        2,
+        "I/O threads of the remote tier (outstanding reads and writes); a remote on a shared filesystem mount too.",
+        check_positive,
+    ),
+    Option(
+        "disk_io_threads",
+        parse_int,
+        4,
+        "I/O threads of the disk tier: reads in flight at once, each hashed as it lands by the thread that read it.",
+        check_positive,
+    ),
+    Option(
+        "disk_reuse_seconds",
+        parse_float,
+        10.0,
+        "Seconds a deleted disk block's file is kept (its bytes counted as used) for a put of the same process to "
+        "write over instead of creating a file; 0: unlinked at once.",
+        check_non_negative,
+    ),
+    Option(
+        "copy_threads",
+        parse_int,
+        0,
+        "Threads that copy and checksum blocks in memory; 0 = min(4, CPU count).",
+        check_non_negative,
+    ),
+    Option(
+        "native_copy",
+        parse_native_copy,
+        "1",
+        "Fused copy-and-hash: 1 = the build for this CPU (AVX2 where present), sse2 = the baseline build, 0 = hash in "
+        "Python.",
+    ),
+    Option(
+        "move_verify",
+        parse_choice(VERIFY_MODES),
+        "full",
+        "How a moved copy is verified before its flip: full reads it back from the target and checks every byte; "
+        "header compares the checksum the target stored with the source's.",
+    ),
+    Option(
+        "reconcile_grace_s",
+        parse_seconds,
+        300.0,
+        "Seconds bytes without a placement must stay orphaned (seen by an earlier reconcile) before the reconciler "
+        "deletes them.",
+        check_non_negative,
+    ),
+    Option(
+        "fault_point",
+        parse_choice(FAULT_POINTS, empty=True),
+        "",
+        "Tests only: after-reserve, after-copy or after-flip makes movements hold there (logged) so a test can kill or"
+        " stop the worker; empty: off.",
+    ),
+    Option("fault_hold_s", parse_seconds, 3600.0, "Seconds a movement holds at fault_point.", check_non_negative),
+    Option("remote_cluster", parse_bool, False, "remote_url points at a Redis Cluster (redis-py RedisCluster)."),
+    Option(
+        "remote_timeout_seconds",
+        parse_float,
+        2.0,
+        "Socket timeout of the remote tier; past it the tier is unavailable and callers recompute.",
+        check_positive,
+    ),
+    Option(
+        "model",
+        parse_str,
+        "",
+        "Model the node's engine serves: a preset (tiny, small, bench, ...) or a local checkpoint directory. Empty: no"
+        " engine.",
+    ),
+    Option(
+        "engine",
+        parse_engine,
+        "strata",
+        "Engine serving the model: strata (the node's own server) or vllm (a vLLM OpenAI server on serve_port with "
+        "Strata as its KV connector).",
+    ),
+    Option(
+        "vllm_args",
+        parse_args,
+        (),
+        "Extra arguments of the vLLM server (engine vllm), as on its command line, e.g. --max-model-len 16384 "
+        "--num-gpu-blocks-override 256.",
+    ),
+    Option(
+        "vllm_launch",
+        parse_bool,
+        True,
+        "With engine vllm: the node starts (and stops) the vLLM server itself; false: a vLLM server started elsewhere "
+        "with the connector serves, and the node runs its worker beside it.",
+    ),
+    Option(
+        "status_port",
+        parse_int,
+        0,
+        "Port of a vLLM node's Strata endpoints (/metrics, /v1/strata/requests): the node's address for the control "
+        "plane; 0 = serve_port + 1000.",
+        check_non_negative,
+    ),
+    Option(
+        "model_dtype",
+        parse_str,
+        "",
+        "Model dtype (float32, bfloat16, float16); empty: the preset's or checkpoint's own.",
+    ),
+    Option("block_tokens", parse_int, 256, "Tokens per KV block.", check_positive),
+    Option("serve_host", parse_str, "127.0.0.1", "Interface the node's OpenAI-compatible server listens on."),
+    Option(
+        "serve_port", parse_int, 9100, "Port of the node's OpenAI-compatible server (with a model).", check_non_negative
+    ),
+    Option(
+        "api_keys",
+        parse_api_keys,
+        {},
+        "API keys of the node server as key=namespace pairs, comma-separated; empty: no key needed, namespace from "
+        "X-Strata-Namespace.",
+    ),
+    Option(
+        "blend",
+        parse_bool,
+        False,
+        "Reuse blocks found anywhere in a prompt (content match, RoPE re-alignment, selective recompute), not only the"
+        " prefix.",
+    ),
+    Option(
+        "blend_recompute_percent",
+        parse_float,
+        15.0,
+        "r: percent of reused fragment tokens recomputed (those whose KV deviates most).",
+        check_percent,
+    ),
+    Option(
+        "blend_namespace_percent",
+        parse_namespace_percents,
+        {},
+        "r per namespace as namespace=percent or model/namespace=percent pairs, comma-separated. r of a namespace: its"
+        " model/namespace entry, else its namespace entry, else its model's blend_model_percent entry, else "
+        "blend_recompute_percent.",
+    ),
+    Option(
+        "blend_model_percent",
+        parse_model_percents,
+        {},
+        "r per model as model=percent pairs, comma-separated: the r of that model's namespaces without an entry of "
+        "their own (a fleet-wide setting for nodes of different models).",
+    ),
+    Option(
+        "blend_selection",
+        parse_selection,
+        "deviation",
+        "How the fragment tokens to recompute are chosen: deviation (CacheBlend: largest KV deviation at the check "
+        "layer) or chunk-start (EPIC: the first tokens of every reused run).",
+    ),
+    Option(
+        "blend_check_layer",
+        parse_int,
+        1,
+        "Layer whose KV deviation picks the tokens to recompute (deviation selection); layers before it are computed "
+        "for every token.",
+        check_at_least_one,
+    ),
+    Option(
+        "blend_sample_rate",
+        parse_float,
+        0.05,
+        "Share of blended requests also run with a full prefill in the background to measure agreement.",
+        check_fraction,
+    ),
+    Option(
+        "blend_agreement_threshold",
+        parse_float,
+        0.9,
+        "Below this share of agreeing samples r is raised for the namespace, then it falls back to prefix-only.",
+        check_fraction,
+    ),
+    Option(
+        "blend_max_kl",
+        parse_float,
+        0.1,
+        "A sample agrees when blend and full prefill choose the same first token and KL(full || blend) is at most "
+        "this.",
+        check_non_negative,
+    ),
+    Option(
+        "blend_min_samples",
+        parse_int,
+        20,
+        "Samples of a namespace judged together before r is raised or the namespace falls back.",
+        check_at_least_one,
+    ),
+    Option(
+        "blend_raise_step_percent",
+        parse_float,
+        15.0,
+        "Percent added to r each time a namespace's agreement is below the threshold.",
+        check_step_percent,
+    ),
+    Option(
+        "blend_max_percent",
+        parse_float,
+        60.0,
+        "Highest r the auto-tuner raises to; poor agreement at it falls back to prefix-only.",
+        check_percent,
+    ),
+    Option(
+        "blend_min_fragment_blocks",
+        parse_int,
+        1,
+        "Fewest reused fragment blocks that make a request blend (fewer: prefix-only for that request).",
+        check_at_least_one,
+    ),
+    Option(
+        "blend_reprobe_seconds",
+        parse_float,
+        600.0,
+        "Seconds after a fallback before the namespace blends again at the r it fell back at (each failed probe "
+        "doubles the wait, up to 16x); 0: only an operator resumes it.",
+        check_non_negative,
+    ),
+    Option(
+        "node_admin_key",
+        parse_str,
+        "",
+        "Key (Authorization: Bearer) of the node server's operator controls (POST /v1/strata/blend); empty: those "
+        "controls are refused.",
+    ),
 )
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -449,7 +512,4 @@ def option_from_environ(name: str, environ: Mapping[str, str] | None = None) -> 
 
 def describe_options() -> list[dict[str, str]]:
     """The option table as rows (for the README and `strata_node --help`)."""
-    return [
-        {"variable": o.env_var, "default": str(o.default), "description": o.description}
-        for o in OPTIONS
-    ]
+    return [{"variable": o.env_var, "default": str(o.default), "description": o.description} for o in OPTIONS]

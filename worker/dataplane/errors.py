@@ -12,24 +12,18 @@ class DataplaneError(Exception):
 class TierFull(DataplaneError):
     """A write was refused because the tier has no room; nothing partial was left behind."""
 
-    def __init__(
-        self, tier: str, *, needed: int, free: int | None = None, detail: str = ""
-    ) -> None:
+    def __init__(self, tier: str, *, needed: int, free: int | None = None, detail: str = "") -> None:
         self.tier = tier
         self.needed = needed
         self.free = free
         free_text = "" if free is None else f", {free} free"
-        super().__init__(
-            f"tier {tier} is full: {needed} bytes needed{free_text}{'; ' + detail if detail else ''}"
-        )
+        super().__init__(f"tier {tier} is full: {needed} bytes needed{free_text}{'; ' + detail if detail else ''}")
 
 
 class BlockMissing(DataplaneError):
     """The block is not stored in the tier (or in any tier the store asked)."""
 
-    def __init__(
-        self, key: uuid.UUID, *, tier: str | None = None, causes: tuple[Exception, ...] = ()
-    ) -> None:
+    def __init__(self, key: uuid.UUID, *, tier: str | None = None, causes: tuple[Exception, ...] = ()) -> None:
         self.key = key
         self.tier = tier
         self.causes = causes

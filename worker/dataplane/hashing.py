@@ -24,9 +24,7 @@ _PERSON_CONTENT = b"strata/content/1"
 def _salt(ns_salt: bytes | str) -> bytes:
     salt = ns_salt.encode() if isinstance(ns_salt, str) else bytes(ns_salt)
     if len(salt) > hashlib.blake2b.MAX_KEY_SIZE:
-        raise ValueError(
-            f"ns_salt is at most {hashlib.blake2b.MAX_KEY_SIZE} bytes, got {len(salt)}"
-        )
+        raise ValueError(f"ns_salt is at most {hashlib.blake2b.MAX_KEY_SIZE} bytes, got {len(salt)}")
     return salt
 
 
@@ -80,14 +78,10 @@ def prefix_key(
     if not tokens:
         raise ValueError("a block has at least one token")
     parent_bytes = _uuid_bytes(parent if parent is not None else ROOT_PARENT)
-    return uuid.UUID(
-        bytes=_prefix_key_raw(_salt(ns_salt), _uuid_bytes(model_key), parent_bytes, tokens)
-    )
+    return uuid.UUID(bytes=_prefix_key_raw(_salt(ns_salt), _uuid_bytes(model_key), parent_bytes, tokens))
 
 
-def content_key(
-    *, ns_salt: bytes | str, model_key: uuid.UUID, token_ids: Sequence[int] | np.ndarray
-) -> uuid.UUID:
+def content_key(*, ns_salt: bytes | str, model_key: uuid.UUID, token_ids: Sequence[int] | np.ndarray) -> uuid.UUID:
     """H(ns_salt | model_key | token_ids): position-independent, finds a fragment anywhere."""
     tokens = encode_tokens(token_ids)
     if not tokens:
@@ -147,9 +141,7 @@ class Fingerprinter:
 
     @classmethod
     def for_profile(cls, profile: ModelProfile, *, ns_salt: bytes | str) -> Fingerprinter:
-        return cls(
-            ns_salt=_salt(ns_salt), model_key=model_key(profile), block_tokens=profile.block_tokens
-        )
+        return cls(ns_salt=_salt(ns_salt), model_key=model_key(profile), block_tokens=profile.block_tokens)
 
     def blocks(
         self, token_ids: Sequence[int] | np.ndarray, *, parent: uuid.UUID | None = None

@@ -91,9 +91,7 @@ class BlockLayout:
         if not isinstance(layers, range):
             raise TypeError(f"layers must be an int, range or slice, got {type(layers).__name__}")
         if layers.step != 1 or len(layers) == 0 or layers.start < 0 or layers.stop > self.layers:
-            raise ValueError(
-                f"layers must be a non-empty contiguous range inside 0..{self.layers}, got {layers}"
-            )
+            raise ValueError(f"layers must be a non-empty contiguous range inside 0..{self.layers}, got {layers}")
         return layers
 
     def layer_offset(self, layer: int) -> int:
@@ -126,20 +124,14 @@ class BlockLayout:
         of a run of layers as read by a layer-range get), each of shape `kv_shape`."""
         data = tensor_bytes(buffer)
         if data.numel() == 0 or data.numel() % self.layer_bytes:
-            raise ValueError(
-                f"buffer of {data.numel()} bytes is not a whole number of {self.layer_bytes}-byte layers"
-            )
+            raise ValueError(f"buffer of {data.numel()} bytes is not a whole number of {self.layer_bytes}-byte layers")
         count = data.numel() // self.layer_bytes
         if data.data_ptr() % self.itemsize:
-            raise ValueError(
-                f"buffer address is not aligned to {self.itemsize} bytes for {self.dtype}"
-            )
+            raise ValueError(f"buffer address is not aligned to {self.itemsize} bytes for {self.dtype}")
         typed = data.view(self.dtype).view(count, 2, *self.kv_shape)
         return [(typed[layer, 0], typed[layer, 1]) for layer in range(count)]
 
-    def pack(
-        self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], *, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def pack(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Block bytes from per-layer (K, V) tensors (one copy; the engine produces them apart)."""
         if len(kv) != self.layers:
             raise ValueError(f"expected {self.layers} layers of (K, V), got {len(kv)}")
@@ -148,9 +140,7 @@ class BlockLayout:
             raise ValueError(f"out holds {block.numel()} bytes, a block is {self.block_bytes}")
         for (k_dst, v_dst), (k, v) in zip(self.kv_views(block), kv, strict=True):
             if tuple(k.shape) != self.kv_shape or tuple(v.shape) != self.kv_shape:
-                raise ValueError(
-                    f"K and V must have shape {self.kv_shape}, got {tuple(k.shape)} and {tuple(v.shape)}"
-                )
+                raise ValueError(f"K and V must have shape {self.kv_shape}, got {tuple(k.shape)} and {tuple(v.shape)}")
             k_dst.copy_(k)
             v_dst.copy_(v)
         return block
@@ -165,5 +155,10 @@ class BlockLayout:
 @functools.cache
 def block_layout(profile: ModelProfile) -> BlockLayout:
     """The byte layout of a model's blocks, from its profile (one object per profile)."""
-    return BlockLayout(layers=profile.layers, kv_heads=profile.kv_heads, head_dim=profile.head_dim,
-                       block_tokens=profile.block_tokens, dtype=parse_dtype(profile.dtype))
+    return BlockLayout(
+        layers=profile.layers,
+        kv_heads=profile.kv_heads,
+        head_dim=profile.head_dim,
+        block_tokens=profile.block_tokens,
+        dtype=parse_dtype(profile.dtype),
+    )

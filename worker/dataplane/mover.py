@@ -28,7 +28,7 @@ from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from worker.dataplane.config import VERIFY_MODES
+from worker.dataplane.config_values import VERIFY_MODES
 from worker.dataplane.errors import BlockCorrupt, BlockMissing, TierFull
 from worker.dataplane.tiers.base import ReadResult
 
@@ -112,8 +112,15 @@ class _Flight:
 
     def finish(self) -> None:
         if not self.future.done():
-            self.future.set_result(CopyResult(status=self.status, checksum=self.checksum, written=self.written,
-                                              reason=self.reason, error=self.error))
+            self.future.set_result(
+                CopyResult(
+                    status=self.status,
+                    checksum=self.checksum,
+                    written=self.written,
+                    reason=self.reason,
+                    error=self.error,
+                )
+            )
 
     def abandon(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -181,16 +188,24 @@ class Mover:
                 self.store.tier(tier).sync()
             except Exception as exc:  # noqa: BLE001 - handed back, job by job
                 broken[tier] = exc
-        return [dataclasses.replace(result, status=CopyStatus.FAILED, reason=f"{type(error).__name__}: {error}",
-                                    error=error)
-                if result.done and result.written and (error := broken.get(job.target)) is not None else result
-                for job, result in zip(jobs, results, strict=True)]
+        return [
+            dataclasses.replace(
+                result, status=CopyStatus.FAILED, reason=f"{type(error).__name__}: {error}", error=error
+            )
+            if result.done and result.written and (error := broken.get(job.target)) is not None
+            else result
+            for job, result in zip(jobs, results, strict=True)
+        ]
 
     def close(self) -> None:
         """Stop the threads (after the copies already handed to them)."""
         with self._lock:
             pools, self._readers, self._verifiers, self._writers = (
-                (self._readers, self._verifiers, self._writers), None, None, None)
+                (self._readers, self._verifiers, self._writers),
+                None,
+                None,
+                None,
+            )
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -281,8 +296,10 @@ class Mover:
             return None
         flight.checksum = read.checksum.hex if read.checksum is not None else ""
         if job.expected and flight.checksum != job.expected:
-            flight.fail(CopyStatus.SOURCE_CORRUPT,
-                        f"source copy's checksum {flight.checksum} is not the recorded {job.expected}; quarantined")
+            flight.fail(
+                CopyStatus.SOURCE_CORRUPT,
+                f"source copy's checksum {flight.checksum} is not the recorded {job.expected}; quarantined",
+            )
             return None
         return read
 

@@ -147,8 +147,9 @@ class OffloadManager:
         self.profile = profile
         self.layout: BlockLayout = block_layout(profile)
         if store.layout != self.layout:
-            raise ValueError(f"the store holds blocks of {store.layout.describe()}, the model needs "
-                             f"{self.layout.describe()}")
+            raise ValueError(
+                f"the store holds blocks of {store.layout.describe()}, the model needs {self.layout.describe()}"
+            )
         if write_back_tier not in store.names:
             raise ValueError(f"write_back_tier: the store has no tier {write_back_tier!r}")
         self.node = node
@@ -169,8 +170,9 @@ class OffloadManager:
         """The namespace's fingerprinter; raises DirectoryUnavailable while its salt cannot be read."""
         found = self._fingerprinters.get(namespace)
         if found is None:
-            found = Fingerprinter(ns_salt=self.namespace_salt(namespace), model_key=self.model_key,
-                                  block_tokens=self.layout.block_tokens)
+            found = Fingerprinter(
+                ns_salt=self.namespace_salt(namespace), model_key=self.model_key, block_tokens=self.layout.block_tokens
+            )
             self._fingerprinters[namespace] = found
         return found
 
@@ -198,8 +200,9 @@ class OffloadManager:
         found: dict[uuid.UUID, str] = {}
         try:
             if self.directory is not None:
-                located = self.directory.lookup(keys=keys, node=self.node, namespace=namespace,
-                                                model_key=self.model_key)
+                located = self.directory.lookup(
+                    keys=keys, node=self.node, namespace=namespace, model_key=self.model_key
+                )
                 found = {key: tier for key, tier in located.items() if tier == REMOTE}
             else:
                 present = self.store.tier(REMOTE).contains_many(keys)
@@ -229,7 +232,7 @@ class OffloadManager:
         """The longest run of prompt blocks held somewhere: the node's own tiers first, then one
         directory round trip (or the remote tier itself) for the blocks after the first local miss."""
         found = self.locate_local([fp.prefix_key for fp in fingerprints])
-        rest = fingerprints[self.first_miss(fingerprints, found):]
+        rest = fingerprints[self.first_miss(fingerprints, found) :]
         found.update(self.locate_remote([fp.prefix_key for fp in rest], namespace))
         return self.prefix_hits(fingerprints, found)
 
@@ -260,11 +263,18 @@ class OffloadManager:
         recompute = load_s is not None and compute_s is not None and load_s > compute_s
         decision = Decision("recompute" if recompute else "load", load_s=load_s, compute_s=compute_s)
         self.counters.add(f"decision.{decision.choice}")
-        log.log(logging.INFO if recompute else logging.DEBUG,
-                "request %s: %s, %d of %d prompt tokens cached (%s): load %s, recompute %s%s",
-                request, decision.choice, tokens, prompt_tokens,
-                ", ".join(f"{name} {count} blocks" for name, count in blocks.items()),
-                _estimate(load_s), _estimate(compute_s), "" if self.decide_enabled else " (deciding is off)")
+        log.log(
+            logging.INFO if recompute else logging.DEBUG,
+            "request %s: %s, %d of %d prompt tokens cached (%s): load %s, recompute %s%s",
+            request,
+            decision.choice,
+            tokens,
+            prompt_tokens,
+            ", ".join(f"{name} {count} blocks" for name, count in blocks.items()),
+            _estimate(load_s),
+            _estimate(compute_s),
+            "" if self.decide_enabled else " (deciding is off)",
+        )
         return ([] if recompute else hits), decision
 
     def observe_load(self, loads: Iterable[TierLoad]) -> None:
@@ -318,9 +328,15 @@ class OffloadManager:
             log.warning("write-back failed: %s", exc)
             return None
         return BlockRegistration(
-            namespace=namespace, model_key=self.model_key, prefix_key=key, content_key=content_key,
-            position=position, tokens=self.layout.block_tokens, tier=target.name,
-            node=None if target.name == REMOTE else self.node, nbytes=self.layout.block_bytes,
+            namespace=namespace,
+            model_key=self.model_key,
+            prefix_key=key,
+            content_key=content_key,
+            position=position,
+            tokens=self.layout.block_tokens,
+            tier=target.name,
+            node=None if target.name == REMOTE else self.node,
+            nbytes=self.layout.block_bytes,
             checksum=result.checksum.hex if result.checksum else "",
         )
 
@@ -332,8 +348,9 @@ class OffloadManager:
     def touch(self, namespace: str, keys: Sequence[uuid.UUID]) -> None:
         """Count one access of each reused block (write-behind; feeds the hotness ranking)."""
         if keys and self.directory is not None:
-            self.directory.touch(touches=[BlockTouch(namespace=namespace, model_key=self.model_key, prefix_key=key)
-                                          for key in keys])
+            self.directory.touch(
+                touches=[BlockTouch(namespace=namespace, model_key=self.model_key, prefix_key=key) for key in keys]
+            )
 
     # -- failures --------------------------------------------------------------------------------
     def quarantine(self, key: uuid.UUID, cause: BaseException, namespace: str) -> list[str]:
@@ -343,10 +360,19 @@ class OffloadManager:
         causes = getattr(cause, "causes", ()) or (cause,)
         corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != "device"})
         if corrupt and self.directory is not None:
-            self.directory.change_placements(changes=[
-                PlacementChange(namespace=namespace, model_key=self.model_key, prefix_key=key, tier=tier,
-                                node=None if tier == REMOTE else self.node, action="corrupt")
-                for tier in corrupt])
+            self.directory.change_placements(
+                changes=[
+                    PlacementChange(
+                        namespace=namespace,
+                        model_key=self.model_key,
+                        prefix_key=key,
+                        tier=tier,
+                        node=None if tier == REMOTE else self.node,
+                        action="corrupt",
+                    )
+                    for tier in corrupt
+                ]
+            )
             self.counters.add("quarantined", len(corrupt))
         return corrupt
 

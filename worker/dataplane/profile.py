@@ -24,9 +24,14 @@ KV_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 """KV dtypes the data plane stores, by their canonical names."""
 
 DTYPE_ALIASES: dict[str, str] = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 """Every name a KV dtype may be given by, and its canonical name."""
 

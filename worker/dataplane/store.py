@@ -84,9 +84,7 @@ class TieredStore:
         try:
             return self._tiers[name]
         except KeyError:
-            raise KeyError(
-                f"this store has no tier {name!r}; it has {', '.join(self._tiers)}"
-            ) from None
+            raise KeyError(f"this store has no tier {name!r}; it has {', '.join(self._tiers)}") from None
 
     def _order(self, tiers: Sequence[str] | None) -> list[Tier]:
         return [self.tier(name) for name in (tiers if tiers is not None else self.names)]
@@ -113,9 +111,7 @@ class TieredStore:
     ) -> Future[PutResult]:
         return self.tier(tier).put_async(key, data, checksum=checksum)
 
-    def copy(
-        self, key: uuid.UUID, *, source: str, target: str, buffer: torch.Tensor | None = None
-    ) -> PutResult:
+    def copy(self, key: uuid.UUID, *, source: str, target: str, buffer: torch.Tensor | None = None) -> PutResult:
         """Copy a block between tiers: a verified read from `source`, then a put into `target`
         carrying the checksum just verified (no second hash). The source keeps its copy."""
         data = buffer if buffer is not None else self.layout.empty()
@@ -123,9 +119,7 @@ class TieredStore:
         return self.tier(target).put(key, data, checksum=read.checksum)
 
     # -- reads ----------------------------------------------------------------------------
-    def get(
-        self, key: uuid.UUID, *, out: torch.Tensor | None = None, tiers: Sequence[str] | None = None
-    ) -> GetResult:
+    def get(self, key: uuid.UUID, *, out: torch.Tensor | None = None, tiers: Sequence[str] | None = None) -> GetResult:
         """Read a whole block from the fastest tier that serves it intact; BlockMissing (with
         each tier's error in `causes`) when none does."""
         data = out if out is not None else self.layout.empty()
@@ -175,9 +169,7 @@ class TieredStore:
             else:
                 groups.setdefault(found[0].name, []).append(i)
         for name, members in groups.items():
-            futures = self._tiers[name].get_layers(
-                [keys[i] for i in members], selected, [outs[i] for i in members]
-            )
+            futures = self._tiers[name].get_layers([keys[i] for i in members], selected, [outs[i] for i in members])
             served = 0
             for i, future in zip(members, futures, strict=True):
                 if future.done() and future.exception() is None:
@@ -208,8 +200,10 @@ class TieredStore:
         selected = self.layout.layer_range(layers)
         nbytes = len(selected) * self.layout.layer_bytes
         if not out.is_contiguous() or out.dtype != torch.uint8 or out.numel() != len(keys) * nbytes:
-            raise ValueError(f"{len(keys)} blocks of {len(selected)} layers need a contiguous uint8 buffer of "
-                             f"{len(keys) * nbytes} bytes, got {out.dtype} {list(out.shape)}")
+            raise ValueError(
+                f"{len(keys)} blocks of {len(selected)} layers need a contiguous uint8 buffer of "
+                f"{len(keys) * nbytes} bytes, got {out.dtype} {list(out.shape)}"
+            )
         rows = out.view(len(keys), nbytes)
         order = self._order(tiers)
         local = [tier for tier in order if tier.lookups_are_cheap]
@@ -227,8 +221,9 @@ class TieredStore:
         if retry:
             self.counters.add("store.fallbacks", len(retry))
             later = [tier.name for tier in order if tier is not first]
-            futures = self.get_layers([keys[i] for i in retry], layers=selected, outs=[rows[i] for i in retry],
-                                      tiers=later)
+            futures = self.get_layers(
+                [keys[i] for i in retry], layers=selected, outs=[rows[i] for i in retry], tiers=later
+            )
             for i, future in zip(retry, futures, strict=True):
                 error = future.exception()
                 if error is not None:
@@ -374,9 +369,7 @@ def _remote_medium(setting: StoreSetting) -> Medium:
     config = setting.config
     url = config.remote_url or setting.environ.get("REDIS_URL", "")
     if not url and setting.remote_client is None:
-        raise ConfigError(
-            "remote_url: the remote tier is enabled but neither STRATA_REMOTE_URL nor REDIS_URL is set"
-        )
+        raise ConfigError("remote_url: the remote tier is enabled but neither STRATA_REMOTE_URL nor REDIS_URL is set")
     return remote_medium(
         url,
         capacity_bytes=config.remote_bytes,

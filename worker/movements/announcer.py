@@ -58,8 +58,13 @@ class MovementAnnouncer:
         if not counts:
             return
         try:
-            movements_finished_announce(node=self.node, done=counts["done"], failed=counts["failed"],
-                                        cancelled=counts["cancelled"], nbytes=counts["bytes"], routes=dict(routes))
+            movements_finished_announce(
+                node=self.node,
+                done=counts["done"],
+                failed=counts["failed"],
+                cancelled=counts["cancelled"],
+                nbytes=counts["bytes"],
+                routes=dict(routes),
+            )
         except Exception as exc:  # noqa: BLE001 - the dashboard stream is lossy by design
             log.warning("movement event not sent: %s", exc)
-

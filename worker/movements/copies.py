@@ -17,8 +17,9 @@ from worker.movements.errors import FENCED
 log = logging.getLogger("strata.movements")
 
 
-def node_copies(node: str, tier: str, *, batch: int,
-                states: Sequence[str] = (PlacementState.READY,)) -> Iterator[list[Placement]]:
+def node_copies(
+    node: str, tier: str, *, batch: int, states: Sequence[str] = (PlacementState.READY,)
+) -> Iterator[list[Placement]]:
     """`node`'s copies in `tier` (the shared ones for remote), in id-ordered batches of `batch`."""
     node_id = None if tier == TierLevel.REMOTE else Node.objects.filter(name=node).values_list("id", flat=True).first()
     if tier != TierLevel.REMOTE and node_id is None:

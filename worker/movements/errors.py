@@ -7,8 +7,13 @@ from django.db import InterfaceError, OperationalError
 from controlplane.directory.errors import InvalidTransition, PlacementNotFound, StaleEpoch
 from worker.dataplane.errors import TierUnavailable
 
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OperationalError, InterfaceError, TierUnavailable,
-                                                     ConnectionError, TimeoutError)
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    OperationalError,
+    InterfaceError,
+    TierUnavailable,
+    ConnectionError,
+    TimeoutError,
+)
 """Errors after which the same task may succeed later (database or Redis away): the task retries."""
 
 FENCED = (StaleEpoch, InvalidTransition, PlacementNotFound)

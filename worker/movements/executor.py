@@ -11,6 +11,10 @@ while the target is still its own) and never serves it.
 This module is the fencing only: the bytes move in the data plane's mover, scrub and reconcile
 live in `scrub.py` and `reconcile.py`, fault injection in `faults.py`, the dashboard's counts in
 `announcer.py`.
+
+Why one module: reserve, move, flip, free and record are one protocol over one batch's state
+(its reservations, epochs and outcomes); each step's guard is only readable beside the steps it
+orders, so they stay together.
 """
 
 from __future__ import annotations
@@ -73,9 +77,9 @@ def _waves(ids: Sequence[int], per_wave: int) -> list[Sequence[int]]:
     on them (with the bulk services a wave's database work is a few statements whatever its
     size)."""
     if per_wave <= 1 or len(ids) <= 2 * per_wave:
-        return [ids[start:start + per_wave] for start in range(0, len(ids), per_wave)]
+        return [ids[start : start + per_wave] for start in range(0, len(ids), per_wave)]
     middle = ids[1:-1]
-    return [ids[:1], *(middle[start:start + per_wave] for start in range(0, len(middle), per_wave)), ids[-1:]]
+    return [ids[:1], *(middle[start : start + per_wave] for start in range(0, len(middle), per_wave)), ids[-1:]]
 
 
 _Ended = tuple[Movement, MovementResult]
@@ -85,7 +89,6 @@ _Ended = tuple[Movement, MovementResult]
 class MovementExecutor:
     """Executes one node's movements, scrubs and reconciles against its store."""
 
-
     def __init__(self, *, node: str, store: Any, options: MovementOptions | None = None) -> None:
         self.node = node
         self.store = store
@@ -93,15 +96,23 @@ class MovementExecutor:
         self.announcer = MovementAnnouncer(node)
         self.faults = FaultInjector(node=node, point=self.options.fault_point, hold_s=self.options.fault_hold_s)
         self.mover = Mover(store, verify=self.options.verify) if store is not None else None
-        self.reconciler = Reconciler(node=node, store=store, grace_s=self.options.reconcile_grace_s,
-                                     batch=self.options.scrub_batch)
+        self.reconciler = Reconciler(
+            node=node, store=store, grace_s=self.options.reconcile_grace_s, batch=self.options.scrub_batch
+        )
 
     @staticmethod
-    def _ended(movement: Movement, state: str, *, started: float, detail: str = "", error: str = "",
-               nbytes: int | None = None) -> _Ended:
+    def _ended(
+        movement: Movement, state: str, *, started: float, detail: str = "", error: str = "", nbytes: int | None = None
+    ) -> _Ended:
         """The result of a movement that ended now (its duration counted from `started`)."""
-        return movement, MovementResult(movement_id=movement.id, state=state, nbytes=nbytes,
-                                        duration_s=time.perf_counter() - started, detail=detail, error=error)
+        return movement, MovementResult(
+            movement_id=movement.id,
+            state=state,
+            nbytes=nbytes,
+            duration_s=time.perf_counter() - started,
+            detail=detail,
+            error=error,
+        )
 
     def _record(self, ended: Sequence[_Ended]) -> dict[int, Outcome]:
         """Record results in the ledger and the tallies, one statement for all of them
@@ -114,8 +125,9 @@ class MovementExecutor:
             if finished is None:
                 outcomes[movement.id] = Outcome(movement.id, "skipped", "finished elsewhere")
                 continue
-            line = (f"movement {movement.id} ({movement.kind} block {movement.block_id} {movement.route}): "
-                    f"{result.state}")
+            line = (
+                f"movement {movement.id} ({movement.kind} block {movement.block_id} {movement.route}): {result.state}"
+            )
             if result.state == MovementState.DONE:
                 log.info("%s, %d bytes in %.3f s", line, finished.bytes, finished.duration_s or 0.0)
             else:
@@ -127,8 +139,16 @@ class MovementExecutor:
             transaction.on_commit(lambda: self.announcer.add(*recorded))
         return outcomes
 
-    def _finish(self, movement: Movement, state: str, *, started: float, detail: str = "", error: str = "",
-                nbytes: int | None = None) -> Outcome:
+    def _finish(
+        self,
+        movement: Movement,
+        state: str,
+        *,
+        started: float,
+        detail: str = "",
+        error: str = "",
+        nbytes: int | None = None,
+    ) -> Outcome:
         ended = self._ended(movement, state, started=started, detail=detail, error=error, nbytes=nbytes)
         return self._record([ended])[movement.id]
 
@@ -145,8 +165,14 @@ class MovementExecutor:
                 outcomes.append(Outcome(ident, "skipped", "already finished"))
                 continue
             if movement.kind != kind:
-                outcomes.append(self._finish(movement, MovementState.FAILED, started=time.perf_counter(),
-                                             error=f"kind: sent as {kind} but planned as {movement.kind}"))
+                outcomes.append(
+                    self._finish(
+                        movement,
+                        MovementState.FAILED,
+                        started=time.perf_counter(),
+                        error=f"kind: sent as {kind} but planned as {movement.kind}",
+                    )
+                )
                 continue
             started = time.perf_counter()
             try:
@@ -159,8 +185,9 @@ class MovementExecutor:
                 outcomes.append(self._finish(movement, MovementState.FAILED, started=started, error=str(exc)))
             except Exception as exc:  # noqa: BLE001 - recorded in the ledger, then the batch goes on
                 log.exception("movement %d failed", movement.id)
-                outcomes.append(self._finish(movement, MovementState.FAILED, started=started,
-                                             error=f"{type(exc).__name__}: {exc}"))
+                outcomes.append(
+                    self._finish(movement, MovementState.FAILED, started=started, error=f"{type(exc).__name__}: {exc}")
+                )
         return outcomes
 
     # -- checks -----------------------------------------------------------------------------
@@ -172,8 +199,10 @@ class MovementExecutor:
             if tier not in self.store.names:
                 return f"tier: node {self.node} has no {tier} tier (it has {', '.join(self.store.names)})"
         if block.size_bytes != self.store.layout.block_bytes:
-            return (f"block {block.id} is {block.size_bytes} bytes but this node's model stores "
-                    f"{self.store.layout.block_bytes}-byte blocks: it belongs to another model")
+            return (
+                f"block {block.id} is {block.size_bytes} bytes but this node's model stores "
+                f"{self.store.layout.block_bytes}-byte blocks: it belongs to another model"
+            )
         return ""
 
     # -- moves and warm-ups: reserve -> move -> flip -> free -> record -----------------------
@@ -224,30 +253,49 @@ class MovementExecutor:
                 if movement is None:
                     outcomes[ident] = Outcome(ident, "skipped", "already finished")
                 elif movement.kind != kind:
-                    ended.append(self._ended(movement, MovementState.FAILED, started=started,
-                                             error=f"kind: sent as {kind} but planned as {movement.kind}"))
+                    ended.append(
+                        self._ended(
+                            movement,
+                            MovementState.FAILED,
+                            started=started,
+                            error=f"kind: sent as {kind} but planned as {movement.kind}",
+                        )
+                    )
                 elif self.store is None:
-                    ended.append(self._ended(movement, MovementState.FAILED, started=started,
-                                             error=f"node {self.node} serves no model: it has no tiered store to "
-                                                   "move bytes with"))
+                    ended.append(
+                        self._ended(
+                            movement,
+                            MovementState.FAILED,
+                            started=started,
+                            error=f"node {self.node} serves no model: it has no tiered store to move bytes with",
+                        )
+                    )
                 else:
                     checked.append(movement)
             blocks = Block.objects.only("id", "prefix_key", "size_bytes").in_bulk([m.block_id for m in checked])
-            copies = Placement.objects.in_bulk([m.src_placement_id for m in checked]
-                                               + [m.dst_placement_id for m in checked if m.dst_placement_id])
+            copies = Placement.objects.in_bulk(
+                [m.src_placement_id for m in checked] + [m.dst_placement_id for m in checked if m.dst_placement_id]
+            )
             wanted: list[Reservation] = []
             for movement in checked:
                 try:
-                    prepared = self._prepare(movement, block=blocks.get(movement.block_id),
-                                             source=copies.get(movement.src_placement_id),
-                                             target=copies.get(movement.dst_placement_id or 0),
-                                             free_source=kind == MovementKind.MOVE, started=started)
+                    prepared = self._prepare(
+                        movement,
+                        block=blocks.get(movement.block_id),
+                        source=copies.get(movement.src_placement_id),
+                        target=copies.get(movement.dst_placement_id or 0),
+                        free_source=kind == MovementKind.MOVE,
+                        started=started,
+                    )
                 except TRANSIENT_ERRORS:
                     raise
                 except Exception as exc:  # noqa: BLE001 - recorded in the ledger, then the wave goes on
                     log.exception("movement %d failed", movement.id)
-                    ended.append(self._ended(movement, MovementState.FAILED, started=started,
-                                             error=f"{type(exc).__name__}: {exc}"))
+                    ended.append(
+                        self._ended(
+                            movement, MovementState.FAILED, started=started, error=f"{type(exc).__name__}: {exc}"
+                        )
+                    )
                     continue
                 if isinstance(prepared, Reservation):
                     wanted.append(prepared)
@@ -257,8 +305,16 @@ class MovementExecutor:
             outcomes.update(self._record([*ended, *refused]))
         return jobs
 
-    def _prepare(self, movement: Movement, *, block: Block | None, source: Placement | None,
-                 target: Placement | None, free_source: bool, started: float) -> Reservation | _Ended:
+    def _prepare(
+        self,
+        movement: Movement,
+        *,
+        block: Block | None,
+        source: Placement | None,
+        target: Placement | None,
+        free_source: bool,
+        started: float,
+    ) -> Reservation | _Ended:
         """Check a started movement against its block and copies as the wave read them: the target
         to reserve, or the movement's result when there is nothing to copy (resumed, changed,
         gone). The rare paths that change the directory here each run in a savepoint of their own."""
@@ -270,26 +326,39 @@ class MovementExecutor:
         if problem:
             return self._ended(movement, MovementState.FAILED, started=started, error=problem)
         key = block.prefix_key
-        if free_source and target is not None and target.state == PlacementState.READY and (
-                source is None or (source.state == PlacementState.DELETING
-                                   and source.epoch == movement.src_epoch + 1)):
+        if (
+            free_source
+            and target is not None
+            and target.state == PlacementState.READY
+            and (source is None or (source.state == PlacementState.DELETING and source.epoch == movement.src_epoch + 1))
+        ):
             # A previous attempt flipped and died before freeing the source: finish its work.
             with transaction.atomic():
                 self._free(source, movement, key)
-            return self._ended(movement, MovementState.DONE, started=started, nbytes=target.size_bytes,
-                               detail="resumed after the flip")
+            return self._ended(
+                movement, MovementState.DONE, started=started, nbytes=target.size_bytes, detail="resumed after the flip"
+            )
         if not free_source and target is not None and target.state == PlacementState.READY:
-            return self._ended(movement, MovementState.DONE, started=started, nbytes=target.size_bytes,
-                               detail="resumed: the warm copy was ready")
+            return self._ended(
+                movement,
+                MovementState.DONE,
+                started=started,
+                nbytes=target.size_bytes,
+                detail="resumed: the warm copy was ready",
+            )
         if source is None or source.state != PlacementState.READY or source.epoch != movement.src_epoch:
             with transaction.atomic():
                 self._drop_target(movement, block_key=key)
             now = "gone" if source is None else f"{source.state} at epoch {source.epoch}"
-            return self._ended(movement, MovementState.CANCELLED, started=started,
-                               detail=f"the source copy changed since planning (now {now}, "
-                                      f"planned at epoch {movement.src_epoch})")
-        return Reservation(movement=movement, block=block, source=source, previous=target, free_source=free_source,
-                            started=started)
+            return self._ended(
+                movement,
+                MovementState.CANCELLED,
+                started=started,
+                detail=f"the source copy changed since planning (now {now}, planned at epoch {movement.src_epoch})",
+            )
+        return Reservation(
+            movement=movement, block=block, source=source, previous=target, free_source=free_source, started=started
+        )
 
     def _conclude(self, jobs: Sequence[ReservedCopy]) -> dict[int, Outcome]:
         """Turn the copies into directory changes: failed ones are cleaned up one by one and their
@@ -312,8 +381,14 @@ class MovementExecutor:
                     continue
                 log.error("movement %d failed", movement.id, exc_info=result.error)
                 self._drop_target(movement, block_key=job.key, target=job.target, bytes_written=result.written)
-                failed.append(self._ended(movement, MovementState.FAILED, started=job.started,
-                                          error=f"{type(result.error).__name__}: {result.error}"))
+                failed.append(
+                    self._ended(
+                        movement,
+                        MovementState.FAILED,
+                        started=job.started,
+                        error=f"{type(result.error).__name__}: {result.error}",
+                    )
+                )
             elif not result.done:
                 if result.status == CopyStatus.SOURCE_CORRUPT:
                     quarantine(self.store, job.source, movement.src_tier, job.key, found_by="move")
@@ -330,29 +405,57 @@ class MovementExecutor:
                 flipped, refused = self._flip(verified)
                 # A warm-up is done once its copy is READY (its source stays): recorded with its
                 # flip, one commit. A move is done only once its source is freed, after this commit.
-                outcomes.update(self._record([
-                    self._ended(job.movement, MovementState.DONE, started=job.started, nbytes=job.block.size_bytes)
-                    for job in flipped if not job.free_source]))
+                outcomes.update(
+                    self._record(
+                        [
+                            self._ended(
+                                job.movement, MovementState.DONE, started=job.started, nbytes=job.block.size_bytes
+                            )
+                            for job in flipped
+                            if not job.free_source
+                        ]
+                    )
+                )
             cancelled: list[_Ended] = []
             for job, exc in refused:
                 movement = job.movement
                 if self._taken_over(job):
                     # A newer attempt of this same movement (a retried or redelivered task running
                     # meanwhile) owns the target now and records the result; this one steps aside.
-                    log.warning("movement %d: flip refused (%s); a newer attempt of this movement took its "
-                                "target over and finishes it", movement.id, exc)
+                    log.warning(
+                        "movement %d: flip refused (%s); a newer attempt of this movement took its "
+                        "target over and finishes it",
+                        movement.id,
+                        exc,
+                    )
                     outcomes[movement.id] = Outcome(movement.id, "skipped", f"taken over by a newer attempt: {exc}")
                     continue
                 if not job.free_source:
                     # Another attempt took the target over; it owns those bytes now.
-                    cancelled.append(self._ended(movement, MovementState.CANCELLED, started=job.started,
-                                                 detail=f"the target copy was taken over: {exc}"))
+                    cancelled.append(
+                        self._ended(
+                            movement,
+                            MovementState.CANCELLED,
+                            started=job.started,
+                            detail=f"the target copy was taken over: {exc}",
+                        )
+                    )
                     continue
                 self._drop_target(movement, block_key=job.key, target=job.target)
-                log.warning("movement %d: flip refused (%s); the copy changed while it was being moved, "
-                            "this attempt's target is dropped and never served", movement.id, exc)
-                cancelled.append(self._ended(movement, MovementState.CANCELLED, started=job.started,
-                                             detail=f"flip refused, the copy changed during the move: {exc}"))
+                log.warning(
+                    "movement %d: flip refused (%s); the copy changed while it was being moved, "
+                    "this attempt's target is dropped and never served",
+                    movement.id,
+                    exc,
+                )
+                cancelled.append(
+                    self._ended(
+                        movement,
+                        MovementState.CANCELLED,
+                        started=job.started,
+                        detail=f"flip refused, the copy changed during the move: {exc}",
+                    )
+                )
             outcomes.update(self._record(cancelled))
             moved = [job for job in flipped if job.free_source]
             self.faults.hold("after-flip", *(job.movement for job in moved))
@@ -366,19 +469,27 @@ class MovementExecutor:
         """True when a newer attempt reserved this attempt's target again (same row, a later
         epoch, pending or already flipped by it)."""
         current = Placement.objects.filter(id=job.target.id).only("state", "epoch").first()
-        return (current is not None and current.epoch > job.target.epoch
-                and current.state in (PlacementState.PENDING, PlacementState.READY))
+        return (
+            current is not None
+            and current.epoch > job.target.epoch
+            and current.state in (PlacementState.PENDING, PlacementState.READY)
+        )
 
     def _flip(self, jobs: Sequence[ReservedCopy]) -> tuple[list[ReservedCopy], list[tuple[ReservedCopy, Exception]]]:
         """In the caller's transaction: every verified target READY (and, for moves, its source
         DELETING), each flip guarded by its epochs; a refused flip changes nothing and the rest go on."""
         flipped: list[ReservedCopy] = []
         refused: list[tuple[ReservedCopy, Exception]] = []
-        flips = [PlacementFlip(target_id=job.target.id, target_epoch=job.target.epoch,
-                               checksum=job.result.checksum if job.result is not None else "",
-                               source_id=job.source.id if job.free_source else None,
-                               source_epoch=job.movement.src_epoch if job.free_source else None)
-                 for job in jobs]
+        flips = [
+            PlacementFlip(
+                target_id=job.target.id,
+                target_epoch=job.target.epoch,
+                checksum=job.result.checksum if job.result is not None else "",
+                source_id=job.source.id if job.free_source else None,
+                source_epoch=job.movement.src_epoch if job.free_source else None,
+            )
+            for job in jobs
+        ]
         for job, error in zip(jobs, placements_flip_many(flips=flips), strict=True):
             if error is None:
                 flipped.append(job)
@@ -398,15 +509,22 @@ class MovementExecutor:
         freed: list[tuple[int, int]] = []
         for job in moved:
             current = rows.get(job.source.id)
-            if (current is None or current.state != PlacementState.DELETING
-                    or current.epoch != job.movement.src_epoch + 1):
+            if (
+                current is None
+                or current.state != PlacementState.DELETING
+                or current.epoch != job.movement.src_epoch + 1
+            ):
                 continue  # re-registered or already freed: the bytes are someone else's now
             self.store.tier(job.movement.src_tier).delete(job.key)
             freed.append((current.id, current.epoch))
         with transaction.atomic():
             placements_delete_many(placements=freed)  # a copy that changed meanwhile is left alone
-            return self._record([self._ended(job.movement, MovementState.DONE, started=job.started,
-                                             nbytes=job.block.size_bytes) for job in moved])
+            return self._record(
+                [
+                    self._ended(job.movement, MovementState.DONE, started=job.started, nbytes=job.block.size_bytes)
+                    for job in moved
+                ]
+            )
 
     def _reserve(self, wanted: Sequence[Reservation]) -> tuple[list[ReservedCopy], list[_Ended]]:
         """PENDING target copies for a wave's movements, each with a fresh epoch, in one statement;
@@ -422,8 +540,15 @@ class MovementExecutor:
                     placement_mark_deleting(placement_id=previous.id, epoch=previous.epoch)
                 except FENCED:
                     pass
-        copies = [PendingCopy(block_id=r.block.id, tier=r.movement.dst_tier, node=r.movement.dst_node or None,
-                              size_bytes=r.block.size_bytes) for r in wanted]
+        copies = [
+            PendingCopy(
+                block_id=r.block.id,
+                tier=r.movement.dst_tier,
+                node=r.movement.dst_node or None,
+                size_bytes=r.block.size_bytes,
+            )
+            for r in wanted
+        ]
         try:
             with transaction.atomic():
                 answers: list[Placement | Exception] = list(placements_create_pending_many(copies=copies))
@@ -437,15 +562,33 @@ class MovementExecutor:
         for r, answer in zip(wanted, answers, strict=True):
             if isinstance(answer, Placement):
                 r.movement.dst_placement_id = answer.id
-                jobs.append(ReservedCopy(movement=r.movement, block=r.block, key=r.block.prefix_key, source=r.source,
-                                  target=answer, free_source=r.free_source, started=r.started))
+                jobs.append(
+                    ReservedCopy(
+                        movement=r.movement,
+                        block=r.block,
+                        key=r.block.prefix_key,
+                        source=r.source,
+                        target=answer,
+                        free_source=r.free_source,
+                        started=r.started,
+                    )
+                )
             elif isinstance(answer, InvalidTransition):
-                refused.append(self._ended(r.movement, MovementState.CANCELLED, started=r.started,
-                                           detail=f"the destination already holds a copy of the block: {answer}"))
+                refused.append(
+                    self._ended(
+                        r.movement,
+                        MovementState.CANCELLED,
+                        started=r.started,
+                        detail=f"the destination already holds a copy of the block: {answer}",
+                    )
+                )
             else:
                 log.error("movement %d: its target copy could not be reserved", r.movement.id, exc_info=answer)
-                refused.append(self._ended(r.movement, MovementState.FAILED, started=r.started,
-                                           error=f"{type(answer).__name__}: {answer}"))
+                refused.append(
+                    self._ended(
+                        r.movement, MovementState.FAILED, started=r.started, error=f"{type(answer).__name__}: {answer}"
+                    )
+                )
         movements_set_targets(targets=[(job.movement.id, job.target.id) for job in jobs])
         return jobs, refused
 
@@ -460,8 +603,14 @@ class MovementExecutor:
             return exc
         return answer
 
-    def _drop_target(self, movement: Movement, *, block_key: uuid.UUID | None, target: Placement | None = None,
-                     bytes_written: bool = True) -> None:
+    def _drop_target(
+        self,
+        movement: Movement,
+        *,
+        block_key: uuid.UUID | None,
+        target: Placement | None = None,
+        bytes_written: bool = True,
+    ) -> None:
         """Remove this attempt's own target copy: only while it is still PENDING at the epoch this
         attempt reserved it with (after a takeover or a flip it belongs to someone else)."""
         if target is None:
@@ -504,14 +653,22 @@ class MovementExecutor:
             return self._finish(movement, state, started=started, detail="the copy no longer exists")
         block = self._block(movement)
         if movement.src_tier not in self.store.names:
-            return self._finish(movement, MovementState.FAILED, started=started,
-                                error=f"tier: node {self.node} has no {movement.src_tier} tier")
+            return self._finish(
+                movement,
+                MovementState.FAILED,
+                started=started,
+                error=f"tier: node {self.node} has no {movement.src_tier} tier",
+            )
         resumed = source.state == PlacementState.DELETING and source.epoch == movement.src_epoch + 1
         if not resumed:
             if source.state != PlacementState.READY or source.epoch != movement.src_epoch:
-                return self._finish(movement, MovementState.CANCELLED, started=started,
-                                    detail=f"the copy changed since planning (now {source.state} at epoch "
-                                           f"{source.epoch}, planned at epoch {movement.src_epoch})")
+                return self._finish(
+                    movement,
+                    MovementState.CANCELLED,
+                    started=started,
+                    detail=f"the copy changed since planning (now {source.state} at epoch "
+                    f"{source.epoch}, planned at epoch {movement.src_epoch})",
+                )
             try:
                 source = placement_mark_deleting(placement_id=source.id, epoch=movement.src_epoch)
             except FENCED as exc:
@@ -530,8 +687,13 @@ class MovementExecutor:
         copy that fails is quarantined (marked corrupt, bytes dropped) and counted."""
         if self.store is None or self.mover is None:
             raise NoStore(f"node {self.node} serves no model: nothing to scrub")
-        return scrub_tier(node=self.node, store=self.store, tier=tier, buffer=self.mover.buffer("scrub"),
-                          batch=self.options.scrub_batch)
+        return scrub_tier(
+            node=self.node,
+            store=self.store,
+            tier=tier,
+            buffer=self.mover.buffer("scrub"),
+            batch=self.options.scrub_batch,
+        )
 
     def reconcile(self, tier: str, *, now: float | None = None) -> ReconcileReport:
         """Bytes without a placement row are deleted (after the grace period: seen orphaned by a
@@ -548,7 +710,8 @@ def executor_for(app: Any) -> MovementExecutor:
     executor = getattr(runtime, "movements", None)
     if executor is None:
         close_old_connections()
-        executor = MovementExecutor(node=runtime.config.node_name, store=runtime.store,
-                                    options=MovementOptions.from_config(runtime.config))
+        executor = MovementExecutor(
+            node=runtime.config.node_name, store=runtime.store, options=MovementOptions.from_config(runtime.config)
+        )
         runtime.movements = executor
     return executor

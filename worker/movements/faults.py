@@ -13,7 +13,7 @@ import os
 import time
 
 from controlplane.movements.models import Movement
-from worker.dataplane.config import FAULT_POINTS
+from worker.dataplane.config_values import FAULT_POINTS
 
 __all__ = ["FAULT_POINTS", "FaultInjector"]
 
@@ -27,15 +27,20 @@ class FaultInjector:
         self.point = point
         self.hold_s = hold_s
         if point:
-            log.warning("fault injection armed: movements on node %s will hold at %s (STRATA_FAULT_POINT)",
-                        node, point)
+            log.warning("fault injection armed: movements on node %s will hold at %s (STRATA_FAULT_POINT)", node, point)
 
     def hold(self, point: str, *movements: Movement) -> None:
         if self.point != point or not movements:
             return
         for movement in movements:
-            log.warning("fault injection: movement %d (block %d) held at %s for %.0f s; pid %d",
-                        movement.id, movement.block_id, point, self.hold_s, os.getpid())
+            log.warning(
+                "fault injection: movement %d (block %d) held at %s for %.0f s; pid %d",
+                movement.id,
+                movement.block_id,
+                point,
+                self.hold_s,
+                os.getpid(),
+            )
         time.sleep(self.hold_s)
         for movement in movements:
             log.warning("fault injection: movement %d resumes after %s", movement.id, point)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from worker.dataplane.config import FAULT_POINTS, VERIFY_MODES, NodeConfig, load_config
+from worker.dataplane.config import NodeConfig, load_config
+from worker.dataplane.config_values import FAULT_POINTS, VERIFY_MODES
 
 __all__ = ["FAULT_POINTS", "VERIFY_MODES", "MovementOptions"]
 
@@ -27,8 +28,12 @@ class MovementOptions:
 
     @classmethod
     def from_config(cls, config: NodeConfig) -> MovementOptions:
-        return cls(verify=config.move_verify, fault_point=config.fault_point, fault_hold_s=config.fault_hold_s,
-                   reconcile_grace_s=config.reconcile_grace_s)
+        return cls(
+            verify=config.move_verify,
+            fault_point=config.fault_point,
+            fault_hold_s=config.fault_hold_s,
+            reconcile_grace_s=config.reconcile_grace_s,
+        )
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> MovementOptions:

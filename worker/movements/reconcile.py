@@ -48,8 +48,11 @@ class Reconciler:
             return report
         now = time.monotonic() if now is None else now
         # Rows first, then bytes: a copy written after the listing cannot look missing.
-        ready = [(p.id, p.epoch, p.block.prefix_key) for found in node_copies(self.node, tier, batch=self.batch)
-                 for p in found]
+        ready = [
+            (p.id, p.epoch, p.block.prefix_key)
+            for found in node_copies(self.node, tier, batch=self.batch)
+            for p in found
+        ]
         present = set(self.store.tier(tier).keys())
         for ident, epoch, key in ready:
             if key in present or self.store.tier(tier).contains(key):
@@ -73,8 +76,13 @@ class Reconciler:
             for tier_key in [k for k in self._orphans if k[0] == tier and k[1] in known]:
                 self._orphans.pop(tier_key, None)
         if report.orphans_deleted or report.missing_marked:
-            log.warning("reconcile of %s on node %s: %d orphan block(s) deleted, %d copies without bytes "
-                        "marked corrupt", tier, self.node, report.orphans_deleted, report.missing_marked)
+            log.warning(
+                "reconcile of %s on node %s: %d orphan block(s) deleted, %d copies without bytes marked corrupt",
+                tier,
+                self.node,
+                report.orphans_deleted,
+                report.missing_marked,
+            )
         return report
 
     def _known_keys(self, tier: str, keys: set[uuid.UUID]) -> set[uuid.UUID]:
@@ -84,7 +92,7 @@ class Reconciler:
         ordered = sorted(keys)
         found: set[uuid.UUID] = set()
         for start in range(0, len(ordered), 1000):  # the prefix-key index serves each IN list
-            rows = Placement.objects.filter(tier=tier, block__prefix_key__in=ordered[start:start + 1000])
+            rows = Placement.objects.filter(tier=tier, block__prefix_key__in=ordered[start : start + 1000])
             rows = rows.filter(node__isnull=True) if tier == TierLevel.REMOTE else rows.filter(node__name=self.node)
             found.update(rows.values_list("block__prefix_key", flat=True))
         return found

@@ -41,8 +41,13 @@ class ReservedCopy:
 
     @property
     def job(self) -> CopyJob:
-        return CopyJob(source=self.movement.src_tier, target=self.movement.dst_tier, key=self.key,
-                       expected=self.source.checksum or "", size=self.block.size_bytes)
+        return CopyJob(
+            source=self.movement.src_tier,
+            target=self.movement.dst_tier,
+            key=self.key,
+            expected=self.source.checksum or "",
+            size=self.block.size_bytes,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

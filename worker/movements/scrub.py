@@ -50,6 +50,12 @@ def scrub_tier(*, node: str, store: Any, tier: str, buffer: Any, batch: int) -> 
                 report.corrupt += 1
                 log.warning("scrub %s: block %s (placement %d): %s", tier, key, placement.id, problem)
                 quarantine(store, placement, tier, key, found_by="scrub")
-    log.info("scrub of %s on node %s: %d copies checked, %d quarantined (%d missing)", tier, node,
-             report.checked, report.corrupt, report.missing)
+    log.info(
+        "scrub of %s on node %s: %d copies checked, %d quarantined (%d missing)",
+        tier,
+        node,
+        report.checked,
+        report.corrupt,
+        report.missing,
+    )
     return report

@@ -34,12 +34,27 @@ class NodeSerializer(serializers.ModelSerializer[Node]):
     class Meta:
         model = Node
         fields = [
-            "name", "group", "host", "address", "engine", "engine_address", "state", "queue", "pid", "version", "heartbeat_seconds",
-            "heartbeats", "registered_at", "last_seen", "stale_after", "tiers",
+            "name",
+            "group",
+            "host",
+            "address",
+            "engine",
+            "engine_address",
+            "state",
+            "queue",
+            "pid",
+            "version",
+            "heartbeat_seconds",
+            "heartbeats",
+            "registered_at",
+            "last_seen",
+            "stale_after",
+            "tiers",
         ]
 
 
 # -- namespaces ------------------------------------------------------------------------------------
+
 
 class NamespaceSerializer(serializers.ModelSerializer[Namespace]):
     class Meta:
@@ -71,13 +86,27 @@ class NamespaceUpdateSerializer(serializers.Serializer):
 
 # -- model profiles --------------------------------------------------------------------------------
 
+
 class ModelProfileSerializer(serializers.ModelSerializer[ModelProfile]):
     block_bytes = serializers.IntegerField(read_only=True)
 
     class Meta:
         model = ModelProfile
-        fields = ["name", "model_id", "revision", "dtype", "layers", "kv_heads", "head_dim", "block_tokens",
-                  "rope_theta", "rope_scaling", "model_key", "block_bytes", "created_at"]
+        fields = [
+            "name",
+            "model_id",
+            "revision",
+            "dtype",
+            "layers",
+            "kv_heads",
+            "head_dim",
+            "block_tokens",
+            "rope_theta",
+            "rope_scaling",
+            "model_key",
+            "block_bytes",
+            "created_at",
+        ]
 
 
 class ModelProfileCreateSerializer(serializers.Serializer):
@@ -90,11 +119,13 @@ class ModelProfileCreateSerializer(serializers.Serializer):
     head_dim = serializers.IntegerField(min_value=1, max_value=INTEGER_MAX)
     block_tokens = serializers.IntegerField(min_value=1, max_value=INTEGER_MAX, default=256)
     rope_theta = serializers.FloatField(min_value=0.0, default=10000.0)
-    rope_scaling = serializers.DictField(required=False, allow_empty=True,
-                                         help_text="RoPE scaling config as in the model's config.json.")
+    rope_scaling = serializers.DictField(
+        required=False, allow_empty=True, help_text="RoPE scaling config as in the model's config.json."
+    )
 
 
 # -- blocks ----------------------------------------------------------------------------------------
+
 
 class PlacementSerializer(serializers.ModelSerializer[Placement]):
     node = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
@@ -110,8 +141,20 @@ class BlockSerializer(serializers.ModelSerializer[Block]):
 
     class Meta:
         model = Block
-        fields = ["id", "namespace", "model", "prefix_key", "content_key", "position", "token_count", "size_bytes",
-                  "priority", "created_at", "last_access_at", "access_count"]
+        fields = [
+            "id",
+            "namespace",
+            "model",
+            "prefix_key",
+            "content_key",
+            "position",
+            "token_count",
+            "size_bytes",
+            "priority",
+            "created_at",
+            "last_access_at",
+            "access_count",
+        ]
 
 
 class BlockDetailSerializer(BlockSerializer):
@@ -126,10 +169,14 @@ class BlockListQuerySerializer(serializers.Serializer):
     model = serializers.SlugField(max_length=63, required=False, help_text="Model profile name.")
     tier = serializers.ChoiceField(choices=TierLevel.choices, required=False, help_text="Has a copy in this tier.")
     node = serializers.SlugField(max_length=63, required=False, help_text="Has a copy on this node.")
-    state = serializers.ChoiceField(choices=PlacementState.choices, required=False,
-                                    help_text="Has a copy in this state.")
-    ordering = serializers.ChoiceField(choices=BlockOrdering.choices, default=BlockOrdering.NEWEST,
-                                       help_text="-access_count is the hotness ranking; -created_at the age.")
+    state = serializers.ChoiceField(
+        choices=PlacementState.choices, required=False, help_text="Has a copy in this state."
+    )
+    ordering = serializers.ChoiceField(
+        choices=BlockOrdering.choices,
+        default=BlockOrdering.NEWEST,
+        help_text="-access_count is the hotness ranking; -created_at the age.",
+    )
 
 
 class UUIDListField(serializers.ListField):
@@ -152,17 +199,25 @@ class UUIDListField(serializers.ListField):
 class LookupInputSerializer(serializers.Serializer):
     namespace = serializers.SlugField(max_length=63)
     model_key = serializers.UUIDField(help_text="Model key of the profile the keys were computed for.")
-    node = serializers.SlugField(max_length=63, required=False, allow_null=True, default=None,
-                                 help_text="Asking node: its local copies, then the remote tier. Empty: any node.")
-    prefix_keys = UUIDListField(max_length=MAX_BATCH, default=list,
-                                help_text="Prefix keys of a prompt's blocks, in chain order.")
-    content_keys = UUIDListField(max_length=MAX_BATCH, default=list,
-                                 help_text="Content keys to match anywhere (fragments).")
+    node = serializers.SlugField(
+        max_length=63,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="Asking node: its local copies, then the remote tier. Empty: any node.",
+    )
+    prefix_keys = UUIDListField(
+        max_length=MAX_BATCH, default=list, help_text="Prefix keys of a prompt's blocks, in chain order."
+    )
+    content_keys = UUIDListField(
+        max_length=MAX_BATCH, default=list, help_text="Content keys to match anywhere (fragments)."
+    )
 
     def validate(self, attrs):  # type: ignore[no-untyped-def]
         if len(attrs["prefix_keys"]) + len(attrs["content_keys"]) > MAX_BATCH:
             raise serializers.ValidationError(
-                {"prefix_keys": [f"at most {MAX_BATCH} keys per lookup, prefix and content keys together"]})
+                {"prefix_keys": [f"at most {MAX_BATCH} keys per lookup, prefix and content keys together"]}
+            )
         return attrs
 
 
@@ -187,20 +242,32 @@ class BlockLocationSerializer(serializers.Serializer):
 
     def to_representation(self, instance: BlockLocation) -> dict[str, object]:
         return {
-            "key": str(instance.key), "prefix_key": str(instance.prefix_key),
-            "content_key": str(instance.content_key), "position": instance.position,
-            "token_count": instance.tokens, "block_id": instance.block_id,
-            "placement_id": instance.placement_id, "tier": instance.tier, "node": instance.node,
-            "locator": instance.locator, "offset": instance.offset, "size_bytes": instance.nbytes,
-            "checksum": instance.checksum, "epoch": instance.epoch,
+            "key": str(instance.key),
+            "prefix_key": str(instance.prefix_key),
+            "content_key": str(instance.content_key),
+            "position": instance.position,
+            "token_count": instance.tokens,
+            "block_id": instance.block_id,
+            "placement_id": instance.placement_id,
+            "tier": instance.tier,
+            "node": instance.node,
+            "locator": instance.locator,
+            "offset": instance.offset,
+            "size_bytes": instance.nbytes,
+            "checksum": instance.checksum,
+            "epoch": instance.epoch,
         }
 
 
 class LookupOutputSerializer(serializers.Serializer):
-    prefix = serializers.ListField(child=BlockLocationSerializer(allow_null=True),
-                                   help_text="One entry per prefix key asked, in order; null is a miss.")
-    content = serializers.ListField(child=BlockLocationSerializer(allow_null=True),
-                                    help_text="One entry per content key asked, in order; null is a miss.")
+    prefix = serializers.ListField(
+        child=BlockLocationSerializer(allow_null=True),
+        help_text="One entry per prefix key asked, in order; null is a miss.",
+    )
+    content = serializers.ListField(
+        child=BlockLocationSerializer(allow_null=True),
+        help_text="One entry per content key asked, in order; null is a miss.",
+    )
     prefix_hit_blocks = serializers.IntegerField(help_text="Leading prefix hits: the reusable prefix, in blocks.")
     hits = serializers.IntegerField()
 
@@ -214,24 +281,38 @@ class RegisterBlockSerializer(serializers.Serializer):
     tier = serializers.ChoiceField(choices=TierLevel.choices)
     locator = serializers.CharField(max_length=1024, allow_blank=True, default="")
     offset = serializers.IntegerField(min_value=0, max_value=BIGINT_MAX, default=0)
-    checksum = serializers.RegexField(CHECKSUM_PATTERN, allow_blank=True, default="",
-                                      help_text="xxh3-128 of key and bytes, 32 lower-case hex characters.")
+    checksum = serializers.RegexField(
+        CHECKSUM_PATTERN,
+        allow_blank=True,
+        default="",
+        help_text="xxh3-128 of key and bytes, 32 lower-case hex characters.",
+    )
     priority = serializers.SlugField(max_length=63, default="default")
 
 
 class RegisterInputSerializer(serializers.Serializer):
     namespace = serializers.SlugField(max_length=63)
     model_key = serializers.UUIDField()
-    node = serializers.SlugField(max_length=63, required=False, allow_null=True, default=None,
-                                 help_text="Node holding the device/host/disk copies; not needed for remote ones.")
+    node = serializers.SlugField(
+        max_length=63,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="Node holding the device/host/disk copies; not needed for remote ones.",
+    )
     blocks = serializers.ListField(child=RegisterBlockSerializer(), min_length=1, max_length=MAX_BATCH)
 
     def validate(self, attrs):  # type: ignore[no-untyped-def]
         local = [i for i, b in enumerate(attrs["blocks"]) if b["tier"] != TierLevel.REMOTE]
         if local and not attrs.get("node"):
             raise serializers.ValidationError(
-                {"node": [f"required: block {local[0]} has a {attrs['blocks'][local[0]]['tier']} copy, which "
-                          "lives on a node"]})
+                {
+                    "node": [
+                        f"required: block {local[0]} has a {attrs['blocks'][local[0]]['tier']} copy, which "
+                        "lives on a node"
+                    ]
+                }
+            )
         return attrs
 
 
@@ -243,8 +324,13 @@ class RegisterOutputSerializer(serializers.Serializer):
 
 class PurgeInputSerializer(serializers.Serializer):
     namespace = serializers.SlugField(max_length=63)
-    model = serializers.SlugField(max_length=63, required=False, allow_null=True, default=None,
-                                  help_text="Model profile name; empty purges every model of the namespace.")
+    model = serializers.SlugField(
+        max_length=63,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="Model profile name; empty purges every model of the namespace.",
+    )
 
 
 class PurgeOutputSerializer(serializers.Serializer):

@@ -112,8 +112,9 @@ class PurgeThrottle(DirectoryThrottle):
 def _throttles(*extra: type) -> list[type]:
     """The default throttles, the per-user one counted per window (engines call these endpoints
     at high rates: see WindowRateThrottle), then `extra`."""
-    return [WindowRateThrottle if cls is UserRateThrottle else cls
-            for cls in api_settings.DEFAULT_THROTTLE_CLASSES] + list(extra)
+    return [
+        WindowRateThrottle if cls is UserRateThrottle else cls for cls in api_settings.DEFAULT_THROTTLE_CLASSES
+    ] + list(extra)
 
 
 class NamePagination(CursorPagination):
@@ -136,10 +137,13 @@ def _can_see_salts(request: Request) -> bool:
 
 
 @extend_schema_view(
-    list=extend_schema(responses=s.NamespaceWithSaltSerializer(many=True),
-                       description="Namespaces; `salt` only for operators and admins."),
-    retrieve=extend_schema(responses=s.NamespaceWithSaltSerializer,
-                           description="A namespace; `salt` only for operators and admins."),
+    list=extend_schema(
+        responses=s.NamespaceWithSaltSerializer(many=True),
+        description="Namespaces; `salt` only for operators and admins.",
+    ),
+    retrieve=extend_schema(
+        responses=s.NamespaceWithSaltSerializer, description="A namespace; `salt` only for operators and admins."
+    ),
 )
 class NamespaceViewSet(viewsets.GenericViewSet[Namespace]):
     """Tenants' key spaces. Each has a random salt hashed into its keys; shared ones match from any
@@ -269,21 +273,33 @@ class BlockViewSet(viewsets.GenericViewSet[Block]):
             raise NotFound(f"no block {pk}")
         return Response(s.BlockDetailSerializer(block).data)
 
-    @extend_schema(request=s.LookupInputSerializer, responses=s.LookupOutputSerializer,
-                   description="Batched hit detection: each key's best READY copy, in one query.")
+    @extend_schema(
+        request=s.LookupInputSerializer,
+        responses=s.LookupOutputSerializer,
+        description="Batched hit detection: each key's best READY copy, in one query.",
+    )
     @action(detail=False, methods=["post"])
     def lookup(self, request: Request) -> Response:
         data = s.LookupInputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         with directory_errors():
             result = blocks_lookup(strict=True, **data.validated_data)
-        return Response(s.LookupOutputSerializer({
-            "prefix": result.prefix, "content": result.content,
-            "prefix_hit_blocks": result.prefix_hit_blocks, "hits": result.hits,
-        }).data)
+        return Response(
+            s.LookupOutputSerializer(
+                {
+                    "prefix": result.prefix,
+                    "content": result.content,
+                    "prefix_hit_blocks": result.prefix_hit_blocks,
+                    "hits": result.hits,
+                }
+            ).data
+        )
 
-    @extend_schema(request=s.RegisterInputSerializer, responses=s.RegisterOutputSerializer,
-                   description="Batched registration of blocks and one READY copy each; all or nothing.")
+    @extend_schema(
+        request=s.RegisterInputSerializer,
+        responses=s.RegisterOutputSerializer,
+        description="Batched registration of blocks and one READY copy each; all or nothing.",
+    )
     @action(detail=False, methods=["post"], throttle_classes=_throttles(RegisterThrottle))
     def register(self, request: Request) -> Response:
         data = s.RegisterInputSerializer(data=request.data)
@@ -291,20 +307,35 @@ class BlockViewSet(viewsets.GenericViewSet[Block]):
         body = data.validated_data
         registrations = [
             BlockRegistration(
-                namespace=body["namespace"], model_key=body["model_key"], prefix_key=b["prefix_key"],
-                content_key=b["content_key"], position=b["position"], tokens=b["token_count"], tier=b["tier"],
-                node=None if b["tier"] == TierLevel.REMOTE else body["node"], nbytes=b["size_bytes"],
-                checksum=b["checksum"], locator=b["locator"], offset=b["offset"], priority=b["priority"],
+                namespace=body["namespace"],
+                model_key=body["model_key"],
+                prefix_key=b["prefix_key"],
+                content_key=b["content_key"],
+                position=b["position"],
+                tokens=b["token_count"],
+                tier=b["tier"],
+                node=None if b["tier"] == TierLevel.REMOTE else body["node"],
+                nbytes=b["size_bytes"],
+                checksum=b["checksum"],
+                locator=b["locator"],
+                offset=b["offset"],
+                priority=b["priority"],
             )
             for b in body["blocks"]
         ]
         with directory_errors():
             counts = blocks_register(registrations=registrations, source=f"api:{request.user.get_username()}")
-        return Response(s.RegisterOutputSerializer(
-            {"blocks": len(registrations), "new": counts.blocks, "placements": counts.placements}).data)
+        return Response(
+            s.RegisterOutputSerializer(
+                {"blocks": len(registrations), "new": counts.blocks, "placements": counts.placements}
+            ).data
+        )
 
-    @extend_schema(request=s.PurgeInputSerializer, responses=s.PurgeOutputSerializer,
-                   description="Admins only: forget every block of a namespace (and model).")
+    @extend_schema(
+        request=s.PurgeInputSerializer,
+        responses=s.PurgeOutputSerializer,
+        description="Admins only: forget every block of a namespace (and model).",
+    )
     @action(detail=False, methods=["post"], throttle_classes=_throttles(PurgeThrottle))
     def purge(self, request: Request) -> Response:
         data = s.PurgeInputSerializer(data=request.data)

@@ -5,48 +5,82 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63, unique=True)),
-                ('host', models.CharField(help_text='Host name the node runs on.', max_length=255)),
-                ('address', models.CharField(blank=True, help_text="host:port of the node's engine server.", max_length=255)),
-                ('state', models.CharField(choices=[('up', 'Up'), ('stale', 'Stale (missed heartbeats)'), ('down', 'Down (shut down cleanly)')], default='up', max_length=8)),
-                ('pid', models.PositiveIntegerField(blank=True, null=True)),
-                ('version', models.CharField(blank=True, max_length=32)),
-                ('heartbeat_seconds', models.FloatField(default=5.0)),
-                ('heartbeats', models.PositiveBigIntegerField(default=0)),
-                ('registered_at', models.DateTimeField(auto_now_add=True)),
-                ('last_seen', models.DateTimeField()),
-                ('stale_after', models.DateTimeField(help_text='When the node counts as stale if no heartbeat arrives.')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.SlugField(max_length=63, unique=True)),
+                ("host", models.CharField(help_text="Host name the node runs on.", max_length=255)),
+                (
+                    "address",
+                    models.CharField(blank=True, help_text="host:port of the node's engine server.", max_length=255),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("up", "Up"),
+                            ("stale", "Stale (missed heartbeats)"),
+                            ("down", "Down (shut down cleanly)"),
+                        ],
+                        default="up",
+                        max_length=8,
+                    ),
+                ),
+                ("pid", models.PositiveIntegerField(blank=True, null=True)),
+                ("version", models.CharField(blank=True, max_length=32)),
+                ("heartbeat_seconds", models.FloatField(default=5.0)),
+                ("heartbeats", models.PositiveBigIntegerField(default=0)),
+                ("registered_at", models.DateTimeField(auto_now_add=True)),
+                ("last_seen", models.DateTimeField()),
+                (
+                    "stale_after",
+                    models.DateTimeField(help_text="When the node counts as stale if no heartbeat arrives."),
+                ),
             ],
             options={
-                'ordering': ['name'],
-                'indexes': [models.Index(fields=['state', 'stale_after'], name='node_state_stale_idx')],
+                "ordering": ["name"],
+                "indexes": [models.Index(fields=["state", "stale_after"], name="node_state_stale_idx")],
             },
         ),
         migrations.CreateModel(
-            name='NodeTier',
+            name="NodeTier",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('tier', models.CharField(choices=[('device', 'L1 device (GPU memory)'), ('host', 'L2 host (CPU DRAM)'), ('disk', 'L2 disk (NVMe)'), ('remote', 'L3 remote (distributed store)')], max_length=8)),
-                ('capacity_bytes', models.PositiveBigIntegerField()),
-                ('used_bytes', models.PositiveBigIntegerField()),
-                ('available', models.BooleanField(default=True, help_text='False when the node reports the tier unusable.')),
-                ('updated_at', models.DateTimeField()),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='tiers', to='directory.node')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "tier",
+                    models.CharField(
+                        choices=[
+                            ("device", "L1 device (GPU memory)"),
+                            ("host", "L2 host (CPU DRAM)"),
+                            ("disk", "L2 disk (NVMe)"),
+                            ("remote", "L3 remote (distributed store)"),
+                        ],
+                        max_length=8,
+                    ),
+                ),
+                ("capacity_bytes", models.PositiveBigIntegerField()),
+                ("used_bytes", models.PositiveBigIntegerField()),
+                (
+                    "available",
+                    models.BooleanField(default=True, help_text="False when the node reports the tier unusable."),
+                ),
+                ("updated_at", models.DateTimeField()),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="tiers", to="directory.node"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['node_id', 'tier'],
-                'constraints': [models.UniqueConstraint(fields=('node', 'tier'), name='nodetier_node_tier_uniq')],
+                "ordering": ["node_id", "tier"],
+                "constraints": [models.UniqueConstraint(fields=("node", "tier"), name="nodetier_node_tier_uniq")],
             },
         ),
     ]

@@ -11,8 +11,13 @@ def schedule(apps, schema_editor):
     every, _ = interval.objects.get_or_create(every=5, period="seconds")
     periodic.objects.update_or_create(
         name=TASK_NAME,
-        defaults={"task": "directory.nodes_mark_stale", "interval": every, "queue": "control",
-                  "enabled": True, "description": "Mark nodes stale after 3 missed heartbeats."},
+        defaults={
+            "task": "directory.nodes_mark_stale",
+            "interval": every,
+            "queue": "control",
+            "enabled": True,
+            "description": "Mark nodes stale after 3 missed heartbeats.",
+        },
     )
 
 

@@ -7,110 +7,233 @@ import controlplane.directory.models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('directory', '0002_stale_sweep_schedule'),
+        ("directory", "0002_stale_sweep_schedule"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ModelProfile',
+            name="ModelProfile",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63, unique=True)),
-                ('model_id', models.CharField(help_text='Model id, e.g. a Hugging Face repository name.', max_length=255)),
-                ('revision', models.CharField(default='main', max_length=128)),
-                ('dtype', models.CharField(choices=[('float32', 'float32'), ('float16', 'float16'), ('bfloat16', 'bfloat16')], default='bfloat16', max_length=8)),
-                ('layers', models.PositiveIntegerField()),
-                ('kv_heads', models.PositiveIntegerField()),
-                ('head_dim', models.PositiveIntegerField()),
-                ('block_tokens', models.PositiveIntegerField(default=256)),
-                ('rope_theta', models.FloatField(default=10000.0)),
-                ('rope_scaling', models.TextField(blank=True, help_text='Canonical JSON of the RoPE scaling config; empty when none.')),
-                ('model_key', models.UUIDField(editable=False, unique=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.SlugField(max_length=63, unique=True)),
+                (
+                    "model_id",
+                    models.CharField(help_text="Model id, e.g. a Hugging Face repository name.", max_length=255),
+                ),
+                ("revision", models.CharField(default="main", max_length=128)),
+                (
+                    "dtype",
+                    models.CharField(
+                        choices=[("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16")],
+                        default="bfloat16",
+                        max_length=8,
+                    ),
+                ),
+                ("layers", models.PositiveIntegerField()),
+                ("kv_heads", models.PositiveIntegerField()),
+                ("head_dim", models.PositiveIntegerField()),
+                ("block_tokens", models.PositiveIntegerField(default=256)),
+                ("rope_theta", models.FloatField(default=10000.0)),
+                (
+                    "rope_scaling",
+                    models.TextField(
+                        blank=True, help_text="Canonical JSON of the RoPE scaling config; empty when none."
+                    ),
+                ),
+                ("model_key", models.UUIDField(editable=False, unique=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['name'],
-                'constraints': [models.CheckConstraint(condition=models.Q(('layers__gt', 0), ('kv_heads__gt', 0), ('head_dim__gt', 0), ('block_tokens__gt', 0)), name='modelprofile_layout_positive')],
+                "ordering": ["name"],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            ("layers__gt", 0), ("kv_heads__gt", 0), ("head_dim__gt", 0), ("block_tokens__gt", 0)
+                        ),
+                        name="modelprofile_layout_positive",
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='Namespace',
+            name="Namespace",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63, unique=True)),
-                ('salt', models.CharField(default=controlplane.directory.models.salt_new, editable=False, help_text='Hex of the random salt hashed into every key of this namespace.', max_length=32)),
-                ('shared', models.BooleanField(default=False, help_text='Lookups from any namespace also match its blocks.')),
-                ('description', models.CharField(blank=True, max_length=255)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.SlugField(max_length=63, unique=True)),
+                (
+                    "salt",
+                    models.CharField(
+                        default=controlplane.directory.models.salt_new,
+                        editable=False,
+                        help_text="Hex of the random salt hashed into every key of this namespace.",
+                        max_length=32,
+                    ),
+                ),
+                (
+                    "shared",
+                    models.BooleanField(default=False, help_text="Lookups from any namespace also match its blocks."),
+                ),
+                ("description", models.CharField(blank=True, max_length=255)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['name'],
-                'indexes': [models.Index(condition=models.Q(('shared', True)), fields=['shared'], name='namespace_shared_idx')],
+                "ordering": ["name"],
+                "indexes": [
+                    models.Index(condition=models.Q(("shared", True)), fields=["shared"], name="namespace_shared_idx")
+                ],
             },
         ),
         migrations.CreateModel(
-            name='Block',
+            name="Block",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('prefix_key', models.UUIDField(help_text='H(salt | model key | parent prefix key | tokens): position-exact.')),
-                ('content_key', models.UUIDField(help_text='H(salt | model key | tokens): position-independent.')),
-                ('position', models.PositiveBigIntegerField(help_text="Offset of the block's first token in its prefix chain.")),
-                ('token_count', models.PositiveIntegerField()),
-                ('size_bytes', models.PositiveBigIntegerField()),
-                ('priority', models.SlugField(default='default', help_text='Priority class (the policies app defines them).', max_length=63)),
-                ('created_at', models.DateTimeField()),
-                ('last_access_at', models.DateTimeField()),
-                ('access_count', models.PositiveBigIntegerField(default=0)),
-                ('model', models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.PROTECT, related_name='blocks', to='directory.modelprofile')),
-                ('namespace', models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.PROTECT, related_name='blocks', to='directory.namespace')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "prefix_key",
+                    models.UUIDField(help_text="H(salt | model key | parent prefix key | tokens): position-exact."),
+                ),
+                ("content_key", models.UUIDField(help_text="H(salt | model key | tokens): position-independent.")),
+                (
+                    "position",
+                    models.PositiveBigIntegerField(help_text="Offset of the block's first token in its prefix chain."),
+                ),
+                ("token_count", models.PositiveIntegerField()),
+                ("size_bytes", models.PositiveBigIntegerField()),
+                (
+                    "priority",
+                    models.SlugField(
+                        default="default", help_text="Priority class (the policies app defines them).", max_length=63
+                    ),
+                ),
+                ("created_at", models.DateTimeField()),
+                ("last_access_at", models.DateTimeField()),
+                ("access_count", models.PositiveBigIntegerField(default=0)),
+                (
+                    "model",
+                    models.ForeignKey(
+                        db_constraint=False,
+                        db_index=False,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="blocks",
+                        to="directory.modelprofile",
+                    ),
+                ),
+                (
+                    "namespace",
+                    models.ForeignKey(
+                        db_constraint=False,
+                        db_index=False,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="blocks",
+                        to="directory.namespace",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-id'],
+                "ordering": ["-id"],
             },
         ),
         migrations.CreateModel(
-            name='Placement',
+            name="Placement",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('tier', models.CharField(choices=[('device', 'L1 device (GPU memory)'), ('host', 'L2 host (CPU DRAM)'), ('disk', 'L2 disk (NVMe)'), ('remote', 'L3 remote (distributed store)')], max_length=8)),
-                ('locator', models.CharField(blank=True, help_text='Path, object key or slot in the tier; empty when derived from the key.', max_length=1024)),
-                ('offset', models.PositiveBigIntegerField(default=0)),
-                ('size_bytes', models.PositiveBigIntegerField()),
-                ('checksum', models.CharField(blank=True, help_text='xxh3-128 of key and bytes, hex.', max_length=32)),
-                ('state', models.CharField(choices=[('pending', 'Pending (bytes being written)'), ('ready', 'Ready (bytes verified, servable)'), ('corrupt', 'Corrupt (failed verification, quarantined)'), ('deleting', 'Deleting (bytes being freed)')], default='pending', max_length=8)),
-                ('epoch', models.PositiveBigIntegerField(default=1)),
-                ('updated_at', models.DateTimeField()),
-                ('block', models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.CASCADE, related_name='placements', to='directory.block')),
-                ('node', models.ForeignKey(blank=True, db_constraint=False, db_index=False, help_text='Node holding the bytes; empty for the shared remote tier.', null=True, on_delete=django.db.models.deletion.CASCADE, related_name='placements', to='directory.node')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "tier",
+                    models.CharField(
+                        choices=[
+                            ("device", "L1 device (GPU memory)"),
+                            ("host", "L2 host (CPU DRAM)"),
+                            ("disk", "L2 disk (NVMe)"),
+                            ("remote", "L3 remote (distributed store)"),
+                        ],
+                        max_length=8,
+                    ),
+                ),
+                (
+                    "locator",
+                    models.CharField(
+                        blank=True,
+                        help_text="Path, object key or slot in the tier; empty when derived from the key.",
+                        max_length=1024,
+                    ),
+                ),
+                ("offset", models.PositiveBigIntegerField(default=0)),
+                ("size_bytes", models.PositiveBigIntegerField()),
+                ("checksum", models.CharField(blank=True, help_text="xxh3-128 of key and bytes, hex.", max_length=32)),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending (bytes being written)"),
+                            ("ready", "Ready (bytes verified, servable)"),
+                            ("corrupt", "Corrupt (failed verification, quarantined)"),
+                            ("deleting", "Deleting (bytes being freed)"),
+                        ],
+                        default="pending",
+                        max_length=8,
+                    ),
+                ),
+                ("epoch", models.PositiveBigIntegerField(default=1)),
+                ("updated_at", models.DateTimeField()),
+                (
+                    "block",
+                    models.ForeignKey(
+                        db_constraint=False,
+                        db_index=False,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="placements",
+                        to="directory.block",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        db_constraint=False,
+                        db_index=False,
+                        help_text="Node holding the bytes; empty for the shared remote tier.",
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="placements",
+                        to="directory.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['block_id', 'tier'],
+                "ordering": ["block_id", "tier"],
             },
         ),
         migrations.AddIndex(
-            model_name='block',
-            index=models.Index(fields=['content_key'], name='block_content_idx'),
+            model_name="block",
+            index=models.Index(fields=["content_key"], name="block_content_idx"),
         ),
         migrations.AddIndex(
-            model_name='block',
-            index=models.Index(fields=['namespace', 'model', 'id'], name='block_ns_model_idx'),
+            model_name="block",
+            index=models.Index(fields=["namespace", "model", "id"], name="block_ns_model_idx"),
         ),
         migrations.AddConstraint(
-            model_name='block',
-            constraint=models.UniqueConstraint(fields=('prefix_key', 'namespace', 'model'), name='block_prefix_uniq'),
+            model_name="block",
+            constraint=models.UniqueConstraint(fields=("prefix_key", "namespace", "model"), name="block_prefix_uniq"),
         ),
         migrations.AddIndex(
-            model_name='placement',
-            index=models.Index(fields=['node', 'tier', 'state'], name='placement_node_tier_idx'),
+            model_name="placement",
+            index=models.Index(fields=["node", "tier", "state"], name="placement_node_tier_idx"),
         ),
         migrations.AddConstraint(
-            model_name='placement',
-            constraint=models.UniqueConstraint(fields=('block', 'tier', 'node'), name='placement_block_tier_node_uniq', nulls_distinct=False),
+            model_name="placement",
+            constraint=models.UniqueConstraint(
+                fields=("block", "tier", "node"), name="placement_block_tier_node_uniq", nulls_distinct=False
+            ),
         ),
         migrations.AddConstraint(
-            model_name='placement',
-            constraint=models.CheckConstraint(condition=models.Q(models.Q(('tier', 'remote'), ('node__isnull', True)), models.Q(models.Q(('tier', 'remote'), _negated=True), ('node__isnull', False)), _connector='OR'), name='placement_node_iff_local'),
+            model_name="placement",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    models.Q(("tier", "remote"), ("node__isnull", True)),
+                    models.Q(models.Q(("tier", "remote"), _negated=True), ("node__isnull", False)),
+                    _connector="OR",
+                ),
+                name="placement_node_iff_local",
+            ),
         ),
     ]

@@ -4,9 +4,8 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('directory', '0003_blocks_and_placements'),
+        ("directory", "0003_blocks_and_placements"),
     ]
 
     operations = [

@@ -4,15 +4,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('directory', '0004_block_fillfactor'),
+        ("directory", "0004_block_fillfactor"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='group',
-            field=models.SlugField(default='default', db_default='default', help_text='Node group: tier policies for this group override the fleet-wide ones.', max_length=63),
+            model_name="node",
+            name="group",
+            field=models.SlugField(
+                default="default",
+                db_default="default",
+                help_text="Node group: tier policies for this group override the fleet-wide ones.",
+                max_length=63,
+            ),
         ),
     ]

@@ -5,15 +5,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('directory', '0005_node_group'),
+        ("directory", "0005_node_group"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='block',
-            name='priority',
-            field=models.SlugField(db_index=False, default='default', help_text='Priority class (the policies app defines them).', max_length=63),
+            model_name="block",
+            name="priority",
+            field=models.SlugField(
+                db_index=False,
+                default="default",
+                help_text="Priority class (the policies app defines them).",
+                max_length=63,
+            ),
         ),
     ]

@@ -4,20 +4,29 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('directory', '0006_block_priority_unindexed'),
+        ("directory", "0006_block_priority_unindexed"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='engine',
-            field=models.CharField(db_default='strata', default='strata', help_text="Engine serving the node's model: strata (the node server) or vllm.", max_length=16),
+            model_name="node",
+            name="engine",
+            field=models.CharField(
+                db_default="strata",
+                default="strata",
+                help_text="Engine serving the node's model: strata (the node server) or vllm.",
+                max_length=16,
+            ),
         ),
         migrations.AddField(
-            model_name='node',
-            name='engine_address',
-            field=models.CharField(blank=True, db_default='', help_text="host:port of the engine's own server where it is not Strata's (vLLM's OpenAI API and its /metrics); the node's Strata endpoints stay at `address`.", max_length=255),
+            model_name="node",
+            name="engine_address",
+            field=models.CharField(
+                blank=True,
+                db_default="",
+                help_text="host:port of the engine's own server where it is not Strata's (vLLM's OpenAI API and its /metrics); the node's Strata endpoints stay at `address`.",
+                max_length=255,
+            ),
         ),
     ]

@@ -20,6 +20,7 @@ from worker.dataplane import profile as dataplane_profile
 
 # -- namespaces ------------------------------------------------------------------------------------
 
+
 @transaction.atomic
 def namespace_create(*, name: str, shared: bool = False, description: str = "") -> Namespace:
     """A new namespace with a fresh random salt."""
@@ -50,14 +51,31 @@ def namespace_delete(*, namespace: Namespace) -> None:
 
 # -- model profiles --------------------------------------------------------------------------------
 
+
 def modelprofile_key(
-    *, model_id: str, layers: int, kv_heads: int, head_dim: int, dtype: str, block_tokens: int,
-    revision: str, rope_theta: float, rope_scaling: str,
+    *,
+    model_id: str,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    block_tokens: int,
+    revision: str,
+    rope_theta: float,
+    rope_scaling: str,
 ) -> tuple[uuid.UUID, dict[str, Any]]:
     """The data plane's model key of a layout and the layout as the data plane canonicalises it."""
-    profile = dataplane_profile.ModelProfile(model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                            block_tokens=block_tokens, revision=revision, rope_theta=rope_theta,
-                            rope_scaling=rope_scaling)
+    profile = dataplane_profile.ModelProfile(
+        model_id=model_id,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        block_tokens=block_tokens,
+        revision=revision,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+    )
     return dataplane_profile.model_key(profile), dataclasses.asdict(profile)
 
 
@@ -82,9 +100,17 @@ def modelprofile_create(
     if isinstance(rope_scaling, dict):
         rope_scaling = json.dumps(rope_scaling, sort_keys=True, separators=(",", ":")) if rope_scaling else ""
     try:
-        key, layout = modelprofile_key(model_id=model_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                                       dtype=dtype, block_tokens=block_tokens, revision=revision,
-                                       rope_theta=rope_theta, rope_scaling=rope_scaling or "")
+        key, layout = modelprofile_key(
+            model_id=model_id,
+            layers=layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            block_tokens=block_tokens,
+            revision=revision,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling or "",
+        )
     except ValueError as exc:
         # The data plane's messages start with the field they are about ("layers must be ...")
         # or mention the dtype; keep the field so the API can name it.
@@ -93,8 +119,9 @@ def modelprofile_create(
         raise DirectoryError(f"{field}: {text}", field=field) from exc
     existing = ModelProfile.objects.filter(model_key=key).first()
     if existing is not None:
-        raise DirectoryError(f"model_key: profile {existing.name!r} has the same layout (model key {key})",
-                             field="model_key")
+        raise DirectoryError(
+            f"model_key: profile {existing.name!r} has the same layout (model key {key})", field="model_key"
+        )
     if ModelProfile.objects.filter(name=name).exists():
         raise DirectoryError(f"name: a model profile named {name!r} exists", field="name")
     return ModelProfile.objects.create(name=name, model_key=key, **layout)
@@ -109,6 +136,7 @@ def modelprofile_delete(*, profile: ModelProfile) -> None:
 
 
 # -- what a node needs before it serves ------------------------------------------------------------
+
 
 @transaction.atomic
 def namespace_ensure(*, name: str) -> Namespace:
@@ -128,9 +156,15 @@ def modelprofile_ensure(*, profile: Any) -> ModelProfile:
     """The model profile of a data-plane profile (worker.dataplane.profile.ModelProfile), created
     under a name derived from the model and its key when no profile has that layout yet."""
     key, layout = modelprofile_key(
-        model_id=profile.model_id, layers=profile.layers, kv_heads=profile.kv_heads, head_dim=profile.head_dim,
-        dtype=profile.dtype, block_tokens=profile.block_tokens, revision=profile.revision,
-        rope_theta=profile.rope_theta, rope_scaling=profile.rope_scaling,
+        model_id=profile.model_id,
+        layers=profile.layers,
+        kv_heads=profile.kv_heads,
+        head_dim=profile.head_dim,
+        dtype=profile.dtype,
+        block_tokens=profile.block_tokens,
+        revision=profile.revision,
+        rope_theta=profile.rope_theta,
+        rope_scaling=profile.rope_scaling,
     )
     existing = ModelProfile.objects.filter(model_key=key).first()
     if existing is not None:

@@ -86,8 +86,14 @@ def node_heartbeat(
         # waits for that insert and then updates the row.
         try:
             with transaction.atomic():
-                node = Node.objects.create(name=name, registered_at=now, host=host, last_seen=now,
-                                           stale_after=stale_after, heartbeat_seconds=heartbeat_seconds)
+                node = Node.objects.create(
+                    name=name,
+                    registered_at=now,
+                    host=host,
+                    last_seen=now,
+                    stale_after=stale_after,
+                    heartbeat_seconds=heartbeat_seconds,
+                )
         except IntegrityError:
             node = Node.objects.select_for_update().get(name=name)
             previous = node.state
@@ -107,8 +113,14 @@ def node_heartbeat(
     node.save()
     NodeTier.objects.bulk_create(
         [
-            NodeTier(node=node, tier=t.tier, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
-                     available=t.available, updated_at=now)
+            NodeTier(
+                node=node,
+                tier=t.tier,
+                capacity_bytes=t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                available=t.available,
+                updated_at=now,
+            )
             for t in tiers
         ],
         update_conflicts=True,
@@ -133,8 +145,9 @@ def nodes_mark_stale(*, now: datetime | None = None) -> list[str]:
     if stale:
         Node.objects.filter(name__in=stale).update(state=NodeState.STALE)
         for name in stale:
-            send_event_on_commit(kind="node.state", payload={"name": name, "state": NodeState.STALE,
-                                                             "previous": NodeState.UP})
+            send_event_on_commit(
+                kind="node.state", payload={"name": name, "state": NodeState.STALE, "previous": NodeState.UP}
+            )
     return stale
 
 

@@ -28,8 +28,9 @@ from worker.dataplane.directory import PlacementChange
 
 def _node_for(tier: str, node: str | None) -> Node | None:
     if tier not in TierLevel.values:
-        raise DirectoryError(f"tier: unknown tier {tier!r}; expected one of {', '.join(TierLevel.values)}",
-                             field="tier")
+        raise DirectoryError(
+            f"tier: unknown tier {tier!r}; expected one of {', '.join(TierLevel.values)}", field="tier"
+        )
     if tier == TierLevel.REMOTE:
         if node:
             raise DirectoryError("node: a remote placement belongs to no node", field="node")
@@ -54,8 +55,9 @@ def _check(placement: Placement, epoch: int | None, allowed: Sequence[str], chan
     if epoch is not None and placement.epoch != epoch:
         raise StaleEpoch(placement_id=placement.id, expected=epoch, actual=placement.epoch)
     if placement.state not in allowed:
-        raise InvalidTransition(f"state: placement {placement.id} is {placement.state}; {change} needs "
-                                f"{' or '.join(allowed)}")
+        raise InvalidTransition(
+            f"state: placement {placement.id} is {placement.state}; {change} needs {' or '.join(allowed)}"
+        )
 
 
 def _advance(placement: Placement, state: str, now: datetime, **fields: Any) -> Placement:
@@ -70,37 +72,55 @@ def _advance(placement: Placement, state: str, now: datetime, **fields: Any) -> 
 
 @transaction.atomic
 def placement_create_pending(
-    *, block_id: int, tier: str, node: str | None, size_bytes: int, locator: str = "", offset: int = 0,
+    *,
+    block_id: int,
+    tier: str,
+    node: str | None,
+    size_bytes: int,
+    locator: str = "",
+    offset: int = 0,
     now: datetime | None = None,
 ) -> Placement:
     """Reserve a copy of a block in a tier before its bytes are written (a movement's target).
     A previous corrupt or deleting copy in the same place is reused with a new epoch."""
     if size_bytes < 0 or offset < 0:
-        raise DirectoryError("size_bytes: cannot be negative" if size_bytes < 0 else "offset: cannot be negative",
-                             field="size_bytes" if size_bytes < 0 else "offset")
+        raise DirectoryError(
+            "size_bytes: cannot be negative" if size_bytes < 0 else "offset: cannot be negative",
+            field="size_bytes" if size_bytes < 0 else "offset",
+        )
     node_row = _node_for(tier, node)
     if not Block.objects.filter(id=block_id).exists():
         raise DirectoryError(f"block: no block {block_id}", field="block")
     now = now or timezone.now()
-    placement = (Placement.objects.select_for_update()
-                 .filter(block_id=block_id, tier=tier, node=node_row).first())
+    placement = Placement.objects.select_for_update().filter(block_id=block_id, tier=tier, node=node_row).first()
     if placement is None:
         try:
             with transaction.atomic():
-                return Placement.objects.create(block_id=block_id, tier=tier, node=node_row, locator=locator,
-                                                offset=offset, size_bytes=size_bytes, checksum="",
-                                                state=PlacementState.PENDING, epoch=1, updated_at=now)
+                return Placement.objects.create(
+                    block_id=block_id,
+                    tier=tier,
+                    node=node_row,
+                    locator=locator,
+                    offset=offset,
+                    size_bytes=size_bytes,
+                    checksum="",
+                    state=PlacementState.PENDING,
+                    epoch=1,
+                    updated_at=now,
+                )
         except IntegrityError:
             # Another process reserved the same copy between our read and our insert.
             placement = Placement.objects.select_for_update().get(block_id=block_id, tier=tier, node=node_row)
     _check(placement, None, [PlacementState.CORRUPT, PlacementState.DELETING], "a new pending copy")
-    return _advance(placement, PlacementState.PENDING, now, locator=locator, offset=offset,
-                    size_bytes=size_bytes, checksum="")
+    return _advance(
+        placement, PlacementState.PENDING, now, locator=locator, offset=offset, size_bytes=size_bytes, checksum=""
+    )
 
 
 @transaction.atomic
-def placement_mark_ready(*, placement_id: int, epoch: int, checksum: str, size_bytes: int | None = None,
-                         now: datetime | None = None) -> Placement:
+def placement_mark_ready(
+    *, placement_id: int, epoch: int, checksum: str, size_bytes: int | None = None, now: datetime | None = None
+) -> Placement:
     """A pending copy whose bytes are written and verified becomes servable."""
     _check_checksum(checksum)
     placement = _locked(placement_id, epoch, [PlacementState.PENDING], "mark ready")
@@ -111,15 +131,18 @@ def placement_mark_ready(*, placement_id: int, epoch: int, checksum: str, size_b
 
 
 @transaction.atomic
-def placement_flip(*, source_id: int, source_epoch: int, target_id: int, target_epoch: int, checksum: str,
-                   now: datetime | None = None) -> tuple[Placement, Placement]:
+def placement_flip(
+    *, source_id: int, source_epoch: int, target_id: int, target_epoch: int, checksum: str, now: datetime | None = None
+) -> tuple[Placement, Placement]:
     """The end of a move, in one transaction: the written target becomes READY and the source
     DELETING. Both epochs must be the ones the mover read; otherwise nothing changes (StaleEpoch)."""
     if source_id == target_id:
         raise DirectoryError("target_id: the target must differ from the source", field="target_id")
     _check_checksum(checksum)
     # Lock in id order so two flips over the same pair cannot deadlock.
-    locked = {p.id: p for p in Placement.objects.select_for_update().filter(id__in=[source_id, target_id]).order_by("id")}
+    locked = {
+        p.id: p for p in Placement.objects.select_for_update().filter(id__in=[source_id, target_id]).order_by("id")
+    }
     for ident in (source_id, target_id):
         if ident not in locked:
             raise PlacementNotFound(f"placement: no placement {ident}")
@@ -160,11 +183,14 @@ def placements_flip_many(*, flips: Sequence[PlacementFlip], now: datetime | None
         except DirectoryError as exc:
             raise DirectoryError(f"flips[{i}].{exc}", field=f"flips[{i}].checksum") from None
         if flip.source_id is not None and flip.source_id == flip.target_id:
-            raise DirectoryError(f"flips[{i}].target_id: the target must differ from the source",
-                                 field=f"flips[{i}].target_id")
+            raise DirectoryError(
+                f"flips[{i}].target_id: the target must differ from the source", field=f"flips[{i}].target_id"
+            )
         if (flip.source_id is None) != (flip.source_epoch is None):
-            raise DirectoryError(f"flips[{i}].source_epoch: a source needs its epoch and an epoch its source",
-                                 field=f"flips[{i}].source_epoch")
+            raise DirectoryError(
+                f"flips[{i}].source_epoch: a source needs its epoch and an epoch its source",
+                field=f"flips[{i}].source_epoch",
+            )
     ids = {flip.target_id for flip in flips} | {flip.source_id for flip in flips if flip.source_id is not None}
     # Lock in id order, as placement_flip does, so concurrent flips cannot deadlock.
     locked = {p.id: p for p in Placement.objects.select_for_update().filter(id__in=sorted(ids)).order_by("id")}
@@ -182,8 +208,9 @@ def placements_flip_many(*, flips: Sequence[PlacementFlip], now: datetime | None
                 if source is None:
                     raise PlacementNotFound(f"placement: no placement {flip.source_id}")
                 if source.block_id != target.block_id:
-                    raise DirectoryError("target_id: source and target are copies of different blocks",
-                                         field="target_id")
+                    raise DirectoryError(
+                        "target_id: source and target are copies of different blocks", field="target_id"
+                    )
                 _check(source, flip.source_epoch, [PlacementState.READY], "flip (source)")
                 _check(target, flip.target_epoch, [PlacementState.PENDING], "flip (target)")
             else:
@@ -233,8 +260,9 @@ RETURNING {_PLACEMENT_COLUMNS}
 """
 
 
-def placements_create_pending_many(*, copies: Sequence[PendingCopy],
-                                   now: datetime | None = None) -> list[Placement | DirectoryError]:
+def placements_create_pending_many(
+    *, copies: Sequence[PendingCopy], now: datetime | None = None
+) -> list[Placement | DirectoryError]:
     """`placement_create_pending` for many copies at once: one statement reserves all of them (a
     node's wave of movement targets), instead of six statements and two savepoints per copy. Each
     copy is judged as its single form would judge it: the reserved copy comes back at its new
@@ -253,11 +281,16 @@ def placements_create_pending_many(*, copies: Sequence[PendingCopy],
             if copy.size_bytes < 0:
                 raise DirectoryError("size_bytes: cannot be negative", field="size_bytes")
             if copy.tier not in TierLevel.values:
-                raise DirectoryError(f"tier: unknown tier {copy.tier!r}; expected one of {', '.join(TierLevel.values)}",
-                                     field="tier")
+                raise DirectoryError(
+                    f"tier: unknown tier {copy.tier!r}; expected one of {', '.join(TierLevel.values)}", field="tier"
+                )
             if (copy.tier == TierLevel.REMOTE) != (not copy.node):
-                raise DirectoryError("node: a remote placement belongs to no node" if copy.node else
-                                     f"node: a {copy.tier} placement needs the node that holds it", field="node")
+                raise DirectoryError(
+                    "node: a remote placement belongs to no node"
+                    if copy.node
+                    else f"node: a {copy.tier} placement needs the node that holds it",
+                    field="node",
+                )
             if copy.node and copy.node not in node_ids:
                 raise UnknownNode(f"node: no node named {copy.node!r}")
             if (copy.block_id, copy.tier, copy.node) in seen:
@@ -269,13 +302,21 @@ def placements_create_pending_many(*, copies: Sequence[PendingCopy],
         return []
     now = now or timezone.now()
     with transaction.atomic(savepoint=False), connection.cursor() as cursor:
-        cursor.execute(_CREATE_PENDING_SQL, {
-            "now": now, "block_ids": queries.ints(c.block_id for c in copies), "tiers": queries.texts(c.tier for c in copies),
-            "node_ids": queries.ints(node_ids[c.node] if c.node else None for c in copies),
-            "sizes": queries.ints(c.size_bytes for c in copies)})
+        cursor.execute(
+            _CREATE_PENDING_SQL,
+            {
+                "now": now,
+                "block_ids": queries.ints(c.block_id for c in copies),
+                "tiers": queries.texts(c.tier for c in copies),
+                "node_ids": queries.ints(node_ids[c.node] if c.node else None for c in copies),
+                "sizes": queries.ints(c.size_bytes for c in copies),
+            },
+        )
         names = [f.attname for f in Placement._meta.concrete_fields]
-        reserved = {(p.block_id, p.tier, p.node_id): p
-                    for p in (Placement.from_db(connection.alias, names, row) for row in cursor.fetchall())}
+        reserved = {
+            (p.block_id, p.tier, p.node_id): p
+            for p in (Placement.from_db(connection.alias, names, row) for row in cursor.fetchall())
+        }
         keys = [(c.block_id, c.tier, node_ids[c.node] if c.node else None) for c in copies]
         refused = [key for key in keys if key not in reserved]
         why = _why_not_pending(refused) if refused else {}
@@ -296,8 +337,10 @@ def _why_not_pending(keys: Sequence[tuple[int, str, int | None]]) -> dict[tuple[
         elif placement is None:  # removed again between the insert and this read
             why[key] = InvalidTransition(f"state: the copy of block {key[0]} in {key[1]} changed meanwhile")
         else:
-            why[key] = InvalidTransition(f"state: placement {placement.id} is {placement.state}; a new pending copy "
-                                         f"needs {PlacementState.CORRUPT} or {PlacementState.DELETING}")
+            why[key] = InvalidTransition(
+                f"state: placement {placement.id} is {placement.state}; a new pending copy "
+                f"needs {PlacementState.CORRUPT} or {PlacementState.DELETING}"
+            )
     return why
 
 
@@ -322,8 +365,10 @@ def placements_delete_many(*, placements: Sequence[tuple[int, int]]) -> set[int]
     if not placements:
         return set()
     with connection.cursor() as cursor:
-        cursor.execute(_DELETE_MANY_SQL, {"ids": queries.ints(i for i, _ in placements),
-                                          "epochs": queries.ints(e for _, e in placements)})
+        cursor.execute(
+            _DELETE_MANY_SQL,
+            {"ids": queries.ints(i for i, _ in placements), "epochs": queries.ints(e for _, e in placements)},
+        )
         return {row[0] for row in cursor.fetchall()}
 
 
@@ -331,16 +376,18 @@ def placements_delete_many(*, placements: Sequence[tuple[int, int]]) -> set[int]
 def placement_mark_corrupt(*, placement_id: int, epoch: int | None = None, now: datetime | None = None) -> Placement:
     """A copy that failed verification is quarantined: never served again. Without `epoch` the
     mark applies whatever happened since (a bad checksum is a fact, not a race)."""
-    placement = _locked(placement_id, epoch,
-                        [PlacementState.PENDING, PlacementState.READY, PlacementState.DELETING], "mark corrupt")
+    placement = _locked(
+        placement_id, epoch, [PlacementState.PENDING, PlacementState.READY, PlacementState.DELETING], "mark corrupt"
+    )
     return _advance(placement, PlacementState.CORRUPT, now or timezone.now())
 
 
 @transaction.atomic
 def placement_mark_deleting(*, placement_id: int, epoch: int, now: datetime | None = None) -> Placement:
     """A copy about to be freed stops being served first."""
-    placement = _locked(placement_id, epoch,
-                        [PlacementState.PENDING, PlacementState.READY, PlacementState.CORRUPT], "mark deleting")
+    placement = _locked(
+        placement_id, epoch, [PlacementState.PENDING, PlacementState.READY, PlacementState.CORRUPT], "mark deleting"
+    )
     return _advance(placement, PlacementState.DELETING, now or timezone.now())
 
 

@@ -17,9 +17,31 @@ class MovementSerializer(serializers.ModelSerializer[Movement]):
     class Meta:
         model = Movement
         fields = [
-            "id", "plan", "block", "kind", "reason", "state", "route", "src_placement_id", "src_epoch", "src_tier",
-            "src_node", "dst_tier", "dst_node", "dst_placement_id", "exec_node", "attempts", "policy_version",
-            "mode", "bytes", "duration_s", "detail", "error", "created_at", "dispatched_at", "started_at",
+            "id",
+            "plan",
+            "block",
+            "kind",
+            "reason",
+            "state",
+            "route",
+            "src_placement_id",
+            "src_epoch",
+            "src_tier",
+            "src_node",
+            "dst_tier",
+            "dst_node",
+            "dst_placement_id",
+            "exec_node",
+            "attempts",
+            "policy_version",
+            "mode",
+            "bytes",
+            "duration_s",
+            "detail",
+            "error",
+            "created_at",
+            "dispatched_at",
+            "started_at",
             "finished_at",
         ]
 
@@ -30,24 +52,34 @@ class MovementListQuerySerializer(serializers.Serializer):
     reason = serializers.ChoiceField(choices=MovementReason.choices, required=False)
     node = serializers.SlugField(max_length=63, required=False, help_text="Node that executes the movement.")
     src_tier = serializers.ChoiceField(choices=TierLevel.choices, required=False)
-    dst_tier = serializers.ChoiceField(choices=[*TierLevel.choices, ("", "none (evictions)")], required=False,
-                                       allow_blank=True)
+    dst_tier = serializers.ChoiceField(
+        choices=[*TierLevel.choices, ("", "none (evictions)")], required=False, allow_blank=True
+    )
     block = serializers.IntegerField(min_value=1, max_value=BIGINT_MAX, required=False)
     plan = serializers.UUIDField(required=False)
     ordering = serializers.ChoiceField(choices=sorted(MOVEMENT_ORDERINGS), default="-id")
 
 
 class RunInputSerializer(serializers.Serializer):
-    node = serializers.SlugField(max_length=63, required=False, allow_null=True, default=None,
-                                 help_text="Plan only this node's tiers (default: every up node and the remote tier).")
+    node = serializers.SlugField(
+        max_length=63,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="Plan only this node's tiers (default: every up node and the remote tier).",
+    )
     reason = serializers.ChoiceField(choices=MovementReason.choices, default=MovementReason.MANUAL)
     dry_run = serializers.BooleanField(default=False)
 
 
 class WarmInputSerializer(serializers.Serializer):
     node = serializers.SlugField(max_length=63)
-    blocks = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=BIGINT_MAX), required=False,
-                                   max_length=4096, allow_empty=False)
+    blocks = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=BIGINT_MAX),
+        required=False,
+        max_length=4096,
+        allow_empty=False,
+    )
     namespace = serializers.SlugField(max_length=63, required=False)
     limit = serializers.IntegerField(min_value=1, max_value=4096, default=256)
     reason = serializers.ChoiceField(choices=MovementReason.choices, default=MovementReason.SCHEDULE)

@@ -59,8 +59,11 @@ class MovementViewSet(viewsets.GenericViewSet[Movement]):
             raise NotFound(f"no movement {pk}")
         return Response(s.MovementSerializer(movement).data)
 
-    @extend_schema(request=s.RunInputSerializer, responses=s.PlanSummarySerializer,
-                   description="Run migration now: plan under the policies in force and dispatch to the nodes.")
+    @extend_schema(
+        request=s.RunInputSerializer,
+        responses=s.PlanSummarySerializer,
+        description="Run migration now: plan under the policies in force and dispatch to the nodes.",
+    )
     @action(detail=False, methods=["post"], throttle_classes=[*api_settings.DEFAULT_THROTTLE_CLASSES, RunThrottle])
     def run(self, request: Request) -> Response:
         data = s.RunInputSerializer(data=request.data)
@@ -69,8 +72,11 @@ class MovementViewSet(viewsets.GenericViewSet[Movement]):
             result = movements_run(**data.validated_data)
         return Response(s.PlanSummarySerializer(result.summary()).data)
 
-    @extend_schema(request=s.WarmInputSerializer, responses=s.PlanSummarySerializer,
-                   description="Warm a node's host tier from the remote tier ahead of a scheduled job.")
+    @extend_schema(
+        request=s.WarmInputSerializer,
+        responses=s.PlanSummarySerializer,
+        description="Warm a node's host tier from the remote tier ahead of a scheduled job.",
+    )
     @action(detail=False, methods=["post"], throttle_classes=[*api_settings.DEFAULT_THROTTLE_CLASSES, RunThrottle])
     def warm(self, request: Request) -> Response:
         data = s.WarmInputSerializer(data=request.data)

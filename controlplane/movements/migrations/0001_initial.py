@@ -5,64 +5,155 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('directory', '0005_node_group'),
+        ("directory", "0005_node_group"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='MovementTally',
+            name="MovementTally",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(max_length=8)),
-                ('src_tier', models.CharField(max_length=8)),
-                ('dst_tier', models.CharField(blank=True, max_length=8)),
-                ('reason', models.CharField(blank=True, max_length=16)),
-                ('result', models.CharField(max_length=12)),
-                ('blocks', models.PositiveBigIntegerField(default=0)),
-                ('bytes', models.PositiveBigIntegerField(default=0)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("kind", models.CharField(max_length=8)),
+                ("src_tier", models.CharField(max_length=8)),
+                ("dst_tier", models.CharField(blank=True, max_length=8)),
+                ("reason", models.CharField(blank=True, max_length=16)),
+                ("result", models.CharField(max_length=12)),
+                ("blocks", models.PositiveBigIntegerField(default=0)),
+                ("bytes", models.PositiveBigIntegerField(default=0)),
             ],
             options={
-                'ordering': ['kind', 'src_tier', 'dst_tier', 'reason', 'result'],
-                'constraints': [models.UniqueConstraint(fields=('kind', 'src_tier', 'dst_tier', 'reason', 'result'), name='movementtally_labels_uniq')],
+                "ordering": ["kind", "src_tier", "dst_tier", "reason", "result"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("kind", "src_tier", "dst_tier", "reason", "result"), name="movementtally_labels_uniq"
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='Movement',
+            name="Movement",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('plan', models.UUIDField(help_text='The planning run that wrote this movement.')),
-                ('kind', models.CharField(choices=[('move', 'Move (demote a copy to a slower tier)'), ('evict', 'Evict (free a copy; no tier below)'), ('warm', 'Warm (promote a remote copy ahead of use)')], max_length=8)),
-                ('reason', models.CharField(choices=[('watermark', 'A tier went over its high watermark'), ('mode-switch', 'A load mode was switched'), ('schedule', 'A scheduled migration'), ('policy-change', 'A policy was edited'), ('manual', 'An operator asked'), ('ttl', "The copy outlived its tier's TTL")], max_length=16)),
-                ('state', models.CharField(choices=[('planned', 'Planned'), ('dispatched', "Dispatched to the node's queue"), ('running', 'Running on the node'), ('done', 'Done'), ('failed', 'Failed'), ('cancelled', 'Cancelled (the copy changed since it was planned)')], default='planned', max_length=12)),
-                ('src_placement_id', models.BigIntegerField(help_text='Placement (copy) the movement starts from.')),
-                ('src_epoch', models.PositiveBigIntegerField(help_text='Epoch of the source copy when it was planned.')),
-                ('src_tier', models.CharField(max_length=8)),
-                ('src_node', models.CharField(blank=True, help_text='Empty for the shared remote tier.', max_length=63)),
-                ('dst_tier', models.CharField(blank=True, help_text='Empty for an eviction.', max_length=8)),
-                ('dst_node', models.CharField(blank=True, help_text='Empty for remote or an eviction.', max_length=63)),
-                ('dst_placement_id', models.BigIntegerField(blank=True, help_text='The target copy the node reserved (moves and warms).', null=True)),
-                ('exec_node', models.CharField(help_text='Node whose worker executes it (queue node.<name>).', max_length=63)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('policy_version', models.PositiveBigIntegerField(default=0)),
-                ('mode', models.CharField(blank=True, max_length=63)),
-                ('bytes', models.PositiveBigIntegerField(default=0)),
-                ('duration_s', models.FloatField(blank=True, null=True)),
-                ('detail', models.TextField(blank=True, help_text='Why it was planned, and what happened.')),
-                ('error', models.TextField(blank=True)),
-                ('created_at', models.DateTimeField()),
-                ('dispatched_at', models.DateTimeField(blank=True, null=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('block', models.ForeignKey(db_constraint=False, db_index=False, on_delete=django.db.models.deletion.DO_NOTHING, related_name='movements', to='directory.block')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("plan", models.UUIDField(help_text="The planning run that wrote this movement.")),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("move", "Move (demote a copy to a slower tier)"),
+                            ("evict", "Evict (free a copy; no tier below)"),
+                            ("warm", "Warm (promote a remote copy ahead of use)"),
+                        ],
+                        max_length=8,
+                    ),
+                ),
+                (
+                    "reason",
+                    models.CharField(
+                        choices=[
+                            ("watermark", "A tier went over its high watermark"),
+                            ("mode-switch", "A load mode was switched"),
+                            ("schedule", "A scheduled migration"),
+                            ("policy-change", "A policy was edited"),
+                            ("manual", "An operator asked"),
+                            ("ttl", "The copy outlived its tier's TTL"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("planned", "Planned"),
+                            ("dispatched", "Dispatched to the node's queue"),
+                            ("running", "Running on the node"),
+                            ("done", "Done"),
+                            ("failed", "Failed"),
+                            ("cancelled", "Cancelled (the copy changed since it was planned)"),
+                        ],
+                        default="planned",
+                        max_length=12,
+                    ),
+                ),
+                ("src_placement_id", models.BigIntegerField(help_text="Placement (copy) the movement starts from.")),
+                (
+                    "src_epoch",
+                    models.PositiveBigIntegerField(help_text="Epoch of the source copy when it was planned."),
+                ),
+                ("src_tier", models.CharField(max_length=8)),
+                (
+                    "src_node",
+                    models.CharField(blank=True, help_text="Empty for the shared remote tier.", max_length=63),
+                ),
+                ("dst_tier", models.CharField(blank=True, help_text="Empty for an eviction.", max_length=8)),
+                ("dst_node", models.CharField(blank=True, help_text="Empty for remote or an eviction.", max_length=63)),
+                (
+                    "dst_placement_id",
+                    models.BigIntegerField(
+                        blank=True, help_text="The target copy the node reserved (moves and warms).", null=True
+                    ),
+                ),
+                (
+                    "exec_node",
+                    models.CharField(help_text="Node whose worker executes it (queue node.<name>).", max_length=63),
+                ),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("policy_version", models.PositiveBigIntegerField(default=0)),
+                ("mode", models.CharField(blank=True, max_length=63)),
+                ("bytes", models.PositiveBigIntegerField(default=0)),
+                ("duration_s", models.FloatField(blank=True, null=True)),
+                ("detail", models.TextField(blank=True, help_text="Why it was planned, and what happened.")),
+                ("error", models.TextField(blank=True)),
+                ("created_at", models.DateTimeField()),
+                ("dispatched_at", models.DateTimeField(blank=True, null=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "block",
+                    models.ForeignKey(
+                        db_constraint=False,
+                        db_index=False,
+                        on_delete=django.db.models.deletion.DO_NOTHING,
+                        related_name="movements",
+                        to="directory.block",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-id'],
-                'indexes': [models.Index(fields=['block', 'id'], name='movement_block_idx'), models.Index(fields=['state', 'id'], name='movement_state_idx'), models.Index(fields=['exec_node', 'id'], name='movement_node_idx'), models.Index(fields=['src_tier', 'dst_tier', 'id'], name='movement_route_idx'), models.Index(fields=['reason', 'id'], name='movement_reason_idx'), models.Index(fields=['kind', 'id'], name='movement_kind_idx'), models.Index(condition=models.Q(('state__in', ['planned', 'dispatched', 'running'])), fields=['src_node', 'src_tier'], name='movement_in_flight_src_idx')],
-                'constraints': [models.UniqueConstraint(condition=models.Q(('state__in', ['planned', 'dispatched', 'running'])), fields=('block',), name='movement_one_in_flight_per_block'), models.CheckConstraint(condition=models.Q(models.Q(('dst_tier', ''), ('kind', 'evict')), models.Q(models.Q(('kind', 'evict'), _negated=True), models.Q(('dst_tier', ''), _negated=True)), _connector='OR'), name='movement_dst_iff_not_evict')],
+                "ordering": ["-id"],
+                "indexes": [
+                    models.Index(fields=["block", "id"], name="movement_block_idx"),
+                    models.Index(fields=["state", "id"], name="movement_state_idx"),
+                    models.Index(fields=["exec_node", "id"], name="movement_node_idx"),
+                    models.Index(fields=["src_tier", "dst_tier", "id"], name="movement_route_idx"),
+                    models.Index(fields=["reason", "id"], name="movement_reason_idx"),
+                    models.Index(fields=["kind", "id"], name="movement_kind_idx"),
+                    models.Index(
+                        condition=models.Q(("state__in", ["planned", "dispatched", "running"])),
+                        fields=["src_node", "src_tier"],
+                        name="movement_in_flight_src_idx",
+                    ),
+                ],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("state__in", ["planned", "dispatched", "running"])),
+                        fields=("block",),
+                        name="movement_one_in_flight_per_block",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            models.Q(("dst_tier", ""), ("kind", "evict")),
+                            models.Q(
+                                models.Q(("kind", "evict"), _negated=True), models.Q(("dst_tier", ""), _negated=True)
+                            ),
+                            _connector="OR",
+                        ),
+                        name="movement_dst_iff_not_evict",
+                    ),
+                ],
             },
         ),
     ]

@@ -4,14 +4,30 @@ from django.db import migrations
 
 JOBS = [
     # (name, task, every seconds, description)
-    ("movements: plan over watermark", "movements.plan_watermarks", 10,
-     "Plan movements for nodes whose reported tier use is over the high watermark."),
-    ("movements: redispatch stuck", "movements.redispatch", 60,
-     "Queue again movements that stopped moving; cancel those whose node is gone."),
-    ("movements: reconcile nodes", "movements.reconcile_nodes", 600,
-     "Delete bytes no placement names; mark copies whose bytes vanished."),
-    ("movements: scrub nodes", "movements.scrub_nodes", 3600,
-     "Verify every READY copy's checksum on every node; quarantine corrupt ones."),
+    (
+        "movements: plan over watermark",
+        "movements.plan_watermarks",
+        10,
+        "Plan movements for nodes whose reported tier use is over the high watermark.",
+    ),
+    (
+        "movements: redispatch stuck",
+        "movements.redispatch",
+        60,
+        "Queue again movements that stopped moving; cancel those whose node is gone.",
+    ),
+    (
+        "movements: reconcile nodes",
+        "movements.reconcile_nodes",
+        600,
+        "Delete bytes no placement names; mark copies whose bytes vanished.",
+    ),
+    (
+        "movements: scrub nodes",
+        "movements.scrub_nodes",
+        3600,
+        "Verify every READY copy's checksum on every node; quarantine corrupt ones.",
+    ),
 ]
 
 
@@ -22,8 +38,7 @@ def schedule(apps, schema_editor):
         every, _ = interval.objects.get_or_create(every=seconds, period="seconds")
         periodic.objects.update_or_create(
             name=name,
-            defaults={"task": task, "interval": every, "queue": "control", "enabled": True,
-                      "description": description},
+            defaults={"task": task, "interval": every, "queue": "control", "enabled": True, "description": description},
         )
 
 

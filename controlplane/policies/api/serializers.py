@@ -23,6 +23,7 @@ def _comment() -> serializers.CharField:
 
 # -- priority classes ------------------------------------------------------------------------------
 
+
 class PriorityClassSerializer(serializers.ModelSerializer[PriorityClass]):
     class Meta:
         model = PriorityClass
@@ -34,9 +35,13 @@ class PriorityClassCreateSerializer(serializers.Serializer):
     weight = serializers.FloatField(default=1.0, help_text="Greater than 0; lower-weight classes' blocks leave first.")
     device_share = serializers.FloatField(
         help_text="Largest fraction (0..1) of a node's device tier this class's blocks may hold; all classes "
-                  "together at most 1.")
-    namespaces = serializers.ListField(child=serializers.CharField(max_length=63), default=list,
-                                       help_text="Namespaces whose blocks belong to this class.")
+        "together at most 1."
+    )
+    namespaces = serializers.ListField(
+        child=serializers.CharField(max_length=63),
+        default=list,
+        help_text="Namespaces whose blocks belong to this class.",
+    )
     comment = _comment()
 
 
@@ -49,45 +54,75 @@ class PriorityClassUpdateSerializer(serializers.Serializer):
 
 # -- tier policies ---------------------------------------------------------------------------------
 
+
 class TierPolicySerializer(serializers.ModelSerializer[TierPolicy]):
-    demote_tier = serializers.CharField(read_only=True, help_text="Where leaving blocks go; empty: the next slower tier.")
+    demote_tier = serializers.CharField(
+        read_only=True, help_text="Where leaving blocks go; empty: the next slower tier."
+    )
 
     class Meta:
         model = TierPolicy
-        fields = ["id", "tier", "node_group", "capacity_bytes", "capacity_fraction", "high_watermark",
-                  "low_watermark", "algorithm", "ttl_seconds", "min_accesses", "demote_tier", "updated_at"]
+        fields = [
+            "id",
+            "tier",
+            "node_group",
+            "capacity_bytes",
+            "capacity_fraction",
+            "high_watermark",
+            "low_watermark",
+            "algorithm",
+            "ttl_seconds",
+            "min_accesses",
+            "demote_tier",
+            "updated_at",
+        ]
 
 
 class TierPolicyUpdateSerializer(serializers.Serializer):
-    capacity_bytes = serializers.IntegerField(required=False, allow_null=True,
-                                              help_text="Cap on the tier in bytes; null: what the node reports.")
-    capacity_fraction = serializers.FloatField(required=False,
-                                               help_text="Share (0..1] of the capacity the cache may fill.")
+    capacity_bytes = serializers.IntegerField(
+        required=False, allow_null=True, help_text="Cap on the tier in bytes; null: what the node reports."
+    )
+    capacity_fraction = serializers.FloatField(
+        required=False, help_text="Share (0..1] of the capacity the cache may fill."
+    )
     high_watermark = serializers.FloatField(required=False, help_text="(0..1]; above it blocks leave the tier.")
-    low_watermark = serializers.FloatField(required=False,
-                                           help_text="(0..1), below the high watermark; blocks leave down to it.")
+    low_watermark = serializers.FloatField(
+        required=False, help_text="(0..1), below the high watermark; blocks leave down to it."
+    )
     algorithm = serializers.ChoiceField(choices=Algorithm.choices, required=False)
-    ttl_seconds = serializers.IntegerField(required=False, allow_null=True,
-                                           help_text="Blocks idle this long leave the tier; null: never by age.")
-    min_accesses = serializers.IntegerField(required=False,
-                                            help_text="Blocks with fewer accesses leave before the others.")
+    ttl_seconds = serializers.IntegerField(
+        required=False, allow_null=True, help_text="Blocks idle this long leave the tier; null: never by age."
+    )
+    min_accesses = serializers.IntegerField(
+        required=False, help_text="Blocks with fewer accesses leave before the others."
+    )
     # Text rather than a choice: the tier enumeration keeps one name in the schema (`tier`).
-    demote_tier = serializers.CharField(max_length=8, required=False, allow_blank=True,
-                                        help_text="Where leaving blocks go (host, disk or remote, slower than the "
-                                                  "tier); empty: the next slower tier.")
+    demote_tier = serializers.CharField(
+        max_length=8,
+        required=False,
+        allow_blank=True,
+        help_text="Where leaving blocks go (host, disk or remote, slower than the tier); empty: the next slower tier.",
+    )
     comment = _comment()
 
 
 class TierPolicyCreateSerializer(TierPolicyUpdateSerializer):
     tier = serializers.ChoiceField(choices=TierLevel.choices)
-    node_group = serializers.CharField(max_length=63, allow_blank=True, default="",
-                                       help_text="Empty: every node; otherwise the nodes of this group.")
+    node_group = serializers.CharField(
+        max_length=63, allow_blank=True, default="", help_text="Empty: every node; otherwise the nodes of this group."
+    )
 
 
 # -- modes -----------------------------------------------------------------------------------------
 
-@extend_schema_field({"type": "string", "pattern": "^(" + "|".join(ModeKind.values) + ")$",
-                      "description": "One of: " + ", ".join(ModeKind.values) + "."})
+
+@extend_schema_field(
+    {
+        "type": "string",
+        "pattern": "^(" + "|".join(ModeKind.values) + ")$",
+        "description": "One of: " + ", ".join(ModeKind.values) + ".",
+    }
+)
 class ModeKindField(serializers.ChoiceField):
     """A mode's kind. The schema gives it as a pattern: an enumeration would be named after the
     field, and other `kind` fields of the API (movements) have other choices."""
@@ -96,8 +131,10 @@ class ModeKindField(serializers.ChoiceField):
         super().__init__(choices=ModeKind.choices, **kwargs)
 
 
-OVERRIDES_HELP = ('{"tiers": [partial tier policies with "tier" (and "node_group")], '
-                  '"classes": [partial priority classes with "name"]}; fields obey the same rules.')
+OVERRIDES_HELP = (
+    '{"tiers": [partial tier policies with "tier" (and "node_group")], '
+    '"classes": [partial priority classes with "name"]}; fields obey the same rules.'
+)
 
 
 class ModeSerializer(serializers.ModelSerializer[Mode]):
@@ -135,8 +172,12 @@ class ModeSwitchOutputSerializer(serializers.Serializer):
 
 class ModeScheduleSerializer(serializers.ModelSerializer[ModeSchedule]):
     mode = serializers.SlugRelatedField(slug_field="name", read_only=True)
-    beat_entry = serializers.CharField(source="periodic_task.name", read_only=True, allow_null=True,
-                                       help_text="Name of the django-celery-beat entry that runs the switch.")
+    beat_entry = serializers.CharField(
+        source="periodic_task.name",
+        read_only=True,
+        allow_null=True,
+        help_text="Name of the django-celery-beat entry that runs the switch.",
+    )
 
     class Meta:
         model = ModeSchedule
@@ -145,8 +186,9 @@ class ModeScheduleSerializer(serializers.ModelSerializer[ModeSchedule]):
 
 class ModeScheduleUpdateSerializer(serializers.Serializer):
     mode = serializers.CharField(max_length=63, required=False)
-    cron = serializers.CharField(max_length=128, required=False,
-                                 help_text='"minute hour day-of-month month day-of-week", UTC.')
+    cron = serializers.CharField(
+        max_length=128, required=False, help_text='"minute hour day-of-month month day-of-week", UTC.'
+    )
     enabled = serializers.BooleanField(required=False)
 
 
@@ -157,6 +199,7 @@ class ModeScheduleCreateSerializer(serializers.Serializer):
 
 
 # -- versions --------------------------------------------------------------------------------------
+
 
 class PolicyVersionSerializer(serializers.ModelSerializer[PolicyVersion]):
     class Meta:
@@ -170,8 +213,9 @@ class PolicyVersionDetailSerializer(PolicyVersionSerializer):
 
 
 class DiffQuerySerializer(serializers.Serializer):
-    against = serializers.IntegerField(min_value=0, required=False,
-                                       help_text="The version to compare with; default: the one before.")
+    against = serializers.IntegerField(
+        min_value=0, required=False, help_text="The version to compare with; default: the one before."
+    )
 
 
 class ChangeSerializer(serializers.Serializer):
@@ -192,6 +236,7 @@ class RollbackSerializer(serializers.Serializer):
 
 
 # -- dry run ---------------------------------------------------------------------------------------
+
 
 class DryRunInputSerializer(serializers.Serializer):
     """A proposal, the same shape as a mode's overrides; empty: the policies in force as they are."""
@@ -215,7 +260,8 @@ class DryRunOutputSerializer(serializers.Serializer):
     evictions = serializers.IntegerField(help_text="Copies that would be dropped.")
     bytes_moved = serializers.IntegerField()
     bytes_evicted = serializers.IntegerField()
-    by_route = serializers.JSONField(help_text='Blocks and bytes per route, e.g. {"host->remote": {"blocks": 3, '
-                                               '"bytes": 12288}}.')
+    by_route = serializers.JSONField(
+        help_text='Blocks and bytes per route, e.g. {"host->remote": {"blocks": 3, "bytes": 12288}}.'
+    )
     written = serializers.IntegerField(help_text="Movement rows written: always 0 for a dry run.")
     tiers = serializers.JSONField(help_text="Each tier the planner looked at: capacity, use, watermarks in bytes.")

@@ -216,18 +216,27 @@ class ModeViewSet(viewsets.GenericViewSet[Mode]):
             mode_delete(mode=self.get_object(), author=_author(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @extend_schema(request=s.ModeSwitchSerializer, responses=s.ModeSwitchOutputSerializer,
-                   description="Make this the active mode; its overrides take effect at once.")
+    @extend_schema(
+        request=s.ModeSwitchSerializer,
+        responses=s.ModeSwitchOutputSerializer,
+        description="Make this the active mode; its overrides take effect at once.",
+    )
     @action(detail=True, methods=["post"])
     def activate(self, request: Request, name: str) -> Response:
         data = _input(s.ModeSwitchSerializer, request)
         with policy_errors():
             version = mode_activate(name=self.get_object().name, author=_author(request), **data)
-        return Response(s.ModeSwitchOutputSerializer(
-            {"mode": name, "version": policyversion_current(), "changed": version is not None}).data)
+        return Response(
+            s.ModeSwitchOutputSerializer(
+                {"mode": name, "version": policyversion_current(), "changed": version is not None}
+            ).data
+        )
 
-    @extend_schema(request=s.ModeSwitchSerializer, responses=s.ModeSwitchOutputSerializer,
-                   description="Stop this (active) mode: the base policies apply alone again.")
+    @extend_schema(
+        request=s.ModeSwitchSerializer,
+        responses=s.ModeSwitchOutputSerializer,
+        description="Stop this (active) mode: the base policies apply alone again.",
+    )
     @action(detail=True, methods=["post"])
     def deactivate(self, request: Request, name: str) -> Response:
         data = _input(s.ModeSwitchSerializer, request)
@@ -293,8 +302,11 @@ class PolicyVersionViewSet(viewsets.GenericViewSet[PolicyVersion]):
     def retrieve(self, request: Request, number: str) -> Response:
         return Response(s.PolicyVersionDetailSerializer(self.get_object()).data)
 
-    @extend_schema(parameters=[s.DiffQuerySerializer], responses=s.DiffSerializer,
-                   description="Field-level changes from version `against` (default: the one before) to this one.")
+    @extend_schema(
+        parameters=[s.DiffQuerySerializer],
+        responses=s.DiffSerializer,
+        description="Field-level changes from version `against` (default: the one before) to this one.",
+    )
     @action(detail=True, methods=["get"])
     def diff(self, request: Request, number: str) -> Response:
         query = s.DiffQuerySerializer(data=request.query_params)
@@ -309,11 +321,15 @@ class PolicyVersionViewSet(viewsets.GenericViewSet[PolicyVersion]):
                 raise ValidationError({"against": [f"against: no policy version {against_number}"]})
             before = against.snapshot
         changes = policy_state_diff(before, version.snapshot)
-        return Response(s.DiffSerializer({"number": version.number, "against": against_number,
-                                          "changes": changes}).data)
+        return Response(
+            s.DiffSerializer({"number": version.number, "against": against_number, "changes": changes}).data
+        )
 
-    @extend_schema(request=s.RollbackSerializer, responses={201: s.PolicyVersionDetailSerializer},
-                   description="Restore the policies of this version; the result is a new version.")
+    @extend_schema(
+        request=s.RollbackSerializer,
+        responses={201: s.PolicyVersionDetailSerializer},
+        description="Restore the policies of this version; the result is a new version.",
+    )
     @action(detail=True, methods=["post"])
     def rollback(self, request: Request, number: str) -> Response:
         data = _input(s.RollbackSerializer, request)
@@ -338,16 +354,18 @@ class PolicyDryRunView(APIView):
 
     throttle_classes = [*api_settings.DEFAULT_THROTTLE_CLASSES, DryRunThrottle]
 
-    @extend_schema(request=s.DryRunInputSerializer, parameters=[s.DryRunQuerySerializer],
-                   responses={200: s.DryRunOutputSerializer})
+    @extend_schema(
+        request=s.DryRunInputSerializer, parameters=[s.DryRunQuerySerializer], responses={200: s.DryRunOutputSerializer}
+    )
     def post(self, request: Request) -> Response:
         query = s.DryRunQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         with policy_errors():
             snapshot = snapshot_current(overrides=request.data or {})
         try:
-            result = movements_plan(snapshot=snapshot, node=query.validated_data.get("node"), reason="dry-run",
-                                    dry_run=True)
+            result = movements_plan(
+                snapshot=snapshot, node=query.validated_data.get("node"), reason="dry-run", dry_run=True
+            )
         except DirectoryError as exc:  # the planner's own errors (an unknown node) name their field too
             raise ValidationError({exc.field: [str(exc)]}) from exc
         return Response(result.summary())

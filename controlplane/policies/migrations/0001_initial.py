@@ -6,96 +6,220 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('django_celery_beat', '0019_alter_periodictasks_options'),
+        ("django_celery_beat", "0019_alter_periodictasks_options"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='PolicyVersion',
+            name="PolicyVersion",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('number', models.PositiveIntegerField(unique=True)),
-                ('snapshot', models.JSONField()),
-                ('action', models.CharField(help_text='What changed, e.g. priority-class.update.', max_length=64)),
-                ('author', models.CharField(blank=True, help_text='User name; empty for the system.', max_length=150)),
-                ('comment', models.CharField(blank=True, max_length=255)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("number", models.PositiveIntegerField(unique=True)),
+                ("snapshot", models.JSONField()),
+                ("action", models.CharField(help_text="What changed, e.g. priority-class.update.", max_length=64)),
+                ("author", models.CharField(blank=True, help_text="User name; empty for the system.", max_length=150)),
+                ("comment", models.CharField(blank=True, max_length=255)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['-number'],
+                "ordering": ["-number"],
             },
         ),
         migrations.CreateModel(
-            name='Mode',
+            name="Mode",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63, unique=True)),
-                ('kind', models.CharField(choices=[('chat-peak', 'Chat peak (protect the device tier for realtime traffic)'), ('long-doc', 'Long-document peak (grow the host tier)'), ('nightly-batch', 'Nightly batch (move cold host blocks to remote)'), ('custom', 'Custom')], default='custom', max_length=16)),
-                ('description', models.CharField(blank=True, max_length=255)),
-                ('overrides', models.JSONField(blank=True, default=dict)),
-                ('active', models.BooleanField(default=False)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.SlugField(max_length=63, unique=True)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("chat-peak", "Chat peak (protect the device tier for realtime traffic)"),
+                            ("long-doc", "Long-document peak (grow the host tier)"),
+                            ("nightly-batch", "Nightly batch (move cold host blocks to remote)"),
+                            ("custom", "Custom"),
+                        ],
+                        default="custom",
+                        max_length=16,
+                    ),
+                ),
+                ("description", models.CharField(blank=True, max_length=255)),
+                ("overrides", models.JSONField(blank=True, default=dict)),
+                ("active", models.BooleanField(default=False)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
-                'constraints': [models.UniqueConstraint(condition=models.Q(('active', True)), fields=('active',), name='mode_one_active')],
+                "ordering": ["name"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("active", True)), fields=("active",), name="mode_one_active"
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='ModeSchedule',
+            name="ModeSchedule",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('cron', models.CharField(help_text='Five fields, "minute hour day-of-month month day-of-week", UTC.', max_length=128)),
-                ('enabled', models.BooleanField(default=True)),
-                ('author', models.CharField(blank=True, help_text='User name of the last change.', max_length=150)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('mode', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='schedules', to='policies.mode')),
-                ('periodic_task', models.OneToOneField(blank=True, editable=False, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to='django_celery_beat.periodictask')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "cron",
+                    models.CharField(
+                        help_text='Five fields, "minute hour day-of-month month day-of-week", UTC.', max_length=128
+                    ),
+                ),
+                ("enabled", models.BooleanField(default=True)),
+                ("author", models.CharField(blank=True, help_text="User name of the last change.", max_length=150)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "mode",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="schedules", to="policies.mode"
+                    ),
+                ),
+                (
+                    "periodic_task",
+                    models.OneToOneField(
+                        blank=True,
+                        editable=False,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to="django_celery_beat.periodictask",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['id'],
+                "ordering": ["id"],
             },
         ),
         migrations.CreateModel(
-            name='PriorityClass',
+            name="PriorityClass",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63, unique=True)),
-                ('weight', models.FloatField(default=1.0)),
-                ('device_share', models.FloatField(default=1.0)),
-                ('namespaces', django.contrib.postgres.fields.ArrayField(base_field=models.SlugField(max_length=63), blank=True, default=list, help_text='Names of the namespaces whose blocks belong to this class.', size=None)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.SlugField(max_length=63, unique=True)),
+                ("weight", models.FloatField(default=1.0)),
+                ("device_share", models.FloatField(default=1.0)),
+                (
+                    "namespaces",
+                    django.contrib.postgres.fields.ArrayField(
+                        base_field=models.SlugField(max_length=63),
+                        blank=True,
+                        default=list,
+                        help_text="Names of the namespaces whose blocks belong to this class.",
+                        size=None,
+                    ),
+                ),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name_plural': 'priority classes',
-                'ordering': ['name'],
-                'constraints': [models.CheckConstraint(condition=models.Q(('weight__gt', 0)), name='priorityclass_weight_positive'), models.CheckConstraint(condition=models.Q(('device_share__gte', 0), ('device_share__lte', 1)), name='priorityclass_device_share_fraction')],
+                "verbose_name_plural": "priority classes",
+                "ordering": ["name"],
+                "constraints": [
+                    models.CheckConstraint(condition=models.Q(("weight__gt", 0)), name="priorityclass_weight_positive"),
+                    models.CheckConstraint(
+                        condition=models.Q(("device_share__gte", 0), ("device_share__lte", 1)),
+                        name="priorityclass_device_share_fraction",
+                    ),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='TierPolicy',
+            name="TierPolicy",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('tier', models.CharField(choices=[('device', 'L1 device (GPU memory)'), ('host', 'L2 host (CPU DRAM)'), ('disk', 'L2 disk (NVMe)'), ('remote', 'L3 remote (distributed store)')], max_length=8)),
-                ('node_group', models.CharField(blank=True, default='', help_text='Empty: every node; otherwise the nodes of this group.', max_length=63)),
-                ('capacity_bytes', models.PositiveBigIntegerField(blank=True, help_text='Cap on the tier; empty: what the node reports.', null=True)),
-                ('capacity_fraction', models.FloatField(default=1.0, help_text='Share of the capacity the cache may fill; the rest is headroom.')),
-                ('high_watermark', models.FloatField(default=0.9)),
-                ('low_watermark', models.FloatField(default=0.75)),
-                ('algorithm', models.CharField(choices=[('lru', 'Least recently used'), ('lfu', 'Least frequently used'), ('s3fifo', 'S3-FIFO (blocks seen once leave first)'), ('cost-aware', 'Cost-aware (bytes × recompute cost × reuse likelihood)')], default='lru', max_length=16)),
-                ('ttl_seconds', models.PositiveIntegerField(blank=True, help_text='Blocks idle this long leave the tier; empty: never by age.', null=True)),
-                ('min_accesses', models.PositiveIntegerField(default=0)),
-                ('demote_tier', models.CharField(blank=True, choices=[('device', 'L1 device (GPU memory)'), ('host', 'L2 host (CPU DRAM)'), ('disk', 'L2 disk (NVMe)'), ('remote', 'L3 remote (distributed store)')], default='', help_text='Where leaving blocks go; empty: the next slower tier.', max_length=8)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "tier",
+                    models.CharField(
+                        choices=[
+                            ("device", "L1 device (GPU memory)"),
+                            ("host", "L2 host (CPU DRAM)"),
+                            ("disk", "L2 disk (NVMe)"),
+                            ("remote", "L3 remote (distributed store)"),
+                        ],
+                        max_length=8,
+                    ),
+                ),
+                (
+                    "node_group",
+                    models.CharField(
+                        blank=True,
+                        default="",
+                        help_text="Empty: every node; otherwise the nodes of this group.",
+                        max_length=63,
+                    ),
+                ),
+                (
+                    "capacity_bytes",
+                    models.PositiveBigIntegerField(
+                        blank=True, help_text="Cap on the tier; empty: what the node reports.", null=True
+                    ),
+                ),
+                (
+                    "capacity_fraction",
+                    models.FloatField(
+                        default=1.0, help_text="Share of the capacity the cache may fill; the rest is headroom."
+                    ),
+                ),
+                ("high_watermark", models.FloatField(default=0.9)),
+                ("low_watermark", models.FloatField(default=0.75)),
+                (
+                    "algorithm",
+                    models.CharField(
+                        choices=[
+                            ("lru", "Least recently used"),
+                            ("lfu", "Least frequently used"),
+                            ("s3fifo", "S3-FIFO (blocks seen once leave first)"),
+                            ("cost-aware", "Cost-aware (bytes × recompute cost × reuse likelihood)"),
+                        ],
+                        default="lru",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "ttl_seconds",
+                    models.PositiveIntegerField(
+                        blank=True, help_text="Blocks idle this long leave the tier; empty: never by age.", null=True
+                    ),
+                ),
+                ("min_accesses", models.PositiveIntegerField(default=0)),
+                (
+                    "demote_tier",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("device", "L1 device (GPU memory)"),
+                            ("host", "L2 host (CPU DRAM)"),
+                            ("disk", "L2 disk (NVMe)"),
+                            ("remote", "L3 remote (distributed store)"),
+                        ],
+                        default="",
+                        help_text="Where leaving blocks go; empty: the next slower tier.",
+                        max_length=8,
+                    ),
+                ),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name_plural': 'tier policies',
-                'ordering': ['tier', 'node_group'],
-                'constraints': [models.UniqueConstraint(fields=('tier', 'node_group'), name='tierpolicy_tier_group_uniq'), models.CheckConstraint(condition=models.Q(('low_watermark__gt', 0), ('low_watermark__lt', models.F('high_watermark')), ('high_watermark__lte', 1)), name='tierpolicy_watermarks_ordered'), models.CheckConstraint(condition=models.Q(('capacity_fraction__gt', 0), ('capacity_fraction__lte', 1)), name='tierpolicy_capacity_fraction')],
+                "verbose_name_plural": "tier policies",
+                "ordering": ["tier", "node_group"],
+                "constraints": [
+                    models.UniqueConstraint(fields=("tier", "node_group"), name="tierpolicy_tier_group_uniq"),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            ("low_watermark__gt", 0),
+                            ("low_watermark__lt", models.F("high_watermark")),
+                            ("high_watermark__lte", 1),
+                        ),
+                        name="tierpolicy_watermarks_ordered",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(("capacity_fraction__gt", 0), ("capacity_fraction__lte", 1)),
+                        name="tierpolicy_capacity_fraction",
+                    ),
+                ],
             },
         ),
     ]

@@ -45,17 +45,38 @@ def run(*, seconds: float, rate: float, node: str = "soak-catalog", namespace: s
         try:
             if kind == "registrations":
                 key = uuid.uuid4()
-                blocks_register(registrations=[BlockRegistration(
-                    namespace=namespace, model_key=profile.model_key, prefix_key=key, content_key=uuid.uuid4(),
-                    position=16 * len(keys), tokens=profile.block_tokens, tier="host", node=node,
-                    nbytes=1, checksum="0" * 32)], source="soak")
+                blocks_register(
+                    registrations=[
+                        BlockRegistration(
+                            namespace=namespace,
+                            model_key=profile.model_key,
+                            prefix_key=key,
+                            content_key=uuid.uuid4(),
+                            position=16 * len(keys),
+                            tokens=profile.block_tokens,
+                            tier="host",
+                            node=node,
+                            nbytes=1,
+                            checksum="0" * 32,
+                        )
+                    ],
+                    source="soak",
+                )
                 keys.append(key)
             elif kind == "lookups":
-                blocks_lookup(namespace=namespace, model_key=profile.model_key, node=None,
-                              prefix_keys=random.sample(keys, min(8, len(keys))))
+                blocks_lookup(
+                    namespace=namespace,
+                    model_key=profile.model_key,
+                    node=None,
+                    prefix_keys=random.sample(keys, min(8, len(keys))),
+                )
             else:
-                blocks_touch(touches=[BlockTouch(namespace=namespace, model_key=profile.model_key, prefix_key=k)
-                                      for k in random.sample(keys, min(4, len(keys)))])
+                blocks_touch(
+                    touches=[
+                        BlockTouch(namespace=namespace, model_key=profile.model_key, prefix_key=k)
+                        for k in random.sample(keys, min(4, len(keys)))
+                    ]
+                )
             counts[kind] += 1
         except Exception as exc:  # noqa: BLE001 - counted and reported: the soak asserts there are none
             counts["errors"] += 1

@@ -45,8 +45,12 @@ FIRST_FAULT_S = 30.0
 VISIBILITY_TIMEOUT_S = 4  # tests.movements.fault_settings
 STOPPED_FOR_S = VISIBILITY_TIMEOUT_S + 4
 
-DRAIN_DISK = PolicySnapshot(version=2, mode="", classes=(), tiers=(
-    TierPolicySpec(tier="disk", capacity_bytes=1, high_watermark=0.9, low_watermark=0.5),))
+DRAIN_DISK = PolicySnapshot(
+    version=2,
+    mode="",
+    classes=(),
+    tiers=(TierPolicySpec(tier="disk", capacity_bytes=1, high_watermark=0.9, low_watermark=0.5),),
+)
 
 
 def say(line: str) -> None:
@@ -56,8 +60,10 @@ def say(line: str) -> None:
 
 def _double_in_flight() -> list[int]:
     with connection.cursor() as cursor:
-        cursor.execute("SELECT block_id FROM movements_movement WHERE state = ANY(%s) GROUP BY block_id "
-                       "HAVING count(*) > 1", [[s.value for s in IN_FLIGHT]])
+        cursor.execute(
+            "SELECT block_id FROM movements_movement WHERE state = ANY(%s) GROUP BY block_id HAVING count(*) > 1",
+            [[s.value for s in IN_FLIGHT]],
+        )
         return [row[0] for row in cursor.fetchall()]
 
 
@@ -90,22 +96,28 @@ class Faults:
             new, _ = target.start()
             self.restarted.append((target, new))
             self.done.append(f"SIGKILL {target.name} (pid {process.pid}) at {elapsed:.0f} s")
-            say(f"fault: killed node {target.name}'s worker (pid {process.pid}); a new one (pid {new.pid}) is "
-                "starting and will take over its unacknowledged moves")
+            say(
+                f"fault: killed node {target.name}'s worker (pid {process.pid}); a new one (pid {new.pid}) is "
+                "starting and will take over its unacknowledged moves"
+            )
         else:
             os.kill(process.pid, signal.SIGSTOP)
             self.stopped = (target, process, time.monotonic() + STOPPED_FOR_S)
             self.done.append(f"SIGSTOP {target.name} (pid {process.pid}) at {elapsed:.0f} s for {STOPPED_FOR_S} s")
-            say(f"fault: paused node {target.name}'s worker (pid {process.pid}) for {STOPPED_FOR_S} s, past the "
-                f"broker's {VISIBILITY_TIMEOUT_S} s visibility timeout")
+            say(
+                f"fault: paused node {target.name}'s worker (pid {process.pid}) for {STOPPED_FOR_S} s, past the "
+                f"broker's {VISIBILITY_TIMEOUT_S} s visibility timeout"
+            )
 
     def tick(self) -> None:
         if self.stopped is not None and time.monotonic() >= self.stopped[2]:
             target, process, _ = self.stopped
             os.kill(process.pid, signal.SIGCONT)
             self.stopped = None
-            say(f"fault over: node {target.name}'s worker (pid {process.pid}) continues; its late flips must be "
-                "refused by the epochs")
+            say(
+                f"fault over: node {target.name}'s worker (pid {process.pid}) continues; its late flips must be "
+                "refused by the epochs"
+            )
         for target, process in list(self.restarted):
             if Node.objects.filter(name=target.name, pid=process.pid).exists():
                 self.restarted.remove((target, process))
@@ -165,8 +177,17 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
     caplog.set_level(logging.WARNING, logger="strata.movements")  # the ledger tells what moved; no line per plan
     rng = random.Random(int(os.environ.get("STRATA_SOAK_SEED", "6")))
     remote_prefix = f"strata-soak-{uuid.uuid4().hex[:8]}"
-    nodes = [node_factory(prefix="soak", tiers="device,host,disk,remote", host_bytes="4MiB", disk_bytes="16MiB",
-                          remote_prefix=remote_prefix, concurrency=2) for _ in range(NODES)]
+    nodes = [
+        node_factory(
+            prefix="soak",
+            tiers="device,host,disk,remote",
+            host_bytes="4MiB",
+            disk_bytes="16MiB",
+            remote_prefix=remote_prefix,
+            concurrency=2,
+        )
+        for _ in range(NODES)
+    ]
     say(f"starting {NODES} node workers (model tiny, 4 MiB host, 16 MiB disk, one shared remote tier)")
     for node in nodes:
         node.start()
@@ -186,10 +207,23 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
         say(f"all {NODES} nodes up; {len(seeds)} blocks seeded with known bytes; load for {SOAK_SECONDS:.0f} s")
 
         # Two load processes of half the rate each: the directory is written from many processes.
-        loads = [subprocess.Popen(
-            [python, "manage.py", "shell", "-c", "from tests.movements.soak.metadata_load import run; "
-             f"run(seconds={SOAK_SECONDS}, rate={METADATA_OPS_PER_S / 2}, namespace='soak-catalog-{i}')"],
-            cwd=REPO_ROOT, env=subprocess_env, stdout=out, stderr=subprocess.STDOUT) for i, out in enumerate(load_outs)]
+        loads = [
+            subprocess.Popen(
+                [
+                    python,
+                    "manage.py",
+                    "shell",
+                    "-c",
+                    "from tests.movements.soak.metadata_load import run; "
+                    f"run(seconds={SOAK_SECONDS}, rate={METADATA_OPS_PER_S / 2}, namespace='soak-catalog-{i}')",
+                ],
+                cwd=REPO_ROOT,
+                env=subprocess_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            for i, out in enumerate(load_outs)
+        ]
         faults = Faults(nodes, rng)
         planned: Counter[str] = Counter()
         doubles: list[int] = []
@@ -207,9 +241,11 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
                 counts = _movement_counts()
                 in_flight = sum(counts.get(s, 0) for s in IN_FLIGHT)
                 up = Node.objects.filter(name__in=names, state="up").count()
-                say(f"{elapsed:.0f} s of {SOAK_SECONDS:.0f} s: {up}/{NODES} nodes up; movements done "
+                say(
+                    f"{elapsed:.0f} s of {SOAK_SECONDS:.0f} s: {up}/{NODES} nodes up; movements done "
                     f"{counts.get('done', 0)}, failed {counts.get('failed', 0)}, cancelled "
-                    f"{counts.get('cancelled', 0)}, in flight {in_flight}; faults so far {len(faults.done)}")
+                    f"{counts.get('cancelled', 0)}, in flight {in_flight}; faults so far {len(faults.done)}"
+                )
             time.sleep(0.5)
         faults.resume_all()
         say(f"load over after {time.monotonic() - started:.0f} s; waiting for every node and every movement")
@@ -225,23 +261,29 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
             assert lines and lines[-1].get("final") and lines[-1]["errors"] == 0, lines[-5:]
             summary.update({k: v for k, v in lines[-1].items() if k in ("registrations", "lookups", "touches")})
         ops = sum(summary.values())
-        say(f"metadata load: {ops} operations in {SOAK_SECONDS:.0f} s ({ops / SOAK_SECONDS:.0f}/s): "
-            f"{summary['registrations']} registrations, {summary['lookups']} lookups, {summary['touches']} touches")
+        say(
+            f"metadata load: {ops} operations in {SOAK_SECONDS:.0f} s ({ops / SOAK_SECONDS:.0f}/s): "
+            f"{summary['registrations']} registrations, {summary['lookups']} lookups, {summary['touches']} touches"
+        )
 
         assert doubles == [], "a block had two movements in flight"
         report = reconcile_and_check(stores)
         checked = _bytes_check(stores, seeds, layout)
         # No copy was moved twice: one finished move per (block, source copy, source epoch).
         with connection.cursor() as cursor:
-            cursor.execute("SELECT block_id, src_placement_id, src_epoch FROM movements_movement "
-                           "WHERE state = 'done' AND kind = 'move' GROUP BY 1, 2, 3 HAVING count(*) > 1")
+            cursor.execute(
+                "SELECT block_id, src_placement_id, src_epoch FROM movements_movement "
+                "WHERE state = 'done' AND kind = 'move' GROUP BY 1, 2, 3 HAVING count(*) > 1"
+            )
             assert cursor.fetchall() == []
         counts = _movement_counts()
         assert counts.get("done", 0) > 0
         assert faults.done or SOAK_SECONDS <= FIRST_FAULT_S, "the faults were injected"
-        say(f"done: movements {counts}; planned by route {dict(planned)}; faults: {'; '.join(faults.done)}; "
+        say(
+            f"done: movements {counts}; planned by route {dict(planned)}; faults: {'; '.join(faults.done)}; "
             f"invariants: {report.checked} READY copies verified, 0 violations, 0 orphans; "
-            f"{checked} copies of {len(seeds)} seeded blocks read back identical")
+            f"{checked} copies of {len(seeds)} seeded blocks read back identical"
+        )
     finally:
         for load in loads:
             if load.poll() is None:

@@ -85,13 +85,19 @@ def _row_chunks(positions: torch.Tensor, key_positions: torch.Tensor, dtype: tor
         rows = positions[first : first + ROW_CHUNK]
         seen = int(rows[-1]) + 1
         hidden = key_positions[:seen].unsqueeze(0) > rows.unsqueeze(1)
-        chunks.append((first, seen, torch.zeros(hidden.shape, dtype=dtype, device=rows.device)
-                       .masked_fill_(hidden, float("-inf"))))
+        chunks.append(
+            (
+                first,
+                seen,
+                torch.zeros(hidden.shape, dtype=dtype, device=rows.device).masked_fill_(hidden, float("-inf")),
+            )
+        )
     return chunks
 
 
-def _attend_in_row_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunks: RowChunks,
-                          scale: float, gqa: bool) -> torch.Tensor:
+def _attend_in_row_chunks(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunks: RowChunks, scale: float, gqa: bool
+) -> torch.Tensor:
     """Attention of the computed rows (at ascending positions, scattered through the prompt)
     over every key at a position not after theirs, ROW_CHUNK rows at a time, each chunk over the
     keys up to its last row's position only: the masked kernel computes every score it is given,
@@ -100,9 +106,16 @@ def _attend_in_row_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     result is the one-call result."""
     parts = []
     for first, seen, mask in chunks:
-        parts.append(F.scaled_dot_product_attention(q[:, :, first : first + ROW_CHUNK], keys[:, :, :seen],
-                                                    values[:, :, :seen], attn_mask=mask, scale=scale,
-                                                    enable_gqa=gqa))
+        parts.append(
+            F.scaled_dot_product_attention(
+                q[:, :, first : first + ROW_CHUNK],
+                keys[:, :, :seen],
+                values[:, :, :seen],
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
     return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
 
@@ -129,8 +142,14 @@ def _blocks_as_heads(blocks: torch.Tensor, part: int) -> torch.Tensor:
     return blocks[:, part].permute(2, 0, 1, 3)
 
 
-def _place(full_k: torch.Tensor, full_v: torch.Tensor, prefix: torch.Tensor, fragments: torch.Tensor,
-           runs: Sequence[Run], angles: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+def _place(
+    full_k: torch.Tensor,
+    full_v: torch.Tensor,
+    prefix: torch.Tensor,
+    fragments: torch.Tensor,
+    runs: Sequence[Run],
+    angles: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
     """Write the loaded KV into the layer's whole KV `[1, kv_heads, n, D]`: the prefix as it is,
     each run of adjacent fragments with its keys rotated to their new positions - straight from
     the stored blocks into place, no copy in between (fp32: the rotation writes its output there)."""
@@ -147,7 +166,9 @@ def _place(full_k: torch.Tensor, full_v: torch.Tensor, prefix: torch.Tensor, fra
     for start, first, count, row in runs:
         end = start + count * tokens
         keys = _blocks_as_heads(fragments[first : first + count], 0)
-        full_v[0, :, start:end].view(heads, count, tokens, dim).copy_(_blocks_as_heads(fragments[first : first + count], 1))
+        full_v[0, :, start:end].view(heads, count, tokens, dim).copy_(
+            _blocks_as_heads(fragments[first : first + count], 1)
+        )
         c = cos[0, 0, row : row + count * tokens].view(1, count, tokens, dim)
         s = sin[0, 0, row : row + count * tokens].view(1, count, tokens, dim)
         out = full_k[0, :, start:end].view(heads, count, tokens, dim)
@@ -161,8 +182,9 @@ def _place(full_k: torch.Tensor, full_v: torch.Tensor, prefix: torch.Tensor, fra
             out.copy_(work * c + rotate_half(work) * s)
 
 
-def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: LayerSource,
-                  *, device: torch.device) -> BlendOutcome:
+def blend_prefill(
+    model: Any, prompt: Sequence[int], plan: BlendPlan, source: LayerSource, *, device: torch.device
+) -> BlendOutcome:
     """Prefill `prompt` with the prefix and the fragments taken from `source`, recomputing r% of
     the fragment tokens; returns the full KV of every layer (ready for decoding) and the logits."""
     base = model.model
@@ -211,10 +233,14 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
     runs = _runs(plan.fragments)
     for li, layer in enumerate(layers):
         prefix_blocks, fragment_blocks = source(li)
-        if li == 0 and (fragment_blocks.shape[0] != len(plan.fragments)
-                        or any(f.tokens != fragment_blocks.shape[2] for f in plan.fragments)):
-            raise ValueError(f"the source holds {fragment_blocks.shape[0]} fragment blocks of {fragment_blocks.shape[2]} "
-                             f"tokens; the plan has {len(plan.fragments)} fragments, each a whole block")
+        if li == 0 and (
+            fragment_blocks.shape[0] != len(plan.fragments)
+            or any(f.tokens != fragment_blocks.shape[2] for f in plan.fragments)
+        ):
+            raise ValueError(
+                f"the source holds {fragment_blocks.shape[0]} fragment blocks of {fragment_blocks.shape[2]} "
+                f"tokens; the plan has {len(plan.fragments)} fragments, each a whole block"
+            )
         if prefix_blocks.device != device:
             prefix_blocks = prefix_blocks.to(device, non_blocking=True)
             fragment_blocks = fragment_blocks.to(device, non_blocking=True)
@@ -240,10 +266,12 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
         _place(full_k, full_v, prefix_blocks, fragment_blocks, runs, shift_angles)
         if li == check_layer:
             # Every token was computed so far: rows of q/k/v/hidden are relative positions 0..span-1.
-            deviation = ((k.index_select(2, reused_dev).float() - full_k.index_select(2, reused_at).float()) ** 2
-                         ).sum(dim=(0, 1, 3))
-            deviation += ((v.index_select(2, reused_dev).float() - full_v.index_select(2, reused_at).float()) ** 2
-                          ).sum(dim=(0, 1, 3))
+            deviation = ((k.index_select(2, reused_dev).float() - full_k.index_select(2, reused_at).float()) ** 2).sum(
+                dim=(0, 1, 3)
+            )
+            deviation += ((v.index_select(2, reused_dev).float() - full_v.index_select(2, reused_at).float()) ** 2).sum(
+                dim=(0, 1, 3)
+            )
             top = torch.topk(deviation, keep_count).indices.cpu() if keep_count else torch.empty(0, dtype=torch.long)
             selected = reused_idx[top]
             recomputed = int(selected.numel())
@@ -259,8 +287,7 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
         gqa = q.shape[1] != kv_heads
         if everything and P == 0:
             # Every position is a query: a plain causal attention (the fast kernel).
-            out = F.scaled_dot_product_attention(q, full_k, full_v, is_causal=True, scale=attn.scaling,
-                                                 enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, full_k, full_v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
         elif everything and device.type == "cpu":
             # Every position from P on is a query over the cached prefix: unmasked over the prefix,
             # causal over the rest, merged (the masked kernel would take twice as long).
@@ -271,13 +298,17 @@ def blend_prefill(model: Any, prompt: Sequence[int], plan: BlendPlan, source: La
             out = _attend_in_row_chunks(q, full_k, full_v, chunks, attn.scaling, gqa)
         else:
             mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
-            out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=attn.scaling,
-                                                 enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=attn.scaling, enable_gqa=gqa)
         out = attn.o_proj(out.transpose(1, 2).reshape(1, out.shape[2], -1))
         hidden = hidden + out
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         cache.fill(li, full_k, full_v)
         per_layer.append(int(hidden.shape[1]))
     logits = model.lm_head(base.norm(hidden[:, -1:]))[0, -1]
-    return BlendOutcome(cache=cache, logits=logits, reused_tokens=m - recomputed, recomputed_tokens=recomputed,
-                        computed_tokens_per_layer=per_layer)
+    return BlendOutcome(
+        cache=cache,
+        logits=logits,
+        reused_tokens=m - recomputed,
+        recomputed_tokens=recomputed,
+        computed_tokens_per_layer=per_layer,
+    )

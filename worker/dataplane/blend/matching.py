@@ -42,8 +42,9 @@ class Fragment:
         return self.start - self.source_position
 
 
-def content_keys_at(token_ids: Sequence[int], offsets: Iterable[int], *, ns_salt: bytes, model_key: uuid.UUID,
-                    block_tokens: int) -> dict[int, uuid.UUID]:
+def content_keys_at(
+    token_ids: Sequence[int], offsets: Iterable[int], *, ns_salt: bytes, model_key: uuid.UUID, block_tokens: int
+) -> dict[int, uuid.UUID]:
     """The content key of the block-sized window at each offset: the same bytes as
     `hashing.content_key` of those tokens, computed from one encoding of the prompt."""
     from worker.dataplane.hashing import _content_key_raw  # noqa: PLC0415 - the one definition of the key
@@ -115,16 +116,24 @@ def check_segments(segments: object, prompt_tokens: int) -> list[tuple[int, int]
     previous_end = 0
     for i, segment in enumerate(segments):
         field = f"segments[{i}]"
-        if not isinstance(segment, list | tuple) or len(segment) != 2 or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in segment):
+        if (
+            not isinstance(segment, list | tuple)
+            or len(segment) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in segment)
+        ):
             raise BlendError(field, f"must be a pair of integers [start, end], got {segment!r}")
         begin, finish = segment
         if not 0 <= begin < finish <= prompt_tokens:
-            raise BlendError(field, f"[{begin}, {finish}] must satisfy 0 <= start < end <= {prompt_tokens} "
-                                    "(the prompt's length in tokens)")
+            raise BlendError(
+                field,
+                f"[{begin}, {finish}] must satisfy 0 <= start < end <= {prompt_tokens} (the prompt's length in tokens)",
+            )
         if begin < previous_end:
-            raise BlendError(field, f"starts at {begin}, inside the previous segment (which ends at {previous_end}); "
-                                    "segments must be in order and must not overlap")
+            raise BlendError(
+                field,
+                f"starts at {begin}, inside the previous segment (which ends at {previous_end}); "
+                "segments must be in order and must not overlap",
+            )
         previous_end = finish
         result.append((begin, finish))
     return result

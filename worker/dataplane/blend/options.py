@@ -77,15 +77,20 @@ def parse_namespace_percents(value: Any) -> dict[str, float]:
     """`ns=percent,model/ns=percent` (or a mapping) into {key: percent}, each checked. A key with a
     model applies to that model's namespace only, so one fleet-wide setting serves nodes of
     different models."""
-    return _parse_percent_map(value, option="blend_namespace_percent",
-                              what="namespace=percent pairs (or model/namespace=percent)",
-                              check_key=check_namespace_key)
+    return _parse_percent_map(
+        value,
+        option="blend_namespace_percent",
+        what="namespace=percent pairs (or model/namespace=percent)",
+        check_key=check_namespace_key,
+    )
 
 
 def parse_model_percents(value: Any) -> dict[str, float]:
     """`model=percent,...` (or a mapping) into {model: percent}: r of every namespace of that model
     without an entry of its own."""
-    return _parse_percent_map(value, option="blend_model_percent", what="model=percent pairs", check_key=check_model_key)
+    return _parse_percent_map(
+        value, option="blend_model_percent", what="model=percent pairs", check_key=check_model_key
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +178,18 @@ class BlendOptions:
     def from_config(cls, config: Any) -> BlendOptions:
         """From the node options (`blend`, `blend_recompute_percent`, ...) of a NodeConfig."""
         return cls(
-            enabled=config.blend, recompute_percent=config.blend_recompute_percent,
-            namespace_percent=dict(config.blend_namespace_percent), model_percent=dict(config.blend_model_percent),
-            selection=config.blend_selection, check_layer=config.blend_check_layer,
-            sample_rate=config.blend_sample_rate, agreement_threshold=config.blend_agreement_threshold,
-            max_kl=config.blend_max_kl, min_samples=config.blend_min_samples,
-            raise_step_percent=config.blend_raise_step_percent, max_percent=config.blend_max_percent,
-            min_fragment_blocks=config.blend_min_fragment_blocks, reprobe_seconds=config.blend_reprobe_seconds,
+            enabled=config.blend,
+            recompute_percent=config.blend_recompute_percent,
+            namespace_percent=dict(config.blend_namespace_percent),
+            model_percent=dict(config.blend_model_percent),
+            selection=config.blend_selection,
+            check_layer=config.blend_check_layer,
+            sample_rate=config.blend_sample_rate,
+            agreement_threshold=config.blend_agreement_threshold,
+            max_kl=config.blend_max_kl,
+            min_samples=config.blend_min_samples,
+            raise_step_percent=config.blend_raise_step_percent,
+            max_percent=config.blend_max_percent,
+            min_fragment_blocks=config.blend_min_fragment_blocks,
+            reprobe_seconds=config.blend_reprobe_seconds,
         )

@@ -47,13 +47,23 @@ class NamespaceState:
 
     def as_dict(self, now: float | None = None) -> dict[str, object]:
         window = list(self.window)
-        reprobe_in = (max(0.0, self.reprobe_at - now) if self.reprobe_at is not None and now is not None
-                      and self.mode == PREFIX_ONLY else None)
-        return {"recompute_percent": self.percent, "mode": self.mode, "samples": self.samples,
-                "agreed": self.agreed, "window_samples": len(window),
-                "window_agreement": (sum(window) / len(window)) if window else None,
-                "raised": self.raised, "last_kl": self.last_kl, "probing": self.probing,
-                "reprobe_in_s": reprobe_in}
+        reprobe_in = (
+            max(0.0, self.reprobe_at - now)
+            if self.reprobe_at is not None and now is not None and self.mode == PREFIX_ONLY
+            else None
+        )
+        return {
+            "recompute_percent": self.percent,
+            "mode": self.mode,
+            "samples": self.samples,
+            "agreed": self.agreed,
+            "window_samples": len(window),
+            "window_agreement": (sum(window) / len(window)) if window else None,
+            "raised": self.raised,
+            "last_kl": self.last_kl,
+            "probing": self.probing,
+            "reprobe_in_s": reprobe_in,
+        }
 
 
 def agreement(blended: torch.Tensor, full: torch.Tensor) -> tuple[bool, float]:
@@ -79,8 +89,16 @@ class BlendTuner:
     cache; it runs on the checker thread (the engine serialises it with its requests). `clock`
     (seconds, monotonic) times the re-probe after a fallback."""
 
-    def __init__(self, *, options: BlendOptions, full_prefill: Callable[[Sequence[int]], torch.Tensor],
-                 counters: Counters, model: str, seed: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        options: BlendOptions,
+        full_prefill: Callable[[Sequence[int]], torch.Tensor],
+        counters: Counters,
+        model: str,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.options = options
         self.full_prefill = full_prefill
         self.counters = counters
@@ -89,7 +107,8 @@ class BlendTuner:
         # Namespaces configured with an r of their own are known (and exported) before their first request.
         self._states: dict[str, NamespaceState] = {
             name: NamespaceState(percent=options.percent_for(name, model))
-            for name in options.configured_namespaces(model)}
+            for name in options.configured_namespaces(model)
+        }
         self._lock = threading.Lock()
         self._random = random.Random(seed)
         self._queue: queue.Queue[Sample | None] = queue.Queue(maxsize=8)
@@ -119,8 +138,12 @@ class BlendTuner:
         state.mode, state.probing, state.reprobe_at = BLEND, True, None
         state.window.clear()
         self.counters.add("blend.reprobes")
-        log.info("model %s namespace %s: blending again at %.0f%% recompute to see whether agreement has recovered",
-                 self.model, namespace, state.percent)
+        log.info(
+            "model %s namespace %s: blending again at %.0f%% recompute to see whether agreement has recovered",
+            self.model,
+            namespace,
+            state.percent,
+        )
 
     def current(self, namespace: str) -> tuple[str, float]:
         """(mode, r in percent) to use for a request of this namespace now."""
@@ -209,8 +232,14 @@ class BlendTuner:
             if rate >= self.options.agreement_threshold:
                 if state.probing:
                     state.probing, state.failed_probes = False, 0
-                    log.info("model %s namespace %s: blending at %.0f%% recompute agrees again (%.0f%% of %d samples)",
-                             self.model, namespace, state.percent, 100 * rate, len(window))
+                    log.info(
+                        "model %s namespace %s: blending at %.0f%% recompute agrees again (%.0f%% of %d samples)",
+                        self.model,
+                        namespace,
+                        state.percent,
+                        100 * rate,
+                        len(window),
+                    )
                 return
             state.window.clear()
             if state.percent < self.options.max_percent:
@@ -218,10 +247,17 @@ class BlendTuner:
                 state.percent = min(self.options.max_percent, state.percent + self.options.raise_step_percent)
                 state.raised += 1
                 self.counters.add("blend.ratio_raised")
-                log.warning("model %s namespace %s: blended answers agreed with full prefill in %.0f%% of %d samples "
-                            "(threshold %.0f%%); recomputing %.0f%% of fragment tokens instead of %.0f%%",
-                            self.model, namespace, 100 * rate, len(window), 100 * self.options.agreement_threshold,
-                            state.percent, before)
+                log.warning(
+                    "model %s namespace %s: blended answers agreed with full prefill in %.0f%% of %d samples "
+                    "(threshold %.0f%%); recomputing %.0f%% of fragment tokens instead of %.0f%%",
+                    self.model,
+                    namespace,
+                    100 * rate,
+                    len(window),
+                    100 * self.options.agreement_threshold,
+                    state.percent,
+                    before,
+                )
             else:
                 state.mode = PREFIX_ONLY
                 if state.probing:
@@ -230,10 +266,16 @@ class BlendTuner:
                 cooldown = self.options.reprobe_seconds * 2 ** min(state.failed_probes, MAX_BACKOFF_DOUBLINGS)
                 state.reprobe_at = self.clock() + cooldown if cooldown > 0 else None
                 self.counters.add("blend.fallbacks")
-                log.warning("model %s namespace %s: blended answers agreed with full prefill in %.0f%% of %d samples "
-                            "even at %.0f%% recompute; falling back to prefix-only reuse%s",
-                            self.model, namespace, 100 * rate, len(window), state.percent,
-                            f" for {cooldown:.0f} s" if cooldown > 0 else " until an operator resumes blending")
+                log.warning(
+                    "model %s namespace %s: blended answers agreed with full prefill in %.0f%% of %d samples "
+                    "even at %.0f%% recompute; falling back to prefix-only reuse%s",
+                    self.model,
+                    namespace,
+                    100 * rate,
+                    len(window),
+                    state.percent,
+                    f" for {cooldown:.0f} s" if cooldown > 0 else " until an operator resumes blending",
+                )
 
     def set_percent(self, namespace: str, percent: float) -> dict[str, object]:
         """An operator's r for a namespace: blending resumes at it and the window starts afresh.
@@ -256,6 +298,10 @@ class BlendTuner:
             state = self._states[namespace] = NamespaceState(percent=self.options.percent_for(namespace, self.model))
             self.counters.add("blend.operator_changes")
             answer = state.as_dict(self.clock())
-        log.info("model %s namespace %s: blend state reset to the configured %.1f%% by an operator",
-                 self.model, namespace, state.percent)
+        log.info(
+            "model %s namespace %s: blend state reset to the configured %.1f%% by an operator",
+            self.model,
+            namespace,
+            state.percent,
+        )
         return answer

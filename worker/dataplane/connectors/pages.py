@@ -48,14 +48,16 @@ def layout_of(backend: str) -> str:
     except KeyError:
         raise UnsupportedLayout(
             f"attention backend {backend}: Strata reads the KV caches of {', '.join(sorted(BACKEND_LAYOUTS))} "
-            f"only (choose one with --attention-backend)") from None
+            f"only (choose one with --attention-backend)"
+        ) from None
 
 
 def page_views(kind: str, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every page of one layer's tensor, as [pages, page_tokens, kv_heads, head_dim] views."""
     if layer.dim() != 4 or layer.shape[3] % 2:
-        raise UnsupportedLayout(f"a layer's KV tensor must be [pages, kv_heads, page_tokens, 2 * head_dim], "
-                                f"got {list(layer.shape)}")
+        raise UnsupportedLayout(
+            f"a layer's KV tensor must be [pages, kv_heads, page_tokens, 2 * head_dim], got {list(layer.shape)}"
+        )
     pages, heads, tokens, both = layer.shape
     head_dim = both // 2
     if kind == "rows":
@@ -65,7 +67,9 @@ def page_views(kind: str, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         return rows[:, :, :tokens].permute(0, 2, 1, 3), rows[:, :, tokens:].permute(0, 2, 1, 3)
     if kind == "split":
         return layer[..., :head_dim].permute(0, 2, 1, 3), layer[..., head_dim:].permute(0, 2, 1, 3)
-    raise UnsupportedLayout(f"unknown page layout {kind!r}; expected one of {', '.join(sorted(set(BACKEND_LAYOUTS.values())))}")
+    raise UnsupportedLayout(
+        f"unknown page layout {kind!r}; expected one of {', '.join(sorted(set(BACKEND_LAYOUTS.values())))}"
+    )
 
 
 class PagedKV:
@@ -76,23 +80,32 @@ class PagedKV:
 
     def __init__(self, layers: Sequence[torch.Tensor], *, kind: str, layout: BlockLayout) -> None:
         if len(layers) != layout.layers:
-            raise UnsupportedLayout(f"the engine has {len(layers)} attention layers with a KV cache, the model "
-                                    f"profile {layout.layers}")
+            raise UnsupportedLayout(
+                f"the engine has {len(layers)} attention layers with a KV cache, the model profile {layout.layers}"
+            )
         first = layers[0]
         pages, heads, tokens, both = first.shape if first.dim() == 4 else (0, 0, 0, 0)
         for index, tensor in enumerate(layers):
             if tensor.shape != first.shape or tensor.dtype != first.dtype or tensor.device != first.device:
-                raise UnsupportedLayout(f"layer {index}'s KV tensor is {list(tensor.shape)} {tensor.dtype} on "
-                                        f"{tensor.device}, layer 0's {list(first.shape)} {first.dtype} on {first.device}")
+                raise UnsupportedLayout(
+                    f"layer {index}'s KV tensor is {list(tensor.shape)} {tensor.dtype} on "
+                    f"{tensor.device}, layer 0's {list(first.shape)} {first.dtype} on {first.device}"
+                )
         if (heads, both // 2) != (layout.kv_heads, layout.head_dim):
-            raise UnsupportedLayout(f"the engine's pages hold {heads} kv heads x {both // 2} head dim, the model "
-                                    f"profile {layout.kv_heads} x {layout.head_dim}")
+            raise UnsupportedLayout(
+                f"the engine's pages hold {heads} kv heads x {both // 2} head dim, the model "
+                f"profile {layout.kv_heads} x {layout.head_dim}"
+            )
         if first.dtype != layout.dtype:
-            raise UnsupportedLayout(f"the engine's KV cache is {first.dtype}, the model profile "
-                                    f"{dtype_name(layout.dtype)} (a quantized KV cache is not read)")
+            raise UnsupportedLayout(
+                f"the engine's KV cache is {first.dtype}, the model profile "
+                f"{dtype_name(layout.dtype)} (a quantized KV cache is not read)"
+            )
         if tokens <= 0 or layout.block_tokens % tokens:
-            raise UnsupportedLayout(f"a page of {tokens} tokens does not divide a block of {layout.block_tokens}: "
-                                    f"set the engine's block size to a divisor of {layout.block_tokens}")
+            raise UnsupportedLayout(
+                f"a page of {tokens} tokens does not divide a block of {layout.block_tokens}: "
+                f"set the engine's block size to a divisor of {layout.block_tokens}"
+            )
         self.kind = kind
         self.layout = layout
         self.pages = pages
@@ -108,16 +121,19 @@ class PagedKV:
         if len(pages) < needed:
             raise ValueError(f"{upto} tokens need {needed} pages, the request has {len(pages)}")
 
-    def scatter(self, layer: int, blocks: torch.Tensor, *, first_block: int, start: int, end: int,
-                pages: Sequence[int]) -> None:
+    def scatter(
+        self, layer: int, blocks: torch.Tensor, *, first_block: int, start: int, end: int, pages: Sequence[int]
+    ) -> None:
         """Write tokens [start, end) of a request into its pages, for one layer. `blocks` holds
         that layer of the request's blocks from `first_block` on ([n, 2, block_tokens, kv_heads,
         head_dim], K then V); `start` is a multiple of page_tokens (pages before it hold tokens
         the engine has already)."""
         size, n = self.layout.block_tokens, self.page_tokens
         if start % n or not first_block * size <= start <= end <= (first_block + blocks.shape[0]) * size:
-            raise ValueError(f"tokens {start}..{end} do not lie on pages inside blocks {first_block}.."
-                             f"{first_block + blocks.shape[0]}")
+            raise ValueError(
+                f"tokens {start}..{end} do not lie on pages inside blocks {first_block}.."
+                f"{first_block + blocks.shape[0]}"
+            )
         self._check(pages, end)
         heads, dim = self.layout.kv_heads, self.layout.head_dim
         offset = start - first_block * size
@@ -125,11 +141,11 @@ class PagedKV:
         full = count // n
         first_page = start // n
         for dst, src in ((self.k[layer], blocks[:, 0]), (self.v[layer], blocks[:, 1])):
-            tokens = src.reshape(-1, heads, dim)[offset:offset + count]
-            for page, at, length in runs(pages[first_page:first_page + full]):
-                dst[page:page + length].copy_(tokens[at * n:(at + length) * n].view(length, n, heads, dim))
+            tokens = src.reshape(-1, heads, dim)[offset : offset + count]
+            for page, at, length in runs(pages[first_page : first_page + full]):
+                dst[page : page + length].copy_(tokens[at * n : (at + length) * n].view(length, n, heads, dim))
             if count > full * n:
-                dst[pages[first_page + full], :count - full * n].copy_(tokens[full * n:])
+                dst[pages[first_page + full], : count - full * n].copy_(tokens[full * n :])
 
     def gather(self, block: torch.Tensor, *, index: int, pages: Sequence[int]) -> None:
         """Copy block `index` of a request (its tokens [index * block_tokens, (index + 1) *
@@ -137,14 +153,23 @@ class PagedKV:
         for layer, (k_dst, v_dst) in enumerate(self.layout.kv_views(block)):
             self.gather_layer(layer, k_dst, v_dst, index=index, pages=pages)
 
-    def gather_layer(self, layer: int, k_dst: torch.Tensor, v_dst: torch.Tensor, *, index: int,
-                     pages: Sequence[int], non_blocking: bool = False) -> None:
+    def gather_layer(
+        self,
+        layer: int,
+        k_dst: torch.Tensor,
+        v_dst: torch.Tensor,
+        *,
+        index: int,
+        pages: Sequence[int],
+        non_blocking: bool = False,
+    ) -> None:
         """One layer of block `index` into K and V ([block_tokens, kv_heads, head_dim]); with
         `non_blocking`, a device-to-pinned-host copy queued on the current stream."""
         per, n = self.pages_per_block, self.page_tokens
         self._check(pages, (index + 1) * self.layout.block_tokens)
         heads, dim = self.layout.kv_heads, self.layout.head_dim
         for dst, src in ((k_dst, self.k[layer]), (v_dst, self.v[layer])):
-            for page, at, count in runs(pages[index * per:(index + 1) * per]):
-                dst[at * n:(at + count) * n].view(count, n, heads, dim).copy_(src[page:page + count],
-                                                                              non_blocking=non_blocking)
+            for page, at, count in runs(pages[index * per : (index + 1) * per]):
+                dst[at * n : (at + count) * n].view(count, n, heads, dim).copy_(
+                    src[page : page + count], non_blocking=non_blocking
+                )

@@ -22,11 +22,13 @@ from worker.dataplane.offload import RequestTrace
 
 log = logging.getLogger("strata.server")
 
+
 class StatusServer:
     """Serves one engine's Strata metrics and recent request timelines over HTTP on a thread."""
 
-    def __init__(self, *, metrics: EngineMetrics, traces: Callable[[], list[RequestTrace]], node: str,
-                 host: str, port: int) -> None:
+    def __init__(
+        self, *, metrics: EngineMetrics, traces: Callable[[], list[RequestTrace]], node: str, host: str, port: int
+    ) -> None:
         self.metrics = metrics
         self.traces = traces
         self.node = node
@@ -34,8 +36,10 @@ class StatusServer:
         try:
             self.httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as exc:
-            raise OSError(exc.errno, f"status_port: cannot listen on {host}:{port} for the node's Strata "
-                                     f"endpoints: {exc.strerror}") from exc
+            raise OSError(
+                exc.errno,
+                f"status_port: cannot listen on {host}:{port} for the node's Strata endpoints: {exc.strerror}",
+            ) from exc
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name=f"strata-status-{node}", daemon=True)
 
@@ -46,8 +50,11 @@ class StatusServer:
 
     def start(self) -> StatusServer:
         self.thread.start()
-        log.info("node %s: Strata metrics and request timelines at http://%s (/metrics, /v1/strata/requests)",
-                 self.node, self.address)
+        log.info(
+            "node %s: Strata metrics and request timelines at http://%s (/metrics, /v1/strata/requests)",
+            self.node,
+            self.address,
+        )
         return self
 
     def stop(self) -> None:

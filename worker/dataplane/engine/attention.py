@@ -119,8 +119,15 @@ def strata_sdpa_forward(
         or key.shape[-1] != value.shape[-1]
     ):
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            is_causal=is_causal, **kwargs,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
         )
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True

@@ -80,8 +80,9 @@ class PrefixLayer(DynamicLayer):
     At its first update the layer waits for its own gate (the sync point), then joins the loaded
     parts and the new states in one concatenation."""
 
-    def __init__(self, *, layer: int, prefix_len: int, source: PrefixSource | None, gate: LayerGate | None,
-                 stalls: list[float]) -> None:
+    def __init__(
+        self, *, layer: int, prefix_len: int, source: PrefixSource | None, gate: LayerGate | None, stalls: list[float]
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.prefix_len = prefix_len
@@ -89,8 +90,9 @@ class PrefixLayer(DynamicLayer):
         self.gate = gate
         self.stalls = stalls
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized and self.prefix_len:
             assert self.gate is not None and self.source is not None
             self.stalls[self.layer] = self.gate.wait()
@@ -112,12 +114,19 @@ class PrefixLayer(DynamicLayer):
 class StrataCache(Cache):
     """One PrefixLayer per model layer; with no prefix it behaves as a DynamicCache."""
 
-    def __init__(self, *, layers: int, prefix_len: int = 0, source: PrefixSource | None = None,
-                 gates: list[LayerGate] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        layers: int,
+        prefix_len: int = 0,
+        source: PrefixSource | None = None,
+        gates: list[LayerGate] | None = None,
+    ) -> None:
         self.stalls = [0.0] * layers
         built: list[CacheLayerMixin | LinearAttentionCacheLayerMixin] = [
-            PrefixLayer(layer=i, prefix_len=prefix_len, source=source, gate=gates[i] if gates else None,
-                        stalls=self.stalls)
+            PrefixLayer(
+                layer=i, prefix_len=prefix_len, source=source, gate=gates[i] if gates else None, stalls=self.stalls
+            )
             for i in range(layers)
         ]
         super().__init__(layers=built)

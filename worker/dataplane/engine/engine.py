@@ -1,5 +1,10 @@
 """Cache-aware generation: fingerprint -> lookup -> layer-wise load -> prefill the rest -> decode -> write back
-(`write_back.BlockWriter`: the new blocks into the write-back tier and the device working set)."""
+(`write_back.BlockWriter`: the new blocks into the write-back tier and the device working set).
+
+Why one module: one request's path, from its fingerprints to its last token, with the fragment
+reuse that decides what prefill recomputes; the parts that stand alone (loader, write-back, working
+set, turns, blend) already live in their own modules.
+"""
 
 from __future__ import annotations
 
@@ -116,20 +121,30 @@ class Engine:
         # Lookup, the load-or-recompute decision, write-back to the tiers below L1 and quarantine:
         # the same manager the vLLM connector calls.
         self.offload = OffloadManager(
-            store=store, profile=self.profile, node=node, directory=directory, namespace_salt=namespace_salt,
-            counters=self.counters, decide=self.options.decide,
+            store=store,
+            profile=self.profile,
+            node=node,
+            directory=directory,
+            namespace_salt=namespace_salt,
+            counters=self.counters,
+            decide=self.options.decide,
             write_back_tier=self.options.write_back_tier,
         )
         self.model_key = self.offload.model_key
         self._turns = Turns()
         self._ids = itertools.count(1)
         # L1: the blocks kept in the device tier, each priority class within its share.
-        self.working_set = (WorkingSet(store.tier("device"), counters=self.counters)
-                            if "device" in store.names else None)
+        self.working_set = WorkingSet(store.tier("device"), counters=self.counters) if "device" in store.names else None
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
         self.content_index = ContentIndex(self.options.content_index_entries)
-        self.writer = BlockWriter(offload=self.offload, store=store, layout=self.layout, working_set=self.working_set,
-                                  content_index=self.content_index, keep_in_device=self.options.keep_in_device)
+        self.writer = BlockWriter(
+            offload=self.offload,
+            store=store,
+            layout=self.layout,
+            working_set=self.working_set,
+            content_index=self.content_index,
+            keep_in_device=self.options.keep_in_device,
+        )
         self.blend_options = self.options.blend
         self.tuner: BlendTuner | None = None
         if self.blend_options.enabled:
@@ -137,10 +152,15 @@ class Engine:
             if problem is not None:
                 raise ValueError(f"blend: fragments of model {model.name} cannot be re-aligned: {problem}")
             if self.blend_options.check_layer >= model.layers and self.blend_options.selection == "deviation":
-                raise ValueError(f"blend: check_layer {self.blend_options.check_layer} is past the model's "
-                                 f"{model.layers} layers")
-            self.tuner = BlendTuner(options=self.blend_options, full_prefill=self.full_prefill_logits,
-                                    counters=self.counters, model=model.name)
+                raise ValueError(
+                    f"blend: check_layer {self.blend_options.check_layer} is past the model's {model.layers} layers"
+                )
+            self.tuner = BlendTuner(
+                options=self.blend_options,
+                full_prefill=self.full_prefill_logits,
+                counters=self.counters,
+                model=model.name,
+            )
 
     # -- public -------------------------------------------------------------------------------
     def generate(
@@ -179,16 +199,32 @@ class Engine:
                 f"prompt: {len(prompt_ids)} tokens + max_tokens {max_tokens} exceed the model's context of "
                 f"{self.model.max_context}"
             )
-        trace = RequestTrace(request_id=f"req-{next(self._ids)}", namespace=namespace,
-                             prompt_tokens=len(prompt_ids), started_at=time.time(),
-                             layerwise=self.options.layerwise if layerwise is None else layerwise)
+        trace = RequestTrace(
+            request_id=f"req-{next(self._ids)}",
+            namespace=namespace,
+            prompt_tokens=len(prompt_ids),
+            started_at=time.time(),
+            layerwise=self.options.layerwise if layerwise is None else layerwise,
+        )
         trace.segments = len(marked)
         sampler = Sampler(temperature=temperature, seed=seed)
         use_blend = self.tuner is not None and blend is not False
-        output, logits, cache = self._generate(list(prompt_ids), max_tokens, namespace, use_cache, trace,
-                                               set(stop_ids), on_token, sampler, marked, use_blend, write_back)
-        return GenerationResult(output_ids=output, trace=trace, first_logits=logits.float().cpu(),
-                                cache=cache if keep_cache else None)
+        output, logits, cache = self._generate(
+            list(prompt_ids),
+            max_tokens,
+            namespace,
+            use_cache,
+            trace,
+            set(stop_ids),
+            on_token,
+            sampler,
+            marked,
+            use_blend,
+            write_back,
+        )
+        return GenerationResult(
+            output_ids=output, trace=trace, first_logits=logits.float().cpu(), cache=cache if keep_cache else None
+        )
 
     def full_prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Logits of the last position of a plain prefill (no cache), queued behind the requests."""
@@ -231,13 +267,24 @@ class Engine:
         return self.offload.prefill_speed
 
     # -- the request path ---------------------------------------------------------------------
-    def _generate(self, prompt: list[int], max_tokens: int, namespace: str, use_cache: bool, trace: RequestTrace,
-                  stop_ids: set[int], on_token: Callable[[int], bool] | None, sampler: Sampler,
-                  segments: list[tuple[int, int]], use_blend: bool, write_back: bool
-                  ) -> tuple[list[int], torch.Tensor, StrataCache]:
+    def _generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        namespace: str,
+        use_cache: bool,
+        trace: RequestTrace,
+        stop_ids: set[int],
+        on_token: Callable[[int], bool] | None,
+        sampler: Sampler,
+        segments: list[tuple[int, int]],
+        use_blend: bool,
+        write_back: bool,
+    ) -> tuple[list[int], torch.Tensor, StrataCache]:
         with self._turns.hold(Step.PREFILL), torch.inference_mode():
             cache, logits, hits, fragments, percent, exact_until = self._first_token(
-                prompt, namespace, use_cache, trace, use_blend, segments)
+                prompt, namespace, use_cache, trace, use_blend, segments
+            )
         # The prompt's blocks are stored before decoding starts, so a request over the same
         # document that prefills between this one's decode steps already finds them.
         early = use_cache and write_back and not use_blend
@@ -250,18 +297,31 @@ class Engine:
                 self.tuner.offer(namespace, prompt, logits, percent)
             if use_cache and write_back:
                 # (hits were touched by the early write-back; they all lie in the prompt)
-                self.writer.write_back(prompt + output[:-1], [] if early else hits, cache, namespace, trace,
-                                       exact_until=exact_until,
-                                       segments=segments if use_blend else [], fragments_too=use_blend,
-                                       stored_until=len(prompt) if early else 0)
+                self.writer.write_back(
+                    prompt + output[:-1],
+                    [] if early else hits,
+                    cache,
+                    namespace,
+                    trace,
+                    exact_until=exact_until,
+                    segments=segments if use_blend else [],
+                    fragments_too=use_blend,
+                    stored_until=len(prompt) if early else 0,
+                )
             self.traces.append(trace)
             if self.on_trace is not None:
                 self.on_trace(trace)
         return output, logits, cache
 
-    def _first_token(self, prompt: list[int], namespace: str, use_cache: bool, trace: RequestTrace, use_blend: bool,
-                     segments: Sequence[tuple[int, int]] = ()
-                     ) -> tuple[StrataCache, torch.Tensor, list[Hit], list[Fragment], float, int | None]:
+    def _first_token(
+        self,
+        prompt: list[int],
+        namespace: str,
+        use_cache: bool,
+        trace: RequestTrace,
+        use_blend: bool,
+        segments: Sequence[tuple[int, int]] = (),
+    ) -> tuple[StrataCache, torch.Tensor, list[Hit], list[Fragment], float, int | None]:
         """Lookup, the load-or-recompute decision and the prefill: the logits of the first token."""
         start = time.perf_counter()
         fingerprints: list[BlockFingerprint] = []
@@ -285,8 +345,7 @@ class Engine:
             mode, percent = self.tuner.current(namespace)
             trace.blend, trace.blend_percent = mode, percent
             if mode == BLEND:
-                fragments = self._match_fragments(prompt, len(hits) * self.layout.block_tokens, namespace,
-                                                  segments)
+                fragments = self._match_fragments(prompt, len(hits) * self.layout.block_tokens, namespace, segments)
                 if not fragments:
                     trace.blend = "no-fragment"
             trace.lookup_s = time.perf_counter() - start
@@ -314,8 +373,9 @@ class Engine:
         return cache, logits, hits, fragments, percent, exact_until
 
     # -- fragments (blend) ----------------------------------------------------------------------
-    def _match_fragments(self, prompt: list[int], start: int, namespace: str,
-                         segments: Sequence[tuple[int, int]] = ()) -> list[Fragment]:
+    def _match_fragments(
+        self, prompt: list[int], start: int, namespace: str, segments: Sequence[tuple[int, int]] = ()
+    ) -> list[Fragment]:
         """Block-sized windows after the prefix run whose content this node or the directory knows,
         chosen without overlap (most blocks, fastest tiers). The last prompt token stays computed.
 
@@ -331,8 +391,12 @@ class Engine:
         likely.update(range(start, end - size + 1, size))
         candidates = self._fragment_candidates(prompt, sorted(likely), namespace)
         chosen = choose(candidates, start=start, end=end)
-        rest = [offset for gap_start, gap_end in _gaps(chosen, start=start, end=end)
-                for offset in range(gap_start, gap_end - size + 1) if offset not in likely]
+        rest = [
+            offset
+            for gap_start, gap_end in _gaps(chosen, start=start, end=end)
+            for offset in range(gap_start, gap_end - size + 1)
+            if offset not in likely
+        ]
         if rest:
             candidates.update(self._fragment_candidates(prompt, rest, namespace))
             chosen = choose(candidates, start=start, end=end)
@@ -351,26 +415,38 @@ class Engine:
             located = self.store.locate(list({stored for stored, _ in known.values()}))
             for offset, (stored, position) in known.items():
                 if located.get(stored):
-                    candidates[offset] = Fragment(start=offset, tokens=size, key=stored, source_position=position,
-                                                  tier=located[stored][0])
+                    candidates[offset] = Fragment(
+                        start=offset, tokens=size, key=stored, source_position=position, tier=located[stored][0]
+                    )
         rest = [offset for offset in keys if offset not in candidates]
         if rest and self.directory is not None:
             try:
                 for first in range(0, len(rest), MAX_BATCH):
                     chunk = rest[first : first + MAX_BATCH]
-                    answer = self.directory.lookup(keys=[], node=self.node, namespace=namespace,
-                                                   model_key=self.model_key, content_keys=[keys[o] for o in chunk])
+                    answer = self.directory.lookup(
+                        keys=[],
+                        node=self.node,
+                        namespace=namespace,
+                        model_key=self.model_key,
+                        content_keys=[keys[o] for o in chunk],
+                    )
                     for offset, location in zip(chunk, answer.content, strict=True):
                         if location is not None and location.tier in self.store.names and location.tokens == size:
-                            candidates[offset] = Fragment(start=offset, tokens=size, key=location.prefix_key,
-                                                          source_position=location.position, tier=location.tier)
+                            candidates[offset] = Fragment(
+                                start=offset,
+                                tokens=size,
+                                key=location.prefix_key,
+                                source_position=location.position,
+                                tier=location.tier,
+                            )
             except Exception as exc:  # noqa: BLE001 - an outage of the directory means fewer fragments
                 log.warning("fragment lookup failed, matching this node's own blocks only: %s", exc)
                 self.counters.add("lookup_failures")
         return candidates
 
-    def _blend_prefill(self, prompt: list[int], hits: list[Hit], fragments: list[Fragment], percent: float,
-                       trace: RequestTrace) -> tuple[StrataCache, torch.Tensor]:
+    def _blend_prefill(
+        self, prompt: list[int], hits: list[Hit], fragments: list[Fragment], percent: float, trace: RequestTrace
+    ) -> tuple[StrataCache, torch.Tensor]:
         """Load the prefix and the fragments layer by layer and prefill with selective recompute."""
         size = self.layout.block_tokens
         prefix_len = len(hits) * size
@@ -386,8 +462,13 @@ class Engine:
             typed = buffers.typed[layer]  # [blocks, 2, block_tokens, kv_heads, head_dim]
             return typed[:count], typed[count:]
 
-        plan = BlendPlan(prefix_len=prefix_len, fragments=fragments, recompute_ratio=percent / 100.0,
-                         selection=self.blend_options.selection, check_layer=self.blend_options.check_layer)
+        plan = BlendPlan(
+            prefix_len=prefix_len,
+            fragments=fragments,
+            recompute_ratio=percent / 100.0,
+            selection=self.blend_options.selection,
+            check_layer=self.blend_options.check_layer,
+        )
         try:
             if not trace.layerwise:
                 self._wait_loaded(loader, trace)
@@ -431,10 +512,13 @@ class Engine:
         if prefix_len:
             hits = hits[: (prefix_len + self.layout.block_tokens - 1) // self.layout.block_tokens]
             buffers = self._prefix_buffers(len(hits))
-            loader = LayerLoader(store=self.store, hits=hits, buffers=buffers,
-                                 inline=self._inline_load(hits)).start()
-            cache = StrataCache(layers=model.layers, prefix_len=prefix_len,
-                                source=lambda layer: buffers.kv_parts(layer, prefix_len), gates=loader.gates)
+            loader = LayerLoader(store=self.store, hits=hits, buffers=buffers, inline=self._inline_load(hits)).start()
+            cache = StrataCache(
+                layers=model.layers,
+                prefix_len=prefix_len,
+                source=lambda layer: buffers.kv_parts(layer, prefix_len),
+                gates=loader.gates,
+            )
         else:
             cache = StrataCache(layers=model.layers)
         # With nothing cached, the full blocks are prefilled first and the rest on its own: the rest
@@ -443,8 +527,11 @@ class Engine:
         # the cold output bit for bit. In one pass, matrix kernels that block the work by row
         # count (bfloat16 on AMX, for one) round the last rows differently, and on a near tie a
         # greedy token can flip.
-        split = 0 if prefix_len else min(len(prompt) // self.layout.block_tokens * self.layout.block_tokens,
-                                         len(prompt) - 1)
+        split = (
+            0
+            if prefix_len
+            else min(len(prompt) // self.layout.block_tokens * self.layout.block_tokens, len(prompt) - 1)
+        )
         try:
             if loader is not None and not trace.layerwise:
                 self._wait_loaded(loader, trace)
@@ -452,7 +539,7 @@ class Engine:
             if split:
                 head = torch.tensor([prompt[:split]], device=model.device)
                 model.model(input_ids=head, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            ids = torch.tensor([prompt[max(prefix_len, split):]], device=model.device)
+            ids = torch.tensor([prompt[max(prefix_len, split) :]], device=model.device)
             out = model.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         except LoadFailed:
             if loader is not None:
@@ -508,8 +595,16 @@ class Engine:
         `LayerLoader.tier_loads` for how bytes and time are attributed to each)."""
         self.offload.observe_load(loader.tier_loads())
 
-    def _decode(self, cache: StrataCache, logits: torch.Tensor, max_tokens: int, trace: RequestTrace,
-                stop_ids: set[int], on_token: Callable[[int], bool] | None, sampler: Sampler) -> list[int]:
+    def _decode(
+        self,
+        cache: StrataCache,
+        logits: torch.Tensor,
+        max_tokens: int,
+        trace: RequestTrace,
+        stop_ids: set[int],
+        on_token: Callable[[int], bool] | None,
+        sampler: Sampler,
+    ) -> list[int]:
         output: list[int] = []
         started = time.perf_counter()
         token = sampler.pick(logits)

@@ -88,8 +88,9 @@ class LayerLoader:
     for reads that are themselves CPU work (the device tier when it lives in CPU memory), a
     second thread would only take a core from the model's own threads."""
 
-    def __init__(self, *, store: TieredStore, hits: Sequence[Hit], buffers: PrefixBuffers,
-                 inline: bool = False) -> None:
+    def __init__(
+        self, *, store: TieredStore, hits: Sequence[Hit], buffers: PrefixBuffers, inline: bool = False
+    ) -> None:
         self.store = store
         self.hits = list(hits)
         self.keys = [hit.key for hit in self.hits]
@@ -207,11 +208,19 @@ class LayerLoader:
             seconds = sum(t.finished - t.started for t in self.timings)
             total = sum(t.bytes for t in self.timings)
             shares = collections.Counter(hit.tier for hit in self.hits)
-            return [TierLoad(tier, total * count // len(self.hits), seconds * count / len(self.hits))
-                    for tier, count in shares.items()] if self.hits and total else []
+            return (
+                [
+                    TierLoad(tier, total * count // len(self.hits), seconds * count / len(self.hits))
+                    for tier, count in shares.items()
+                ]
+                if self.hits and total
+                else []
+            )
         with self._served_lock:
-            return [TierLoad(tier, self._served_bytes[tier], self._served_until[tier] - self.started_at)
-                    for tier in self._served_bytes]
+            return [
+                TierLoad(tier, self._served_bytes[tier], self._served_until[tier] - self.started_at)
+                for tier in self._served_bytes
+            ]
 
     def _load(self) -> None:
         """Ask for every layer at once, layer 0 first: a tier serves its reads in the order they
@@ -290,7 +299,8 @@ class LayerLoader:
         with on_stream:
             for block, row, count in self._staged_runs:
                 raw[block * layer_bytes : (block + count) * layer_bytes].copy_(
-                    staging[row : row + count].view(-1), non_blocking=self._stream is not None)
+                    staging[row : row + count].view(-1), non_blocking=self._stream is not None
+                )
             if self._stream is None:
                 return None
             copied = torch.cuda.Event()

@@ -29,11 +29,23 @@ from worker.dataplane.layout import ModelProfile, dtype_name, parse_dtype
 
 log = logging.getLogger("strata.engine")
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 """Any one of these in a checkpoint directory means it ships its own tokenizer."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -96,8 +108,11 @@ class LoadedModel:
         if isinstance(self.tokenizer, ByteTokenizer):
             return self.tokenizer.apply_chat_template(messages)
         if getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
@@ -106,9 +121,16 @@ class LoadedModel:
 
     def profile(self, block_tokens: int) -> ModelProfile:
         """What this model's KV blocks are: the profile its model key hashes."""
-        return ModelProfile(model_id=self.name, layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                            dtype=dtype_name(self.dtype), block_tokens=block_tokens, revision=self.revision,
-                            rope_theta=self.rope_theta)
+        return ModelProfile(
+            model_id=self.name,
+            layers=self.layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype_name(self.dtype),
+            block_tokens=block_tokens,
+            revision=self.revision,
+            rope_theta=self.rope_theta,
+        )
 
 
 def _shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -129,10 +151,16 @@ def checkpoint_profile(path: str | Path, *, dtype: str | torch.dtype | None = No
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     layers, kv_heads, head_dim = _shape(config)
     chosen = dtype if dtype is not None else (getattr(config, "dtype", None) or "float32")
-    return ModelProfile(model_id=path.resolve().name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                        dtype=dtype_name(parse_dtype(chosen)), block_tokens=block_tokens,
-                        revision=getattr(config, "_commit_hash", None) or checkpoint_revision(path),
-                        rope_theta=_rope_theta(config))
+    return ModelProfile(
+        model_id=path.resolve().name,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype_name(parse_dtype(chosen)),
+        block_tokens=block_tokens,
+        revision=getattr(config, "_commit_hash", None) or checkpoint_revision(path),
+        rope_theta=_rope_theta(config),
+    )
 
 
 def preset_checkpoint(name: str, directory: str | Path) -> Path:
@@ -181,15 +209,25 @@ def _describe(name: str, model: PreTrainedModel, tokenizer: Any, device: torch.d
     config = model.config
     layers, kv_heads, head_dim = _shape(config)
     return LoadedModel(
-        name=name, model=model, tokenizer=tokenizer, dtype=next(model.parameters()).dtype, device=device,
-        layers=layers, kv_heads=kv_heads, head_dim=head_dim, max_context=config.max_position_embeddings,
-        rope_theta=_rope_theta(config), revision=revision,
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=next(model.parameters()).dtype,
+        device=device,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_context=config.max_position_embeddings,
+        rope_theta=_rope_theta(config),
+        revision=revision,
     )
 
 
 def preset_config(name: str, *, dtype: str | None = None) -> PretrainedConfig:
     if name not in PRESETS:
-        raise ValueError(f"model: unknown preset {name!r}; presets are {', '.join(sorted(PRESETS))}, or give a local path")
+        raise ValueError(
+            f"model: unknown preset {name!r}; presets are {', '.join(sorted(PRESETS))}, or give a local path"
+        )
     preset = PRESETS[name]
     # The config classes take these (their fields, and attn_implementation as an extra keyword);
     # typed as PretrainedConfig, which declares none of them.
@@ -202,7 +240,9 @@ def preset_config(name: str, *, dtype: str | None = None) -> PretrainedConfig:
         vocab_size=preset.vocab_size,
         max_position_embeddings=preset.max_position_embeddings,
         tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         dtype=dtype or preset.dtype,
         attn_implementation=register_attention(),
     )
@@ -215,9 +255,11 @@ def _checkpoint_tokenizer(path: Path, vocab_size: int) -> Any:
     tokenizer's ids would mean nothing to a model trained on another vocabulary."""
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         if vocab_size < 256 + BYTE_OFFSET:
-            raise ValueError(f"model: {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its "
-                             f"vocabulary of {vocab_size} ids is too small for the byte tokenizer "
-                             f"({256 + BYTE_OFFSET} needed)")
+            raise ValueError(
+                f"model: {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its "
+                f"vocabulary of {vocab_size} ids is too small for the byte tokenizer "
+                f"({256 + BYTE_OFFSET} needed)"
+            )
         log.warning("model %s has no tokenizer files; using the byte tokenizer", path)
         return ByteTokenizer(vocab_size)
     try:
@@ -226,8 +268,7 @@ def _checkpoint_tokenizer(path: Path, vocab_size: int) -> Any:
         raise ValueError(f"model: the tokenizer files of {path} could not be loaded: {exc}") from exc
     if len(tokenizer) > vocab_size:
         # Ids past the embedding would fail the request that uses them, not the load.
-        log.warning("model %s: its tokenizer has %d ids, the model's vocabulary %d", path, len(tokenizer),
-                    vocab_size)
+        log.warning("model %s: its tokenizer has %d ids, the model's vocabulary %d", path, len(tokenizer), vocab_size)
     return tokenizer
 
 
@@ -271,7 +312,9 @@ def load_model(
         # The tokenizer first: a checkpoint whose tokenizer cannot load fails before its weights are read.
         tokenizer = _checkpoint_tokenizer(path, AutoConfig.from_pretrained(path, local_files_only=True).vocab_size)
         model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=DTYPES[dtype] if dtype else "auto",
+            path,
+            local_files_only=True,
+            dtype=DTYPES[dtype] if dtype else "auto",
             attn_implementation=register_attention(),
         )
         revision = getattr(model.config, "_commit_hash", None) or checkpoint_revision(path)
@@ -282,7 +325,12 @@ def load_model(
     name = spec if spec in PRESETS else path.resolve().name
     loaded = _describe(name, model, tokenizer, device, revision)
     log.info(
-        "model %s loaded: %d layers, %d kv heads x %d, %s on %s", name, loaded.layers, loaded.kv_heads,
-        loaded.head_dim, str(loaded.dtype).removeprefix("torch."), device,
+        "model %s loaded: %d layers, %d kv heads x %d, %s on %s",
+        name,
+        loaded.layers,
+        loaded.kv_heads,
+        loaded.head_dim,
+        str(loaded.dtype).removeprefix("torch."),
+        device,
     )
     return loaded

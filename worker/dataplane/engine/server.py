@@ -33,8 +33,15 @@ NAMESPACE_HEADER = "X-Strata-Namespace"
 class ApiError(Exception):
     """An error answered to the client in OpenAI's shape."""
 
-    def __init__(self, status: HTTPStatus, message: str, *, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: HTTPStatus,
+        message: str,
+        *,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -58,7 +65,9 @@ def _float_field(body: Mapping[str, Any], name: str, default: float, *, minimum:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be a number, got {value!r}", param=name)
     if not minimum <= value <= maximum:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be between {minimum} and {maximum}, got {value}", param=name)
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST, f"{name} must be between {minimum} and {maximum}, got {value}", param=name
+        )
     return float(value)
 
 
@@ -69,16 +78,26 @@ def _stop_field(body: Mapping[str, Any]) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST, "stop must be a non-empty string or a list of up to 4 of them", param="stop"
+        )
     return stop
 
 
 class NodeServer:
     """Serves one engine over HTTP on a background thread."""
 
-    def __init__(self, *, engine: Engine, host: str, port: int, node: str,
-                 api_keys: Mapping[str, str] | None = None, served_name: str | None = None,
-                 admin_key: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        host: str,
+        port: int,
+        node: str,
+        api_keys: Mapping[str, str] | None = None,
+        served_name: str | None = None,
+        admin_key: str = "",
+    ) -> None:
         self.engine = engine
         self.node = node
         self.api_keys = dict(api_keys or {})
@@ -100,6 +119,7 @@ class NodeServer:
             self.metrics.observe(trace)
             if previous is not None:
                 previous(trace)
+
         return on_trace
 
     @property
@@ -124,13 +144,17 @@ class NodeServer:
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         if self.api_keys:
             if key not in self.api_keys:
-                raise ApiError(HTTPStatus.UNAUTHORIZED, "unknown API key", kind="authentication_error",
-                               code="invalid_api_key")
+                raise ApiError(
+                    HTTPStatus.UNAUTHORIZED, "unknown API key", kind="authentication_error", code="invalid_api_key"
+                )
             namespace = self.api_keys[key]
             asked = headers.get(NAMESPACE_HEADER)
             if asked and asked != namespace:
-                raise ApiError(HTTPStatus.FORBIDDEN, f"this API key belongs to namespace {namespace!r}, not {asked!r}",
-                               kind="permission_error")
+                raise ApiError(
+                    HTTPStatus.FORBIDDEN,
+                    f"this API key belongs to namespace {namespace!r}, not {asked!r}",
+                    kind="permission_error",
+                )
             return namespace
         namespace = headers.get(NAMESPACE_HEADER) or "default"
         if not namespace.replace("-", "").replace("_", "").replace(".", "").isalnum() or len(namespace) > 63:
@@ -140,14 +164,20 @@ class NodeServer:
     def check_admin(self, headers: Message) -> None:
         """Operator controls need the node's admin key; tenants' API keys do not open them."""
         if not self.admin_key:
-            raise ApiError(HTTPStatus.FORBIDDEN, "operator controls are off on this node: set STRATA_NODE_ADMIN_KEY",
-                           kind="permission_error")
+            raise ApiError(
+                HTTPStatus.FORBIDDEN,
+                "operator controls are off on this node: set STRATA_NODE_ADMIN_KEY",
+                kind="permission_error",
+            )
         auth = headers.get("Authorization", "")
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         if not key or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
-            raise ApiError(HTTPStatus.UNAUTHORIZED, "operator controls need the node's admin key "
-                           "(Authorization: Bearer <STRATA_NODE_ADMIN_KEY>)", kind="authentication_error",
-                           code="invalid_api_key")
+            raise ApiError(
+                HTTPStatus.UNAUTHORIZED,
+                "operator controls need the node's admin key (Authorization: Bearer <STRATA_NODE_ADMIN_KEY>)",
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
 
     def blend_control(self, body: Mapping[str, Any], headers: Message) -> dict[str, Any]:
         """An operator's blend decision for one namespace: {namespace, percent} sets r and resumes
@@ -155,8 +185,11 @@ class NodeServer:
         self.check_admin(headers)
         unknown = sorted(set(body) - {"namespace", "percent", "reset"})
         if unknown:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"unknown field(s) {', '.join(unknown)}; expected namespace and "
-                           "percent, or namespace and reset", param=unknown[0])
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"unknown field(s) {', '.join(unknown)}; expected namespace and percent, or namespace and reset",
+                param=unknown[0],
+            )
         namespace = body.get("namespace")
         if not isinstance(namespace, str):
             raise ApiError(HTTPStatus.BAD_REQUEST, "namespace is required (a namespace name)", param="namespace")
@@ -165,14 +198,20 @@ class NodeServer:
         except BlendError as exc:
             raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), param="namespace") from exc
         if "/" in namespace:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "namespace: a namespace of this node's model, without a model "
-                           "name", param="namespace")
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                "namespace: a namespace of this node's model, without a model name",
+                param="namespace",
+            )
         reset = body.get("reset", False)
         if not isinstance(reset, bool):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"reset must be true or false, got {reset!r}", param="reset")
         if reset == ("percent" in body):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "give either percent (the new r) or reset: true, not both or "
-                           "neither", param="percent" if not reset else "reset")
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                "give either percent (the new r) or reset: true, not both or neither",
+                param="percent" if not reset else "reset",
+            )
         tuner = self.engine.tuner
         if tuner is None:
             raise ApiError(HTTPStatus.CONFLICT, "fragment reuse is off on this node (STRATA_BLEND)", param="namespace")
@@ -184,8 +223,12 @@ class NodeServer:
             except BlendError as exc:
                 raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), param="percent") from exc
             state = tuner.set_percent(namespace, percent)
-        log.info("node %s namespace %s: blend %s by an operator", self.node, namespace,
-                 "reset" if reset else f"r set to {state['recompute_percent']}%")
+        log.info(
+            "node %s namespace %s: blend %s by an operator",
+            self.node,
+            namespace,
+            "reset" if reset else f"r set to {state['recompute_percent']}%",
+        )
         return {"node": self.node, "model": self.engine.model.name, "namespace": namespace, **state}
 
     def blend_report(self) -> dict[str, Any]:
@@ -196,26 +239,38 @@ class NodeServer:
         prefix = counts.get("reused_tokens.prefix", 0)
         fragment = counts.get("reused_tokens.fragment", 0)
         return {
-            "node": self.node, "model": engine.model.name, "enabled": engine.tuner is not None,
+            "node": self.node,
+            "model": engine.model.name,
+            "enabled": engine.tuner is not None,
             "default_recompute_percent": options.model_default(engine.model.name),
-            "settings": {"recompute_percent": options.recompute_percent,
-                         "namespace_percent": dict(options.namespace_percent),
-                         "model_percent": dict(options.model_percent), "selection": options.selection,
-                         "check_layer": options.check_layer, "sample_rate": options.sample_rate,
-                         "agreement_threshold": options.agreement_threshold, "max_kl": options.max_kl,
-                         "min_samples": options.min_samples, "raise_step_percent": options.raise_step_percent,
-                         "max_percent": options.max_percent, "min_fragment_blocks": options.min_fragment_blocks,
-                         "reprobe_seconds": options.reprobe_seconds},
+            "settings": {
+                "recompute_percent": options.recompute_percent,
+                "namespace_percent": dict(options.namespace_percent),
+                "model_percent": dict(options.model_percent),
+                "selection": options.selection,
+                "check_layer": options.check_layer,
+                "sample_rate": options.sample_rate,
+                "agreement_threshold": options.agreement_threshold,
+                "max_kl": options.max_kl,
+                "min_samples": options.min_samples,
+                "raise_step_percent": options.raise_step_percent,
+                "max_percent": options.max_percent,
+                "min_fragment_blocks": options.min_fragment_blocks,
+                "reprobe_seconds": options.reprobe_seconds,
+            },
             "reused_tokens": {"prefix": prefix, "fragment": fragment},
             "recomputed_tokens": counts.get("blend.recomputed_tokens", 0),
             "recompute_ratio": counts.get("blend.recomputed_tokens", 0) / fragment if fragment else 0.0,
             "requests": counts.get("blend.requests", 0),
-            "quality_samples": {result: counts.get(f"blend.samples_{result}", 0)
-                                for result in ("agreed", "disagreed", "dropped")},
-            "adjustments": {"raised": counts.get("blend.ratio_raised", 0),
-                            "fallback": counts.get("blend.fallbacks", 0),
-                            "reprobe": counts.get("blend.reprobes", 0),
-                            "operator": counts.get("blend.operator_changes", 0)},
+            "quality_samples": {
+                result: counts.get(f"blend.samples_{result}", 0) for result in ("agreed", "disagreed", "dropped")
+            },
+            "adjustments": {
+                "raised": counts.get("blend.ratio_raised", 0),
+                "fallback": counts.get("blend.fallbacks", 0),
+                "reprobe": counts.get("blend.reprobes", 0),
+                "operator": counts.get("blend.operator_changes", 0),
+            },
             "namespaces": engine.tuner.snapshot() if engine.tuner is not None else {},
         }
 
@@ -224,8 +279,12 @@ class NodeServer:
         if not isinstance(model, str) or not model:
             raise ApiError(HTTPStatus.BAD_REQUEST, "model is required", param="model")
         if model != self.model_name:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"model {model!r} is not served here; this node serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                HTTPStatus.NOT_FOUND,
+                f"model {model!r} is not served here; this node serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def prompt_ids(self, body: Mapping[str, Any], chat: bool) -> list[int]:
         model = self.engine.model
@@ -256,16 +315,21 @@ class NodeServer:
             if any(t < 0 or t >= vocab for t in prompt):
                 raise ApiError(HTTPStatus.BAD_REQUEST, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
             return list(prompt)
-        raise ApiError(HTTPStatus.BAD_REQUEST, "prompt must be a string or a list of token ids (one prompt per request)",
-                       param="prompt")
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            "prompt must be a string or a list of token ids (one prompt per request)",
+            param="prompt",
+        )
 
-    def run(self, body: Mapping[str, Any], headers: Message, chat: bool,
-            emit: Callable[[str], None] | None) -> dict[str, Any]:
+    def run(
+        self, body: Mapping[str, Any], headers: Message, chat: bool, emit: Callable[[str], None] | None
+    ) -> dict[str, Any]:
         self.check_model(body)
         namespace = self.namespace_of(headers)
         prompt = self.prompt_ids(body, chat)
-        max_tokens = _int_field(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                                16, minimum=1)
+        max_tokens = _int_field(
+            body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", 16, minimum=1
+        )
         temperature = _float_field(body, "temperature", 1.0 if "temperature" in body else 0.0, minimum=0.0, maximum=2.0)
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -279,10 +343,13 @@ class NodeServer:
             raise ApiError(HTTPStatus.BAD_REQUEST, "blend must be true or false", param="blend")
         context = self.engine.model.max_context
         if len(prompt) + max_tokens > context:
-            raise ApiError(HTTPStatus.BAD_REQUEST,
-                           f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
-                           f"context of {context} tokens", param="max_tokens" if len(prompt) < context else "prompt",
-                           code="context_length_exceeded")
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
+                f"context of {context} tokens",
+                param="max_tokens" if len(prompt) < context else "prompt",
+                code="context_length_exceeded",
+            )
         model = self.engine.model
         produced: list[int] = []
         sent = [0]
@@ -294,7 +361,7 @@ class NodeServer:
                 at = text.find(stop)
                 if at >= 0:
                     if emit is not None and at > sent[0]:
-                        emit(text[sent[0]:at])
+                        emit(text[sent[0] : at])
                         sent[0] = at
                     return True
             # Hold back a possible start of a stop string and an unfinished UTF-8 sequence.
@@ -302,16 +369,22 @@ class NodeServer:
             if text.endswith("\ufffd"):
                 safe = min(safe, len(text) - 1)
             if emit is not None and safe > sent[0]:
-                emit(text[sent[0]:safe])
+                emit(text[sent[0] : safe])
                 sent[0] = safe
             return False
 
         eos = model.eos_token_id
         try:
             result = self.engine.generate(
-                prompt, max_tokens=max_tokens, namespace=namespace, on_token=on_token,
+                prompt,
+                max_tokens=max_tokens,
+                namespace=namespace,
+                on_token=on_token,
                 stop_ids=[eos] if eos is not None and not body.get("ignore_eos") else [],
-                temperature=temperature, seed=seed, segments=segments, blend=blend,
+                temperature=temperature,
+                seed=seed,
+                segments=segments,
+                blend=blend,
             )
         except ValueError as exc:
             # The engine names the field (e.g. "namespace: no namespace named 'x'").
@@ -324,7 +397,7 @@ class NodeServer:
             if stop in text:
                 text = text[: text.index(stop)]
         if emit is not None and len(text) > sent[0]:
-            emit(text[sent[0]:])
+            emit(text[sent[0] :])
         return {
             "text": text,
             "finish_reason": result.trace.finish_reason,
@@ -332,10 +405,12 @@ class NodeServer:
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(result.output_ids),
                 "total_tokens": len(prompt) + len(result.output_ids),
-                "prompt_tokens_details": {"cached_tokens": result.trace.cached_tokens,
-                                          "prefix_tokens": result.trace.prefix_tokens,
-                                          "fragment_tokens": result.trace.fragment_tokens,
-                                          "recomputed_tokens": result.trace.recomputed_tokens},
+                "prompt_tokens_details": {
+                    "cached_tokens": result.trace.cached_tokens,
+                    "prefix_tokens": result.trace.prefix_tokens,
+                    "fragment_tokens": result.trace.fragment_tokens,
+                    "recomputed_tokens": result.trace.recomputed_tokens,
+                },
             },
             "trace": result.trace,
         }
@@ -360,9 +435,21 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the base class's name
         url = urllib.parse.urlsplit(self.path)
         if self.path == "/v1/models":
-            self._send_json(HTTPStatus.OK, {"object": "list", "data": [
-                {"id": self.app.model_name, "object": "model", "created": 0, "owned_by": "strata",
-                 "max_model_len": self.app.engine.model.max_context}]})
+            self._send_json(
+                HTTPStatus.OK,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": self.app.model_name,
+                            "object": "model",
+                            "created": 0,
+                            "owned_by": "strata",
+                            "max_model_len": self.app.engine.model.max_context,
+                        }
+                    ],
+                },
+            )
         elif self.path == "/metrics":
             data = self.app.metrics.render()
             self.send_response(HTTPStatus.OK)
@@ -407,8 +494,10 @@ class _Handler(BaseHTTPRequestHandler):
             log.info("client went away before the answer was sent")
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
             log.exception("request failed")
-            self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR,
-                            ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc}", kind="server_error").body)
+            self._send_json(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc}", kind="server_error").body,
+            )
 
     def _read_json(self) -> dict[str, Any]:
         length_text = self.headers.get("Content-Length")
@@ -430,13 +519,23 @@ class _Handler(BaseHTTPRequestHandler):
         created = int(time.time())
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": answer["text"]},
-                      "finish_reason": answer["finish_reason"], "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": answer["text"]},
+                "finish_reason": answer["finish_reason"],
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": answer["text"], "finish_reason": answer["finish_reason"], "logprobs": None}
-        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.app.model_name, "choices": [choice], "usage": answer["usage"],
-                "system_fingerprint": f"strata-{self.app.node}"}
+        return {
+            "id": ident,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.app.model_name,
+            "choices": [choice],
+            "usage": answer["usage"],
+            "system_fingerprint": f"strata-{self.app.node}",
+        }
 
     def _stream(self, body: dict[str, Any], chat: bool) -> None:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -445,8 +544,13 @@ class _Handler(BaseHTTPRequestHandler):
         started = [False]
 
         def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = None) -> None:
-            payload: dict[str, Any] = {"id": ident, "object": kind, "created": created, "model": self.app.model_name,
-                                       "choices": [choice] if choice else []}
+            payload: dict[str, Any] = {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": self.app.model_name,
+                "choices": [choice] if choice else [],
+            }
             if usage is not None:
                 payload["usage"] = usage
             self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
@@ -476,8 +580,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.app.check_model(body)
         answer = self.app.run(body, self.headers, chat, emit)
         start()
-        final = {"index": 0, "delta": {}, "finish_reason": answer["finish_reason"]} if chat else \
-            {"index": 0, "text": "", "finish_reason": answer["finish_reason"], "logprobs": None}
+        final = (
+            {"index": 0, "delta": {}, "finish_reason": answer["finish_reason"]}
+            if chat
+            else {"index": 0, "text": "", "finish_reason": answer["finish_reason"], "logprobs": None}
+        )
         chunk(final)
         options = body.get("stream_options") or {}
         if isinstance(options, dict) and options.get("include_usage"):

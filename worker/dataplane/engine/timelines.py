@@ -21,8 +21,13 @@ def requests_answer(query: str, *, node: str, traces: Iterable[RequestTrace]) ->
     """The status and JSON body answering `PATH?query` from `traces` (oldest first)."""
     limit = urllib.parse.parse_qs(query, keep_blank_values=True).get("limit", [str(RECENT)])[-1]
     if not limit.isdigit() or int(limit) < 1:
-        return HTTPStatus.BAD_REQUEST, {"error": {
-            "message": f"limit must be a whole number of requests, at least 1; got {limit!r}",
-            "type": "invalid_request_error", "param": "limit", "code": None}}
-    recent = [trace.as_dict() for trace in list(traces)[-int(limit):]]
+        return HTTPStatus.BAD_REQUEST, {
+            "error": {
+                "message": f"limit must be a whole number of requests, at least 1; got {limit!r}",
+                "type": "invalid_request_error",
+                "param": "limit",
+                "code": None,
+            }
+        }
+    recent = [trace.as_dict() for trace in list(traces)[-int(limit) :]]
     return HTTPStatus.OK, {"node": node, "requests": recent[::-1]}

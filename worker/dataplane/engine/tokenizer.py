@@ -35,8 +35,10 @@ class ByteTokenizer:
         return self.encode(text)
 
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 """ByteTokenizer.apply_chat_template's format as a Jinja template (for engines that read tokenizer files)."""
 
 

@@ -40,7 +40,12 @@ class ClassShare:
         if not self.name:
             raise ValueError("name: a priority class needs a name")
         share = self.device_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or math.isnan(share) or not 0.0 <= share <= 1.0:
+        if (
+            isinstance(share, bool)
+            or not isinstance(share, (int, float))
+            or math.isnan(share)
+            or not 0.0 <= share <= 1.0
+        ):
             raise ValueError(f"device_share: class {self.name!r} needs a fraction between 0 and 1, got {share!r}")
         object.__setattr__(self, "namespaces", tuple(self.namespaces))
 
@@ -52,8 +57,11 @@ class ClassShare:
         namespaces = data.get("namespaces", ())
         if isinstance(namespaces, str) or not isinstance(namespaces, (list, tuple)):
             raise ValueError(f"namespaces: class {data.get('name')!r} needs a list of namespace names")
-        return cls(name=str(data.get("name", "")), device_share=data.get("device_share", 1.0),  # type: ignore[arg-type]
-                   namespaces=tuple(str(n) for n in namespaces))
+        return cls(
+            name=str(data.get("name", "")),
+            device_share=data.get("device_share", 1.0),  # type: ignore[arg-type]
+            namespaces=tuple(str(n) for n in namespaces),
+        )
 
 
 class WorkingSet:
@@ -85,8 +93,11 @@ class WorkingSet:
                 self._bytes[self.class_of(namespace)] += self.block_bytes
             for name in list(self._bytes):
                 self._shrink(name, self.cap_bytes(name))
-        log.info("device working set: policy version %d, shares %s", version,
-                 ", ".join(f"{c.name} {c.device_share:.0%}" for c in classes) or "none")
+        log.info(
+            "device working set: policy version %d, shares %s",
+            version,
+            ", ".join(f"{c.name} {c.device_share:.0%}" for c in classes) or "none",
+        )
 
     def class_of(self, namespace: str) -> str:
         return self._class_of.get(namespace, DEFAULT_CLASS)

@@ -58,8 +58,16 @@ class BlockWriter:
     """Stores one engine's new blocks: into the offload manager's write-back tier (registered) and,
     with `keep_in_device`, into the device working set."""
 
-    def __init__(self, *, offload: OffloadManager, store: TieredStore, layout: BlockLayout,
-                 working_set: WorkingSet | None, content_index: ContentIndex, keep_in_device: bool) -> None:
+    def __init__(
+        self,
+        *,
+        offload: OffloadManager,
+        store: TieredStore,
+        layout: BlockLayout,
+        working_set: WorkingSet | None,
+        content_index: ContentIndex,
+        keep_in_device: bool,
+    ) -> None:
         self.offload = offload
         self.store = store
         self.layout = layout
@@ -67,9 +75,19 @@ class BlockWriter:
         self.content_index = content_index
         self.keep_in_device = keep_in_device
 
-    def write_back(self, tokens: list[int], hits: list[Hit], cache: StrataCache, namespace: str, trace: RequestTrace,
-                   *, exact_until: int | None = None, segments: Sequence[tuple[int, int]] = (),
-                   fragments_too: bool = False, stored_until: int = 0) -> None:
+    def write_back(
+        self,
+        tokens: list[int],
+        hits: list[Hit],
+        cache: StrataCache,
+        namespace: str,
+        trace: RequestTrace,
+        *,
+        exact_until: int | None = None,
+        segments: Sequence[tuple[int, int]] = (),
+        fragments_too: bool = False,
+        stored_until: int = 0,
+    ) -> None:
         """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch.
 
         Only blocks whose KV is exactly what a plain prefill computes (before `exact_until`, the
@@ -92,13 +110,23 @@ class BlockWriter:
             if fingerprint.start + size <= stored_until:
                 continue
             self.content_index.remember(fingerprint.content_key, fingerprint.prefix_key, fingerprint.start)
-            self._store_block(fingerprint.prefix_key, fingerprint.content_key, fingerprint.start, cache, block,
-                              namespace, trace, registrations, already=hit_tiers.get(fingerprint.prefix_key))
+            self._store_block(
+                fingerprint.prefix_key,
+                fingerprint.content_key,
+                fingerprint.start,
+                cache,
+                block,
+                namespace,
+                trace,
+                registrations,
+                already=hit_tiers.get(fingerprint.prefix_key),
+            )
         if fragments_too:
             offsets = segment_windows(segments, block_tokens=size, limit=len(tokens))
             offsets += [p.start for p in fingerprints if p.start + size > exact]
-            content = content_keys_at(tokens, sorted(set(offsets)), ns_salt=fp.ns_salt, model_key=model_key,
-                                      block_tokens=size)
+            content = content_keys_at(
+                tokens, sorted(set(offsets)), ns_salt=fp.ns_salt, model_key=model_key, block_tokens=size
+            )
             for offset, key in content.items():
                 if key in self.content_index:
                     self.content_index.touch(key)
@@ -109,9 +137,19 @@ class BlockWriter:
         self.offload.register(registrations)
         self.offload.touch(namespace, [h.key for h in hits])
 
-    def _store_block(self, key: uuid.UUID, content_key: uuid.UUID, start: int, cache: StrataCache, block: torch.Tensor,
-                     namespace: str, trace: RequestTrace, registrations: list[BlockRegistration], *,
-                     already: str | None) -> bool:
+    def _store_block(
+        self,
+        key: uuid.UUID,
+        content_key: uuid.UUID,
+        start: int,
+        cache: StrataCache,
+        block: torch.Tensor,
+        namespace: str,
+        trace: RequestTrace,
+        registrations: list[BlockRegistration],
+        *,
+        already: str | None,
+    ) -> bool:
         """Copy tokens [start, start + block) of every layer into `block` and keep it in the write-back
         tier (registered) and the device pool; True if some tier holds it afterwards."""
         size = self.layout.block_tokens
@@ -136,8 +174,9 @@ class BlockWriter:
             if self._device_put(key, block, namespace):
                 trace.written_blocks += 1
             return True
-        registration = self.offload.store_block(key=key, content_key=content_key, position=start,
-                                                namespace=namespace, data=block)
+        registration = self.offload.store_block(
+            key=key, content_key=content_key, position=start, namespace=namespace, data=block
+        )
         if registration is None:
             return to_device
         trace.written_blocks += 1

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from worker.dataplane.config import NATIVE_COPY_CHOICES, option_from_environ
+from worker.dataplane.config import option_from_environ
+from worker.dataplane.config_values import NATIVE_COPY_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -467,4 +468,3 @@ class ReadBatch:
                 k = len(digests)
                 digests.append(raw[16 * k : 16 * k + 16] if whole else b"")
         return got, digests
-

@@ -20,6 +20,7 @@ from worker.dataplane.layout import BlockLayout
 
 T = TypeVar("T")
 
+
 @dataclasses.dataclass(frozen=True)
 class TierUsage:
     """Capacity accounting of a tier: used = stored bytes + pending (reserved, being written)."""
@@ -114,18 +115,14 @@ class Tier(abc.ABC):
 
     # -- writes ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def put(
-        self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None
-    ) -> PutResult:
+    def put(self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None) -> PutResult:
         """Store a whole block (`layout.block_bytes`, contiguous) under `key`, replacing any
         block stored under it. Either the whole block becomes readable or nothing changes:
         TierFull (no room) and TierUnavailable leave no partial block or reservation behind.
         A given `checksum` is trusted and stored (blocks moving down a tier keep theirs);
         otherwise it is computed from `data`."""
 
-    def put_from(
-        self, key: uuid.UUID, fill: Callable[[torch.Tensor], BlockChecksum]
-    ) -> PutResult:
+    def put_from(self, key: uuid.UUID, fill: Callable[[torch.Tensor], BlockChecksum]) -> PutResult:
         """Store a block whose bytes `fill` writes into the memory it is handed (a flat uint8
         tensor of the block's size) and whose checksum it returns, verified. If `fill` raises,
         nothing is stored and the error goes to the caller; TierFull as `put`. This default fills
@@ -155,8 +152,7 @@ class Tier(abc.ABC):
         if len(checksums) != len(items):
             raise ValueError(f"{len(items)} blocks but {len(checksums)} checksums")
         return [
-            self.put_async(key, data, checksum=checksum)
-            for (key, data), checksum in zip(items, checksums, strict=True)
+            self.put_async(key, data, checksum=checksum) for (key, data), checksum in zip(items, checksums, strict=True)
         ]
 
     # -- reads ----------------------------------------------------------------------------
@@ -178,9 +174,7 @@ class Tier(abc.ABC):
         resolving to a ReadResult or raising BlockMissing, BlockCorrupt or TierUnavailable.
         The call itself does not wait for the medium."""
 
-    def read_layers_into(
-        self, keys: Sequence[uuid.UUID], layers: range, rows: torch.Tensor
-    ) -> list[Exception | None]:
+    def read_layers_into(self, keys: Sequence[uuid.UUID], layers: range, rows: torch.Tensor) -> list[Exception | None]:
         """`get_layers` into the rows of one buffer, waited for: block i's layers land in
         `rows[i]` (`rows` is [len(keys), len(layers) * layer_bytes] uint8, contiguous). Returns
         None for each block read and the error (a miss) for each block that was not. Memory
@@ -189,9 +183,7 @@ class Tier(abc.ABC):
         # Tiers fail a read with an Exception (a miss), never a bare BaseException.
         return cast("list[Exception | None]", [future.exception() for future in futures])
 
-    def get_many(
-        self, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]
-    ) -> list[Future[ReadResult]]:
+    def get_many(self, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]) -> list[Future[ReadResult]]:
         """Whole blocks of many keys, batched like `get_layers` (it is `get_layers` of every layer)."""
         return self.get_layers(keys, slice(None), outs)
 
@@ -292,30 +284,22 @@ class Tier(abc.ABC):
     def _block_bytes(self, data: torch.Tensor) -> torch.Tensor:
         flat = tensor_bytes(data)
         if flat.numel() != self.layout.block_bytes:
-            raise ValueError(
-                f"a block of this layout is {self.layout.block_bytes} bytes, got {flat.numel()}"
-            )
+            raise ValueError(f"a block of this layout is {self.layout.block_bytes} bytes, got {flat.numel()}")
         return flat
 
     def _check_layers(self, checksum: BlockChecksum) -> None:
         """ValueError unless a given block checksum has one layer checksum per layer."""
         if len(checksum.layers) != self.layout.layers:
-            raise ValueError(
-                f"checksum has {len(checksum.layers)} layers, the layout {self.layout.layers}"
-            )
+            raise ValueError(f"checksum has {len(checksum.layers)} layers, the layout {self.layout.layers}")
 
-    def _layer_outs(
-        self, layers: range, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor]:
+    def _layer_outs(self, layers: range, keys: Sequence[uuid.UUID], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
         want = len(layers) * self.layout.layer_bytes
         flats = [tensor_bytes(out) for out in outs]
         for flat in flats:
             if flat.numel() != want:
-                raise ValueError(
-                    f"{len(layers)} layers are {want} bytes, a destination holds {flat.numel()}"
-                )
+                raise ValueError(f"{len(layers)} layers are {want} bytes, a destination holds {flat.numel()}")
         return flats
 
     def _corrupt(self, key: uuid.UUID, reason: str) -> BlockCorrupt:
@@ -328,9 +312,7 @@ class Tier(abc.ABC):
             self.counters.add(f"{self.name}.quarantine_failed")
         return BlockCorrupt(key, tier=self.name, reason=reason)
 
-    def _verify(
-        self, key: uuid.UUID, layers: range, got: Sequence[bytes], want: Sequence[bytes]
-    ) -> None:
+    def _verify(self, key: uuid.UUID, layers: range, got: Sequence[bytes], want: Sequence[bytes]) -> None:
         for layer, g, w in zip(layers, got, want, strict=True):
             if g != w:
                 raise self._corrupt(key, f"layer {layer} checksum mismatch")

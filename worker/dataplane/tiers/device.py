@@ -31,11 +31,7 @@ class _Page:
 
 
 def default_device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class DeviceTier(Tier):
@@ -60,9 +56,7 @@ class DeviceTier(Tier):
         self.pages = capacity_bytes // layout.block_bytes
         # Zeroed, not just reserved: on the CPU that makes every page resident now, as GPU
         # memory is, so no put pays for first-touch page faults.
-        self._pool = torch.zeros(
-            (self.pages, layout.block_bytes), dtype=torch.uint8, device=self.device
-        )
+        self._pool = torch.zeros((self.pages, layout.block_bytes), dtype=torch.uint8, device=self.device)
         self._free = list(range(self.pages - 1, -1, -1))  # a stack: pop/append are O(1)
         self._index: dict[uuid.UUID, _Page] = {}
         self._writing = 0
@@ -102,9 +96,7 @@ class DeviceTier(Tier):
             dst.copy_(src, non_blocking=True)
         self._stream.synchronize()
 
-    def put(
-        self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None
-    ) -> PutResult:
+    def put(self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None) -> PutResult:
         src = self._block_bytes(data)
         with self._lock:
             if not self._free:
@@ -208,15 +200,15 @@ class DeviceTier(Tier):
         self._submit(wait)
         return futures
 
-    def read_layers_into(
-        self, keys: Sequence[uuid.UUID], layers: range, rows: torch.Tensor
-    ) -> list[Exception | None]:
+    def read_layers_into(self, keys: Sequence[uuid.UUID], layers: range, rows: torch.Tensor) -> list[Exception | None]:
         """One gather of `layers` of every stored block into its row (nothing per block but the
         index lookup); on CUDA the copy runs on the tier's stream and is waited for."""
         offset, nbytes = self.layout.span(layers)
         if rows.shape != (len(keys), nbytes) or rows.dtype != torch.uint8 or not rows.is_contiguous():
-            raise ValueError(f"{len(keys)} blocks of {len(layers)} layers need a contiguous uint8 buffer of "
-                             f"[{len(keys)}, {nbytes}], got {rows.dtype} {list(rows.shape)}")
+            raise ValueError(
+                f"{len(keys)} blocks of {len(layers)} layers need a contiguous uint8 buffer of "
+                f"[{len(keys)}, {nbytes}], got {rows.dtype} {list(rows.shape)}"
+            )
         errors: list[Exception | None] = [None] * len(keys)
         held: list[tuple[int, _Page]] = []
         for i, (key, page) in enumerate(zip(keys, self._acquire_many(keys), strict=True)):
@@ -260,7 +252,8 @@ class DeviceTier(Tier):
             pages = torch.tensor([page.index for _, page in held[first : first + count]], dtype=torch.long)
             out = dsts[held[first][0]]
             target = torch.empty(0, dtype=torch.uint8, device=out.device).set_(
-                out.untyped_storage(), out.storage_offset(), (count, nbytes), (nbytes, 1))
+                out.untyped_storage(), out.storage_offset(), (count, nbytes), (nbytes, 1)
+            )
             if target.device == source.device:
                 torch.index_select(source, 0, pages.to(source.device, non_blocking=True), out=target)
             else:  # a CPU pool into GPU buffers, or the reverse: gather where the pool is, then one copy
@@ -278,9 +271,7 @@ class DeviceTier(Tier):
         if held:
             self.counters.add(f"{self.name}.hits", len(held))
         for i, _ in held:
-            futures[i].set_result(
-                ReadResult(key=keys[i], tier=self.name, layers=selected, nbytes=nbytes)
-            )
+            futures[i].set_result(ReadResult(key=keys[i], tier=self.name, layers=selected, nbytes=nbytes))
 
     def page(self, key: uuid.UUID) -> torch.Tensor:
         """The stored bytes of a block, zero-copy (for the engine's attention). Valid until the
@@ -352,9 +343,12 @@ def _adjacent_runs(dsts: Sequence[torch.Tensor], nbytes: int) -> list[tuple[int,
     runs: list[tuple[int, int]] = []
     previous: torch.Tensor | None = None
     for i, dst in enumerate(dsts):
-        if (previous is not None and dst.device == previous.device
-                and dst.untyped_storage().data_ptr() == previous.untyped_storage().data_ptr()
-                and dst.storage_offset() == previous.storage_offset() + nbytes):
+        if (
+            previous is not None
+            and dst.device == previous.device
+            and dst.untyped_storage().data_ptr() == previous.untyped_storage().data_ptr()
+            and dst.storage_offset() == previous.storage_offset() + nbytes
+        ):
             first, count = runs[-1]
             runs[-1] = (first, count + 1)
         else:

@@ -25,21 +25,32 @@ def header_length(layout: BlockLayout) -> int:
 
 
 def pack_header(*, magic: bytes, layout: BlockLayout, key: uuid.UUID, checksum: BlockChecksum) -> bytes:
-    body = FIXED.pack(magic, VERSION, 0, layout.layers, layout.layer_bytes, layout.block_bytes,
-                      DTYPE_CODES[layout.dtype], key.bytes, checksum.block) + b"".join(checksum.layers)
+    body = FIXED.pack(
+        magic,
+        VERSION,
+        0,
+        layout.layers,
+        layout.layer_bytes,
+        layout.block_bytes,
+        DTYPE_CODES[layout.dtype],
+        key.bytes,
+        checksum.block,
+    ) + b"".join(checksum.layers)
     return body + xxhash.xxh3_64(body).digest()
 
 
-def parse_header(*, magic: bytes, layout: BlockLayout, key: uuid.UUID, raw: bytes | memoryview,
-                 holder: str) -> BlockChecksum:
+def parse_header(
+    *, magic: bytes, layout: BlockLayout, key: uuid.UUID, raw: bytes | memoryview, holder: str
+) -> BlockChecksum:
     """The checksum recorded in a header, after checking it is intact and belongs to `key` in
     `layout`; HeaderInvalid otherwise. `holder` names what holds the block ("file", "value")."""
     body_len = FIXED.size + CHECKSUM_BYTES * layout.layers
     body = bytes(raw[:body_len])
     if len(body) < body_len:
         raise HeaderInvalid("header is truncated")
-    found_magic, version, _flags, layers, layer_bytes, data_bytes, dtype_code, key_bytes, block_sum = (
-        FIXED.unpack_from(body))
+    found_magic, version, _flags, layers, layer_bytes, data_bytes, dtype_code, key_bytes, block_sum = FIXED.unpack_from(
+        body
+    )
     if found_magic != magic or version != VERSION:
         raise HeaderInvalid(f"not a strata block {holder}")
     if xxhash.xxh3_64(body).digest() != bytes(raw[body_len : body_len + HASH_BYTES]):
@@ -47,7 +58,10 @@ def parse_header(*, magic: bytes, layout: BlockLayout, key: uuid.UUID, raw: byte
     if key_bytes != key.bytes:
         raise HeaderInvalid(f"{holder} holds block {uuid.UUID(bytes=key_bytes)}")
     if (layers, layer_bytes, data_bytes, dtype_code) != (
-        layout.layers, layout.layer_bytes, layout.block_bytes, DTYPE_CODES[layout.dtype]
+        layout.layers,
+        layout.layer_bytes,
+        layout.block_bytes,
+        DTYPE_CODES[layout.dtype],
     ):
         raise HeaderInvalid(f"{holder} holds a block of another layout")
     sums = body[FIXED.size :]

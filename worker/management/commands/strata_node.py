@@ -24,7 +24,11 @@ class Command(BaseCommand):
         parser.add_argument("--remote-bytes", dest="remote_bytes", help="L3 capacity accounted to this node")
         parser.add_argument("--heartbeat-seconds", dest="heartbeat_seconds", help="seconds between heartbeats")
         parser.add_argument("--concurrency", dest="worker_concurrency", help="task threads")
-        parser.add_argument("--model", dest="model", help="model to serve: a preset (tiny, small, bench) or a local checkpoint directory")
+        parser.add_argument(
+            "--model",
+            dest="model",
+            help="model to serve: a preset (tiny, small, bench) or a local checkpoint directory",
+        )
         parser.add_argument("--serve-port", dest="serve_port", help="port of the node's OpenAI-compatible server")
         parser.add_argument("--tiers", dest="tiers", help="tiers of this node, e.g. device,host,disk,remote")
         parser.add_argument("--engine", dest="engine", help="engine serving the model: strata or vllm")
@@ -34,9 +38,22 @@ class Command(BaseCommand):
     def handle(self, *args: Any, loglevel: str, **options: Any) -> None:
         overrides = {
             key: options[key]
-            for key in ("node_name", "node_address", "device_bytes", "host_bytes", "disk_bytes", "disk_path",
-                        "remote_bytes", "heartbeat_seconds", "worker_concurrency", "model", "serve_port", "tiers",
-                        "engine", "status_port")
+            for key in (
+                "node_name",
+                "node_address",
+                "device_bytes",
+                "host_bytes",
+                "disk_bytes",
+                "disk_path",
+                "remote_bytes",
+                "heartbeat_seconds",
+                "worker_concurrency",
+                "model",
+                "serve_port",
+                "tiers",
+                "engine",
+                "status_port",
+            )
             if options.get(key) is not None
         }
         try:

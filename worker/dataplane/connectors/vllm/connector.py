@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.vllm")
 
+
 class StrataConnectorBase(KVConnectorBase_V1):
     """The KV connector. Subclasses give it the fleet's directory (`open_directory`); without one,
     it serves from the node's tiers alone (the remote tier asked directly)."""
@@ -64,9 +65,15 @@ class StrataConnectorBase(KVConnectorBase_V1):
             self.scheduler.serve_status()
         else:
             self.worker = WorkerHalf(self.runtime)
-        log.info("StrataConnector (%s) for %s on node %s: tiers %s, write-back to %s, directory %s",
-                 role.name.lower(), profile.model_id, config.node_name, ",".join(self.runtime.store.names),
-                 self.runtime.manager.write_back_tier, "on" if self.runtime.directory is not None else "off")
+        log.info(
+            "StrataConnector (%s) for %s on node %s: tiers %s, write-back to %s, directory %s",
+            role.name.lower(),
+            profile.model_id,
+            config.node_name,
+            ",".join(self.runtime.store.names),
+            self.runtime.manager.write_back_tier,
+            "on" if self.runtime.directory is not None else "off",
+        )
 
     def _open(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Runtime:
         tiers = [name for name in config.tiers if name != "device"]  # vLLM's pages are L1
@@ -81,8 +88,9 @@ class StrataConnectorBase(KVConnectorBase_V1):
                 directory.close()
             raise
         write_back = "host" if "host" in store.names else store.names[0]
-        manager = OffloadManager(store=store, profile=profile, node=config.node_name, directory=directory,
-                                 write_back_tier=write_back)
+        manager = OffloadManager(
+            store=store, profile=profile, node=config.node_name, directory=directory, write_back_tier=write_back
+        )
         return Runtime(config=config, profile=profile, store=store, directory=directory, manager=manager)
 
     # -- hooks for the control plane's subclass ---------------------------------------------------
@@ -162,8 +170,9 @@ class StrataConnectorBase(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.wait_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         """Layer-wise saves copy the layer now (on a GPU); otherwise the step's full blocks are
         gathered once the forward pass is done (wait_for_save), straight into the write-back tier."""
         assert self.worker is not None

@@ -44,8 +44,10 @@ def profile_for(vllm_config: VllmConfig, block_tokens: int) -> ModelProfile:
     """The profile of the model vLLM serves, as Strata's own engine would key the same checkpoint."""
     model = vllm_config.model_config
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
-        raise ValueError(f"StrataConnector: kv cache dtype {vllm_config.cache_config.cache_dtype} is not stored; "
-                         f"run with --kv-cache-dtype auto")
+        raise ValueError(
+            f"StrataConnector: kv cache dtype {vllm_config.cache_config.cache_dtype} is not stored; "
+            f"run with --kv-cache-dtype auto"
+        )
     return checkpoint_profile(model.model, dtype=model.dtype, block_tokens=block_tokens)
 
 
@@ -53,14 +55,18 @@ def check_engine(vllm_config: VllmConfig) -> None:
     """Refuse, by setting, an engine the connector cannot serve correctly."""
     transfer = vllm_config.kv_transfer_config
     if transfer is not None and transfer.kv_load_failure_policy != "recompute":
-        raise ValueError('StrataConnector: kv_transfer_config needs "kv_load_failure_policy": "recompute" (a block '
-                         f'that fails its checksum is recomputed, never served); it is '
-                         f'"{transfer.kv_load_failure_policy}"')
+        raise ValueError(
+            'StrataConnector: kv_transfer_config needs "kv_load_failure_policy": "recompute" (a block '
+            f"that fails its checksum is recomputed, never served); it is "
+            f'"{transfer.kv_load_failure_policy}"'
+        )
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError("StrataConnector: one tensor- and pipeline-parallel rank only (a Strata block holds every "
-                         f"kv head of every layer); got tp {parallel.tensor_parallel_size}, "
-                         f"pp {parallel.pipeline_parallel_size}")
+        raise ValueError(
+            "StrataConnector: one tensor- and pipeline-parallel rank only (a Strata block holds every "
+            f"kv head of every layer); got tp {parallel.tensor_parallel_size}, "
+            f"pp {parallel.pipeline_parallel_size}"
+        )
 
 
 def node_options(extra: Mapping[str, Any]) -> NodeConfig:

@@ -1,14 +1,14 @@
 """The connector's scheduler half: what each request can load from Strata and what each step saves.
 
-    get_num_new_matched_tokens: fingerprint the request (our chained, salted keys; the namespace
-    from kv_transfer_params' strata_namespace, else cache_salt, else default), find its blocks in
-    the node's tiers, then with one batched directory lookup; answer None ("ask again next step")
-    while that lookup is in flight, so the scheduler loop never waits on the database. The
-    offload manager decides load or recompute.
-    build_connector_meta: per scheduled request, the blocks to load this step (tokens, keys,
-    tiers, pages) and the full blocks its step completes, to save.
-    update_connector_output: the worker's step report folds into the request timelines and the
-    speed estimates; the timelines and the metrics are served by `connectors.status`.
+get_num_new_matched_tokens: fingerprint the request (our chained, salted keys; the namespace
+from kv_transfer_params' strata_namespace, else cache_salt, else default), find its blocks in
+the node's tiers, then with one batched directory lookup; answer None ("ask again next step")
+while that lookup is in flight, so the scheduler loop never waits on the database. The
+offload manager decides load or recompute.
+build_connector_meta: per scheduled request, the blocks to load this step (tokens, keys,
+tiers, pages) and the full blocks its step completes, to save.
+update_connector_output: the worker's step report folds into the request timelines and the
+speed estimates; the timelines and the metrics are served by `connectors.status`.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ def namespace_of(request: Request) -> str:
     name = params.get(NAMESPACE_PARAM) if isinstance(params, Mapping) else None
     name = name or request.cache_salt or DEFAULT_NAMESPACE
     if not isinstance(name, str) or not _NAMESPACE_RE.match(name):
-        raise ValueError(f"namespace {name!r} (kv_transfer_params.{NAMESPACE_PARAM} or cache_salt) must be 1-63 "
-                         f"letters, digits, '.', '_' or '-'")
+        raise ValueError(
+            f"namespace {name!r} (kv_transfer_params.{NAMESPACE_PARAM} or cache_salt) must be 1-63 "
+            f"letters, digits, '.', '_' or '-'"
+        )
     return name
 
 
@@ -108,21 +110,32 @@ class SchedulerHalf:
         self.manager = runtime.manager
         self.block_tokens = runtime.profile.block_tokens
         if self.block_tokens % page_tokens:
-            raise ValueError(f"StrataConnector: vLLM's block size {page_tokens} must divide Strata's block_tokens "
-                             f"{self.block_tokens}")
+            raise ValueError(
+                f"StrataConnector: vLLM's block size {page_tokens} must divide Strata's block_tokens "
+                f"{self.block_tokens}"
+            )
         self.requests: dict[str, Tracked] = {}
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
         self.lookups = ThreadPoolExecutor(2, thread_name_prefix="strata-lookup")
         self.worker_store_events = Counters()
-        self.metrics = EngineMetrics(self.manager, runtime.config.node_name, model=runtime.profile.model_id,
-                                     store_events=self.worker_store_events)
+        self.metrics = EngineMetrics(
+            self.manager,
+            runtime.config.node_name,
+            model=runtime.profile.model_id,
+            store_events=self.worker_store_events,
+        )
         self.metrics.registry.register(_Followed(self))
         self.server: StatusServer | None = None
 
     def serve_status(self) -> None:
         config = self.runtime.config
-        self.server = StatusServer(metrics=self.metrics, traces=lambda: list(self.traces), node=config.node_name,
-                                   host=config.serve_host, port=config.node_status_port).start()
+        self.server = StatusServer(
+            metrics=self.metrics,
+            traces=lambda: list(self.traces),
+            node=config.node_name,
+            host=config.serve_host,
+            port=config.node_status_port,
+        ).start()
 
     def close(self) -> None:
         if self.server is not None:
@@ -133,8 +146,12 @@ class SchedulerHalf:
     def _track(self, request: Request) -> Tracked:
         tracked = self.requests.get(request.request_id)
         if tracked is None:
-            trace = RequestTrace(request_id=request.request_id, namespace="", prompt_tokens=request.num_prompt_tokens,
-                                 started_at=float(request.arrival_time))
+            trace = RequestTrace(
+                request_id=request.request_id,
+                namespace="",
+                prompt_tokens=request.num_prompt_tokens,
+                started_at=float(request.arrival_time),
+            )
             namespace: str | None = None
             if request.prompt_token_ids is None or request.mm_features:
                 log.debug("request %s: prompt embeddings or media are not cached", request.request_id)
@@ -190,7 +207,7 @@ class SchedulerHalf:
         try:
             fingerprints = self.manager.fingerprints(tokens, namespace)
             found = self.manager.locate_local([fp.prefix_key for fp in fingerprints])
-            rest = fingerprints[self.manager.first_miss(fingerprints, found):]
+            rest = fingerprints[self.manager.first_miss(fingerprints, found) :]
             found.update(self.manager.locate_remote([fp.prefix_key for fp in rest], namespace))
         except (DirectoryUnavailable, ValueError) as exc:  # the database is down; an unknown namespace
             log.warning("request %s runs without the cache: %s", tracked.request.request_id, exc)
@@ -202,11 +219,13 @@ class SchedulerHalf:
             return Plan([], 0, [], Decision("no-hit"), time.perf_counter() - started)
         return self._plan(tracked, fingerprints, found, started)
 
-    def _plan(self, tracked: Tracked, fingerprints: list[BlockFingerprint], found: dict[uuid.UUID, str],
-              started: float) -> Plan:
+    def _plan(
+        self, tracked: Tracked, fingerprints: list[BlockFingerprint], found: dict[uuid.UUID, str], started: float
+    ) -> Plan:
         held = self.manager.prefix_hits(fingerprints, found)
-        hits, decision = self.manager.decide(list(held), prompt_tokens=tracked.request.num_tokens,
-                                             request=tracked.request.request_id)
+        hits, decision = self.manager.decide(
+            list(held), prompt_tokens=tracked.request.num_tokens, request=tracked.request.request_id
+        )
         return Plan(fingerprints, len(held), hits, decision, time.perf_counter() - started)
 
     def _record_plan(self, tracked: Tracked) -> None:
@@ -267,9 +286,16 @@ class SchedulerHalf:
             start, end = computed - tracked.load_tokens, computed
             first, last = start // size, -(-end // size)
             hits = tracked.plan.hits[first:last]
-            tracked.load = LoadSpec(request_id=request.request_id, namespace=tracked.namespace,
-                                    keys=[h.key for h in hits], tiers=[h.tier for h in hits], first_block=first,
-                                    start=start, end=end, pages=list(tracked.pages))
+            tracked.load = LoadSpec(
+                request_id=request.request_id,
+                namespace=tracked.namespace,
+                keys=[h.key for h in hits],
+                tiers=[h.tier for h in hits],
+                first_block=first,
+                start=start,
+                end=end,
+                pages=list(tracked.pages),
+            )
             meta.loads.append(tracked.load)
             tracked.trace.prefix_tokens = end - start
             tracked.trace.hit_blocks_by_tier = dict(collections.Counter(h.tier for h in hits))
@@ -280,9 +306,16 @@ class SchedulerHalf:
         if tracked.namespace is not None and full > tracked.stored:
             fingerprints = self._fingerprints(tracked, full)
             if fingerprints is not None:
-                meta.saves.append(SaveSpec(
-                    request_id=request.request_id, namespace=tracked.namespace, pages=list(tracked.pages),
-                    blocks=[(fp.index, fp.prefix_key, fp.content_key) for fp in fingerprints[tracked.stored:full]]))
+                meta.saves.append(
+                    SaveSpec(
+                        request_id=request.request_id,
+                        namespace=tracked.namespace,
+                        pages=list(tracked.pages),
+                        blocks=[
+                            (fp.index, fp.prefix_key, fp.content_key) for fp in fingerprints[tracked.stored : full]
+                        ],
+                    )
+                )
                 tracked.stored = full
         if not tracked.prefilled and done >= request.num_prompt_tokens:
             tracked.prefilled = True
@@ -377,19 +410,26 @@ class _Followed:
     def collect(self) -> Iterator[GaugeMetricFamily]:
         node = self.half.runtime.config.node_name
         tracked = list(self.half.requests.values())
-        followed = GaugeMetricFamily("strata_connector_requests", "Requests the vLLM connector follows (from their "
-                                     "first lookup to their end).", labels=["node"])
+        followed = GaugeMetricFamily(
+            "strata_connector_requests",
+            "Requests the vLLM connector follows (from their first lookup to their end).",
+            labels=["node"],
+        )
         followed.add_metric([node], len(tracked))
-        pending = GaugeMetricFamily("strata_connector_lookups_in_flight", "Lookups of the vLLM connector waiting on "
-                                    "the directory or the remote tier.", labels=["node"])
+        pending = GaugeMetricFamily(
+            "strata_connector_lookups_in_flight",
+            "Lookups of the vLLM connector waiting on the directory or the remote tier.",
+            labels=["node"],
+        )
         pending.add_metric([node], sum(1 for t in tracked if t.pending is not None))
         yield from (followed, pending)
 
 
-def _continue(fingerprinter: Fingerprinter, have: Sequence[BlockFingerprint], tokens: Sequence[int],
-              blocks: int) -> list[BlockFingerprint]:
+def _continue(
+    fingerprinter: Fingerprinter, have: Sequence[BlockFingerprint], tokens: Sequence[int], blocks: int
+) -> list[BlockFingerprint]:
     """The keys of blocks len(have) .. blocks - 1 of `tokens`, chained onto `have`."""
     size = fingerprinter.block_tokens
     start = len(have) * size
-    more = fingerprinter.blocks(tokens[start:blocks * size], parent=have[-1].prefix_key if have else None)
+    more = fingerprinter.blocks(tokens[start : blocks * size], parent=have[-1].prefix_key if have else None)
     return [dataclasses.replace(fp, index=fp.index + len(have), start=fp.start + start) for fp in more]

@@ -1,14 +1,14 @@
 """The connector's worker half: moves the bytes between vLLM's pages and Strata's tiers.
 
-    start_load_kv: one layer-wise loader per request (layer 0 of every hit block, then layer 1,
-    ...); wait_for_layer_load(layer) waits for that layer only, then scatters it into vLLM's
-    pages (one copy); the wait is the layer's stall.
-    wait_for_save: the new full blocks, gathered from the pages straight into the write-back tier
-    (the host pool's slot: one copy, then hashed), registered in one batch behind the request
-    path. A load that failed (a block corrupt or vanished) reports its pages
-    (get_block_ids_with_load_errors): vLLM recomputes them.
-    build_connector_worker_meta: what the step measured (stalls, tier speeds, prefill speed,
-    counters), back to the scheduler half.
+start_load_kv: one layer-wise loader per request (layer 0 of every hit block, then layer 1,
+...); wait_for_layer_load(layer) waits for that layer only, then scatters it into vLLM's
+pages (one copy); the wait is the layer's stall.
+wait_for_save: the new full blocks, gathered from the pages straight into the write-back tier
+(the host pool's slot: one copy, then hashed), registered in one batch behind the request
+path. A load that failed (a block corrupt or vanished) reports its pages
+(get_block_ids_with_load_errors): vLLM recomputes them.
+build_connector_worker_meta: what the step measured (stalls, tier speeds, prefill speed,
+counters), back to the scheduler half.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from worker.dataplane.layout import block_layout
 from worker.dataplane.offload import Hit
 
 log = logging.getLogger("strata.vllm")
+
 
 @dataclasses.dataclass
 class PendingSave:
@@ -92,20 +93,29 @@ class WorkerHalf:
         self._shipped_counts: dict[str, int] = {}
         self._shipped_events: dict[str, int] = {}
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor], backends: Mapping[str, str],
-                 layer_index: Callable[[str], int]) -> None:
+    def register(
+        self, kv_caches: Mapping[str, torch.Tensor], backends: Mapping[str, str], layer_index: Callable[[str], int]
+    ) -> None:
         names = sorted(kv_caches, key=layer_index)
         kinds = {layout_of(backends[name]) for name in names}
         if len(kinds) != 1:
-            raise ValueError(f"StrataConnector: the layers use different attention backends ({sorted(set(backends.values()))})")
+            raise ValueError(
+                f"StrataConnector: the layers use different attention backends ({sorted(set(backends.values()))})"
+            )
         self.paged = PagedKV([kv_caches[name] for name in names], kind=kinds.pop(), layout=self.layout)
         self.layer_of = {name: i for i, name in enumerate(names)}
         if self.layerwise_saves is None:
             self.layerwise_saves = self.paged.device.type == "cuda"
         if self.paged.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.paged.device)
-        log.info("StrataConnector: %d layers of %d-token pages (%s layout, %s) as %s blocks",
-                 len(names), self.paged.page_tokens, self.paged.kind, self.paged.device, self.layout.describe())
+        log.info(
+            "StrataConnector: %d layers of %d-token pages (%s layout, %s) as %s blocks",
+            len(names),
+            self.paged.page_tokens,
+            self.paged.kind,
+            self.paged.device,
+            self.layout.describe(),
+        )
 
     def bind(self, meta: StrataMetadata) -> None:
         self.meta = meta
@@ -118,8 +128,10 @@ class WorkerHalf:
             return
         for spec in meta.loads:
             try:
-                hits = [Hit(index=spec.first_block + i, key=key, tier=tier)
-                        for i, (key, tier) in enumerate(zip(spec.keys, spec.tiers, strict=True))]
+                hits = [
+                    Hit(index=spec.first_block + i, key=key, tier=tier)
+                    for i, (key, tier) in enumerate(zip(spec.keys, spec.tiers, strict=True))
+                ]
                 with torch.inference_mode(False):
                     buffers = PrefixBuffers(layout=self.layout, blocks=len(hits), device=paged.device)
                 loader = LayerLoader(store=self.manager.store, hits=hits, buffers=buffers).start()
@@ -142,8 +154,14 @@ class WorkerHalf:
             spec = load.spec
             try:
                 load.stalls[layer] = load.loader.gates[layer].wait()
-                self.paged.scatter(layer, load.buffers.typed[layer], first_block=spec.first_block, start=spec.start,
-                                   end=spec.end, pages=spec.pages)
+                self.paged.scatter(
+                    layer,
+                    load.buffers.typed[layer],
+                    first_block=spec.first_block,
+                    start=spec.start,
+                    end=spec.end,
+                    pages=spec.pages,
+                )
                 load.scattered += 1
             except LoadFailed as failure:
                 self._fail(load, failure)
@@ -172,8 +190,9 @@ class WorkerHalf:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for save in self.pending:
                 k_dst, v_dst = self.layout.kv_views(save.buffer)[layer]
-                paged.gather_layer(layer, k_dst, v_dst, index=save.index, pages=save.spec.pages,
-                                   non_blocking=stream is not None)
+                paged.gather_layer(
+                    layer, k_dst, v_dst, index=save.index, pages=save.spec.pages, non_blocking=stream is not None
+                )
                 save.layers.add(layer)
 
     def _pending(self, saves: Sequence[SaveSpec]) -> list[PendingSave]:
@@ -203,14 +222,18 @@ class WorkerHalf:
         self.manager.counters.add("load_failures")
         if failure.block_index < len(spec.keys):
             self.manager.quarantine(spec.keys[failure.block_index], failure.cause, spec.namespace)
-        log.warning("request %s: load failed (%s); vLLM recomputes its %d tokens", spec.request_id, failure,
-                    spec.end - spec.start)
+        log.warning(
+            "request %s: load failed (%s); vLLM recomputes its %d tokens",
+            spec.request_id,
+            failure,
+            spec.end - spec.start,
+        )
 
     def _invalidate(self, spec: LoadSpec) -> None:
         """Every page the load was to fill: vLLM recomputes from the first of them."""
         assert self.paged is not None
         n = self.paged.page_tokens
-        self.invalid.update(spec.pages[spec.start // n:-(-spec.end // n)])
+        self.invalid.update(spec.pages[spec.start // n : -(-spec.end // n)])
 
     def finish_step(self) -> None:
         """After the forward pass: settle the loads, then save the step's new full blocks."""
@@ -237,10 +260,13 @@ class WorkerHalf:
             self._fail(load, LoadFailed(load.scattered, 0, RuntimeError("layers were not loaded in this step")))
         blocks = dict(collections.Counter(spec.tiers))
         report = LoadReport(
-            stalls=load.stalls, loaded_at=[t.finished - loader.started_at for t in loader.timings],
+            stalls=load.stalls,
+            loaded_at=[t.finished - loader.started_at for t in loader.timings],
             load_s=max(0.0, loader.finished_at - loader.started_at),
-            tier_loads=[(t.tier, t.bytes, t.seconds) for t in loader.tier_loads()], blocks_by_tier=blocks,
-            failure="" if load.failure is None else str(load.failure))
+            tier_loads=[(t.tier, t.bytes, t.seconds) for t in loader.tier_loads()],
+            blocks_by_tier=blocks,
+            failure="" if load.failure is None else str(load.failure),
+        )
         self.report.loads[spec.request_id] = report
         if load.failure is None:
             tokens = spec.end - spec.start
@@ -265,8 +291,12 @@ class WorkerHalf:
                 if have:
                     continue
                 registration = manager.store_block(
-                    key=key, content_key=content_key, position=index * self.layout.block_tokens,
-                    namespace=spec.namespace, fill=self._filler(key, index, spec.pages))
+                    key=key,
+                    content_key=content_key,
+                    position=index * self.layout.block_tokens,
+                    namespace=spec.namespace,
+                    fill=self._filler(key, index, spec.pages),
+                )
                 if registration is not None:
                     registrations.append(registration)
                     written += 1
@@ -285,8 +315,12 @@ class WorkerHalf:
         for save in pending:
             if len(save.layers) == self.layout.layers:
                 registration = self.manager.store_block(
-                    key=save.key, content_key=save.content_key, position=save.index * self.layout.block_tokens,
-                    namespace=save.spec.namespace, data=save.buffer)
+                    key=save.key,
+                    content_key=save.content_key,
+                    position=save.index * self.layout.block_tokens,
+                    namespace=save.spec.namespace,
+                    data=save.buffer,
+                )
                 if registration is not None:
                     registrations.append(registration)
                     self.report.saved[save.spec.request_id] = self.report.saved.get(save.spec.request_id, 0) + 1
@@ -316,8 +350,14 @@ class WorkerHalf:
         report, self.report = self.report, StrataWorkerMeta()
         report.counts = _delta(self.manager.counters.snapshot(), self._shipped_counts)
         report.store_events = _delta(self.manager.store.stats(), self._shipped_events)
-        if not (report.loads or report.saved or report.prefills_done or report.prefill or report.counts
-                or report.store_events):
+        if not (
+            report.loads
+            or report.saved
+            or report.prefills_done
+            or report.prefill
+            or report.counts
+            or report.store_events
+        ):
             return None
         return report
 

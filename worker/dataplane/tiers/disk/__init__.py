@@ -1,15 +1,15 @@
 """The disk tier: blocks as files in a local or shared directory (`tier.DiskTier`).
 
-    tier.py            DiskTier: opening, reconcile, keys, delete, usage, sync, close
-    writes.py          staging a block in a temporary file, then commit (sync, rename), alone or grouped
-    reads.py           the verified read strategies (split, hashed in pieces, batched natively)
-    files.py           what reads and writes share: file paths, per-thread buffers, exact I/O
-    headers.py         the block file header, its sizes, and the cache of parsed headers
-    names.py           block and temporary file names, the host token in them
-    ledger.py          the capacity ledger shared by every process using the directory
-    unlinker.py        background unlinking of deleted files, and their reuse by puts
-    directory_sync.py  background directory fsyncs that make renames durable
-    gds.py             kvikio (GPUDirect Storage) reads and writes of GPU memory
+tier.py            DiskTier: opening, reconcile, keys, delete, usage, sync, close
+writes.py          staging a block in a temporary file, then commit (sync, rename), alone or grouped
+reads.py           the verified read strategies (split, hashed in pieces, batched natively)
+files.py           what reads and writes share: file paths, per-thread buffers, exact I/O
+headers.py         the block file header, its sizes, and the cache of parsed headers
+names.py           block and temporary file names, the host token in them
+ledger.py          the capacity ledger shared by every process using the directory
+unlinker.py        background unlinking of deleted files, and their reuse by puts
+directory_sync.py  background directory fsyncs that make renames durable
+gds.py             kvikio (GPUDirect Storage) reads and writes of GPU memory
 """
 
 from worker.dataplane.tiers.disk.directory_sync import DIRECTORY_SYNC_DELAY_S

@@ -63,9 +63,7 @@ class DirectorySyncer:
                 raise RuntimeError(f"the {self._tier} tier is closed")
             self._dirty.update(directories)
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"strata-{self._tier}-dirsync", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name=f"strata-{self._tier}-dirsync", daemon=True)
                 self._thread.start()
             self._wake.notify()
 
@@ -129,4 +127,3 @@ class DirectorySyncer:
                             error,
                         )
             return errors
-

@@ -63,9 +63,7 @@ class BlockFiles(Tier):
         """An aligned (pinned under CUDA) host buffer for I/O of GPU tensors, per I/O thread."""
         buffer = getattr(self._local, "staging", None)
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self._local.staging = aligned_empty(
-                round_up(nbytes, DIRECT_IO_ALIGNMENT), pin=True
-            )
+            buffer = self._local.staging = aligned_empty(round_up(nbytes, DIRECT_IO_ALIGNMENT), pin=True)
         return buffer[:nbytes]
 
     # -- raw I/O --------------------------------------------------------------------------
@@ -101,8 +99,7 @@ class BlockFiles(Tier):
         """One span per layer of `buffer`, which holds `layers` back to back."""
         base, size = buffer.data_ptr(), self.layout.layer_bytes
         return [
-            Span(src=base + j * size, nbytes=size, prefix=layer_prefix(key, layer))
-            for j, layer in enumerate(layers)
+            Span(src=base + j * size, nbytes=size, prefix=layer_prefix(key, layer)) for j, layer in enumerate(layers)
         ]
 
 

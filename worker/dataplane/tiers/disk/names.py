@@ -60,4 +60,3 @@ def parse_temp_name(name: str) -> TempName | None:
     except ValueError:
         return None
     return TempName(host=parts[5] if len(parts) == 7 else None, pid=pid, reserved=reserved)
-

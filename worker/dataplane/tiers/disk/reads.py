@@ -70,9 +70,7 @@ class DiskReads(BlockFiles):
                     futures[i].set_exception(exc)
 
         def run_batched(share: int) -> None:
-            self._read_batch(
-                [(i, keys[i], dsts[i]) for i in range(share, len(keys), shares)], selected, futures
-            )
+            self._read_batch([(i, keys[i], dsts[i]) for i in range(share, len(keys), shares)], selected, futures)
 
         batched = (
             native.available()
@@ -109,9 +107,7 @@ class DiskReads(BlockFiles):
                     continue
                 try:
                     if stamp.size < self.file_bytes:
-                        raise self._corrupt(
-                            key, f"file is {stamp.size} bytes, a block file is {self.file_bytes}"
-                        )
+                        raise self._corrupt(key, f"file is {stamp.size} bytes, a block file is {self.file_bytes}")
                     header = self._headers.recall(key, stamp) or self._read_header(fd, key)
                 except BaseException as exc:  # noqa: BLE001 - that block's future fails
                     os.close(fd)
@@ -147,9 +143,7 @@ class DiskReads(BlockFiles):
             except BaseException as exc:  # noqa: BLE001 - that block's future fails
                 futures[entry.position].set_exception(exc)
 
-    def _read(
-        self, key: uuid.UUID, layers: range, dst: torch.Tensor, *, split: bool = False
-    ) -> ReadResult:
+    def _read(self, key: uuid.UUID, layers: range, dst: torch.Tensor, *, split: bool = False) -> ReadResult:
         """Read and verify `layers` of a block into `dst`. `split` (a caller outside the tier's
         I/O threads, reading one block) lets the I/O threads share a large read with it."""
         layout = self.layout
@@ -163,9 +157,7 @@ class DiskReads(BlockFiles):
         split_sums: list[bytes] | None = None
         try:
             if stamp.size < self.file_bytes:
-                raise self._corrupt(
-                    key, f"file is {stamp.size} bytes, a block file is {self.file_bytes}"
-                )
+                raise self._corrupt(key, f"file is {stamp.size} bytes, a block file is {self.file_bytes}")
             header = self._headers.recall(key, stamp)
             if on_gpu and self._kvikio is not None:
                 if header is None:
@@ -181,13 +173,7 @@ class DiskReads(BlockFiles):
                 header, hashing = self._read_hashing(fd, key, host_dst, layers, header)
             if not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            kind = (
-                "kvikio"
-                if on_gpu and self._kvikio is not None
-                else "direct"
-                if direct
-                else "buffered"
-            )
+            kind = "kvikio" if on_gpu and self._kvikio is not None else "direct" if direct else "buffered"
             self.counters.add(f"{self.name}.io_{kind}")
         finally:
             os.close(fd)
@@ -224,7 +210,6 @@ class DiskReads(BlockFiles):
             nbytes=nbytes,
             checksum=header.checksum if len(layers) == self.layout.layers else None,
         )
-
 
     def _read_hashing(
         self, fd: int, key: uuid.UUID, dst: torch.Tensor, layers: range, header: Header | None
@@ -268,9 +253,7 @@ class DiskReads(BlockFiles):
         assert header is not None
         return header, hashing
 
-    def _read_split(
-        self, fd: int, key: uuid.UUID, dst: torch.Tensor, layers: range, file_offset: int
-    ) -> list[bytes]:
+    def _read_split(self, fd: int, key: uuid.UUID, dst: torch.Tensor, layers: range, file_offset: int) -> list[bytes]:
         """Read `layers` into `dst` in pieces of SPLIT_PIECE_BYTES, shared between this thread
         and the tier's I/O threads as they go (each takes the next piece when it is done with its
         last, through a counter in the native reader), each piece hashed by the thread that read
@@ -347,4 +330,3 @@ def _pieces(layers: int, per_piece: int, alone: int) -> list[tuple[int, int]]:
     body = max(layers - alone, 1 if layers else 0)
     pieces = [(first, min(per_piece, body - first)) for first in range(0, body, per_piece)]
     return pieces + [(first, 1) for first in range(body, layers)]
-

@@ -79,9 +79,7 @@ class DiskTier(DiskReads, DiskWrites):
     ) -> None:
         if reuse_deleted_s < 0:
             raise ValueError(f"reuse_deleted_s must be 0 or more seconds, got {reuse_deleted_s}")
-        super().__init__(
-            name=name, layout=layout, counters=counters, hasher=hasher, io_threads=io_threads
-        )
+        super().__init__(name=name, layout=layout, counters=counters, hasher=hasher, io_threads=io_threads)
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -246,4 +244,3 @@ class DiskTier(DiskReads, DiskWrites):
         self._syncer.close()
         self._unlinker.close()
         self._ledger.close()
-

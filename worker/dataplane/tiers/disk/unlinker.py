@@ -54,9 +54,7 @@ class Unlinker:
             self._queue.append((path, size, time.monotonic() + self._keep_s if keep else 0.0))
             self._busy += 1
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"strata-{self._tier}-unlink", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name=f"strata-{self._tier}-unlink", daemon=True)
                 self._thread.start()
             self._wake.notify_all()
 
@@ -126,8 +124,13 @@ class Unlinker:
             except OSError as exc:
                 # The bytes are still there, under a temporary name: counted as pending while
                 # this process lives, removed by the reconcile of the next.
-                log.warning("%s tier: removing the deleted block file %s failed: %s; it is removed "
-                            "when the tier is next opened", self._tier, path, exc)
+                log.warning(
+                    "%s tier: removing the deleted block file %s failed: %s; it is removed "
+                    "when the tier is next opened",
+                    self._tier,
+                    path,
+                    exc,
+                )
                 size = 0
             if size:
                 with self._ledger.locked() as state:
@@ -135,4 +138,3 @@ class Unlinker:
             with self._wake:
                 self._busy -= 1
                 self._wake.notify_all()
-

@@ -50,9 +50,7 @@ class _Staged:
 class DiskWrites(BlockFiles):
     """`put` and `put_many` of the disk tier (see `writes`)."""
 
-    def put(
-        self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None
-    ) -> PutResult:
+    def put(self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None) -> PutResult:
         result = self._commit([self._stage(key, data, checksum)])[0]
         if isinstance(result, BaseException):
             raise result
@@ -98,9 +96,7 @@ class DiskWrites(BlockFiles):
                         with contextlib.suppress(OSError):
                             os.unlink(entry.tmp)
                     results = [exc] * len(ready)
-                outcome: dict[int, PutResult | BaseException] = dict(
-                    zip([j for j, _ in ready], results, strict=True)
-                )
+                outcome: dict[int, PutResult | BaseException] = dict(zip([j for j, _ in ready], results, strict=True))
                 for j, staged_entry in enumerate(staged):
                     result = outcome.get(j, staged_entry)
                     if isinstance(result, BaseException):
@@ -146,9 +142,7 @@ class DiskWrites(BlockFiles):
             self._check_layers(checksum)
         final = self.path_of(key)
         tmp = self._temp_path(final, key, self.file_bytes)
-        direct = (
-            self.direct_io and not use_kvikio and is_aligned(src.data_ptr(), layout.block_bytes)
-        )
+        direct = self.direct_io and not use_kvikio and is_aligned(src.data_ptr(), layout.block_bytes)
         try:
             fd, tmp = self._reserve_and_create(tmp, direct=direct, wait_for_freed=wait_for_freed)
         except BaseException:
@@ -161,8 +155,9 @@ class DiskWrites(BlockFiles):
             if use_kvikio:
                 assert checksum is not None
                 self._fill_header(header_view, key, checksum)
-                kvikio_write(self._kvikio, fd, tmp, header, src, header_bytes=self.header_bytes,
-                             file_bytes=self.file_bytes)
+                kvikio_write(
+                    self._kvikio, fd, tmp, header, src, header_bytes=self.header_bytes, file_bytes=self.file_bytes
+                )
             else:
                 try:
                     self._pwrite_exact(fd, [host_view(src)], self.header_bytes)
@@ -173,9 +168,7 @@ class DiskWrites(BlockFiles):
                 self._fill_header(header_view, key, checksum)
                 self._pwrite_exact(fd, [header_view], 0)
                 if layout.block_bytes != self.file_bytes - self.header_bytes:
-                    os.ftruncate(
-                        fd, self.file_bytes
-                    )  # pad, so O_DIRECT reads of the tail stay aligned
+                    os.ftruncate(fd, self.file_bytes)  # pad, so O_DIRECT reads of the tail stay aligned
         except BaseException as exc:
             os.close(fd)
             self._abandon(tmp)
@@ -223,12 +216,9 @@ class DiskWrites(BlockFiles):
         else:
             self.counters.add(f"{self.name}.unavailable")
             code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "OSError"
-            error = TierUnavailable(
-                self.name, reason=f"{doing} {path} failed: {code} ({exc.strerror or exc})"
-            )
+            error = TierUnavailable(self.name, reason=f"{doing} {path} failed: {code} ({exc.strerror or exc})")
         error.__cause__ = exc  # these errors travel through futures, not `raise ... from`
         return error
-
 
     def _commit(self, staged: Sequence[_Staged]) -> list[PutResult | BaseException]:
         """fdatasync every staged file, rename them into place under one ledger lock, and hand
@@ -251,9 +241,7 @@ class DiskWrites(BlockFiles):
                 results[i] = self._commit_error(exc, entry.tmp, "syncing")
                 continue
             os.close(entry.fd)
-            synced.append(
-                (i, entry, Stamp(inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns))
-            )
+            synced.append((i, entry, Stamp(inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns)))
         try:
             placed = self._rename_into_place(synced, results)
         except BaseException as exc:
@@ -276,9 +264,7 @@ class DiskWrites(BlockFiles):
             self.counters.add(f"{self.name}.io_{entry.io}")
             self.counters.add(f"{self.name}.puts")
             self.counters.add(f"{self.name}.bytes_written", layout.block_bytes)
-            results[i] = PutResult(
-                key=entry.key, tier=self.name, nbytes=layout.block_bytes, checksum=entry.checksum
-            )
+            results[i] = PutResult(key=entry.key, tier=self.name, nbytes=layout.block_bytes, checksum=entry.checksum)
         return cast(list[PutResult | BaseException], results)
 
     def _rename_into_place(
@@ -319,9 +305,7 @@ class DiskWrites(BlockFiles):
                 placed.append((i, entry, stamp))
         return placed
 
-    def _reserve_and_create(
-        self, tmp: Path, *, direct: bool, wait_for_freed: bool
-    ) -> tuple[int, Path]:
+    def _reserve_and_create(self, tmp: Path, *, direct: bool, wait_for_freed: bool) -> tuple[int, Path]:
         """Reserve a block's room in the ledger and create its temporary file `tmp`, or take a
         kept file of a deleted block instead (REUSE_DELETED_S; it keeps its own temporary name):
         returns the open file and its name. TierFull when there is no room (_NoRoomYet instead
@@ -362,8 +346,7 @@ class DiskWrites(BlockFiles):
             except FileNotFoundError:
                 continue  # a reconcile removed it (and recounted the ledger without it)
             except OSError as exc:
-                log.warning("%s tier: reusing the deleted block file %s failed: %s", self.name,
-                            kept, exc)
+                log.warning("%s tier: reusing the deleted block file %s failed: %s", self.name, kept, exc)
                 self._unlinker.add(kept, self.file_bytes)  # unlinked (and uncounted) as usual
                 return None
             # Written now, as far as the reconciler of another host sharing the directory can
@@ -390,4 +373,3 @@ class DiskWrites(BlockFiles):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             state[1] -= self.file_bytes
-

@@ -44,9 +44,7 @@ class KeyIndex(PoolFile):
         k0, k1 = key_words(key)
         slots = self._index_slots(k0, k1)
         if slots is None:
-            found = np.flatnonzero(
-                (self._keys[:, 0] == k0) & (self._keys[:, 1] == k1) & (self._state == READY)
-            )
+            found = np.flatnonzero((self._keys[:, 0] == k0) & (self._keys[:, 1] == k1) & (self._state == READY))
             return [int(slot) for slot in found]
         return [slot for slot in slots if self._state[slot] == READY]
 
@@ -109,4 +107,3 @@ class KeyIndex(PoolFile):
             self._index_add(int(slot), int(self._keys[slot, 0]), int(self._keys[slot, 1]))
         control[1] = 0
         control[2] = int(control[2]) + 1
-

@@ -39,6 +39,7 @@ index, [2] = the index's rebuild counter (odd while a rebuild runs)."""
 
 FREE, WRITING, READY = 0, 1, 2
 
+
 def meta_dtype(layers: int) -> np.dtype:
     fields = [
         ("gen", "<u8"),
@@ -73,9 +74,7 @@ def checksum_of(sums: bytes, block_sums: bytes, n: int, layers: int) -> BlockChe
     first = n * layers
     return BlockChecksum(
         block=block_sums[n * CHECKSUM_BYTES : (n + 1) * CHECKSUM_BYTES],
-        layers=tuple(
-            sums[k * CHECKSUM_BYTES : (k + 1) * CHECKSUM_BYTES] for k in range(first, first + layers)
-        ),
+        layers=tuple(sums[k * CHECKSUM_BYTES : (k + 1) * CHECKSUM_BYTES] for k in range(first, first + layers)),
     )
 
 
@@ -109,9 +108,7 @@ class PoolFile(Tier):
         slot_bytes = round_up(self.layout.block_bytes, PAGE)
         slots = capacity_bytes // slot_bytes
         if slots < 1:
-            raise ValueError(
-                f"host capacity {capacity_bytes} bytes holds no {slot_bytes}-byte slot"
-            )
+            raise ValueError(f"host capacity {capacity_bytes} bytes holds no {slot_bytes}-byte slot")
         stride, meta_offset, free_offset, index_offset, data_offset = self._geometry(slots)
         total = data_offset + slots * slot_bytes
         try:
@@ -222,9 +219,7 @@ class PoolFile(Tier):
             block_bytes=self.layout.block_bytes,
             ready=READY,
         )
-        self._data = torch.frombuffer(
-            self._mm, dtype=torch.uint8, offset=data_offset, count=slots * slot_bytes
-        )
+        self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=data_offset, count=slots * slot_bytes)
 
     def _detach(self) -> None:
         if self._pinned_at is not None:
@@ -259,13 +254,9 @@ class PoolFile(Tier):
 
     def _pin(self) -> None:
         address, size = self._base + self._data_offset, self.slots * self.slot_bytes
-        err = int(
-            torch.cuda.cudart().cudaHostRegister(address, size, 1)
-        )  # 1 = cudaHostRegisterPortable
+        err = int(torch.cuda.cudart().cudaHostRegister(address, size, 1))  # 1 = cudaHostRegisterPortable
         if err != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of host pool {self.path} failed with cudaError {err}"
-            )
+            raise RuntimeError(f"cudaHostRegister of host pool {self.path} failed with cudaError {err}")
         self._pinned_at = address
 
     @contextlib.contextmanager
@@ -285,4 +276,3 @@ class PoolFile(Tier):
     # -- slot bookkeeping (callers hold the lock) -------------------------------------------
     def _slot_address(self, slot: int) -> int:
         return self._base + self._data_offset + slot * self.slot_bytes
-

@@ -49,12 +49,7 @@ class HostReads(SlotTable):
         (a writer or an eviction is at work: try again)."""
         generation = int(self._gen[slot])
         k0, k1 = key_words(key)
-        if (
-            generation % 2
-            or self._state[slot] != READY
-            or self._keys[slot, 0] != k0
-            or self._keys[slot, 1] != k1
-        ):
+        if generation % 2 or self._state[slot] != READY or self._keys[slot, 0] != k0 or self._keys[slot, 1] != k1:
             return None
         return generation
 
@@ -67,11 +62,7 @@ class HostReads(SlotTable):
         slot = self._lookup.get(key)
         if slot is not None:
             k0, k1 = key_words(key)
-            if (
-                self._keys[slot, 0] == k0
-                and self._keys[slot, 1] == k1
-                and self._state[slot] == READY
-            ):
+            if self._keys[slot, 0] == k0 and self._keys[slot, 1] == k1 and self._state[slot] == READY:
                 return slot
         found = self._ready_slots(key)
         if not found:
@@ -83,9 +74,7 @@ class HostReads(SlotTable):
         self._lookup[key] = slot
         return slot
 
-    def _read(
-        self, keys: list[uuid.UUID], layers: range, dsts: list[torch.Tensor]
-    ) -> list[ReadResult | Exception]:
+    def _read(self, keys: list[uuid.UUID], layers: range, dsts: list[torch.Tensor]) -> list[ReadResult | Exception]:
         if self.hasher.native and all(dst.device.type == "cpu" for dst in dsts):
             return self._read_native(keys, layers, dsts)
         layout = self.layout
@@ -157,13 +146,9 @@ class HostReads(SlotTable):
                     self.counters.add(f"{self.name}.torn_retries")
                     retry.append(i)
                     continue
-                bad = next(
-                    (layer for layer, g, w in zip(layers, got, want, strict=True) if g != w), None
-                )
+                bad = next((layer for layer, g, w in zip(layers, got, want, strict=True) if g != w), None)
                 if stored_nbytes != layout.block_bytes:
-                    results[i] = self._quarantine(
-                        keys[i], slot, generation, f"slot records {stored_nbytes} bytes"
-                    )
+                    results[i] = self._quarantine(keys[i], slot, generation, f"slot records {stored_nbytes} bytes")
                 elif bad is None:
                     self.counters.add(f"{self.name}.hits")
                     self.counters.add(f"{self.name}.bytes_read", nbytes)
@@ -177,9 +162,7 @@ class HostReads(SlotTable):
                         key=keys[i], tier=self.name, layers=layers, nbytes=nbytes, checksum=checksum
                     )
                 else:
-                    results[i] = self._quarantine(
-                        keys[i], slot, generation, f"layer {bad} checksum mismatch"
-                    )
+                    results[i] = self._quarantine(keys[i], slot, generation, f"layer {bad} checksum mismatch")
             pending = retry
         return self._finish_read(keys, results, pending)
 
@@ -271,9 +254,7 @@ class HostReads(SlotTable):
             self.counters.add(f"{self.name}.misses", misses)
         return cast(list[ReadResult | Exception], results)
 
-    def _copy_to_devices(
-        self, copies: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> list[torch.cuda.Stream]:
+    def _copy_to_devices(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.cuda.Stream]:
         """Queue pool-to-GPU copies on this tier's stream per device (the pool is pinned, so they
         run while the CPU hashes the same bytes); returns the streams to wait on."""
         used: dict[torch.device, torch.cuda.Stream] = {}
@@ -330,4 +311,3 @@ class HostReads(SlotTable):
 
     def contains(self, key: uuid.UUID) -> bool:
         return self._find(key) is not None
-

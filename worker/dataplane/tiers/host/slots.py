@@ -53,9 +53,7 @@ class SlotTable(KeyIndex):
                 self._release(int(slot))
                 reclaimed += 1
         if reclaimed:
-            log.warning(
-                "host pool %s: reclaimed %d slots left by crashed writers", self.path, reclaimed
-            )
+            log.warning("host pool %s: reclaimed %d slots left by crashed writers", self.path, reclaimed)
         return reclaimed
 
     def _allocate(self, key: uuid.UUID) -> int:
@@ -73,4 +71,3 @@ class SlotTable(KeyIndex):
             self._keys[slot] = (k0, k1)
             self._index_add(slot, k0, k1)
             return slot
-

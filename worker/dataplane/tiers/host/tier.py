@@ -112,9 +112,7 @@ class HostTier(HostReads):
             raise
 
     # -- Tier -----------------------------------------------------------------------------
-    def put(
-        self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None
-    ) -> PutResult:
+    def put(self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None) -> PutResult:
         result = self._write([(key, data)], [checksum])[0]
         if isinstance(result, BaseException):
             raise result
@@ -181,9 +179,7 @@ class HostTier(HostReads):
                 if src.device.type != "cpu" or not fused:
                     # Device sources come down with one synchronous copy; small batches take a
                     # torch copy and one hash in this thread.
-                    self._data[
-                        slot * self.slot_bytes : slot * self.slot_bytes + layout.block_bytes
-                    ].copy_(src)
+                    self._data[slot * self.slot_bytes : slot * self.slot_bytes + layout.block_bytes].copy_(src)
                     if checksums[i] is None:
                         hashed += [
                             (i, Span(dst + j * lb, lb, prefix))
@@ -205,9 +201,7 @@ class HostTier(HostReads):
             self.hasher.run(copies, digest=False, streaming=True)
             for j in range(0, len(hashed), layout.layers):
                 i = hashed[j][0]
-                checksums[i] = BlockChecksum.from_layers(
-                    items[i][0], digests[j : j + layout.layers]
-                )
+                checksums[i] = BlockChecksum.from_layers(items[i][0], digests[j : j + layout.layers])
             if filled:
                 filled_spans = len(filled) * layout.layers
                 # Written past the cache, as a tier's own storage is (`run` with streaming True).
@@ -235,14 +229,10 @@ class HostTier(HostReads):
             raise
         self._publish([(items[i][0], slot) for i, slot in slots.items()])
         for i in slots:
-            results[i] = PutResult(
-                key=items[i][0], tier=self.name, nbytes=layout.block_bytes, checksum=checksums[i]
-            )
+            results[i] = PutResult(key=items[i][0], tier=self.name, nbytes=layout.block_bytes, checksum=checksums[i])
         return cast(list[PutResult | BaseException], results)
 
-    def put_from(
-        self, key: uuid.UUID, fill: Callable[[torch.Tensor], BlockChecksum]
-    ) -> PutResult:
+    def put_from(self, key: uuid.UUID, fill: Callable[[torch.Tensor], BlockChecksum]) -> PutResult:
         """`Tier.put_from` straight into the block's slot: no copy through a buffer of the
         caller's (a block read from another tier lands here once). Until `fill` returns the slot
         is being written, so no reader sees it; if `fill` raises, the slot is freed."""

@@ -39,4 +39,3 @@ def redis_client(url: str, *, cluster: bool = False, timeout_s: float = 2.0) -> 
     if cluster:
         return redis.cluster.RedisCluster.from_url(url, **options)
     return redis.Redis.from_url(url, **options)
-

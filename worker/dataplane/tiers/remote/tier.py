@@ -70,17 +70,13 @@ class RemoteTier(Tier):
         io_threads: int = 2,
         name: str = "remote",
     ) -> None:
-        super().__init__(
-            name=name, layout=layout, counters=counters, hasher=hasher, io_threads=io_threads
-        )
+        super().__init__(name=name, layout=layout, counters=counters, hasher=hasher, io_threads=io_threads)
         if not prefix or any(c.isspace() for c in prefix):
             raise ValueError(f"remote key prefix must be non-empty without spaces, got {prefix!r}")
         self.client = client
         self.prefix = prefix
         self.capacity_bytes = capacity_bytes
-        self.header_bytes = round_up(
-            header_length(layout), 64
-        )
+        self.header_bytes = round_up(header_length(layout), 64)
         self.value_bytes = self.header_bytes + layout.block_bytes
         self._usage_key = f"{prefix}:usage"
         self._local = threading.local()
@@ -119,9 +115,7 @@ class RemoteTier(Tier):
             raise self._corrupt(key, str(exc)) from None
 
     # -- writes ---------------------------------------------------------------------------
-    def put(
-        self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None
-    ) -> PutResult:
+    def put(self, key: uuid.UUID, data: torch.Tensor, *, checksum: BlockChecksum | None = None) -> PutResult:
         src = self._block_bytes(data)
         layout = self.layout
         if src.device.type != "cpu":
@@ -231,8 +225,9 @@ class RemoteTier(Tier):
             header = self._local.header = bytearray(self.header_bytes)
         with self._medium():
             # `get` receives directly with a single-server client only.
-            length = receive_value(cast(redis.Redis, self.client), self.key_name(key), memoryview(header),
-                                   host_view(dst))
+            length = receive_value(
+                cast(redis.Redis, self.client), self.key_name(key), memoryview(header), host_view(dst)
+            )
         if length is None:
             self.counters.add(f"{self.name}.misses")
             raise BlockMissing(key, tier=self.name)
@@ -245,9 +240,7 @@ class RemoteTier(Tier):
         self._verify(key, layers, self.hasher.run(spans), checksum.layers)
         self.counters.add(f"{self.name}.hits")
         self.counters.add(f"{self.name}.bytes_read", layout.block_bytes)
-        return ReadResult(
-            key=key, tier=self.name, layers=layers, nbytes=layout.block_bytes, checksum=checksum
-        )
+        return ReadResult(key=key, tier=self.name, layers=layers, nbytes=layout.block_bytes, checksum=checksum)
 
     def get_layers(
         self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
@@ -279,9 +272,7 @@ class RemoteTier(Tier):
         start = 0
         while start < len(requests):
             stop, payload = start, 0
-            while stop < len(requests) and (
-                stop == start or payload + requests[stop][2] * lb <= PIPELINE_BYTES
-            ):
+            while stop < len(requests) and (stop == start or payload + requests[stop][2] * lb <= PIPELINE_BYTES):
                 payload += requests[stop][2] * lb
                 stop += 1
             batch = requests[start:stop]
@@ -366,9 +357,7 @@ class RemoteTier(Tier):
             Span(src=src + j * lb, nbytes=lb, prefix=layer_prefix(key, layer), dst=dst + j * lb)
             for j, layer in enumerate(layers)
         ]
-        self._verify(
-            key, layers, self.hasher.run(spans), checksum.layers[layers.start : layers.stop]
-        )
+        self._verify(key, layers, self.hasher.run(spans), checksum.layers[layers.start : layers.stop])
 
     def checksum(self, key: uuid.UUID) -> BlockChecksum:
         """The stored checksum of a block (reads only the header)."""
@@ -382,7 +371,7 @@ class RemoteTier(Tier):
     def keys(self) -> list[uuid.UUID]:
         """Keys of every stored block, walking the key space with SCAN (never blocking the
         server the way KEYS would)."""
-        prefix = self.key_name(uuid.UUID(int=0))[: -32]
+        prefix = self.key_name(uuid.UUID(int=0))[:-32]
         with self._medium():
             names = list(self.client.scan_iter(match=prefix + b"*", count=1000))
         found = []
@@ -445,4 +434,3 @@ class RemoteTier(Tier):
             return
         super().close()
         self.client.close()
-

@@ -69,8 +69,7 @@ def set_without_join(client: RedisClient, name: bytes, header: bytes, data: memo
         client.set(name, header + bytes(data))
         return
     command = [
-        b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s"
-        % (len(name), name, len(header) + len(data), header),
+        b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (len(name), name, len(header) + len(data), header),
         data,
         b"\r\n",
     ]
