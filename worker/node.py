@@ -1,4 +1,8 @@
-"""The node runtime: a Celery worker on queue node.<name> and the heartbeat that reports its tiers."""
+"""The node runtime: a Celery worker on queue node.<name> and the heartbeat that reports its tiers.
+
+Imports inside functions here are deliberate: the model engine (torch, transformers) and the vLLM
+server load only in a node that serves that engine, and the control-plane services only once the
+worker has set Django up."""
 
 from __future__ import annotations
 

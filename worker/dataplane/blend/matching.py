@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from worker.dataplane.blend.options import BlendError
-from worker.dataplane.hashing import encode_tokens
+from worker.dataplane.hashing import _content_key_raw, encode_tokens
 
 _PERSON_FRAGMENT = b"strata/fragmnt/1"
 TIER_RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
@@ -47,8 +47,6 @@ def content_keys_at(
 ) -> dict[int, uuid.UUID]:
     """The content key of the block-sized window at each offset: the same bytes as
     `hashing.content_key` of those tokens, computed from one encoding of the prompt."""
-    from worker.dataplane.hashing import _content_key_raw  # noqa: PLC0415 - the one definition of the key
-
     encoded = encode_tokens(token_ids)
     model = model_key.bytes
     width = 4 * block_tokens
