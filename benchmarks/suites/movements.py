@@ -54,7 +54,7 @@ ROUTES = (("host", "disk"), ("disk", "remote"), ("remote", "host"))
 
 def run(ctx: Any) -> list[Any]:
     from benchmarks.harness import run_child
-    from benchmarks.suites.directory import _bench_database
+    from benchmarks.harness import bench_database
     from benchmarks.suites.tiers import private_redis
     from controlplane.runtime.environment import load_environment
 
@@ -77,7 +77,7 @@ def run(ctx: Any) -> list[Any]:
     }
     name = f"strata_bench_movements_{os.getpid()}"
     ctx.params.update(database=name, blocks=spec["blocks"], move_bytes=spec["move_bytes"])
-    with _bench_database(server, name) as url, private_redis(ctx.scratch) as redis_url:
+    with bench_database(server, name) as url, private_redis(ctx.scratch) as redis_url:
         spec["redis_url"] = redis_url
         env = {
             **os.environ,
