@@ -53,8 +53,7 @@ ROUTES = (("host", "disk"), ("disk", "remote"), ("remote", "host"))
 
 
 def run(ctx: Any) -> list[Any]:
-    from benchmarks.harness import run_child
-    from benchmarks.harness import bench_database
+    from benchmarks.harness import bench_database, run_child
     from benchmarks.suites.tiers import private_redis
     from controlplane.runtime.environment import load_environment
 
