@@ -295,6 +295,26 @@ def leaving_bytes(cursor: Any, tier: ManagedTier) -> int:
     return int(cursor.fetchone()[0])
 
 
+def _eviction(
+    load: ManagedTier, placement_id: int, epoch: int, block_id: int, size: int, why: str, exec_node: str, detail: str
+) -> PlannedMovement:
+    """An eviction of one copy from `load`'s tier: dropped, not copied anywhere, run on `exec_node`."""
+    return PlannedMovement(
+        block_id=block_id,
+        kind=MovementKind.EVICT,
+        reason=why,
+        src_placement_id=placement_id,
+        src_epoch=epoch,
+        src_tier=load.tier,
+        src_node=load.node,
+        dst_tier="",
+        dst_node="",
+        exec_node=exec_node,
+        bytes=size,
+        detail=detail,
+    )
+
+
 def _next_tiers(
     load: ManagedTier, tiers: dict[tuple[str, str], ManagedTier], spec: TierPolicySpec
 ) -> list[ManagedTier]:
@@ -382,24 +402,21 @@ def plan_movements(
         below = _next_tiers(load, tiers, spec)
         for placement_id, epoch, size, block_id, expired, below_min, held_below in cursor.fetchall():
             why = MovementReason.TTL if expired else reason
+
             target = None
             already = next((t.tier for t in below if t.tier in held_below), None)
             if already is not None:  # (never for remote: nothing is below it)
                 load.planned_out += size
                 movements.append(
-                    PlannedMovement(
-                        block_id=block_id,
-                        kind=MovementKind.EVICT,
-                        reason=why,
-                        src_placement_id=placement_id,
-                        src_epoch=epoch,
-                        src_tier=load.tier,
-                        src_node=load.node,
-                        dst_tier="",
-                        dst_node="",
-                        exec_node=load.node,
-                        bytes=size,
-                        detail=f"a copy is already held in {already}",
+                    _eviction(
+                        load,
+                        placement_id,
+                        epoch,
+                        block_id,
+                        size,
+                        why,
+                        load.node,
+                        f"a copy is already held in {already}",
                     )
                 )
                 continue
@@ -419,22 +436,7 @@ def plan_movements(
                     if below
                     else "no tier below"
                 )
-                movements.append(
-                    PlannedMovement(
-                        block_id=block_id,
-                        kind=MovementKind.EVICT,
-                        reason=why,
-                        src_placement_id=placement_id,
-                        src_epoch=epoch,
-                        src_tier=load.tier,
-                        src_node=load.node,
-                        dst_tier="",
-                        dst_node="",
-                        exec_node=exec_node,
-                        bytes=size,
-                        detail=detail,
-                    )
-                )
+                movements.append(_eviction(load, placement_id, epoch, block_id, size, why, exec_node, detail))
                 continue
             target.planned_in += size
             movements.append(
