@@ -51,6 +51,8 @@ class NodeRuntime:
         """host:port of a vLLM node's Strata endpoints (the connector's status server)."""
         self.policy_version = 0
         self.policy_classes: list[Any] = []
+        self.policy_tiers: list[dict[str, Any]] = []
+        self.policy_quotas: list[dict[str, Any]] = []
         self._policy_lock = threading.Lock()
 
     def start_engine(self) -> None:
@@ -154,9 +156,17 @@ class NodeRuntime:
         # With no STRATA_REMOTE_URL, L3 lives in the deployment's Redis (its own logical database).
         return {**os.environ, "REDIS_URL": settings.ENV.redis.url_for_db(settings.ENV.redis.db + 3)}
 
-    def apply_policies(self, *, version: int, classes: list[dict[str, Any]]) -> bool:
-        """Hold the engine's device working set to the classes of policy `version`. An older
-        version than the one in force is ignored (messages may arrive late or twice)."""
+    def apply_policies(
+        self,
+        *,
+        version: int,
+        classes: list[dict[str, Any]],
+        tiers: list[dict[str, Any]] | None = None,
+        quotas: list[dict[str, Any]] | None = None,
+    ) -> bool:
+        """Hold the engine's device working set to the classes of policy `version`; keep its tier
+        policies and quotas. An older version than the one in force is ignored (messages may
+        arrive late or twice)."""
         from worker.dataplane.engine.working_set import ClassShare
 
         shares = [ClassShare.from_dict(item) for item in classes]  # a bad payload raises, naming the field
@@ -166,6 +176,8 @@ class NodeRuntime:
                 return False
             self.policy_version = version
             self.policy_classes = shares
+            self.policy_tiers = list(tiers or [])
+            self.policy_quotas = list(quotas or [])
             if self.engine is not None and self.engine.working_set is not None:
                 self.engine.working_set.set_shares(shares, version=version)
         return True
@@ -173,15 +185,12 @@ class NodeRuntime:
     def policies_refresh(self) -> None:
         """Read the policies in force and apply them if they changed (at start, and at each
         heartbeat, so a node that missed a message catches up within one interval)."""
-        import dataclasses
-
+        from controlplane.policies.dispatch import node_policies
         from controlplane.policies.snapshot import policies_snapshot
 
         snapshot = policies_snapshot()
         if snapshot.version != self.policy_version:
-            self.apply_policies(
-                version=snapshot.version, classes=[dataclasses.asdict(spec) for spec in snapshot.classes]
-            )
+            self.apply_policies(version=snapshot.version, **node_policies(snapshot))
 
     def stop_engine(self) -> None:
         if self.vllm is not None:

@@ -29,9 +29,14 @@ def node_report() -> None:
 
 
 @shared_task(name="node.apply_policies", ignore_result=True, acks_late=True)
-def node_apply_policies(version: int, classes: list[dict[str, Any]]) -> None:
-    """Enforce a new policy version's priority classes (each class's share of the device tier)."""
-    current_app.strata_runtime.apply_policies(version=version, classes=classes)
+def node_apply_policies(
+    version: int,
+    classes: list[dict[str, Any]],
+    tiers: list[dict[str, Any]] | None = None,
+    quotas: list[dict[str, Any]] | None = None,
+) -> None:
+    """Enforce a new policy version on this node: the priority classes, the tier policies and the quotas."""
+    current_app.strata_runtime.apply_policies(version=version, classes=classes, tiers=tiers or [], quotas=quotas or [])
 
 
 @shared_task(name="node.move", **_MOVEMENT_TASK)

@@ -17,7 +17,7 @@ from kombu.exceptions import KombuError
 from controlplane.celery_app import app
 from controlplane.directory.choices import NodeState
 from controlplane.directory.models import Node
-from controlplane.policies.specs import PriorityClassSpec
+from controlplane.policies.specs import PolicySnapshot
 from controlplane.settings.celery import CONTROL_QUEUE
 
 log = logging.getLogger("strata.policies")
@@ -26,14 +26,25 @@ PLAN_TASK = "movements.plan"
 APPLY_TASK = "node.apply_policies"
 
 
-def policies_dispatch_on_commit(*, version: int, reason: str, classes: Sequence[PriorityClassSpec]) -> None:
-    """Once the current transaction commits: ask the planner to plan again (`reason` is
-    "policy-change" or "mode-switch") and send every up node the classes of `version` (the node
-    enforces the device shares as it writes blocks)."""
-    payload = [dataclasses.asdict(spec) for spec in classes]
-    for item in payload:
+def node_policies(snapshot: PolicySnapshot) -> dict[str, list[dict[str, object]]]:
+    """What a node enforces itself, as plain JSON data: the priority classes (device shares,
+    remote writes), the tier policies (local eviction and the device working set) and the quotas."""
+    classes = [dataclasses.asdict(spec) for spec in snapshot.classes]
+    for item in classes:
         item["namespaces"] = list(item["namespaces"])
-    transaction.on_commit(lambda: policies_dispatch(version=version, reason=reason, classes=payload))
+    return {
+        "classes": classes,
+        "tiers": [dataclasses.asdict(spec) for spec in snapshot.tiers],
+        "quotas": [dataclasses.asdict(spec) for spec in snapshot.quotas],
+    }
+
+
+def policies_dispatch_on_commit(*, version: int, reason: str, snapshot: PolicySnapshot) -> None:
+    """Once the current transaction commits: ask the planner to plan again (`reason` is
+    "policy-change" or "mode-switch") and send every up node the policies of `version` it
+    enforces itself (`node_policies`)."""
+    payload = node_policies(snapshot)
+    transaction.on_commit(lambda: policies_dispatch(version=version, reason=reason, **payload))
 
 
 def celery_app() -> Celery:
@@ -41,7 +52,14 @@ def celery_app() -> Celery:
     return app
 
 
-def policies_dispatch(*, version: int, reason: str, classes: list[dict[str, object]]) -> None:
+def policies_dispatch(
+    *,
+    version: int,
+    reason: str,
+    classes: list[dict[str, object]],
+    tiers: Sequence[dict[str, object]] = (),
+    quotas: Sequence[dict[str, object]] = (),
+) -> None:
     """Send the planner and the nodes their tasks now. A broker that cannot be reached loses
     nothing: the version is stored, the planner's schedule picks it up and nodes read the
     classes again when they next apply policies; the log says so."""
@@ -57,7 +75,11 @@ def policies_dispatch(*, version: int, reason: str, classes: list[dict[str, obje
     sent = 0
     for name in nodes:
         try:
-            app.send_task(APPLY_TASK, kwargs={"version": version, "classes": classes}, queue=f"node.{name}")
+            app.send_task(
+                APPLY_TASK,
+                kwargs={"version": version, "classes": classes, "tiers": list(tiers), "quotas": list(quotas)},
+                queue=f"node.{name}",
+            )
             sent += 1
         except (KombuError, OSError) as exc:
             log.warning("policy version %d not sent to node %s: %s", version, name, exc)

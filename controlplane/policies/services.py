@@ -90,8 +90,13 @@ def _version_write(
         kind="policy.changed",
         payload={"version": number, "action": action, "author": author, "comment": version.comment, "mode": after.mode},
     )
-    if (after.mode, after.classes, after.tiers) != (before.mode, before.classes, before.tiers):
-        policies_dispatch_on_commit(version=number, reason=reason, classes=after.classes)
+    if (after.mode, after.classes, after.tiers, after.quotas) != (
+        before.mode,
+        before.classes,
+        before.tiers,
+        before.quotas,
+    ):
+        policies_dispatch_on_commit(version=number, reason=reason, snapshot=after)
     return version
 
 

@@ -12,6 +12,14 @@ from controlplane.directory.choices import DEFAULT_CLASS
 
 ALGORITHMS = ("lru", "lfu", "s3fifo", "cost-aware")
 
+REMOTE_WRITES = ("on-demotion", "write-through")
+"""When a class's blocks reach the shared remote tier (L3): only when the planner demotes them
+(on-demotion), or at write-back, beside the node's own copy (write-through), so that every node
+of the fleet finds them at once."""
+
+QUOTA_TIERS = ("host", "disk", "remote")
+"""Tiers a namespace's bytes can be capped in (host and disk per node; remote for the fleet)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PriorityClassSpec:
@@ -20,6 +28,19 @@ class PriorityClassSpec:
     device_share: float = 1.0
     """Largest fraction (0..1) of a node's device tier that blocks of this class may hold."""
     namespaces: tuple[str, ...] = ()
+    remote_write: str = "on-demotion"
+    """One of REMOTE_WRITES: whether write-back also copies the class's blocks to L3 at once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuotaSpec:
+    """At most `bytes` of one namespace's blocks in one tier: in each node's host or disk tier,
+    or in the shared remote tier. A write-back over it evicts the namespace's own coldest blocks
+    first, and so does the planner."""
+
+    namespace: str
+    tier: str
+    bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +98,14 @@ class PolicySnapshot:
     """Name of the mode in force ("" when none)."""
     classes: tuple[PriorityClassSpec, ...]
     tiers: tuple[TierPolicySpec, ...]
+    quotas: tuple[QuotaSpec, ...] = ()
+
+    def quota(self, namespace: str, tier: str) -> int | None:
+        """Bytes `namespace` may hold in `tier` (per node for host and disk), None when unlimited."""
+        for spec in self.quotas:
+            if spec.namespace == namespace and spec.tier == tier:
+                return spec.bytes
+        return None
 
     def tier(self, tier: str, *, node_group: str = "") -> TierPolicySpec:
         """The policy for `tier` on nodes of `node_group`: the group's own, else the fleet-wide

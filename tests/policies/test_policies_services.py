@@ -363,7 +363,8 @@ def test_a_change_in_force_asks_the_planner_and_every_up_node_after_commit(
     assert name == "node.apply_policies" and kwargs["version"] == 2
     shares = {c["name"]: c["device_share"] for c in kwargs["classes"]}
     assert shares == {"batch": 0.1, "default": 0.9}
-    assert set(kwargs["classes"][0]) == {"name", "weight", "device_share", "namespaces"}
+    assert set(kwargs["classes"][0]) == {"name", "weight", "device_share", "namespaces", "remote_write"}
+    assert {t["tier"] for t in kwargs["tiers"]} >= {"host"} and kwargs["quotas"] == []
 
     sent_tasks.clear()
     with django_capture_on_commit_callbacks(execute=True):
