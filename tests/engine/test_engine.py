@@ -7,12 +7,14 @@ import os
 import random
 import re
 import threading
+import time
 
 import pytest
 import torch
 
 from tests.engine.conftest import BLOCK_TOKENS, engine_for
 from worker.dataplane.blend.options import BlendOptions
+from worker.dataplane.offload import Throughput
 
 TIERS = ["device", "host", "disk", "remote"]
 
@@ -260,6 +262,95 @@ def test_load_or_recompute_follows_the_measured_speeds(models, make_store):
     assert fast.trace.decision == "load" and fast.trace.cached_tokens == 144
     counts = engine.counters.snapshot()
     assert counts["decision.no_hit"] == 1 and counts["decision.recompute"] == 1 and counts["decision.load"] == 2
+
+
+def slowed(tier, seconds: float):
+    """The tier's reads, each delayed by `seconds` (the medium slowed under the engine)."""
+    original = tier.get_layers
+
+    def get_layers(keys, layers, outs):
+        time.sleep(seconds)
+        return original(keys, layers, outs)
+
+    return get_layers
+
+
+def test_a_tier_judged_too_slow_is_measured_again_and_comes_back(models, make_store, monkeypatch):
+    model = models("small")
+    # The model's first forward pass pays for its warm-up: not on the engine measured here.
+    engine_for(model, make_store(model, ("host",))).generate(prompt_of(600, seed=99), max_tokens=2)
+    store = make_store(model, ("host",))
+    engine = engine_for(model, store, decide=True, reprobe_seconds=30.0)
+    now = [1000.0]
+    engine.offload.clock = lambda: now[0]
+    prompt = prompt_of(600, seed=31)
+    cold = engine.generate(prompt, max_tokens=4)
+    assert engine.generate(prompt, max_tokens=4).trace.decision == "load"  # unknown: tried
+    assert (
+        engine.generate(prompt, max_tokens=4).trace.decision == "load"
+    )  # measured: reading host memory beats computing
+    fast_estimate = engine.tier_speed["host"].value
+
+    # The host tier slows down while the node is idle: the first read after the pause replaces the old
+    # average, so the next request already recomputes.
+    host = store.tier("host")
+    healthy = host.get_layers
+    monkeypatch.setattr(host, "get_layers", slowed(host, 0.2))
+    now[0] += 60
+    assert engine.generate(prompt, max_tokens=4).trace.decision == "load"
+    assert engine.tier_speed["host"].value < fast_estimate / 10
+    slow_runs = [engine.generate(prompt, max_tokens=4) for _ in range(3)]
+    assert [r.trace.decision for r in slow_runs] == ["recompute"] * 3
+    assert all(r.output_ids == cold.output_ids for r in slow_runs)
+
+    # Still slow when its estimate grows stale: one request re-probes, measures it slow again, and
+    # the ones after it recompute until the next interval.
+    now[0] += 31
+    probe = engine.generate(prompt, max_tokens=4)
+    assert probe.trace.decision == "load" and probe.output_ids == cold.output_ids
+    assert engine.generate(prompt, max_tokens=4).trace.decision == "recompute"
+    now[0] += 10
+    assert engine.generate(prompt, max_tokens=4).trace.decision == "recompute"
+
+    # The medium recovers: nothing reads it until the estimate is stale, then one re-probe is
+    # enough to bring every request back to loading.
+    monkeypatch.setattr(host, "get_layers", healthy)
+    assert engine.generate(prompt, max_tokens=4).trace.decision == "recompute"
+    now[0] += 31
+    back = engine.generate(prompt, max_tokens=4)
+    assert back.trace.decision == "load" and back.output_ids == cold.output_ids
+    assert engine.tier_speed["host"].value > fast_estimate / 10
+    after = [engine.generate(prompt, max_tokens=4) for _ in range(3)]
+    assert [r.trace.decision for r in after] == ["load"] * 3 and after[0].trace.cached_tokens == 592
+    counts = engine.counters.snapshot()
+    assert counts["decision.reprobe"] == 2
+
+
+def test_reprobing_can_be_turned_off_and_refuses_a_bad_interval(models, make_store):
+    model = models("tiny")
+    store = make_store(model, ("disk",))
+    engine = engine_for(model, store, decide=True, reprobe_seconds=None)
+    now = [0.0]
+    engine.offload.clock = lambda: now[0]
+    prompt = prompt_of(150, seed=32)
+    engine.generate(prompt, max_tokens=2)
+    engine.generate(prompt, max_tokens=2)
+    engine.tier_speed["disk"].value = 1.0
+    now[0] += 3600
+    assert engine.generate(prompt, max_tokens=2).trace.decision == "recompute"  # never measured again
+    for bad in (0, -5.0):
+        with pytest.raises(ValueError, match="reprobe_seconds: a positive number of seconds"):
+            engine_for(model, store, decide=True, reprobe_seconds=bad)
+
+
+def test_a_stale_estimate_is_replaced_by_a_fresh_reading():
+    speed = Throughput(stale_after=30.0)
+    speed.observe(1000, 1.0, now=0.0)
+    speed.observe(10, 1.0, now=5.0)  # fresh: blended
+    assert speed.value == pytest.approx(0.7 * 1000 + 0.3 * 10)
+    speed.observe(10, 1.0, now=40.0)  # 35 s after the last reading: replaced
+    assert speed.value == 10 and speed.age(50.0) == 10.0
+    assert Throughput().is_stale(1e9) is False  # without stale_after an estimate never expires
 
 
 DECISION = re.compile(r"^request (req-\d+): (no-hit|load|recompute), (\d+) of (\d+) prompt tokens cached")

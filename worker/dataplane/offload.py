@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 
@@ -38,6 +39,10 @@ from worker.dataplane.tiers.base import Tier
 
 log = logging.getLogger("strata.engine")
 
+REPROBE_SECONDS = 30.0
+"""How old a tier's speed estimate may grow before a request it would send to recompute loads
+instead, to measure the tier again."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Hit:
@@ -59,17 +64,36 @@ class TierLoad:
 
 
 class Throughput:
-    """An exponentially weighted estimate of a rate (bytes/s of a tier, tokens/s of prefill)."""
+    """An exponentially weighted estimate of a rate (bytes/s of a tier, tokens/s of prefill).
 
-    def __init__(self, initial: float | None = None, weight: float = 0.3) -> None:
+    `measured_at` is the clock reading of the last observation. An observation made more than
+    `stale_after` seconds after the one before replaces the estimate instead of blending into it:
+    a medium not read for that long may have changed (a throttle lifted, a neighbour gone), and
+    an old average would hold back what the new reading says."""
+
+    def __init__(self, initial: float | None = None, weight: float = 0.3, *, stale_after: float | None = None) -> None:
         self.value = initial
         self.weight = weight
+        self.stale_after = stale_after
+        self.measured_at: float | None = None
 
-    def observe(self, amount: float, seconds: float) -> None:
+    def observe(self, amount: float, seconds: float, *, now: float | None = None) -> None:
         if seconds <= 0 or amount <= 0:
             return
         rate = amount / seconds
-        self.value = rate if self.value is None else (1 - self.weight) * self.value + self.weight * rate
+        now = time.monotonic() if now is None else now
+        stale = self.is_stale(now)
+        self.value = rate if self.value is None or stale else (1 - self.weight) * self.value + self.weight * rate
+        self.measured_at = now
+
+    def age(self, now: float) -> float | None:
+        """Seconds since the last observation (None: never observed)."""
+        return None if self.measured_at is None else now - self.measured_at
+
+    def is_stale(self, now: float) -> bool:
+        """Whether the estimate is older than `stale_after` (never, without a `stale_after`)."""
+        age = self.age(now)
+        return self.stale_after is not None and age is not None and age >= self.stale_after
 
 
 @dataclasses.dataclass
@@ -122,6 +146,8 @@ class Decision:
     """no-hit, load or recompute."""
     load_s: float | None = None
     compute_s: float | None = None
+    reprobe: tuple[str, ...] = ()
+    """Tiers loaded although their estimate said recompute, to measure them again (see `decide`)."""
 
 
 class OffloadManager:
@@ -142,6 +168,8 @@ class OffloadManager:
         counters: Counters | None = None,
         decide: bool = True,
         write_back_tier: str = "host",
+        reprobe_seconds: float | None = REPROBE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.profile = profile
@@ -152,6 +180,8 @@ class OffloadManager:
             )
         if write_back_tier not in store.names:
             raise ValueError(f"write_back_tier: the store has no tier {write_back_tier!r}")
+        if reprobe_seconds is not None and not reprobe_seconds > 0:
+            raise ValueError(f"reprobe_seconds: a positive number of seconds or None (never), got {reprobe_seconds!r}")
         self.node = node
         self.directory = directory
         if namespace_salt is None:
@@ -161,7 +191,10 @@ class OffloadManager:
         self.decide_enabled = decide
         self.write_back_tier = write_back_tier
         self.model_key = model_key(profile)
-        self.tier_speed = {name: Throughput() for name in TIER_ORDER}
+        self.reprobe_seconds = reprobe_seconds
+        self.clock = clock
+        self.tier_speed = {name: Throughput(stale_after=reprobe_seconds) for name in TIER_ORDER}
+        self._reprobed_at: dict[str, float] = {}
         self.prefill_speed = Throughput()
         self._fingerprinters: dict[str, Fingerprinter] = {}
 
@@ -245,7 +278,13 @@ class OffloadManager:
         recomputed (an operator wants to see a tier too slow to be worth reading), at DEBUG
         otherwise. The tiers read at once (each its share of the blocks), so the load takes as
         long as the slowest tier's share; a tier not measured yet leaves the load time unknown,
-        and an unknown time is tried (loaded) so that it gets measured."""
+        and an unknown time is tried (loaded) so that it gets measured.
+
+        A tier judged too slow is read no more, so its estimate would never learn that the medium
+        recovered. Once a tier's estimate is `reprobe_seconds` old, the next request it would send
+        to recompute loads instead (one request per tier per interval, counted `decision.reprobe`
+        and logged at INFO): that load measures the tier afresh, and a stale estimate is replaced
+        by the new reading (`Throughput`), so one re-probe is enough to bring a recovered tier back."""
         tokens = len(hits) * self.layout.block_tokens
         if not hits:
             self.counters.add("decision.no_hit")
@@ -261,11 +300,15 @@ class OffloadManager:
             if self.prefill_speed.value is not None:
                 compute_s = tokens / self.prefill_speed.value
         recompute = load_s is not None and compute_s is not None and load_s > compute_s
-        decision = Decision("recompute" if recompute else "load", load_s=load_s, compute_s=compute_s)
+        reprobe = self._reprobe_due(blocks) if recompute else ()
+        recompute = recompute and not reprobe
+        decision = Decision("recompute" if recompute else "load", load_s=load_s, compute_s=compute_s, reprobe=reprobe)
         self.counters.add(f"decision.{decision.choice}")
+        if reprobe:
+            self.counters.add("decision.reprobe")
         log.log(
-            logging.INFO if recompute else logging.DEBUG,
-            "request %s: %s, %d of %d prompt tokens cached (%s): load %s, recompute %s%s",
+            logging.INFO if recompute or reprobe else logging.DEBUG,
+            "request %s: %s, %d of %d prompt tokens cached (%s): load %s, recompute %s%s%s",
             request,
             decision.choice,
             tokens,
@@ -274,13 +317,30 @@ class OffloadManager:
             _estimate(load_s),
             _estimate(compute_s),
             "" if self.decide_enabled else " (deciding is off)",
+            f" (measuring {', '.join(reprobe)} again: estimate older than {self.reprobe_seconds:g}s)"
+            if reprobe
+            else "",
         )
         return ([] if recompute else hits), decision
+
+    def _reprobe_due(self, tiers: Iterable[str]) -> tuple[str, ...]:
+        """The tiers among `tiers` whose estimate is stale and that no request re-probed within
+        `reprobe_seconds` (marked as re-probed now, so concurrent requests do not all load)."""
+        if self.reprobe_seconds is None:
+            return ()
+        now = self.clock()
+        due = []
+        for name in tiers:
+            last = self._reprobed_at.get(name)
+            if self.tier_speed[name].is_stale(now) and (last is None or now - last >= self.reprobe_seconds):
+                self._reprobed_at[name] = now
+                due.append(name)
+        return tuple(due)
 
     def observe_load(self, loads: Iterable[TierLoad]) -> None:
         """Learn each tier's speed from a finished load (bytes and seconds per tier that served it)."""
         for served in loads:
-            self.tier_speed[served.tier].observe(served.bytes, served.seconds)
+            self.tier_speed[served.tier].observe(served.bytes, served.seconds, now=self.clock())
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Learn the engine's prefill speed from a prefill that reused nothing."""

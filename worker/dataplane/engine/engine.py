@@ -42,7 +42,7 @@ from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
 from worker.dataplane.layout import block_layout
-from worker.dataplane.offload import Hit, OffloadManager, RequestTrace, Throughput
+from worker.dataplane.offload import REPROBE_SECONDS, Hit, OffloadManager, RequestTrace, Throughput
 from worker.dataplane.store import TieredStore
 
 log = logging.getLogger("strata.engine")
@@ -87,6 +87,9 @@ class EngineOptions:
     """Choose per request between loading hits and recomputing them, from measured speeds."""
     blend: BlendOptions = dataclasses.field(default_factory=BlendOptions)
     """Fragment reuse beyond the prefix (off unless `blend.enabled`)."""
+    reprobe_seconds: float | None = REPROBE_SECONDS
+    """How old a tier's speed estimate may grow before a request it would recompute loads instead,
+    to measure the tier again (None: never; a tier judged too slow then stays unread)."""
     content_index_entries: int = 1 << 20
     """Most content keys the node remembers for fragment matching (least recently used go first)."""
 
@@ -129,6 +132,7 @@ class Engine:
             counters=self.counters,
             decide=self.options.decide,
             write_back_tier=self.options.write_back_tier,
+            reprobe_seconds=self.options.reprobe_seconds,
         )
         self.model_key = self.offload.model_key
         self._turns = Turns()
