@@ -72,9 +72,11 @@ class DirectoryOptions:
     is kept and retried (a node's engine may write blocks before its first heartbeat registers
     the node) before it is rejected for good."""
     unknown_retry_s: float = 1.0
+    shared_refresh_s: float = 5.0
+    """How long the list of shared namespaces is reused before it is read again."""
 
     def __post_init__(self) -> None:
-        for name in ("flush_interval_s", "unavailable_s", "retry_initial_s", "retry_max_s"):
+        for name in ("flush_interval_s", "unavailable_s", "retry_initial_s", "retry_max_s", "shared_refresh_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be greater than zero")
         for name in ("batch_size", "capacity", "touch_capacity", "lookup_timeout_ms", "write_timeout_ms"):
@@ -149,6 +151,7 @@ class PostgresDirectory:
         self._reader_conns: list[psycopg.Connection[Any]] = []
         self._unavailable_until = 0.0
         self._salts: dict[str, bytes] = {}
+        self._shared: tuple[float, dict[str, bytes]] | None = None
         self._writer: psycopg.Connection[Any] | None = None
         self._unannounced = collections.Counter[str]()
         self._announced_at = 0.0
@@ -183,6 +186,12 @@ class PostgresDirectory:
             salt = self._read(lambda cur: queries.namespace_salt(cur, name=namespace))
             self._salts[namespace] = salt
         return salt
+
+    def shared_salts(self) -> dict[str, bytes]:
+        now = time.monotonic()
+        if self._shared is None or now - self._shared[0] >= self.options.shared_refresh_s:
+            self._shared = (now, self._read(queries.shared_salts))
+        return dict(self._shared[1])
 
     def _read(self, query: Callable[[psycopg.Cursor[Any]], Any]) -> Any:
         if time.monotonic() < self._unavailable_until:

@@ -573,6 +573,15 @@ def lookup_result(
 NAMESPACE_SALT_SQL = f"SELECT salt FROM {NAMESPACE_TABLE} WHERE name = %(name)s"
 
 
+SHARED_SALTS_SQL = f"SELECT name, salt FROM {NAMESPACE_TABLE} WHERE shared ORDER BY name"
+
+
+def shared_salts(cursor: Any) -> dict[str, bytes]:
+    """The salt of every shared namespace, by name."""
+    cursor.execute(SHARED_SALTS_SQL)
+    return {name: bytes.fromhex(salt) for name, salt in cursor.fetchall()}
+
+
 def namespace_salt(cursor: Any, *, name: str) -> bytes:
     """The salt of a namespace as bytes; UnknownNamespace when there is none of that name."""
     cursor.execute(NAMESPACE_SALT_SQL, {"name": name})

@@ -65,6 +65,9 @@ class Directory:
             raise DirectoryUnavailable("the directory database was unreachable a moment ago")
         return namespace.encode()
 
+    def shared_salts(self) -> dict[str, bytes]:
+        return {}
+
     def lookup(self, *, keys, node, namespace=None, model_key=None, content_keys=()):  # noqa: ANN001
         self.release.wait(10)
         if self.down:

@@ -2,70 +2,13 @@
 blocks to its host tier, registers them in PostgreSQL, reports real tier use in its heartbeat, and a
 second request hits the cache."""
 
-import subprocess
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
-
 import openai
 import pytest
 
 from controlplane.directory.models import Block, Node, Placement
-from tests.support import free_port, wait_for
+from tests.support import wait_for
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
-
-
-@pytest.fixture
-def serving_node(subprocess_env, python, tmp_path) -> Iterator[tuple[str, int]]:
-    name = f"eng-{uuid.uuid4().hex[:6]}"
-    port = free_port()
-    log = open(tmp_path / "node.log", "w+")
-    env = {
-        **subprocess_env,
-        "STRATA_HOST_POOL_NAME": f"strata-test-{name}",
-        "STRATA_BLOCK_TOKENS": "16",
-        "STRATA_HOST_BYTES": "64MiB",
-        "STRATA_DEVICE_BYTES": "8MiB",
-        "STRATA_TIERS": "device,host,disk",
-    }
-    process = subprocess.Popen(
-        [
-            python,
-            "manage.py",
-            "strata_node",
-            "--name",
-            name,
-            "--heartbeat-seconds",
-            "0.5",
-            "--model",
-            "tiny",
-            "--serve-port",
-            str(port),
-            "--disk-path",
-            str(tmp_path / "disk"),
-            "--disk-bytes",
-            "64MiB",
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        yield name, port
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.seek(0)
-        print(log.read()[-5000:])
-        log.close()
-        for pool in Path("/dev/shm").glob(f"strata-test-{name}*"):
-            pool.unlink()
 
 
 def test_node_serves_registers_and_hits(serving_node):

@@ -274,6 +274,11 @@ class Directory(Protocol):
         """The salt a namespace hashes into its keys (a synchronous read, cached)."""
         ...
 
+    def shared_salts(self) -> dict[str, bytes]:
+        """The salt of every shared namespace, by name: blocks any namespace may reuse (a read
+        cached briefly, so a namespace newly marked shared is matched within seconds)."""
+        ...
+
     def flush(self, *, timeout: float = 5.0) -> bool:
         """Wait until everything queued so far is written; False if `timeout` passed first."""
         ...

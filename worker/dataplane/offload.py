@@ -52,6 +52,21 @@ class Hit:
     """Position of the block in the prompt (0 = first)."""
     key: uuid.UUID
     tier: str
+    namespace: str = ""
+    """The shared namespace the block belongs to; "" for the request's own namespace."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """Where a prompt's chain of prefix keys comes from: its leading blocks may be a shared
+    namespace's (a system prompt, a common document), hashed with that namespace's salt; the
+    blocks after them are the request's own, chained on from the last shared key with the
+    request namespace's salt. Without a shared lead, the whole chain is the request's own."""
+
+    shared: str = ""
+    """The shared namespace whose blocks lead the prompt ("" for none)."""
+    lead: tuple[BlockFingerprint, ...] = ()
+    """Those leading blocks' fingerprints, under the shared namespace's salt."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +228,29 @@ class OffloadManager:
         """True when `fingerprinter(namespace)` answers without a directory read."""
         return namespace in self._fingerprinters
 
-    def fingerprints(self, tokens: Sequence[int], namespace: str) -> list[BlockFingerprint]:
-        return self.fingerprinter(namespace).blocks(tokens)
+    def fingerprints(self, tokens: Sequence[int], namespace: str, chain: Chain | None = None) -> list[BlockFingerprint]:
+        """The prompt's blocks as `chain` keys them: the shared lead, then the namespace's own
+        blocks chained on from it (the namespace's own chain from the first block without one)."""
+        own = self.fingerprinter(namespace)
+        if chain is None or not chain.lead:
+            return own.blocks(tokens)
+        lead = len(chain.lead)
+        skip = lead * self.layout.block_tokens
+        rest = own.blocks(tokens[skip:], parent=chain.lead[-1].prefix_key)
+        return list(chain.lead) + [dataclasses.replace(fp, index=fp.index + lead, start=fp.start + skip) for fp in rest]
+
+    def shared_salts(self, namespace: str) -> dict[str, bytes]:
+        """The salts of the shared namespaces other than `namespace` (none without a directory,
+        or while it cannot be read: the request then matches its own namespace only)."""
+        if self.directory is None:
+            return {}
+        try:
+            salts = self.directory.shared_salts()
+        except Exception as exc:  # noqa: BLE001 - an unreadable list of shared namespaces is no shared hit
+            log.warning("shared namespaces could not be read, matching the request's own only: %s", exc)
+            self.counters.add("lookup_failures")
+            return {}
+        return {name: salt for name, salt in salts.items() if name != namespace}
 
     # -- lookup ----------------------------------------------------------------------------------
     @property
@@ -268,6 +304,32 @@ class OffloadManager:
         rest = fingerprints[self.first_miss(fingerprints, found) :]
         found.update(self.locate_remote([fp.prefix_key for fp in rest], namespace))
         return self.prefix_hits(fingerprints, found)
+
+    def lookup_prompt(self, tokens: Sequence[int], namespace: str) -> tuple[list[BlockFingerprint], list[Hit], Chain]:
+        """The longest run of the prompt's blocks held anywhere the namespace may read: its own
+        chain, or a shared namespace's blocks leading the prompt followed by the namespace's own
+        blocks chained on from them (see `Chain`). Returns the winning chain's fingerprints (the
+        ones write-back stores under), its hits and the chain; a tie goes to the own chain."""
+        fingerprints = self.fingerprints(tokens, namespace)
+        hits = self.lookup(fingerprints, namespace)
+        best = (fingerprints, hits, Chain())
+        if len(hits) == len(fingerprints):
+            return best
+        for shared, salt in sorted(self.shared_salts(namespace).items()):
+            printer = Fingerprinter(ns_salt=salt, model_key=self.model_key, block_tokens=self.layout.block_tokens)
+            lead_prints = printer.blocks(tokens)
+            lead_hits = self.lookup(lead_prints, namespace)
+            if not lead_hits:
+                continue
+            chain = Chain(shared=shared, lead=tuple(lead_prints[: len(lead_hits)]))
+            chained = self.fingerprints(tokens, namespace, chain)
+            own_hits = self.lookup(chained[len(lead_hits) :], namespace)
+            found = [dataclasses.replace(hit, namespace=shared) for hit in lead_hits] + own_hits
+            if len(found) > len(best[1]):
+                best = (chained, found, chain)
+        if best[2].shared:
+            self.counters.add("lookup.shared_hits", len(best[2].lead))
+        return best
 
     # -- deciding --------------------------------------------------------------------------------
     def decide(self, hits: list[Hit], *, prompt_tokens: int, request: str) -> tuple[list[Hit], Decision]:
@@ -411,6 +473,14 @@ class OffloadManager:
             self.directory.touch(
                 touches=[BlockTouch(namespace=namespace, model_key=self.model_key, prefix_key=key) for key in keys]
             )
+
+    def touch_hits(self, namespace: str, hits: Sequence[Hit]) -> None:
+        """`touch` each hit under the namespace it belongs to (a shared one's, or the request's)."""
+        by_namespace: dict[str, list[uuid.UUID]] = collections.defaultdict(list)
+        for hit in hits:
+            by_namespace[hit.namespace or namespace].append(hit.key)
+        for name, keys in by_namespace.items():
+            self.touch(name, keys)
 
     # -- failures --------------------------------------------------------------------------------
     def quarantine(self, key: uuid.UUID, cause: BaseException, namespace: str) -> list[str]:

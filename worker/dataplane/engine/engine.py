@@ -40,9 +40,9 @@ from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
-from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
+from worker.dataplane.hashing import Fingerprinter
 from worker.dataplane.layout import block_layout
-from worker.dataplane.offload import REPROBE_SECONDS, Hit, OffloadManager, RequestTrace, Throughput
+from worker.dataplane.offload import REPROBE_SECONDS, Chain, Hit, OffloadManager, RequestTrace, Throughput
 from worker.dataplane.store import TieredStore
 
 log = logging.getLogger("strata.engine")
@@ -286,7 +286,7 @@ class Engine:
         write_back: bool,
     ) -> tuple[list[int], torch.Tensor, StrataCache]:
         with self._turns.hold(Step.PREFILL), torch.inference_mode():
-            cache, logits, hits, fragments, percent, exact_until = self._first_token(
+            cache, logits, hits, fragments, percent, exact_until, chain = self._first_token(
                 prompt, namespace, use_cache, trace, use_blend, segments
             )
         # The prompt's blocks are stored before decoding starts, so a request over the same
@@ -294,7 +294,7 @@ class Engine:
         early = use_cache and write_back and not use_blend
         if early:
             with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
-                self.writer.write_back(prompt, hits, cache, namespace, trace)
+                self.writer.write_back(prompt, hits, cache, namespace, trace, chain=chain)
         output = self._decode(cache, logits, max_tokens, trace, stop_ids, on_token, sampler)
         with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
             if fragments and self.tuner is not None:
@@ -311,6 +311,7 @@ class Engine:
                     segments=segments if use_blend else [],
                     fragments_too=use_blend,
                     stored_until=len(prompt) if early else 0,
+                    chain=chain,
                 )
             self.traces.append(trace)
             if self.on_trace is not None:
@@ -325,19 +326,20 @@ class Engine:
         trace: RequestTrace,
         use_blend: bool,
         segments: Sequence[tuple[int, int]] = (),
-    ) -> tuple[StrataCache, torch.Tensor, list[Hit], list[Fragment], float, int | None]:
-        """Lookup, the load-or-recompute decision and the prefill: the logits of the first token."""
+    ) -> tuple[StrataCache, torch.Tensor, list[Hit], list[Fragment], float, int | None, Chain]:
+        """Lookup, the load-or-recompute decision and the prefill: the logits of the first token,
+        and the chain of keys the prompt's blocks are stored under (`OffloadManager.lookup_prompt`)."""
         start = time.perf_counter()
-        fingerprints: list[BlockFingerprint] = []
+        hits: list[Hit] = []
+        chain = Chain()
         if use_cache:
             try:
-                fingerprints = self.fingerprinter(namespace).blocks(prompt)
+                _, hits, chain = self.offload.lookup_prompt(prompt, namespace)
             except DirectoryUnavailable as exc:
                 # Without the namespace's salt nothing can be matched or stored: serve uncached.
                 log.warning("request %s runs without the cache: %s", trace.request_id, exc)
                 self.counters.add("lookup_failures")
                 use_cache = False
-        hits = self.offload.lookup(fingerprints, namespace) if fingerprints else []
         trace.lookup_s = time.perf_counter() - start
         self.counters.add("lookup_tokens", len(prompt))
         hits, decision = self.offload.decide(hits, prompt_tokens=len(prompt), request=trace.request_id)
@@ -367,14 +369,17 @@ class Engine:
                 trace.load_failures += 1
                 self.counters.add("load_failures")
                 if failure.block_index < len(hits):
-                    self._forget(hits[failure.block_index], failure.cause, namespace)
+                    failed = hits[failure.block_index]
+                    self._forget(failed, failure.cause, failed.namespace or namespace)
                     hits = hits[: failure.block_index]
+                    # The blocks after a shared block that failed are stored as the request's own.
+                    chain = dataclasses.replace(chain, lead=chain.lead[: failure.block_index])
                 if fragments:
                     # A fragment (or the prefix under it) failed: serve this request with prefix reuse only.
                     fragments = []
                     trace.blend = "no-fragment"
         trace.ttft_s = time.perf_counter() - start
-        return cache, logits, hits, fragments, percent, exact_until
+        return cache, logits, hits, fragments, percent, exact_until, chain
 
     # -- fragments (blend) ----------------------------------------------------------------------
     def _match_fragments(

@@ -23,7 +23,7 @@ from worker.dataplane.directory import BlockRegistration
 from worker.dataplane.engine.cache import StrataCache
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.offload import Hit, OffloadManager, RequestTrace
+from worker.dataplane.offload import Chain, Hit, OffloadManager, RequestTrace
 from worker.dataplane.store import TieredStore
 
 
@@ -87,6 +87,7 @@ class BlockWriter:
         segments: Sequence[tuple[int, int]] = (),
         fragments_too: bool = False,
         stored_until: int = 0,
+        chain: Chain | None = None,
     ) -> None:
         """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch.
 
@@ -94,9 +95,14 @@ class BlockWriter:
         first fused fragment) are stored under their prefix keys. With fragment reuse on, blocks
         aligned to the request's segments and the blocks after `exact_until` are also stored,
         under fragment keys that only a content match can find. Blocks ending at or before
-        `stored_until` were stored by an earlier write-back of this request and are skipped."""
+        `stored_until` were stored by an earlier write-back of this request and are skipped.
+
+        The blocks are keyed as `chain` says: a shared namespace's leading blocks are that
+        namespace's (kept in the device pool at most, never stored or registered as this
+        namespace's), and the request's own blocks chain on from them."""
         fp = self.offload.fingerprinter(namespace)
-        fingerprints = fp.blocks(tokens)
+        fingerprints = self.offload.fingerprints(tokens, namespace, chain)
+        lead = len(chain.lead) if chain is not None else 0
         size = self.layout.block_tokens
         model_key = self.offload.model_key
         exact = len(tokens) if exact_until is None else exact_until
@@ -108,6 +114,10 @@ class BlockWriter:
             if fingerprint.start + size > exact:
                 break
             if fingerprint.start + size <= stored_until:
+                continue
+            if fingerprint.index < lead:
+                assert chain is not None
+                self._keep_shared(fingerprint.prefix_key, fingerprint.start, cache, block, chain.shared, hit_tiers)
                 continue
             self.content_index.remember(fingerprint.content_key, fingerprint.prefix_key, fingerprint.start)
             self._store_block(
@@ -135,7 +145,24 @@ class BlockWriter:
                 if self._store_block(stored, key, offset, cache, block, namespace, trace, registrations, already=None):
                     self.content_index.remember(key, stored, offset)
         self.offload.register(registrations)
-        self.offload.touch(namespace, [h.key for h in hits])
+        self.offload.touch_hits(namespace, hits)
+
+    def _keep_shared(
+        self,
+        key: uuid.UUID,
+        start: int,
+        cache: StrataCache,
+        block: torch.Tensor,
+        shared: str,
+        hit_tiers: dict[uuid.UUID, str],
+    ) -> None:
+        """A shared namespace's block the request reused: kept in the device pool like the
+        request's own (under the shared namespace's priority class), stored nowhere else."""
+        if hit_tiers.get(key) == "device":
+            self._device_touch(key)
+        elif self.keep_in_device and "device" in self.store.names and self.offload.target.name != "device":
+            self._copy_block(block, cache, start)
+            self._device_put(key, block, shared)
 
     def _store_block(
         self,
@@ -152,7 +179,6 @@ class BlockWriter:
     ) -> bool:
         """Copy tokens [start, start + block) of every layer into `block` and keep it in the write-back
         tier (registered) and the device pool; True if some tier holds it afterwards."""
-        size = self.layout.block_tokens
         target = self.offload.target
         if already == "device":
             self._device_touch(key)
@@ -161,10 +187,7 @@ class BlockWriter:
         to_device = self.keep_in_device and target.name != "device" and "device" in self.store.names
         if not to_target and not to_device:
             return True
-        for layer, (k_dst, v_dst) in enumerate(self.layout.kv_views(block)):
-            keys, values = cache.layer_kv(layer)
-            k_dst.copy_(keys[0, :, start : start + size].transpose(0, 1))
-            v_dst.copy_(values[0, :, start : start + size].transpose(0, 1))
+        self._copy_block(block, cache, start)
         if to_device:
             self._device_put(key, block, namespace)
         if not to_target:
@@ -182,6 +205,14 @@ class BlockWriter:
         trace.written_blocks += 1
         registrations.append(registration)
         return True
+
+    def _copy_block(self, block: torch.Tensor, cache: StrataCache, start: int) -> None:
+        """Tokens [start, start + block) of every layer of `cache` into `block`."""
+        size = self.layout.block_tokens
+        for layer, (k_dst, v_dst) in enumerate(self.layout.kv_views(block)):
+            keys, values = cache.layer_kv(layer)
+            k_dst.copy_(keys[0, :, start : start + size].transpose(0, 1))
+            v_dst.copy_(values[0, :, start : start + size].transpose(0, 1))
 
     def _device_put(self, key: uuid.UUID, block: torch.Tensor, namespace: str) -> bool:
         """Keep a copy in the device pool (the working set evicts least recently used blocks, and

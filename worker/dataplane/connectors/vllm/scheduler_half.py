@@ -187,7 +187,8 @@ class SchedulerHalf:
 
     def _start_lookup(self, tracked: Tracked) -> Future[Plan]:
         """The lookup, here if it needs no round trip (the salt is known and the node's own tiers
-        answer for every block, or there is nothing remote to ask), else on a lookup thread."""
+        answer for every block, or there is no directory to ask: nothing remote, no shared
+        namespace), else on a lookup thread."""
         tokens = list(tracked.request.all_token_ids)
         namespace = tracked.namespace
         assert namespace is not None
@@ -195,7 +196,8 @@ class SchedulerHalf:
         if manager.knows_salt(namespace):
             fingerprints = manager.fingerprints(tokens, namespace)
             found = manager.locate_local([fp.prefix_key for fp in fingerprints])
-            if manager.first_miss(fingerprints, found) == len(fingerprints) or "remote" not in manager.store.names:
+            alone = "remote" not in manager.store.names and manager.directory is None
+            if manager.first_miss(fingerprints, found) == len(fingerprints) or alone:
                 done: Future[Plan] = Future()
                 done.set_result(self._plan(tracked, fingerprints, found, time.perf_counter()))
                 return done
@@ -205,10 +207,9 @@ class SchedulerHalf:
         namespace = tracked.namespace
         assert namespace is not None
         try:
-            fingerprints = self.manager.fingerprints(tokens, namespace)
-            found = self.manager.locate_local([fp.prefix_key for fp in fingerprints])
-            rest = fingerprints[self.manager.first_miss(fingerprints, found) :]
-            found.update(self.manager.locate_remote([fp.prefix_key for fp in rest], namespace))
+            # The namespace's own chain, or a shared namespace's blocks leading the prompt; the
+            # blocks saved later continue whichever chain won (`_continue`).
+            fingerprints, held, _ = self.manager.lookup_prompt(tokens, namespace)
         except (DirectoryUnavailable, ValueError) as exc:  # the database is down; an unknown namespace
             log.warning("request %s runs without the cache: %s", tracked.request.request_id, exc)
             self.manager.counters.add("lookup_failures")
@@ -217,12 +218,14 @@ class SchedulerHalf:
             log.exception("request %s: lookup failed, recomputing", tracked.request.request_id)
             self.manager.counters.add("lookup_failures")
             return Plan([], 0, [], Decision("no-hit"), time.perf_counter() - started)
-        return self._plan(tracked, fingerprints, found, started)
+        return self._decided(tracked, fingerprints, held, started)
 
     def _plan(
         self, tracked: Tracked, fingerprints: list[BlockFingerprint], found: dict[uuid.UUID, str], started: float
     ) -> Plan:
-        held = self.manager.prefix_hits(fingerprints, found)
+        return self._decided(tracked, fingerprints, self.manager.prefix_hits(fingerprints, found), started)
+
+    def _decided(self, tracked: Tracked, fingerprints: list[BlockFingerprint], held: list[Hit], started: float) -> Plan:
         hits, decision = self.manager.decide(
             list(held), prompt_tokens=tracked.request.num_tokens, request=tracked.request.request_id
         )
@@ -299,7 +302,7 @@ class SchedulerHalf:
             meta.loads.append(tracked.load)
             tracked.trace.prefix_tokens = end - start
             tracked.trace.hit_blocks_by_tier = dict(collections.Counter(h.tier for h in hits))
-            self.manager.touch(tracked.namespace, [h.key for h in hits])
+            self.manager.touch_hits(tracked.namespace, hits)
             tracked.load_tokens = 0
         done = min(computed + scheduled, request.num_tokens)
         full = done // size
