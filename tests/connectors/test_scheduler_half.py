@@ -59,6 +59,7 @@ class Directory:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.down = False
+        self.shared: dict[str, bytes] = {}
 
     def namespace_salt(self, namespace: str) -> bytes:
         if self.down:
@@ -66,7 +67,7 @@ class Directory:
         return namespace.encode()
 
     def shared_salts(self) -> dict[str, bytes]:
-        return {}
+        return dict(self.shared)
 
     def lookup(self, *, keys, node, namespace=None, model_key=None, content_keys=()):  # noqa: ANN001
         self.release.wait(10)
@@ -113,6 +114,16 @@ def stored(half: SchedulerHalf, request: Request, blocks: int) -> None:
     keys = half.manager.fingerprinter(request.cache_salt or "default").prefix_keys(request.prompt_token_ids)
     for key in keys[:blocks]:
         half.manager.store.put(key, block_layout(PROFILE).empty(), tier="host")
+
+
+def answer_of(scheduler: SchedulerHalf, request: Request) -> int:
+    """matched_tokens once the lookup is back (vLLM asks every step until it is)."""
+    for _ in range(200):
+        answer = scheduler.matched_tokens(request, 0)
+        if answer is not None:
+            return answer
+        threading.Event().wait(0.01)
+    raise AssertionError("the lookup never came back")
 
 
 def prompt(tokens: int) -> list[int]:
@@ -168,3 +179,22 @@ def test_a_name_that_is_no_namespace_is_served_uncached(half, salt, params):
     assert scheduler.manager.counters.get("lookup_failures") == 1
     scheduler.finished(request)  # type: ignore[arg-type]
     assert scheduler.requests == {}
+
+
+def test_a_shared_namespace_leads_the_prompt_and_the_saves_chain_on_from_it(half):
+    scheduler, directory = half
+    directory.release.set()
+    directory.shared = {"library": b"library"}
+    tokens = prompt(3 * 32 + 5)
+    stored(scheduler, Request("lib", tokens, cache_salt="library"), 2)  # the library holds two blocks
+    request = Request(uuid.uuid4().hex, tokens, cache_salt="tenant-a")
+    assert answer_of(scheduler, request) == 2 * 32
+    tracked = scheduler.requests[request.request_id]
+    library = scheduler.manager.fingerprinter("library").blocks(tokens)
+    own = scheduler.manager.fingerprinter("tenant-a").blocks(tokens[64:], parent=library[1].prefix_key)
+    assert [fp.prefix_key for fp in tracked.fingerprints] == [fp.prefix_key for fp in library[:2] + own]
+    assert [fp.index for fp in tracked.fingerprints] == [0, 1, 2]
+    assert scheduler.manager.counters.get("lookup.shared_hits") == 2
+    # Without the share, the same prompt of another tenant finds nothing.
+    directory.shared = {}
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, cache_salt="tenant-b")) == 0
