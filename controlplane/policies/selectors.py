@@ -12,6 +12,7 @@ from controlplane.directory.choices import TIER_ORDER, PlacementState
 from controlplane.directory.models import Namespace
 from controlplane.directory.queries import BLOCK_TABLE, NODE_TABLE, PLACEMENT_TABLE, ints
 from controlplane.policies import rules
+from controlplane.policies.errors import PolicyError
 from controlplane.policies.models import (
     Mode,
     ModeSchedule,
@@ -210,7 +211,7 @@ def quota_usage(*, namespace: str | None = None) -> list[dict[str, Any]]:
     """Per namespace and quota tier: the quota (None: none) and the bytes its copies hold, per node
     for host and disk (`used_bytes` is the fullest node's, which is what the quota caps) and
     fleet-wide for remote. Every namespace with a quota, or only `namespace` (all three tiers,
-    with or without a quota)."""
+    with or without a quota; an unknown one raises PolicyError)."""
     quotas = {(q.namespace, q.tier): q.bytes for q in quota_specs()}
     if namespace is not None:
         names = [namespace]
@@ -219,6 +220,8 @@ def quota_usage(*, namespace: str | None = None) -> list[dict[str, Any]]:
         names = sorted({name for name, _ in quotas})
         keys = sorted(quotas, key=lambda k: (k[0], QUOTA_TIERS.index(k[1])))
     ids = dict(Namespace.objects.filter(name__in=names).values_list("id", "name"))
+    if namespace is not None and not ids:
+        raise PolicyError(f"namespace: no namespace named {namespace!r}", field="namespace")
     per_node: dict[tuple[str, str], dict[str, int]] = {}
     if ids:
         with connection.cursor() as cursor:

@@ -178,6 +178,7 @@ BAD = [
     ("patch", QUOTAS + "{quota}/", {"bytes": 0}, "bytes"),
     ("patch", QUOTAS + "{quota}/", {"bytes": 2**63}, "bytes"),
     ("get", QUOTAS + "usage/?namespace=a%20b", None, "namespace"),
+    ("get", QUOTAS + "usage/?namespace=nobody", None, "namespace"),
 ]
 
 

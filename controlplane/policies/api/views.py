@@ -230,7 +230,8 @@ class NamespaceQuotaViewSet(viewsets.GenericViewSet[NamespaceQuota]):
     def usage(self, request: Request) -> Response:
         query = s.QuotaUsageQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        rows = quota_usage(namespace=query.validated_data.get("namespace"))
+        with policy_errors():
+            rows = quota_usage(namespace=query.validated_data.get("namespace"))
         return Response(s.QuotaUsageSerializer(rows, many=True).data)
 
 
