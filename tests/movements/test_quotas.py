@@ -1,10 +1,14 @@
 """The planner's quota pass on the real PostgreSQL: two tenants where one floods a tier; only the
 flooder's coldest copies leave, the other tenant's stay even when they are colder; quotas below
-limit where victims go; the remote quota is fleet-wide; the beat task runs the pass."""
+limit where victims go; the remote quota is fleet-wide; the beat task runs the pass; and the node's
+executor carries the plan out on a real tiered store with the bytes intact."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
+import torch
 from django_celery_beat.models import PeriodicTask
 
 from controlplane.directory.models import Placement
@@ -13,9 +17,11 @@ from controlplane.movements.models import Movement
 from controlplane.movements.services import movements_plan
 from controlplane.movements.tasks import movements_plan_quotas_task
 from controlplane.policies.quotas import namespacequota_create
+from controlplane.policies.selectors import quota_usage
 from controlplane.policies.snapshot import PolicySnapshot, TierPolicySpec
 from controlplane.policies.specs import QuotaSpec
-from tests.movements.conftest import BLOCK_BYTES, node_report
+from tests.movements.conftest import BLOCK_BYTES, node_report, random_block, read_block
+from tests.movements.invariants import invariants_check
 
 B = BLOCK_BYTES
 pytestmark = pytest.mark.django_db
@@ -122,3 +128,38 @@ def test_the_quota_beat_runs_the_pass(make_blocks, namespaces):
     assert summary["written"] == 4 and summary["moves"] == 4
     assert sorted(Movement.objects.values_list("block_id", flat=True)) == sorted(b.id for b in flooder[2:])
     assert set(Movement.objects.values_list("reason", flat=True)) == {"quota"}
+
+
+def test_a_node_carries_out_the_quota_plan_on_a_real_store(make_blocks, store_factory):
+    from worker.movements import MovementExecutor, MovementOptions
+
+    node_report("gpu-0", host=(16 * B, 12 * B), disk=(16 * B, 0))
+    store = store_factory(blocks=16, tiers=("host", "disk"))
+    written: dict[str, list] = {"tenant-a": [], "realtime": []}
+    for i, namespace in enumerate(["tenant-a"] * 8 + ["realtime"] * 4):
+        key, data = uuid.uuid4(), random_block(store.layout, i)
+        result = store.put(key, data, tier="host")
+        [block] = make_blocks(
+            1, namespace=namespace, keys=[key], checksums=[result.checksum.hex], ages=[100.0 * (12 - i)]
+        )
+        written[namespace].append((block, data.clone()))
+    namespacequota_create(namespace="tenant-a", tier="host", bytes=3 * B)
+
+    plan = movements_plan_quotas_task()
+    assert plan["moves"] == 5 and plan["written"] == 5
+    executor = MovementExecutor(node="gpu-0", store=store, options=MovementOptions(reconcile_grace_s=0))
+    outcomes = executor.run("move", list(Movement.objects.order_by("id").values_list("id", flat=True)))
+    assert {o.state for o in outcomes} == {"done"}
+
+    # The flooder's five coldest now live on disk, byte for byte; its three newest and every block
+    # of the quiet tenant stay in the host pool.
+    for block, data in written["tenant-a"][:5]:
+        assert store.contains(block.prefix_key) == ("disk",)
+        assert torch.equal(read_block(store, block, "disk"), data)
+    for block, data in written["tenant-a"][5:] + written["realtime"]:
+        assert store.contains(block.prefix_key) == ("host",)
+        assert torch.equal(read_block(store, block, "host"), data)
+    [host] = quota_usage(namespace="tenant-a")[:1]
+    assert (host["tier"], host["used_bytes"], host["quota_bytes"], host["over"]) == ("host", 3 * B, 3 * B, False)
+    report = invariants_check(stores={"gpu-0": store})
+    assert report.ok, report.violations
