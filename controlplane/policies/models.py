@@ -153,8 +153,8 @@ class ModeSchedule(models.Model):
 
 class PolicyVersion(models.Model):
     """One state of all policies: written by every edit, mode switch and rollback. `number` grows
-    by one each time; `snapshot` holds classes, tier policies, modes and the active mode in full,
-    so a rollback can restore any version."""
+    by one each time; `snapshot` holds classes, tier policies, namespace quotas, modes and the
+    active mode in full, so a rollback can restore any version."""
 
     number = models.PositiveIntegerField(unique=True)
     snapshot = models.JSONField()
@@ -173,7 +173,7 @@ class PolicyVersion(models.Model):
 class NamespaceQuota(models.Model):
     """At most `bytes` of one namespace's blocks in one tier: in each node's host or disk tier, or
     in the shared remote tier. The planner moves the namespace's own coldest blocks out of a tier
-    it is over (never another namespace's), and nodes refuse or make room at write-back."""
+    it is over (never another namespace's); the nodes enforce the same number at write-back."""
 
     namespace = models.SlugField(max_length=63, help_text="Name of the namespace the quota caps.")
     tier = models.CharField(max_length=8, choices=QuotaTier.choices)
