@@ -17,7 +17,7 @@ from controlplane.accounts.roles import Role, role_of
 from controlplane.dashboard.consumers import FLUSH_INTERVAL_S
 from controlplane.directory.choices import TierLevel
 from controlplane.movements.choices import MovementKind, MovementReason, MovementState
-from controlplane.policies.choices import Algorithm, ModeKind
+from controlplane.policies.choices import Algorithm, ModeKind, QuotaTier
 
 PAGES = [
     ("overview", "/", "Overview"),
@@ -34,6 +34,7 @@ def _choices() -> dict[str, Any]:
         "tiers": TierLevel.choices,
         "algorithms": Algorithm.choices,
         "mode_kinds": ModeKind.choices,
+        "quota_tiers": QuotaTier.choices,
         "movement_states": MovementState.choices,
         "movement_kinds": MovementKind.choices,
         "movement_reasons": MovementReason.choices,

@@ -18,6 +18,7 @@ class MovementReason(models.TextChoices):
     POLICY_CHANGE = "policy-change", "A policy was edited"
     MANUAL = "manual", "An operator asked"
     TTL = "ttl", "The copy outlived its tier's TTL"
+    QUOTA = "quota", "Its namespace went over its quota in the tier"
 
 
 class MovementState(models.TextChoices):

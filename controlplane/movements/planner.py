@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -96,6 +96,7 @@ WITH c AS (
     -- whole block table, whose size has nothing to do with this tier.
     CROSS JOIN LATERAL (SELECT * FROM {BLOCK_TABLE} WHERE id = p.block_id LIMIT 1) AS b
     WHERE {where_node} AND p.tier = %(tier)s AND p.state = '{PlacementState.READY.value}'
+      AND NOT (p.id = ANY(%(skip)s::bigint[]))
       AND NOT EXISTS (SELECT 1 FROM {MOVEMENT_TABLE} m
                       WHERE m.block_id = p.block_id AND m.state IN {_IN_FLIGHT_SQL})
 ), r AS (
@@ -120,9 +121,11 @@ def candidates_params(
     now: datetime,
     namespaces: dict[int, str],
     limit: int = MAX_PER_TIER,
+    skip: Collection[int] = (),
 ) -> dict[str, Any]:
     """Parameters of `candidates_sql`. A block's class is the one its `priority` names, or else
-    its namespace's class; weights come from the snapshot."""
+    its namespace's class; weights come from the snapshot. Copies in `skip` (ids) are already
+    leaving in this plan."""
     classes = [c for c in snapshot.classes if c.name != DEFAULT_CLASS]
     default = snapshot.class_of_namespace("\0no namespace\0")
     ns_ids = sorted(namespaces)
@@ -139,6 +142,7 @@ def candidates_params(
         "default_weight": float(default.weight),
         "needed": int(max(needed, 0)),
         "limit": int(limit),
+        "skip": ints(sorted(skip)),
     }
 
 
@@ -348,11 +352,13 @@ def plan_movements(
     plan_remote: bool = True,
     limit_per_tier: int = MAX_PER_TIER,
     claim: TierClaim | None = None,
+    skip: Collection[int] = (),
 ) -> tuple[list[PlannedMovement], list[dict[str, Any]]]:
     """The movements that bring every tier in `tiers` back under its policy, and a report of each
     tier looked at (capacity, use, watermarks in bytes). `tiers` already count what is in flight
-    (`in_flight_add`); the shared remote tier is a destination always and is planned itself only
-    when `plan_remote`. Reads through `cursor`, writes nothing."""
+    (`in_flight_add`) and what this plan moves already (the quota pass, whose copies are `skip`);
+    the shared remote tier is a destination always and is planned itself only when `plan_remote`.
+    Reads through `cursor`, writes nothing."""
     movements: list[PlannedMovement] = []
     reports: list[dict[str, Any]] = []
     # Lowest tier first: what leaves a lower tier makes room for what arrives from above.
@@ -397,6 +403,7 @@ def plan_movements(
                 now=now,
                 namespaces=namespaces,
                 limit=limit_per_tier,
+                skip=skip,
             ),
         )
         below = _next_tiers(load, tiers, spec)

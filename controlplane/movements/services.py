@@ -44,6 +44,7 @@ from controlplane.movements.planner import (
     plan_movements,
     warm_movements,
 )
+from controlplane.movements.quotas import plan_quotas
 from controlplane.movements.selectors import warm_candidates
 from controlplane.policies.snapshot import policies_snapshot
 from controlplane.policies.specs import PolicySnapshot
@@ -386,10 +387,13 @@ def movements_plan(
     dry_run: bool = False,
     now: datetime | None = None,
     limit_per_tier: int = MAX_PER_TIER,
+    quotas_only: bool = False,
 ) -> PlanResult:
     """Plan movements for every up node (or only `node`) under `snapshot` (the policies in force
-    when None). A dry run only answers what would move; otherwise the tiers it plans are locked,
-    and Movement rows are written and dispatched to the nodes' queues when the transaction commits."""
+    when None): first the quota pass (namespaces over their quota give up their own coldest
+    copies, reason `quota`), then the watermark and TTL pass, unless `quotas_only`. A dry run only
+    answers what would move; otherwise the tiers it plans are locked, and Movement rows are
+    written and dispatched to the nodes' queues when the transaction commits."""
     if reason not in MovementReason.values and not dry_run:  # a dry run's reason is never recorded
         raise MovementError(
             f"reason: unknown reason {reason!r}; expected one of {', '.join(MovementReason.values)}", field="reason"
@@ -411,18 +415,32 @@ def movements_plan(
     namespaces = dict(Namespace.objects.values_list("id", "name"))
     with transaction.atomic(), connection.cursor() as cursor:
         in_flight_add(cursor, tiers)
-        result.movements, result.tiers = plan_movements(
+        result.movements = plan_quotas(
             cursor,
             snapshot=snapshot,
             tiers=tiers,
             remote_nodes=remote_nodes,
             namespaces=namespaces,
-            reason=reason,
             now=now,
             plan_remote=node is None,
             limit_per_tier=limit_per_tier,
             claim=None if dry_run else _lock_tier,
         )
+        if not quotas_only:
+            planned, result.tiers = plan_movements(
+                cursor,
+                snapshot=snapshot,
+                tiers=tiers,
+                remote_nodes=remote_nodes,
+                namespaces=namespaces,
+                reason=reason,
+                now=now,
+                plan_remote=node is None,
+                limit_per_tier=limit_per_tier,
+                claim=None if dry_run else _lock_tier,
+                skip={m.src_placement_id for m in result.movements},
+            )
+            result.movements += planned
         if not dry_run and result.movements:
             result.written = movements_record(
                 plan_id=result.plan_id,

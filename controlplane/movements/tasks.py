@@ -1,5 +1,5 @@
-"""Control-plane Celery tasks of movements (queue `control`): plan on request, the watermark beat,
-and the fan-out of scrubs and reconciles to the nodes."""
+"""Control-plane Celery tasks of movements (queue `control`): plan on request, the watermark and
+quota beats, and the fan-out of scrubs and reconciles to the nodes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from django.utils import timezone
 from controlplane.celery_app import app
 from controlplane.directory.choices import NodeState, TierLevel
 from controlplane.directory.models import Node, NodeTier
+from controlplane.movements.choices import MovementReason
 from controlplane.movements.selectors import nodes_over_watermark
 from controlplane.movements.services import movements_plan, movements_redispatch
 from controlplane.policies.snapshot import policies_snapshot
@@ -36,6 +37,13 @@ def movements_plan_watermarks_task() -> list[str]:
     for name in over:
         movements_plan(snapshot=snapshot, node=name, reason="watermark")
     return over
+
+
+@shared_task(name="movements.plan_quotas", ignore_result=True)
+def movements_plan_quotas_task() -> dict:
+    """Beat job: move the coldest copies of every namespace over its quota out of the tiers it is
+    over (the quota pass alone, fleet-wide)."""
+    return movements_plan(reason=MovementReason.QUOTA, quotas_only=True).summary()
 
 
 def _fan_out(task: str) -> list[str]:

@@ -12,6 +12,14 @@ class Algorithm(models.TextChoices):
     COST_AWARE = "cost-aware", "Cost-aware (bytes × recompute cost × reuse likelihood)"
 
 
+class QuotaTier(models.TextChoices):
+    """Tiers a namespace quota can cap (specs.QUOTA_TIERS): host and disk per node, remote fleet-wide."""
+
+    HOST = "host", "L2 host (per node)"
+    DISK = "disk", "L2 disk (per node)"
+    REMOTE = "remote", "L3 remote (the fleet)"
+
+
 class ModeKind(models.TextChoices):
     """What a mode is for; the three built-in load situations and the operator's own."""
 

@@ -1,4 +1,5 @@
-"""Policies models: priority classes, tier policies, modes and their schedules, and the versions of it all.
+"""Policies models: priority classes, tier policies, namespace quotas, modes and their schedules, and the
+versions of it all.
 
 The field rules live in rules.py (shared with a mode's overrides); the constraints here repeat the
 simple ones so that no write that skips the services can store a policy the planner cannot use.
@@ -9,7 +10,7 @@ from django.db import models
 from django.db.models import Q
 
 from controlplane.directory.choices import TierLevel
-from controlplane.policies.choices import Algorithm, ModeKind
+from controlplane.policies.choices import Algorithm, ModeKind, QuotaTier
 
 
 class PriorityClass(models.Model):
@@ -152,8 +153,8 @@ class ModeSchedule(models.Model):
 
 class PolicyVersion(models.Model):
     """One state of all policies: written by every edit, mode switch and rollback. `number` grows
-    by one each time; `snapshot` holds classes, tier policies, modes and the active mode in full,
-    so a rollback can restore any version."""
+    by one each time; `snapshot` holds classes, tier policies, namespace quotas, modes and the
+    active mode in full, so a rollback can restore any version."""
 
     number = models.PositiveIntegerField(unique=True)
     snapshot = models.JSONField()
@@ -167,3 +168,25 @@ class PolicyVersion(models.Model):
 
     def __str__(self) -> str:
         return f"v{self.number}"
+
+
+class NamespaceQuota(models.Model):
+    """At most `bytes` of one namespace's blocks in one tier: in each node's host or disk tier, or
+    in the shared remote tier. The planner moves the namespace's own coldest blocks out of a tier
+    it is over (never another namespace's); the nodes enforce the same number at write-back."""
+
+    namespace = models.SlugField(max_length=63, help_text="Name of the namespace the quota caps.")
+    tier = models.CharField(max_length=8, choices=QuotaTier.choices)
+    bytes = models.PositiveBigIntegerField(help_text="Bytes the namespace may hold (per node for host and disk).")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["namespace", "tier"]
+        constraints = [
+            models.UniqueConstraint(fields=["namespace", "tier"], name="namespacequota_namespace_tier_uniq"),
+            models.CheckConstraint(condition=Q(bytes__gt=0), name="namespacequota_bytes_positive"),
+            models.CheckConstraint(condition=Q(tier__in=QuotaTier.values), name="namespacequota_tier_known"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.namespace}@{self.tier}"

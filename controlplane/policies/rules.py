@@ -16,6 +16,7 @@ from controlplane.directory.choices import TIER_ORDER
 from controlplane.policies.errors import PolicyError
 from controlplane.policies.specs import (
     ALGORITHMS,
+    QUOTA_TIERS,
     PriorityClassSpec,
     TierPolicySpec,
 )
@@ -123,6 +124,13 @@ CLASS_RULES: dict[str, Checker] = {
     "namespaces": _slug_list,
 }
 """Every field of a priority class (snapshot.PriorityClassSpec) and its rule."""
+
+QUOTA_RULES: dict[str, Checker] = {
+    "namespace": _slug(),
+    "tier": _choice(QUOTA_TIERS),
+    "bytes": _int(minimum=1, maximum=BIGINT_MAX),
+}
+"""Every field of a namespace quota (snapshot.QuotaSpec) and its rule."""
 
 
 TIER_KEY = ("tier", "node_group")

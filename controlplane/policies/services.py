@@ -1,6 +1,7 @@
-"""Policies writes: classes, tier policies, modes and their schedules; mode switches and rollbacks.
+"""Policies writes: classes, tier policies, modes and their schedules; mode switches and rollbacks
+(namespace quotas are written by `quotas`, through the same versioning).
 
-Every change to classes, tier policies or modes (and every switch and rollback) writes a new
+Every change to classes, tier policies, quotas or modes (and every switch and rollback) writes a new
 PolicyVersion holding the whole state, in the same transaction, after checking that the state is
 valid on its own and under every mode. Writes take one advisory lock, so versions are numbered
 without gaps and two edits never check against a state the other is changing.
@@ -25,6 +26,7 @@ from controlplane.policies.errors import InUse, PolicyError
 from controlplane.policies.models import (
     Mode,
     ModeSchedule,
+    NamespaceQuota,
     PolicyVersion,
     PriorityClass,
     TierPolicy,
@@ -373,7 +375,7 @@ def _switched(*, before: PolicySnapshot, mode: str, author: str, comment: str) -
 
 @transaction.atomic
 def policy_rollback(*, version: int, author: str = "", comment: str = "") -> PolicyVersion:
-    """Restore classes, tier policies, modes and the active mode as version `version` had them,
+    """Restore classes, tier policies, namespace quotas, modes and the active mode as version `version` had them,
     and record that as a new version. Schedules of modes that version did not have are deleted
     with their modes; the others are kept."""
     before = _begin()
@@ -418,6 +420,10 @@ def _state_restore(state: Mapping[str, Any]) -> None:
         TierPolicy.objects.update_or_create(
             tier=values["tier"], node_group=values.get("node_group", ""), defaults=values
         )
+
+    quotas = [rules.fields_check(q, rules.QUOTA_RULES) for q in state.get("quotas", [])]
+    NamespaceQuota.objects.all().delete()
+    NamespaceQuota.objects.bulk_create(NamespaceQuota(**values) for values in quotas)
 
     modes = state.get("modes", [])
     Mode.objects.filter(active=True).update(active=False)

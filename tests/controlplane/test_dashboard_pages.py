@@ -242,3 +242,15 @@ def test_saved_time_is_cached_tokens_times_measured_prefill_per_token_less_loadi
     assert summary["prefill_seconds_per_token"] == pytest.approx(1.2 / 120)
     assert summary["saved_seconds"] == pytest.approx(80 * 0.01 - 0.05)
     assert requests_summary([])["saved_seconds"] is None
+
+
+@pytest.mark.django_db
+def test_the_policies_page_has_a_quotas_panel_editable_by_operators_only():
+    viewer = _client("viewer-q", "viewer").get("/policies/").content.decode()
+    assert 'id="quota-table"' in viewer and '<th scope="col" class="num">Used</th>' in viewer
+    assert 'id="quota-form"' not in viewer
+    operator = _client("operator-q", "operator").get("/policies/").content.decode()
+    assert 'data-edit="namespace-quota"' in operator
+    for tier in ("host", "disk", "remote"):
+        assert f'<option value="{tier}">' in operator.split('id="nq-tier"')[1].split("</select>")[0]
+    assert '<option value="device">' not in operator.split('id="nq-tier"')[1].split("</select>")[0]

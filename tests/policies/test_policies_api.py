@@ -406,6 +406,9 @@ POLICY_PATHS = [
     "/api/v1/policy-versions/{number}/diff/",
     "/api/v1/policy-versions/{number}/rollback/",
     "/api/v1/policies/dry-run/",
+    "/api/v1/namespace-quotas/",
+    "/api/v1/namespace-quotas/{id}/",
+    "/api/v1/namespace-quotas/usage/",
 ]
 
 

@@ -5,10 +5,11 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.directory.choices import TierLevel
-from controlplane.policies.choices import Algorithm, ModeKind
+from controlplane.policies.choices import Algorithm, ModeKind, QuotaTier
 from controlplane.policies.models import (
     Mode,
     ModeSchedule,
+    NamespaceQuota,
     PolicyVersion,
     PriorityClass,
     TierPolicy,
@@ -111,6 +112,67 @@ class TierPolicyCreateSerializer(TierPolicyUpdateSerializer):
     node_group = serializers.CharField(
         max_length=63, allow_blank=True, default="", help_text="Empty: every node; otherwise the nodes of this group."
     )
+
+
+# -- namespace quotas ------------------------------------------------------------------------------
+
+
+@extend_schema_field(
+    {
+        "type": "string",
+        "pattern": "^(" + "|".join(QuotaTier.values) + ")$",
+        "description": "One of: " + ", ".join(QuotaTier.values) + " (host and disk: per node; remote: the fleet).",
+    }
+)
+class QuotaTierField(serializers.CharField):
+    """A quota's tier. Text with a pattern in the schema: the tier enumeration keeps one name there
+    (`tier`), and the service names an unknown tier in its own words."""
+
+    def __init__(self, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(max_length=8, **kwargs)
+
+
+class NamespaceQuotaSerializer(serializers.ModelSerializer[NamespaceQuota]):
+    tier = QuotaTierField(read_only=True)
+
+    class Meta:
+        model = NamespaceQuota
+        fields = ["id", "namespace", "tier", "bytes", "updated_at"]
+
+
+class NamespaceQuotaUpdateSerializer(serializers.Serializer):
+    bytes = serializers.IntegerField(
+        help_text="Bytes the namespace may hold in the tier (per node for host and disk); at least 1."
+    )
+    comment = _comment()
+
+
+class NamespaceQuotaCreateSerializer(NamespaceQuotaUpdateSerializer):
+    namespace = serializers.CharField(max_length=63, help_text="Name of an existing namespace.")
+    tier = QuotaTierField()
+
+
+class QuotaUsageQuerySerializer(serializers.Serializer):
+    namespace = serializers.SlugField(
+        max_length=63, required=False, help_text="Only this namespace, in every quota tier (with or without a quota)."
+    )
+
+
+class QuotaNodeUsageSerializer(serializers.Serializer):
+    node = serializers.CharField(help_text="Node holding the copies; empty for the shared remote tier.")
+    used_bytes = serializers.IntegerField()
+    over = serializers.BooleanField()
+
+
+class QuotaUsageSerializer(serializers.Serializer):
+    namespace = serializers.CharField()
+    tier = QuotaTierField()
+    quota_bytes = serializers.IntegerField(allow_null=True, help_text="Null: no quota in this tier.")
+    used_bytes = serializers.IntegerField(
+        help_text="Bytes of the namespace's copies: on its fullest node for host and disk, fleet-wide for remote."
+    )
+    over = serializers.BooleanField(help_text="Whether the namespace holds more than its quota.")
+    nodes = QuotaNodeUsageSerializer(many=True, help_text="Use per node (one entry with node empty for remote).")
 
 
 # -- modes -----------------------------------------------------------------------------------------

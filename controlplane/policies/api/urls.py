@@ -6,6 +6,7 @@ from rest_framework.routers import SimpleRouter
 from controlplane.policies.api.views import (
     ModeScheduleViewSet,
     ModeViewSet,
+    NamespaceQuotaViewSet,
     PolicyDryRunView,
     PolicyVersionViewSet,
     PriorityClassViewSet,
@@ -15,6 +16,7 @@ from controlplane.policies.api.views import (
 router = SimpleRouter()
 router.register("priority-classes", PriorityClassViewSet, basename="priorityclass")
 router.register("tier-policies", TierPolicyViewSet, basename="tierpolicy")
+router.register("namespace-quotas", NamespaceQuotaViewSet, basename="namespacequota")
 router.register("modes", ModeViewSet, basename="mode")
 router.register("mode-schedules", ModeScheduleViewSet, basename="modeschedule")
 router.register("policy-versions", PolicyVersionViewSet, basename="policyversion")

@@ -25,17 +25,21 @@ from controlplane.policies.errors import InUse, PolicyError
 from controlplane.policies.models import (
     Mode,
     ModeSchedule,
+    NamespaceQuota,
     PolicyVersion,
     PriorityClass,
     TierPolicy,
 )
+from controlplane.policies.quotas import namespacequota_create, namespacequota_delete, namespacequota_update
 from controlplane.policies.selectors import (
     modes_list,
     modeschedules_list,
+    namespacequotas_list,
     policy_state_diff,
     policyversion_current,
     policyversions_list,
     priorityclasses_list,
+    quota_usage,
     snapshot_current,
     tierpolicies_list,
 )
@@ -176,6 +180,59 @@ class TierPolicyViewSet(viewsets.GenericViewSet[TierPolicy]):
         with policy_errors():
             tierpolicy_delete(policy=self.get_object(), author=_author(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class NamespaceQuotaViewSet(viewsets.GenericViewSet[NamespaceQuota]):
+    """Namespace quotas: bytes a tenant's blocks may hold in the host and disk tiers of each node and
+    in the shared remote tier; and what each namespace holds there now."""
+
+    pagination_class = IdPagination
+    lookup_value_regex = r"[0-9]{1,18}"
+    serializer_class = s.NamespaceQuotaSerializer
+
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        return namespacequotas_list()
+
+    def list(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        return self.get_paginated_response(s.NamespaceQuotaSerializer(page, many=True).data)
+
+    def retrieve(self, request: Request, pk: str) -> Response:
+        return Response(s.NamespaceQuotaSerializer(self.get_object()).data)
+
+    @extend_schema(request=s.NamespaceQuotaCreateSerializer, responses={201: s.NamespaceQuotaSerializer})
+    def create(self, request: Request) -> Response:
+        data = _input(s.NamespaceQuotaCreateSerializer, request)
+        with policy_errors():
+            row = namespacequota_create(author=_author(request), **data)
+        return Response(s.NamespaceQuotaSerializer(row).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.NamespaceQuotaUpdateSerializer, responses=s.NamespaceQuotaSerializer)
+    def partial_update(self, request: Request, pk: str) -> Response:
+        data = _input(s.NamespaceQuotaUpdateSerializer, request)
+        with policy_errors():
+            row = namespacequota_update(quota=self.get_object(), author=_author(request), **data)
+        return Response(s.NamespaceQuotaSerializer(row).data)
+
+    @extend_schema(responses={204: None})
+    def destroy(self, request: Request, pk: str) -> Response:
+        with policy_errors():
+            namespacequota_delete(quota=self.get_object(), author=_author(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(
+        parameters=[s.QuotaUsageQuerySerializer],
+        responses=s.QuotaUsageSerializer(many=True),
+        description="Per namespace and tier: its quota and the bytes its copies hold (per node for host and "
+        "disk, fleet-wide for remote), from the directory's placements.",
+    )
+    @action(detail=False, methods=["get"], pagination_class=None)
+    def usage(self, request: Request) -> Response:
+        query = s.QuotaUsageQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        with policy_errors():
+            rows = quota_usage(namespace=query.validated_data.get("namespace"))
+        return Response(s.QuotaUsageSerializer(rows, many=True).data)
 
 
 class ModeViewSet(viewsets.GenericViewSet[Mode]):

@@ -1,11 +1,12 @@
-// Policies: tier policies, priority classes and modes with inline validation errors (the API names
-// the field), dry-run previews, version history with diff and rollback. Viewers get read-only tables.
+// Policies: tier policies, priority classes, namespace quotas (with their use) and modes with inline
+// validation errors (the API names the field), dry-run previews, version history with diff and
+// rollback. Viewers get read-only tables.
 (function () {
   "use strict";
   const S = window.Strata;
   const canEdit = S.canEdit();
   const notice = document.getElementById("notice");
-  const state = { tiers: [], classes: [], modes: [] };
+  const state = { tiers: [], classes: [], modes: [], quotas: [], usage: [] };
 
   function say(text, good) {
     notice.replaceChildren(S.el("p", { class: "notice " + (good ? "good" : "bad") }, text));
@@ -163,6 +164,67 @@
     });
   }
 
+  // -- namespace quotas -------------------------------------------------------------------------
+  const quotaForm = document.getElementById("quota-form");
+
+  function renderQuotas() {
+    const ids = new Map(state.quotas.map((q) => [q.namespace + "@" + q.tier, q]));
+    document.querySelector("#quota-table tbody").replaceChildren(...state.usage.map((u) => {
+      const quota = ids.get(u.namespace + "@" + u.tier);
+      return S.el("tr", { "data-quota": u.namespace + "@" + u.tier, class: u.over ? "over-quota" : "" },
+        S.el("th", { scope: "row" }, u.namespace), S.el("td", {}, u.tier),
+        S.el("td", { class: "num" }, u.quota_bytes === null ? "none" : S.bytes(u.quota_bytes)),
+        S.el("td", { class: "num", "data-field": "used" }, S.bytes(u.used_bytes) + (u.over ? " (over)" : "")),
+        S.el("td", {}, u.nodes.length ? u.nodes.map((n) => (n.node || "fleet") + ": " + S.bytes(n.used_bytes) + (n.over ? " (over)" : "")).join(", ") : "–"),
+        canEdit && quota ? S.el("td", {},
+          S.el("button", { type: "button", "aria-label": "Edit the " + u.tier + " quota of " + u.namespace, onclick: () => editQuota(quota) }, "Edit"), " ",
+          S.el("button", { type: "button", class: "danger", "aria-label": "Delete the " + u.tier + " quota of " + u.namespace, onclick: () => deleteQuota(quota) }, "Delete")) : (canEdit ? S.el("td", {}) : null));
+    }));
+  }
+
+  function editQuota(q) {
+    S.clearFieldErrors(quotaForm);
+    quotaForm.elements.id.value = q.id;
+    quotaForm.elements.namespace.value = q.namespace;
+    quotaForm.elements.namespace.disabled = true;
+    quotaForm.elements.tier.value = q.tier;
+    quotaForm.elements.tier.disabled = true;
+    quotaForm.elements.bytes.value = q.bytes;
+    document.getElementById("quota-form-h").textContent = "Edit the " + q.tier + " quota of " + q.namespace;
+    quotaForm.elements.bytes.focus();
+  }
+
+  async function deleteQuota(q) {
+    if (!window.confirm("Delete the " + q.tier + " quota of " + q.namespace + "?")) return;
+    try { await S.api("/api/v1/namespace-quotas/" + q.id + "/", { method: "DELETE" }); say("Deleted the " + q.tier + " quota of " + q.namespace + ".", true); await load(); }
+    catch (err) { say("Not deleted: " + err.message, false); }
+  }
+
+  if (quotaForm) {
+    quotaForm.addEventListener("submit", async (e) => {
+      e.preventDefault();
+      S.clearFieldErrors(quotaForm);
+      const id = quotaForm.elements.id.value;
+      const body = { bytes: numeric(value(quotaForm, "bytes")), comment: value(quotaForm, "comment") };
+      try {
+        let saved;
+        if (id) saved = await S.api("/api/v1/namespace-quotas/" + id + "/", { method: "PATCH", body });
+        else saved = await S.api("/api/v1/namespace-quotas/", { method: "POST", body: Object.assign(body, { namespace: value(quotaForm, "namespace"), tier: quotaForm.elements.tier.value }) });
+        say("Saved the " + saved.tier + " quota of " + saved.namespace + ".", true);
+        await load();
+        editQuota(saved);
+      } catch (err) {
+        S.showFieldErrors(quotaForm, err);
+        say("Not saved: " + err.message, false);
+      }
+    });
+    quotaForm.querySelector('[data-action="reset"]').addEventListener("click", () => {
+      quotaForm.reset(); quotaForm.elements.id.value = "";
+      quotaForm.elements.namespace.disabled = false; quotaForm.elements.tier.disabled = false;
+      S.clearFieldErrors(quotaForm); document.getElementById("quota-form-h").textContent = "New quota";
+    });
+  }
+
   // -- modes ------------------------------------------------------------------------------------
   const modeForm = document.getElementById("mode-form");
 
@@ -299,13 +361,14 @@
 
   // -- loading ----------------------------------------------------------------------------------
   async function load() {
-    const [tiers, classes, modes, versions, overview] = await Promise.all([
+    const [tiers, classes, modes, quotas, usage, versions, overview] = await Promise.all([
       S.apiAll("/api/v1/tier-policies/"), S.apiAll("/api/v1/priority-classes/"), S.apiAll("/api/v1/modes/"),
+      S.apiAll("/api/v1/namespace-quotas/"), S.api("/api/v1/namespace-quotas/usage/"),
       S.api("/api/v1/policy-versions/?page_size=50"), S.api("/api/v1/dashboard/overview/")]);
-    Object.assign(state, { tiers, classes, modes, version: overview.policy_version });
+    Object.assign(state, { tiers, classes, modes, quotas, usage, version: overview.policy_version });
     document.getElementById("mode").textContent = overview.mode || "none";
     document.getElementById("version").textContent = overview.policy_version;
-    renderTiers(); renderClasses(); renderModes(); renderVersions(versions.results);
+    renderTiers(); renderClasses(); renderQuotas(); renderModes(); renderVersions(versions.results);
     return overview.seq;
   }
 
