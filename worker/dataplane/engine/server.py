@@ -1,12 +1,12 @@
 """The node's OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models.
 
 Requests queue for the one engine (a lock inside it); streaming answers use server-sent events.
-Besides: /metrics, /v1/strata/requests, /v1/strata/blend (read by anyone who reaches the node;
-POST to it, the operator control of fragment reuse, needs the node's admin key)."""
+Besides: /metrics (anyone who reaches the node: counters only, no prompt, salt or key),
+/v1/strata/requests (the node's admin key, or a tenant's API key for its own requests) and
+/v1/strata/blend (the admin key: its GET reports and its POST changes fragment reuse)."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import threading
@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
 from worker.dataplane.blend.options import BlendError, check_namespace_key, check_percent
-from worker.dataplane.engine import timelines
+from worker.dataplane.engine import access, timelines
 from worker.dataplane.engine.engine import Engine, RequestTrace
 from worker.dataplane.metrics import EngineMetrics
 
@@ -140,8 +140,7 @@ class NodeServer:
 
     # -- request handling -------------------------------------------------------------------
     def namespace_of(self, headers: Message) -> str:
-        auth = headers.get("Authorization", "")
-        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        key = access.bearer(headers)
         if self.api_keys:
             if key not in self.api_keys:
                 raise ApiError(
@@ -163,21 +162,7 @@ class NodeServer:
 
     def check_admin(self, headers: Message) -> None:
         """Operator controls need the node's admin key; tenants' API keys do not open them."""
-        if not self.admin_key:
-            raise ApiError(
-                HTTPStatus.FORBIDDEN,
-                "operator controls are off on this node: set STRATA_NODE_ADMIN_KEY",
-                kind="permission_error",
-            )
-        auth = headers.get("Authorization", "")
-        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        if not key or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
-            raise ApiError(
-                HTTPStatus.UNAUTHORIZED,
-                "operator controls need the node's admin key (Authorization: Bearer <STRATA_NODE_ADMIN_KEY>)",
-                kind="authentication_error",
-                code="invalid_api_key",
-            )
+        access.require_admin(headers, admin_key=self.admin_key, what="operator controls")
 
     def blend_control(self, body: Mapping[str, Any], headers: Message) -> dict[str, Any]:
         """An operator's blend decision for one namespace: {namespace, percent} sets r and resumes
@@ -458,8 +443,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
         elif url.path == timelines.PATH:
-            self._send_json(*timelines.requests_answer(url.query, node=self.app.node, traces=self.app.engine.traces))
+            try:
+                reader = access.timeline_reader(self.headers, admin_key=self.app.admin_key, api_keys=self.app.api_keys)
+            except access.Denied as exc:
+                self._send_json(exc.status, exc.body)
+                return
+            answer = timelines.requests_answer(
+                url.query, node=self.app.node, traces=list(self.app.engine.traces), namespace=reader
+            )
+            self._send_json(*answer)
         elif self.path == "/v1/strata/blend":
+            try:
+                access.require_admin(self.headers, admin_key=self.app.admin_key, what="the fragment-reuse report")
+            except access.Denied as exc:
+                self._send_json(exc.status, exc.body)
+                return
             self._send_json(HTTPStatus.OK, self.app.blend_report())
         elif self.path == "/livez":
             self._send_json(HTTPStatus.OK, {"status": "ok"})
@@ -470,7 +468,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/strata/blend":
             try:
                 self._send_json(HTTPStatus.OK, self.app.blend_control(self._read_json(), self.headers))
-            except ApiError as exc:
+            except (ApiError, access.Denied) as exc:
                 self._send_json(exc.status, exc.body)
             return
         routes = {"/v1/completions": False, "/v1/chat/completions": True}
