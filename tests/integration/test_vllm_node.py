@@ -165,7 +165,7 @@ def _reset(node: VllmNode) -> None:
         pass
 
 
-def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
+def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node, settings):
     from openai import OpenAI
 
     from controlplane.dashboard.selectors import requests_recent
@@ -187,6 +187,7 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
         f"127.0.0.1:{node.serve_port}",
     )
     wait_for(lambda: row.tiers.filter(tier="host", used_bytes__gt=0).exists(), what="host use in a heartbeat")
+    settings.STRATA_NODE_ADMIN_KEY = node.env["STRATA_NODE_ADMIN_KEY"]  # the control plane's key
     timelines = requests_recent(node=node.name)
     assert timelines["nodes"] == [{"node": node.name, "error": ""}]
     hit = timelines["requests"][0]
