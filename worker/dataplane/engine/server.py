@@ -58,6 +58,16 @@ def _int_field(body: Mapping[str, Any], name: str, default: int, *, minimum: int
     return value
 
 
+def _check_unicode(text: str, name: str, *, param: str) -> None:
+    """Refuse text that is not valid unicode (JSON may carry a lone surrogate, which no UTF-8 encodes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST, f"{name}: not valid unicode ({exc.reason} at position {exc.start})", param=param
+        ) from exc
+
+
 def _float_field(body: Mapping[str, Any], name: str, default: float, *, minimum: float, maximum: float) -> float:
     value = body.get(name, default)
     if value is None:
@@ -283,9 +293,18 @@ class NodeServer:
                     raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] needs a role", param="messages")
                 content = message.get("content")
                 if isinstance(content, list):
-                    content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+                    parts = [part.get("text", "") for part in content if isinstance(part, dict)]
+                    if not all(isinstance(part, str) for part in parts):
+                        raise ApiError(
+                            HTTPStatus.BAD_REQUEST,
+                            f"messages[{i}].content: each part's text must be text",
+                            param="messages",
+                        )
+                    content = "".join(parts)
                 if not isinstance(content, str):
                     raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content must be text", param="messages")
+                _check_unicode(content, f"messages[{i}].content", param="messages")
+                _check_unicode(message["role"], f"messages[{i}].role", param="messages")
                 clean.append({"role": message["role"], "content": content})
             return model.encode_chat(clean)
         prompt = body.get("prompt")
@@ -294,6 +313,7 @@ class NodeServer:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(HTTPStatus.BAD_REQUEST, "prompt cannot be empty", param="prompt")
+            _check_unicode(prompt, "prompt", param="prompt")
             return model.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = model.model.config.vocab_size
@@ -309,16 +329,18 @@ class NodeServer:
     def run(
         self, body: Mapping[str, Any], headers: Message, chat: bool, emit: Callable[[str], None] | None
     ) -> dict[str, Any]:
+        namespace = self.namespace_of(headers)  # who asks, before anything about what they asked
         self.check_model(body)
-        namespace = self.namespace_of(headers)
         prompt = self.prompt_ids(body, chat)
         max_tokens = _int_field(
             body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", 16, minimum=1
         )
         temperature = _float_field(body, "temperature", 1.0 if "temperature" in body else 0.0, minimum=0.0, maximum=2.0)
         seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "seed must be an integer", param="seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST, f"seed must be an integer from -2**63 to 2**64-1, got {seed!r}", param="seed"
+            )
         if body.get("n", 1) != 1:
             raise ApiError(HTTPStatus.BAD_REQUEST, "n must be 1 (one choice per request)", param="n")
         stops = _stop_field(body)
@@ -499,7 +521,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_json(self) -> dict[str, Any]:
         length_text = self.headers.get("Content-Length")
-        if length_text is None or not length_text.isdigit():
+        if length_text is None or not (length_text.isascii() and length_text.isdigit()):
             raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
         length = int(length_text)
         if length > MAX_BODY_BYTES:

@@ -23,7 +23,7 @@ def requests_answer(
     """The status and JSON body answering `PATH?query` from `traces` (oldest first): all of them,
     or only `namespace`'s when a tenant asks."""
     limit = urllib.parse.parse_qs(query, keep_blank_values=True).get("limit", [str(RECENT)])[-1]
-    if not limit.isdigit() or int(limit) < 1:
+    if not (limit.isascii() and limit.isdigit()) or int(limit) < 1:  # "²" is a digit, not a number
         return HTTPStatus.BAD_REQUEST, {
             "error": {
                 "message": f"limit must be a whole number of requests, at least 1; got {limit!r}",
