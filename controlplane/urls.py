@@ -34,3 +34,7 @@ urlpatterns = [
     path("metrics", telemetry_views.metrics, name="metrics"),
     path("metrics/nodes", telemetry_views.prometheus_nodes, name="metrics-nodes"),
 ]
+
+handler400 = "controlplane.errors.bad_request"
+handler404 = "controlplane.errors.not_found"
+handler500 = "controlplane.errors.server_error"

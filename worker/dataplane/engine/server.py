@@ -22,76 +22,13 @@ from typing import Any, cast
 from worker.dataplane.blend.options import BlendError, check_namespace_key, check_percent
 from worker.dataplane.engine import access, timelines
 from worker.dataplane.engine.engine import Engine, RequestTrace
+from worker.dataplane.engine.fields import ApiError, check_unicode, float_field, int_field, stop_field
 from worker.dataplane.metrics import EngineMetrics
 
 log = logging.getLogger("strata.server")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 NAMESPACE_HEADER = "X-Strata-Namespace"
-
-
-class ApiError(Exception):
-    """An error answered to the client in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: HTTPStatus,
-        message: str,
-        *,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _int_field(body: Mapping[str, Any], name: str, default: int, *, minimum: int) -> int:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer, got {value!r}", param=name)
-    if value < minimum:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be at least {minimum}, got {value}", param=name)
-    return value
-
-
-def _check_unicode(text: str, name: str, *, param: str) -> None:
-    """Refuse text that is not valid unicode (JSON may carry a lone surrogate, which no UTF-8 encodes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST, f"{name}: not valid unicode ({exc.reason} at position {exc.start})", param=param
-        ) from exc
-
-
-def _float_field(body: Mapping[str, Any], name: str, default: float, *, minimum: float, maximum: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be a number, got {value!r}", param=name)
-    if not minimum <= value <= maximum:
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST, f"{name} must be between {minimum} and {maximum}, got {value}", param=name
-        )
-    return float(value)
-
-
-def _stop_field(body: Mapping[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST, "stop must be a non-empty string or a list of up to 4 of them", param="stop"
-        )
-    return stop
 
 
 class NodeServer:
@@ -303,8 +240,8 @@ class NodeServer:
                     content = "".join(parts)
                 if not isinstance(content, str):
                     raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content must be text", param="messages")
-                _check_unicode(content, f"messages[{i}].content", param="messages")
-                _check_unicode(message["role"], f"messages[{i}].role", param="messages")
+                check_unicode(content, f"messages[{i}].content", param="messages")
+                check_unicode(message["role"], f"messages[{i}].role", param="messages")
                 clean.append({"role": message["role"], "content": content})
             return model.encode_chat(clean)
         prompt = body.get("prompt")
@@ -313,7 +250,7 @@ class NodeServer:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(HTTPStatus.BAD_REQUEST, "prompt cannot be empty", param="prompt")
-            _check_unicode(prompt, "prompt", param="prompt")
+            check_unicode(prompt, "prompt", param="prompt")
             return model.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = model.model.config.vocab_size
@@ -332,10 +269,10 @@ class NodeServer:
         namespace = self.namespace_of(headers)  # who asks, before anything about what they asked
         self.check_model(body)
         prompt = self.prompt_ids(body, chat)
-        max_tokens = _int_field(
+        max_tokens = int_field(
             body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", 16, minimum=1
         )
-        temperature = _float_field(body, "temperature", 1.0 if "temperature" in body else 0.0, minimum=0.0, maximum=2.0)
+        temperature = float_field(body, "temperature", 1.0 if "temperature" in body else 0.0, minimum=0.0, maximum=2.0)
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64):
             raise ApiError(
@@ -343,7 +280,7 @@ class NodeServer:
             )
         if body.get("n", 1) != 1:
             raise ApiError(HTTPStatus.BAD_REQUEST, "n must be 1 (one choice per request)", param="n")
-        stops = _stop_field(body)
+        stops = stop_field(body)
         segments = body.get("segments")
         blend = body.get("blend")
         if blend is not None and not isinstance(blend, bool):
