@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import statistics
@@ -145,6 +146,8 @@ class Server:
         self.env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         self.shm_before: set[Path] = set()
         self.pool: str | None = None
+        self.admin_key = ""
+        """The key of the node's request timelines (Strata configurations)."""
         """The node's host pool in /dev/shm (Strata configurations): a node keeps it for its next
         start, a benchmark server has none, so it is removed with the server."""
         if config.startswith("strata_"):
@@ -176,7 +179,12 @@ class Server:
                 "5",
             ]
             self.pool = f"strata-{name}-{os.getpid()}"
-            self.env.update(STRATA_VLLM_ARGS=" ".join(vllm_args), STRATA_HOST_POOL_NAME=self.pool)
+            self.admin_key = secrets.token_urlsafe(24)
+            self.env.update(
+                STRATA_VLLM_ARGS=" ".join(vllm_args),
+                STRATA_HOST_POOL_NAME=self.pool,
+                STRATA_NODE_ADMIN_KEY=self.admin_key,
+            )
         else:
             self.command = [
                 sys.executable,
@@ -241,7 +249,10 @@ class Server:
         as the connector saw it) written beside the server's log, for reading a run afterwards."""
         if self.status is None:
             return None
-        with urllib.request.urlopen(self.status + "/v1/strata/requests?limit=1000", timeout=30) as answer:
+        request = urllib.request.Request(
+            self.status + "/v1/strata/requests?limit=1000", headers={"Authorization": f"Bearer {self.admin_key}"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
             path = self.logs / f"{self.config}-requests.json"
             path.write_bytes(answer.read())
         return path

@@ -3,7 +3,7 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from controlplane.dashboard import views as dashboard_views
 from controlplane.telemetry import views as telemetry_views
@@ -28,8 +28,13 @@ urlpatterns = [
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
     path("livez", telemetry_views.livez, name="livez"),
     path("readyz", telemetry_views.readyz, name="readyz"),
     path("metrics", telemetry_views.metrics, name="metrics"),
     path("metrics/nodes", telemetry_views.prometheus_nodes, name="metrics-nodes"),
 ]
+
+handler400 = "controlplane.errors.bad_request"
+handler404 = "controlplane.errors.not_found"
+handler500 = "controlplane.errors.server_error"

@@ -4,7 +4,11 @@ Events arrive one by one from the channel layer, which may drop some. The consum
 into one `batch` frame per second at most: a node's heartbeats collapse into its latest one (each
 carries the node's whole state), every other event is kept. A batch names the first and last
 sequence number it saw and whether it saw every number in between; the page reloads the REST
-snapshot whenever a batch is incomplete or does not follow the last one it applied."""
+snapshot whenever a batch is incomplete or does not follow the last one it applied.
+
+A stream outlives no session: every SESSION_CHECK_S the consumer reads its session again, and a
+session that was logged out, expired, or belongs to a user since deactivated, given a new
+password or stripped of every role closes the stream (4401)."""
 
 from __future__ import annotations
 
@@ -12,10 +16,14 @@ import asyncio
 import json
 import logging
 import time
+from importlib import import_module
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
+from django.utils.crypto import constant_time_compare
 
 from controlplane.accounts.roles import Role, role_of
 from controlplane.dashboard.events import DASHBOARD_GROUP
@@ -33,6 +41,8 @@ FLUSH_INTERVAL_S = 1.0
 """Least time between two frames to one page: the live view's cadence."""
 MAX_PENDING_EVENTS = 200
 """Events other than heartbeats held for one frame; beyond this the page is told to reload."""
+SESSION_CHECK_S = 30.0
+"""How often a stream's session is read again: a logged-out or expired session ends it within this."""
 FRAME_BURST = 20
 FRAMES_PER_SECOND = 5.0
 """A page sends a ping every few seconds; a client sending faster than this for long is cut off."""
@@ -56,6 +66,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         self.allowance = float(FRAME_BURST)
         self.allowance_at = time.monotonic()
         self.joined = False
+        self.session_task: asyncio.Task[None] | None = None
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close(code=CLOSE_UNAUTHENTICATED)
@@ -69,12 +80,49 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         self.joined = True
         await self.accept()
         await self.send_json({"type": "hello", "user": user.get_username()})
+        self.session_task = asyncio.create_task(self._watch_session(user.get_username()))
 
     async def disconnect(self, code: int) -> None:
         if getattr(self, "flush_task", None) is not None:
             self.flush_task.cancel()  # type: ignore[union-attr]
+        if getattr(self, "session_task", None) is not None:
+            self.session_task.cancel()  # type: ignore[union-attr]
         if getattr(self, "joined", False):
             await self.channel_layer.group_discard(DASHBOARD_GROUP, self.channel_name)
+
+    # -- the session ----------------------------------------------------------------------------
+    async def _watch_session(self, username: str) -> None:
+        while True:
+            await asyncio.sleep(SESSION_CHECK_S)
+            try:
+                reason = await database_sync_to_async(self._session_ended)()
+            except Exception as exc:  # noqa: BLE001 - the database is away: ask again next time
+                log.warning("dashboard stream of %s: its session could not be read: %s", username, exc)
+                continue
+            if reason:
+                log.info("dashboard stream of %s closed: %s", username, reason)
+                await self.close(code=CLOSE_UNAUTHENTICATED)
+                return
+
+    def _session_ended(self) -> str:
+        """Why the stream's session no longer admits it ("" while it does), as Django's own
+        authentication would decide on the next page load."""
+        session = self.scope.get("session")
+        key = getattr(session, "session_key", None)
+        if session is None or not key:
+            return "the stream has no session"
+        data = import_module(settings.SESSION_ENGINE).SessionStore(session_key=key).load()  # {}: logged out or expired
+        user = self.scope["user"]
+        if str(data.get(SESSION_KEY)) != str(user.pk):
+            return "its session was logged out or expired"
+        current = get_user_model().objects.filter(pk=user.pk, is_active=True).first()
+        if current is None:
+            return "the account is deactivated"
+        if not constant_time_compare(str(data.get(HASH_SESSION_KEY, "")), current.get_session_auth_hash()):
+            return "the account's password changed"
+        if role_of(current) < Role.VIEWER:
+            return "the account has no role any more"
+        return ""
 
     # -- from the page -------------------------------------------------------------------------
     def _take_allowance(self) -> bool:

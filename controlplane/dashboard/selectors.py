@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count, Q
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
@@ -162,10 +163,20 @@ class NodeUnreachable(Exception):
 
 
 def _node_get(address: str, path: str) -> bytes:
+    """GET a node's endpoint with the nodes' admin key (its operator endpoints need it)."""
     url = f"http://{address}{path}"
+    key = settings.STRATA_NODE_ADMIN_KEY
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url, timeout=NODE_FETCH_TIMEOUT_S) as response:  # noqa: S310 - fixed scheme
+        with urllib.request.urlopen(request, timeout=NODE_FETCH_TIMEOUT_S) as response:  # noqa: S310 - fixed scheme
             return bytes(response.read(MAX_FETCH_BYTES))
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise NodeUnreachable(
+                f"{url}: the node refused the control plane's key ({exc.code}): set STRATA_NODE_ADMIN_KEY "
+                "to the nodes' admin key"
+            ) from exc
+        raise NodeUnreachable(f"{url}: HTTP {exc.code}") from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise NodeUnreachable(f"{url}: {reason}") from exc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -37,6 +38,18 @@ def _remove_pools(var: Path) -> list[str]:
         pool.unlink(missing_ok=True)
         removed.append(pool.name)
     return removed
+
+
+def node_admin_key(var: Path) -> str:
+    """The demo's node admin key, made once and kept in var/node-admin-key (readable by its owner
+    only): every demo node requires it on its operator endpoints, and the control plane reads the
+    nodes with it."""
+    path = var / "node-admin-key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(32))
+    return path.read_text().strip()
 
 
 def _manage(*args: str, env: dict[str, str]) -> None:
@@ -119,6 +132,7 @@ def run(port: int, model: str, api_port: int, engines: list[str] | None = None) 
     # One shared-memory pool per node of this demo (its var/ directory), not per machine.
     env_vars.setdefault("STRATA_HOST_POOL_NAME", f"{_pool_prefix(env.var_dir)}-{{node}}")
     env_vars.setdefault("STRATA_HOST_BYTES", "512MiB")
+    env_vars.setdefault("STRATA_NODE_ADMIN_KEY", node_admin_key(env.var_dir))
     if "vllm" in (engines or []):
         env_vars.setdefault("STRATA_VLLM_ARGS", VLLM_ARGS)
         env_vars.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

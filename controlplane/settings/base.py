@@ -33,6 +33,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "django_celery_beat",
     "controlplane.accounts",
@@ -113,6 +114,8 @@ STORAGES = {
 # Seconds between node heartbeats that the control plane expects by default; a node reports its own.
 STRATA_HEARTBEAT_SECONDS = float(os.environ.get("STRATA_HEARTBEAT_SECONDS", "5"))
 STRATA_STALE_AFTER_MISSED = 3
+# The key the control plane reads nodes' request timelines with (each node's STRATA_NODE_ADMIN_KEY).
+STRATA_NODE_ADMIN_KEY = os.environ.get("STRATA_NODE_ADMIN_KEY", "")
 
 LOGGING = {
     "version": 1,

@@ -32,6 +32,11 @@ def settings() -> dict[str, Any]:
             "SERVE_INCLUDE_SCHEMA": False,
             "SCHEMA_PATH_PREFIX": r"/api/v1",
             "COMPONENT_SPLIT_REQUEST": True,
+            # Swagger UI and ReDoc from the installed package, served as our static files: the
+            # docs load with no other host reachable, and run only code pinned in pyproject.toml.
+            "SWAGGER_UI_DIST": "SIDECAR",
+            "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+            "REDOC_DIST": "SIDECAR",
             # Two apps have a `kind` field: name their enums apart in the schema.
             "ENUM_NAME_OVERRIDES": {
                 "ModeKindEnum": "controlplane.policies.choices.ModeKind",

@@ -17,7 +17,7 @@ from worker.dataplane.engine.server import NodeServer
 @pytest.fixture
 def server(models) -> Iterator[NodeServer]:
     engine = blend_engine(models("tiny"), recompute_percent=20, sample_rate=1.0, min_samples=50)
-    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="blend-node").start()
+    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="blend-node", admin_key="blend-admin-key").start()
     yield node
     node.stop()
     engine.close()
@@ -31,7 +31,7 @@ def client(server) -> openai.OpenAI:
 def get(server, path: str) -> tuple[int, str]:
     host, port = server.address.split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    connection.request("GET", path)
+    connection.request("GET", path, headers={"Authorization": f"Bearer {server.admin_key}"})
     response = connection.getresponse()
     body = response.read().decode()
     connection.close()
@@ -205,9 +205,9 @@ def test_bad_operator_input_is_refused_naming_the_field(operated, body, param, m
 @pytest.mark.parametrize(
     ("key", "status", "message"),
     [
-        (None, 401, "need the node's admin key"),
-        ("wrong", 401, "need the node's admin key"),
-        ("tenant-key", 401, "need the node's admin key"),
+        (None, 401, "only with the node's admin key"),
+        ("wrong", 401, "only with the node's admin key"),
+        ("tenant-key", 401, "only with the node's admin key"),
     ],
 )
 def test_operator_controls_need_the_admin_key(operated, key, status, message):
@@ -216,9 +216,15 @@ def test_operator_controls_need_the_admin_key(operated, key, status, message):
     assert operated.engine.tuner.current("rag") == ("blend", 25.0)
 
 
-def test_operator_controls_are_off_without_an_admin_key(server):
-    status, answer = call(server, "POST", "/v1/strata/blend", {"namespace": "default", "percent": 1}, key="anything")
-    assert status == 403 and "STRATA_NODE_ADMIN_KEY" in answer["error"]["message"]
+def test_operator_controls_are_off_without_an_admin_key(models):
+    engine = blend_engine(models("tiny"), recompute_percent=20)
+    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="no-admin").start()
+    try:
+        status, answer = call(node, "POST", "/v1/strata/blend", {"namespace": "default", "percent": 1}, key="anything")
+        assert status == 403 and "STRATA_NODE_ADMIN_KEY" in answer["error"]["message"]
+    finally:
+        node.stop()
+        engine.close()
 
 
 def test_the_admin_key_cannot_be_a_tenant_key(models):

@@ -161,6 +161,8 @@ def system() -> Iterator[System]:
         "DJANGO_SETTINGS_MODULE": "controlplane.settings.test",
         "PYTHONUNBUFFERED": "1",
         "STRATA_LOG_LEVEL": "INFO",
+        # The node requires it on its request timelines; the control plane (daphne) reads them with it.
+        "STRATA_NODE_ADMIN_KEY": f"browser-admin-{uuid.uuid4().hex}",
     }
     system = System(base=f"http://127.0.0.1:{port}", node_api=f"http://127.0.0.1:{node_port}", env=env, var_dir=var_dir)
     pool = f"strata-test-{NODE}-{uuid.uuid4().hex[:6]}"

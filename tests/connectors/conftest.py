@@ -130,6 +130,7 @@ def node(directory_db, checkpoint) -> Iterator[Node]:
             "remote_prefix": f"strata-test-{name}",
             "remote_bytes": "256MiB",
             "status_port": free_port(),
+            "node_admin_key": f"admin-{name}",
         }
         yield Node(name=name, extra=extra, remote=remote, checkpoint=checkpoint)
     finally:

@@ -28,15 +28,21 @@ class Metrics:
 def server() -> Iterator[StatusServer]:
     traces = [RequestTrace(request_id=f"r{i}", namespace="default", prompt_tokens=i) for i in range(120)]
     served = StatusServer(
-        metrics=Metrics(), traces=lambda: traces, node="n0", host="127.0.0.1", port=free_port()
+        metrics=Metrics(), traces=lambda: traces, node="n0", host="127.0.0.1", port=free_port(), admin_key=ADMIN
     ).start()  # type: ignore[arg-type]
     yield served
     served.stop()
 
 
-def _get(server: StatusServer, path: str) -> tuple[int, Any]:
+ADMIN = "status-admin-key"
+
+
+def _get(server: StatusServer, path: str, key: str | None = ADMIN) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        f"http://{server.address}{path}", headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
     try:
-        with urllib.request.urlopen(f"http://{server.address}{path}", timeout=10) as answer:
+        with urllib.request.urlopen(request, timeout=10) as answer:
             return answer.status, json.loads(answer.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -58,3 +64,11 @@ def test_a_bad_limit_is_refused_naming_it(server, limit):
     assert (
         body["error"]["message"].startswith("limit must be a whole number") and repr(limit) in body["error"]["message"]
     )
+
+
+def test_request_timelines_need_the_admin_key_and_metrics_do_not(server):
+    for key in (None, "wrong"):
+        status, body = _get(server, "/v1/strata/requests", key=key)
+        assert status == 401 and "only with the node's admin key" in body["error"]["message"]
+    with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=10) as answer:
+        assert answer.status == 200

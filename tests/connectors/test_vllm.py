@@ -45,7 +45,11 @@ def fresh(llm: Any, prompt: list[int], **kwargs: Any) -> tuple[list[int], int]:
 
 
 def status(node: Any, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{node.extra['status_port']}{path}", timeout=10) as answer:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{node.extra['status_port']}{path}",
+        headers={"Authorization": f"Bearer {node.extra['node_admin_key']}"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
         return bytes(answer.read())
 
 

@@ -17,6 +17,8 @@ from controlplane.directory.services import TierReport, node_heartbeat
 from tests.blend.conftest import BLOCK_TOKENS, blend_engine, models, tokens  # noqa: F401 - fixture
 from worker.dataplane.engine.server import NodeServer
 
+ADMIN = "blend-nodes-admin-key"
+
 
 @pytest.fixture
 def servers(models) -> Iterator[dict[str, NodeServer]]:  # noqa: F811 - the fixture imported above
@@ -31,8 +33,8 @@ def servers(models) -> Iterator[dict[str, NodeServer]]:  # noqa: F811 - the fixt
     )
     plain = blend_engine(models("tiny"), enabled=False)
     started = {
-        "blend-a": NodeServer(engine=blending, host="127.0.0.1", port=0, node="blend-a").start(),
-        "plain-b": NodeServer(engine=plain, host="127.0.0.1", port=0, node="plain-b").start(),
+        "blend-a": NodeServer(engine=blending, host="127.0.0.1", port=0, node="blend-a", admin_key=ADMIN).start(),
+        "plain-b": NodeServer(engine=plain, host="127.0.0.1", port=0, node="plain-b", admin_key=ADMIN).start(),
     }
     yield started
     for server in started.values():
@@ -49,12 +51,16 @@ def _viewer() -> APIClient:
 
 
 def _report(server: NodeServer) -> dict:
-    with urllib.request.urlopen(f"http://{server.address}/v1/strata/blend", timeout=30) as response:
+    request = urllib.request.Request(
+        f"http://{server.address}/v1/strata/blend", headers={"Authorization": f"Bearer {ADMIN}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
 
 @pytest.mark.django_db(transaction=True)
-def test_fragment_reuse_in_the_dashboard_data_matches_the_nodes(servers):
+def test_fragment_reuse_in_the_dashboard_data_matches_the_nodes(servers, settings):
+    settings.STRATA_NODE_ADMIN_KEY = ADMIN
     for name, server in servers.items():
         node_heartbeat(
             name=name,

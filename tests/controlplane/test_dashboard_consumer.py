@@ -292,3 +292,46 @@ async def test_a_slow_client_gets_few_frames_not_a_backlog():
 def test_unknown_event_kind_is_refused():
     with pytest.raises(ValueError, match="unknown event type 'node.exploded'"):
         send_event_on_commit(kind="node.exploded", payload={})
+
+
+async def _closed_within(communicator, seconds: float) -> int:
+    """The close code of a stream that ends within `seconds` (frames before it are skipped)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while True:
+        message = await communicator.receive_output(timeout=max(0.1, deadline - asyncio.get_running_loop().time()))
+        if message["type"] == "websocket.close":
+            return message["code"]
+
+
+def _end_session(username: str, how: str) -> None:
+    from django.contrib.sessions.models import Session
+    from django.utils import timezone
+
+    user = User.objects.get(username=username)
+    mine = [s for s in Session.objects.all() if str(s.get_decoded().get("_auth_user_id")) == str(user.pk)]
+    assert mine, "the user's session should exist"
+    if how == "logout":
+        Session.objects.filter(pk__in=[s.pk for s in mine]).delete()
+    elif how == "expired":
+        Session.objects.filter(pk__in=[s.pk for s in mine]).update(expire_date=timezone.now())
+    elif how == "deactivated":
+        User.objects.filter(pk=user.pk).update(is_active=False)
+    elif how == "password":
+        user.set_password("a-new-password-456")
+        user.save()
+    elif how == "role":
+        user.groups.clear()
+
+
+@pytest.mark.parametrize("how", ["logout", "expired", "deactivated", "password", "role"])
+async def test_a_stream_ends_once_its_session_does(monkeypatch, how):
+    monkeypatch.setattr(consumers, "SESSION_CHECK_S", 0.2)
+    ended = await _logged_in(f"leaver-{how}")
+    staying = await _logged_in(f"stayer-{how}")
+    await sync_to_async(_end_session)(f"leaver-{how}", how)
+    assert await _closed_within(ended, 5) == CLOSE_UNAUTHENTICATED
+    # Another user's stream keeps its session and its stream.
+    await asyncio.sleep(0.5)
+    await staying.send_json_to({"type": "ping"})
+    assert await staying.receive_json_from(timeout=5) == {"type": "pong"}
+    await staying.disconnect()

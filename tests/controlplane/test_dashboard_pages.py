@@ -182,13 +182,17 @@ def test_block_search_by_either_fingerprint_and_its_errors(directory_objects):
 def engine_server(models, make_store) -> Iterator[NodeServer]:  # noqa: F811 - fixtures imported above
     model = models("tiny")
     engine = engine_for(model, make_store(model, ("device", "host")), write_back_tier="host", keep_in_device=True)
-    server = NodeServer(engine=engine, host="127.0.0.1", port=0, node="serving").start()
+    server = NodeServer(engine=engine, host="127.0.0.1", port=0, node="serving", admin_key=NODE_ADMIN_KEY).start()
     yield server
     server.stop()
 
 
+NODE_ADMIN_KEY = "pages-node-admin-key"
+
+
 @pytest.mark.django_db(transaction=True)
-def test_requests_and_cache_counters_come_from_the_engine_servers(engine_server):
+def test_requests_and_cache_counters_come_from_the_engine_servers(engine_server, settings):
+    settings.STRATA_NODE_ADMIN_KEY = NODE_ADMIN_KEY
     node_heartbeat(
         name="serving",
         host="h",
@@ -230,6 +234,11 @@ def test_requests_and_cache_counters_come_from_the_engine_servers(engine_server)
     assert sum(stats["hit_tokens_by_tier"].values()) == pytest.approx(cached)
     bad = api.get("/api/v1/requests/?node=not a slug")
     assert bad.status_code == 400 and "node" in bad.json()
+
+    # A control plane without the nodes' admin key is told so, per node.
+    settings.STRATA_NODE_ADMIN_KEY = "not-the-nodes-key"
+    refused = api.get("/api/v1/requests/?node=serving").json()
+    assert refused["requests"] == [] and "set STRATA_NODE_ADMIN_KEY" in refused["nodes"][0]["error"]
 
 
 def test_saved_time_is_cached_tokens_times_measured_prefill_per_token_less_loading():

@@ -173,3 +173,9 @@ def test_observability_profile_scrapes_the_control_plane_and_the_nodes(compose):
     dashboard = json.loads((REPO_ROOT / "deploy" / "grafana" / "strata.json").read_text())
     uids = {p["datasource"]["uid"] for p in dashboard["panels"] if "datasource" in p}
     assert uids == {datasource["datasources"][0]["uid"]}
+
+
+def test_the_nodes_and_the_control_plane_share_the_node_admin_key(compose):
+    services = compose["services"]
+    for name in ("web", "node-gpu-0", "node-vllm"):
+        assert services[name]["environment"]["STRATA_NODE_ADMIN_KEY"].startswith("${STRATA_NODE_ADMIN_KEY:?"), name

@@ -272,7 +272,7 @@ def test_bad_list_queries_and_writes_are_400s(world, api_as):
             },
             format="json",
         ),
-        "model_key",
+        "non_field_errors",  # the model id and the layout together are taken: no one field is wrong
     )
     _assert_400(operator.post("/api/v1/namespaces/", {"name": "tenant-a"}, format="json"), "name")
     _assert_400(operator.post("/api/v1/namespaces/", {"name": "bad name"}, format="json"), "name")

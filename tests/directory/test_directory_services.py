@@ -57,11 +57,11 @@ def test_model_profile_key_is_the_data_planes(profile):
 
 
 def test_model_profile_refuses_a_duplicate_layout_and_bad_fields(profile):
-    with pytest.raises(DirectoryError, match="model_key: profile 'tiny-llama' has the same layout") as info:
+    with pytest.raises(DirectoryError, match="profile 'tiny-llama' has the same model and layout") as info:
         modelprofile_create(
             name="again", model_id="strata/tiny-llama", layers=2, kv_heads=2, head_dim=16, dtype="fp16", block_tokens=16
         )
-    assert info.value.field == "model_key"
+    assert info.value.field == "non_field_errors"
     with pytest.raises(DirectoryError, match="layers") as info:
         modelprofile_create(name="bad", model_id="m", layers=0, kv_heads=2, head_dim=16)
     assert info.value.field == "layers"

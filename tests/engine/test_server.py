@@ -19,7 +19,7 @@ from worker.dataplane.offload import RequestTrace
 def server(models, make_store) -> Iterator[NodeServer]:
     model = models("tiny")
     engine = engine_for(model, make_store(model, ("device", "host")), write_back_tier="host", keep_in_device=True)
-    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="test-node").start()
+    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="test-node", admin_key=ADMIN).start()
     yield node
     node.stop()
 
@@ -30,6 +30,8 @@ def client(server) -> openai.OpenAI:
 
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 8
+ADMIN = "node-admin-key-test"
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 
 
 def test_models(client):
@@ -166,18 +168,18 @@ def test_metrics_and_request_timeline(client, server):
     for layer in (0, 1):
         assert f'strata_layer_stall_seconds_count{{layer="{layer}",node="test-node"}} 1.0' in text
     assert 'strata_tier_used_bytes{node="test-node",tier="host"}' in text
-    connection.request("GET", "/v1/strata/requests")
+    connection.request("GET", "/v1/strata/requests", headers=AS_ADMIN)
     timeline = json.loads(connection.getresponse().read())
     latest = timeline["requests"][0]
     assert latest["cached_tokens"] > 0 and len(latest["layer_stall_s"]) == 2
     connection.close()
 
 
-def _get_json(server: NodeServer, path: str) -> tuple[int, dict]:
+def _get_json(server: NodeServer, path: str, key: str | None = ADMIN) -> tuple[int, dict]:
     host, port = server.address.split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
-        connection.request("GET", path)
+        connection.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
         response = connection.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -227,5 +229,51 @@ def test_a_node_without_fragment_reuse_says_so(models, make_store):
         answer = json.loads(response.read())
         assert response.status == 409 and "fragment reuse is off on this node" in answer["error"]["message"]
         connection.close()
+    finally:
+        node.stop()
+
+
+def test_request_timelines_need_the_admin_key_or_show_a_tenant_its_own(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    keys = {"key-a": "tenant-a", "key-b": "tenant-b"}
+    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="keyed", api_keys=keys, admin_key=ADMIN).start()
+    try:
+        for key, question in (("key-a", "secret plans of tenant a "), ("key-b", "private notes of tenant b ")):
+            tenant = openai.OpenAI(base_url=f"http://{node.address}/v1", api_key=key, max_retries=0)
+            tenant.completions.create(model="tiny", prompt=question * 6, max_tokens=2)
+        status, body = _get_json(node, "/v1/strata/requests")
+        assert status == 200 and {r["namespace"] for r in body["requests"]} == {"tenant-a", "tenant-b"}
+        status, body = _get_json(node, "/v1/strata/requests", key="key-a")
+        assert status == 200 and [r["namespace"] for r in body["requests"]] == ["tenant-a"]
+        for key in (None, "wrong-key"):
+            status, body = _get_json(node, "/v1/strata/requests", key=key)
+            assert status == 401 and "admin key" in body["error"]["message"]
+        # The fragment-reuse report is the operator's: a tenant's key does not open it.
+        assert _get_json(node, "/v1/strata/blend", key="key-a")[0] == 401
+        assert _get_json(node, "/v1/strata/blend")[0] == 200
+        # /metrics stays open, and carries no prompt text, namespace salt or key.
+        host, port = node.address.split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        connection.request("GET", "/metrics")
+        metrics = connection.getresponse().read().decode()
+        connection.close()
+        secrets = ["secret plans", "private notes", "key-a", "key-b", ADMIN]
+        secrets += [engine.fingerprinter(ns).ns_salt.hex() for ns in ("tenant-a", "tenant-b")]
+        assert "strata_hit_tokens_total" in metrics
+        assert [secret for secret in secrets if secret in metrics] == []
+    finally:
+        node.stop()
+
+
+def test_a_node_without_an_admin_key_shows_no_timelines(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="open").start()
+    try:
+        status, body = _get_json(node, "/v1/strata/requests", key=None)
+        assert status == 403 and "set STRATA_NODE_ADMIN_KEY" in body["error"]["message"]
+        status, body = _get_json(node, "/v1/strata/blend", key="anything")
+        assert status == 403 and "set STRATA_NODE_ADMIN_KEY" in body["error"]["message"]
     finally:
         node.stop()

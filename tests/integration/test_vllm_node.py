@@ -31,8 +31,9 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration, 
 PROMPT = "Strata keeps KV blocks in DRAM and NVMe and loads them back layer by layer. " * 16
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=30) as answer:
+def _get(url: str, key: str = "") -> bytes:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=30) as answer:
         return bytes(answer.read())
 
 
@@ -60,6 +61,7 @@ class VllmNode:
             "STRATA_DISK_PATH": str(tmp_path / "disk"),
             "STRATA_DISK_BYTES": "256MiB",
             "STRATA_HEARTBEAT_SECONDS": "0.5",
+            "STRATA_NODE_ADMIN_KEY": f"admin-{self.name}",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_SERVER_DEV_MODE": "1",
             "STRATA_VLLM_ARGS": "--max-model-len 4096 --num-gpu-blocks-override 64",
@@ -95,7 +97,7 @@ class VllmNode:
         return f"http://127.0.0.1:{self.serve_port}{path}"
 
     def status(self, path: str) -> bytes:
-        return _get(f"http://127.0.0.1:{self.status_port}{path}")
+        return _get(f"http://127.0.0.1:{self.status_port}{path}", self.env["STRATA_NODE_ADMIN_KEY"])
 
     def wait_serving(self, worker: subprocess.Popen[bytes]) -> None:
         def serving() -> bool:
@@ -163,7 +165,7 @@ def _reset(node: VllmNode) -> None:
         pass
 
 
-def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
+def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node, settings):
     from openai import OpenAI
 
     from controlplane.dashboard.selectors import requests_recent
@@ -185,6 +187,7 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node):
         f"127.0.0.1:{node.serve_port}",
     )
     wait_for(lambda: row.tiers.filter(tier="host", used_bytes__gt=0).exists(), what="host use in a heartbeat")
+    settings.STRATA_NODE_ADMIN_KEY = node.env["STRATA_NODE_ADMIN_KEY"]  # the control plane's key
     timelines = requests_recent(node=node.name)
     assert timelines["nodes"] == [{"node": node.name, "error": ""}]
     hit = timelines["requests"][0]

@@ -364,8 +364,9 @@ OPTIONS: tuple[Option, ...] = (
         "node_admin_key",
         parse_str,
         "",
-        "Key (Authorization: Bearer) of the node server's operator controls (POST /v1/strata/blend); empty: those "
-        "controls are refused.",
+        "Key (Authorization: Bearer) of the node's operator endpoints (/v1/strata/requests, /v1/strata/blend); the "
+        "control plane reads the nodes with the same key. Empty: those endpoints are refused (a tenant's API key "
+        "still reads its own requests).",
     ),
 )
 

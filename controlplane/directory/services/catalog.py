@@ -119,8 +119,9 @@ def modelprofile_create(
         raise DirectoryError(f"{field}: {text}", field=field) from exc
     existing = ModelProfile.objects.filter(model_key=key).first()
     if existing is not None:
+        # The model key is derived from the model id and the layout together: no one field is wrong.
         raise DirectoryError(
-            f"model_key: profile {existing.name!r} has the same layout (model key {key})", field="model_key"
+            f"profile {existing.name!r} has the same model and layout (model key {key})", field="non_field_errors"
         )
     if ModelProfile.objects.filter(name=name).exists():
         raise DirectoryError(f"name: a model profile named {name!r} exists", field="name")

@@ -1,5 +1,8 @@
 """The Strata endpoints of an engine Strata does not serve itself (vLLM): /metrics, /v1/strata/requests, /livez.
 
+/metrics and /livez answer anyone who reaches the node; the request timelines need the node's
+admin key (`access.timeline_reader`: vLLM's tenants have no Strata API key here).
+
 The control plane reads a node's request timelines and fragment-reuse figures from its address,
 and Prometheus scrapes it there, whichever engine serves the model; the engine's own server
 (vLLM's OpenAI API, with its own /metrics) stays as it is.
@@ -16,7 +19,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
-from worker.dataplane.engine import timelines
+from worker.dataplane.engine import access, timelines
 from worker.dataplane.metrics import EngineMetrics
 from worker.dataplane.offload import RequestTrace
 
@@ -27,9 +30,17 @@ class StatusServer:
     """Serves one engine's Strata metrics and recent request timelines over HTTP on a thread."""
 
     def __init__(
-        self, *, metrics: EngineMetrics, traces: Callable[[], list[RequestTrace]], node: str, host: str, port: int
+        self,
+        *,
+        metrics: EngineMetrics,
+        traces: Callable[[], list[RequestTrace]],
+        node: str,
+        host: str,
+        port: int,
+        admin_key: str = "",
     ) -> None:
         self.metrics = metrics
+        self.admin_key = admin_key
         self.traces = traces
         self.node = node
         handler = type("Handler", (_Handler,), {"app": self})
@@ -86,7 +97,14 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._send(HTTPStatus.OK, self.app.metrics.render(), "text/plain; version=0.0.4")
         elif path == timelines.PATH:
-            self._json(*timelines.requests_answer(url.query, node=self.app.node, traces=self.app.traces()))
+            try:
+                reader = access.timeline_reader(self.headers, admin_key=self.app.admin_key, api_keys={})
+            except access.Denied as exc:
+                self._json(exc.status, exc.body)
+                return
+            self._json(
+                *timelines.requests_answer(url.query, node=self.app.node, traces=self.app.traces(), namespace=reader)
+            )
         elif path == "/livez":
             self._json(HTTPStatus.OK, {"status": "ok"})
         else:

@@ -72,7 +72,10 @@ class Sampler:
     def pick(self, logits: torch.Tensor) -> int:
         if self.temperature == 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        # In float64, shifted so the largest logit is 0: a temperature as small as 1e-300 still
+        # gives a distribution (the most likely token), not inf/inf.
+        scaled = logits.double().cpu()
+        probs = torch.softmax((scaled - scaled.max()) / self.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

@@ -1,12 +1,12 @@
 """The node's OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models.
 
 Requests queue for the one engine (a lock inside it); streaming answers use server-sent events.
-Besides: /metrics, /v1/strata/requests, /v1/strata/blend (read by anyone who reaches the node;
-POST to it, the operator control of fragment reuse, needs the node's admin key)."""
+Besides: /metrics (anyone who reaches the node: counters only, no prompt, salt or key),
+/v1/strata/requests (the node's admin key, or a tenant's API key for its own requests) and
+/v1/strata/blend (the admin key: its GET reports and its POST changes fragment reuse)."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import threading
@@ -20,68 +20,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
 from worker.dataplane.blend.options import BlendError, check_namespace_key, check_percent
-from worker.dataplane.engine import timelines
+from worker.dataplane.engine import access, timelines
 from worker.dataplane.engine.engine import Engine, RequestTrace
+from worker.dataplane.engine.fields import ApiError, check_unicode, float_field, int_field, stop_field
 from worker.dataplane.metrics import EngineMetrics
 
 log = logging.getLogger("strata.server")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 NAMESPACE_HEADER = "X-Strata-Namespace"
-
-
-class ApiError(Exception):
-    """An error answered to the client in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: HTTPStatus,
-        message: str,
-        *,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _int_field(body: Mapping[str, Any], name: str, default: int, *, minimum: int) -> int:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer, got {value!r}", param=name)
-    if value < minimum:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be at least {minimum}, got {value}", param=name)
-    return value
-
-
-def _float_field(body: Mapping[str, Any], name: str, default: float, *, minimum: float, maximum: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be a number, got {value!r}", param=name)
-    if not minimum <= value <= maximum:
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST, f"{name} must be between {minimum} and {maximum}, got {value}", param=name
-        )
-    return float(value)
-
-
-def _stop_field(body: Mapping[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST, "stop must be a non-empty string or a list of up to 4 of them", param="stop"
-        )
-    return stop
 
 
 class NodeServer:
@@ -140,8 +87,7 @@ class NodeServer:
 
     # -- request handling -------------------------------------------------------------------
     def namespace_of(self, headers: Message) -> str:
-        auth = headers.get("Authorization", "")
-        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        key = access.bearer(headers)
         if self.api_keys:
             if key not in self.api_keys:
                 raise ApiError(
@@ -163,21 +109,7 @@ class NodeServer:
 
     def check_admin(self, headers: Message) -> None:
         """Operator controls need the node's admin key; tenants' API keys do not open them."""
-        if not self.admin_key:
-            raise ApiError(
-                HTTPStatus.FORBIDDEN,
-                "operator controls are off on this node: set STRATA_NODE_ADMIN_KEY",
-                kind="permission_error",
-            )
-        auth = headers.get("Authorization", "")
-        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        if not key or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
-            raise ApiError(
-                HTTPStatus.UNAUTHORIZED,
-                "operator controls need the node's admin key (Authorization: Bearer <STRATA_NODE_ADMIN_KEY>)",
-                kind="authentication_error",
-                code="invalid_api_key",
-            )
+        access.require_admin(headers, admin_key=self.admin_key, what="operator controls")
 
     def blend_control(self, body: Mapping[str, Any], headers: Message) -> dict[str, Any]:
         """An operator's blend decision for one namespace: {namespace, percent} sets r and resumes
@@ -298,9 +230,18 @@ class NodeServer:
                     raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] needs a role", param="messages")
                 content = message.get("content")
                 if isinstance(content, list):
-                    content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+                    parts = [part.get("text", "") for part in content if isinstance(part, dict)]
+                    if not all(isinstance(part, str) for part in parts):
+                        raise ApiError(
+                            HTTPStatus.BAD_REQUEST,
+                            f"messages[{i}].content: each part's text must be text",
+                            param="messages",
+                        )
+                    content = "".join(parts)
                 if not isinstance(content, str):
                     raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content must be text", param="messages")
+                check_unicode(content, f"messages[{i}].content", param="messages")
+                check_unicode(message["role"], f"messages[{i}].role", param="messages")
                 clean.append({"role": message["role"], "content": content})
             return model.encode_chat(clean)
         prompt = body.get("prompt")
@@ -309,6 +250,7 @@ class NodeServer:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(HTTPStatus.BAD_REQUEST, "prompt cannot be empty", param="prompt")
+            check_unicode(prompt, "prompt", param="prompt")
             return model.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = model.model.config.vocab_size
@@ -324,19 +266,21 @@ class NodeServer:
     def run(
         self, body: Mapping[str, Any], headers: Message, chat: bool, emit: Callable[[str], None] | None
     ) -> dict[str, Any]:
+        namespace = self.namespace_of(headers)  # who asks, before anything about what they asked
         self.check_model(body)
-        namespace = self.namespace_of(headers)
         prompt = self.prompt_ids(body, chat)
-        max_tokens = _int_field(
+        max_tokens = int_field(
             body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", 16, minimum=1
         )
-        temperature = _float_field(body, "temperature", 1.0 if "temperature" in body else 0.0, minimum=0.0, maximum=2.0)
+        temperature = float_field(body, "temperature", 1.0 if "temperature" in body else 0.0, minimum=0.0, maximum=2.0)
         seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "seed must be an integer", param="seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST, f"seed must be an integer from -2**63 to 2**64-1, got {seed!r}", param="seed"
+            )
         if body.get("n", 1) != 1:
             raise ApiError(HTTPStatus.BAD_REQUEST, "n must be 1 (one choice per request)", param="n")
-        stops = _stop_field(body)
+        stops = stop_field(body)
         segments = body.get("segments")
         blend = body.get("blend")
         if blend is not None and not isinstance(blend, bool):
@@ -458,8 +402,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
         elif url.path == timelines.PATH:
-            self._send_json(*timelines.requests_answer(url.query, node=self.app.node, traces=self.app.engine.traces))
+            try:
+                reader = access.timeline_reader(self.headers, admin_key=self.app.admin_key, api_keys=self.app.api_keys)
+            except access.Denied as exc:
+                self._send_json(exc.status, exc.body)
+                return
+            answer = timelines.requests_answer(
+                url.query, node=self.app.node, traces=list(self.app.engine.traces), namespace=reader
+            )
+            self._send_json(*answer)
         elif self.path == "/v1/strata/blend":
+            try:
+                access.require_admin(self.headers, admin_key=self.app.admin_key, what="the fragment-reuse report")
+            except access.Denied as exc:
+                self._send_json(exc.status, exc.body)
+                return
             self._send_json(HTTPStatus.OK, self.app.blend_report())
         elif self.path == "/livez":
             self._send_json(HTTPStatus.OK, {"status": "ok"})
@@ -470,7 +427,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/strata/blend":
             try:
                 self._send_json(HTTPStatus.OK, self.app.blend_control(self._read_json(), self.headers))
-            except ApiError as exc:
+            except (ApiError, access.Denied) as exc:
                 self._send_json(exc.status, exc.body)
             return
         routes = {"/v1/completions": False, "/v1/chat/completions": True}
@@ -501,7 +458,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_json(self) -> dict[str, Any]:
         length_text = self.headers.get("Content-Length")
-        if length_text is None or not length_text.isdigit():
+        if length_text is None or not (length_text.isascii() and length_text.isdigit()):
             raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
         length = int(length_text)
         if length > MAX_BODY_BYTES:

@@ -135,6 +135,7 @@ class SchedulerHalf:
             node=config.node_name,
             host=config.serve_host,
             port=config.node_status_port,
+            admin_key=config.node_admin_key,
         ).start()
 
     def close(self) -> None:
