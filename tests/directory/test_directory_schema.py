@@ -80,11 +80,12 @@ def client_errors_name_the_problem(ctx, response, case) -> None:  # noqa: ANN001
     fields |= set(case.body) if isinstance(case.body, dict) else set()
 
     def named(key: str) -> bool:
-        # A field of the request, the request as a whole, or a path into a nested value
-        # ("overrides.tiers[0].algorithm") that its message starts with.
+        # A field of the request, the request as a whole, a field the request left out, or a
+        # path into a nested value ("overrides.tiers[0].algorithm") that its message starts with.
         head = re.split(r"[.\[]", key, maxsplit=1)[0]
         messages = body[key] if isinstance(body[key], list) else [body[key]]
-        return bool(key) and (key in BODY_LEVEL or head in fields or all(str(m).startswith(key) for m in messages))
+        told = all(str(m).startswith(key) or "required" in str(m) for m in messages)
+        return bool(key) and (key in BODY_LEVEL or head in fields or told)
 
     unnamed = [key for key in body if not named(key)]
     assert not unnamed, f"{label}: names {unnamed}, not fields of the request {sorted(fields)}: {body}"
