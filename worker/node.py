@@ -268,6 +268,7 @@ class NodeRuntime:
             group=self.config.node_group,
             engine=self.config.engine if self.config.model else "strata",
             engine_address=self.engine_address,
+            traffic=self.engine.traffic.summary() if getattr(self.engine, "traffic", None) is not None else None,
         )
 
     def shutdown(self) -> None:

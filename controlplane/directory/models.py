@@ -2,6 +2,7 @@
 
 import secrets
 
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import Q
 
@@ -85,6 +86,34 @@ class NodeTier(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node_id}:{self.tier}"
+
+
+class NodeTraffic(models.Model):
+    """A node's traffic over the window before its last heartbeat (worker.dataplane.traffic):
+    what load-following derives the fleet's shape from."""
+
+    node = models.OneToOneField(Node, on_delete=models.CASCADE, primary_key=True, related_name="traffic")
+    window_seconds = models.FloatField()
+    requests = models.PositiveIntegerField()
+    prompt_tokens = models.PositiveBigIntegerField()
+    prompt_buckets = ArrayField(
+        models.PositiveIntegerField(), help_text="Prompts per length bucket (traffic.PROMPT_BUCKETS, then the rest)."
+    )
+    queue_depth = models.PositiveIntegerField(help_text="Requests in flight at the heartbeat.")
+    l1_pressure = models.FloatField(help_text="Device tier use over its capacity, 0..1.")
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        verbose_name_plural = "node traffic"
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(l1_pressure__gte=0) & Q(l1_pressure__lte=1), name="nodetraffic_l1_pressure_fraction"
+            ),
+            models.CheckConstraint(condition=Q(window_seconds__gt=0), name="nodetraffic_window_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node_id}: {self.requests} requests in {self.window_seconds:.0f} s"
 
 
 class Namespace(models.Model):

@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory.choices import NodeState, TierLevel
-from controlplane.directory.models import Node, NodeTier
+from controlplane.directory.models import Node, NodeTier, NodeTraffic
 from worker.dataplane.directory import ENGINES
+from worker.dataplane.traffic import TrafficSummary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +66,14 @@ def node_heartbeat(
     group: str | None = None,
     engine: str = "strata",
     engine_address: str = "",
+    traffic: TrafficSummary | None = None,
     now: datetime | None = None,
 ) -> Node:
     """Record a heartbeat: upsert the node and its tiers, bring a stale node back up. `group` (the
     node's group for tier policies) is kept as it was when not given; a new node starts in "default".
     `engine` names what serves the model (strata or vllm) and `engine_address` that engine's own
-    server where it is not Strata's."""
+    server where it is not Strata's. `traffic` (the node's recent requests) replaces the one stored
+    before; a node that sends none keeps no traffic row, so load-following leaves it out."""
     if heartbeat_seconds <= 0:
         raise ValueError("heartbeat_seconds: must be greater than zero")
     if group is not None and not re.fullmatch(r"[-a-zA-Z0-9_]{1,63}", group):
@@ -127,6 +130,21 @@ def node_heartbeat(
         unique_fields=["node", "tier"],
         update_fields=["capacity_bytes", "used_bytes", "available", "updated_at"],
     )
+    if traffic is not None:
+        NodeTraffic.objects.update_or_create(
+            node=node,
+            defaults={
+                "window_seconds": traffic.window_seconds,
+                "requests": traffic.requests,
+                "prompt_tokens": traffic.prompt_tokens,
+                "prompt_buckets": list(traffic.prompt_buckets),
+                "queue_depth": traffic.queue_depth,
+                "l1_pressure": traffic.l1_pressure,
+                "updated_at": now,
+            },
+        )
+    else:
+        NodeTraffic.objects.filter(node=node).delete()
     if previous is not None and previous != NodeState.UP:
         send_event_on_commit(kind="node.state", payload={"name": name, "state": NodeState.UP, "previous": previous})
     send_event_on_commit(kind="node.heartbeat", payload=node_payload(node))

@@ -44,6 +44,7 @@ from worker.dataplane.hashing import Fingerprinter
 from worker.dataplane.layout import block_layout
 from worker.dataplane.offload import REPROBE_SECONDS, Chain, Hit, OffloadManager, RequestTrace, Throughput
 from worker.dataplane.store import TieredStore
+from worker.dataplane.traffic import TrafficMeter
 
 log = logging.getLogger("strata.engine")
 
@@ -143,6 +144,8 @@ class Engine:
         # L1: the blocks kept in the device tier, each priority class within its share.
         self.working_set = WorkingSet(store.tier("device"), counters=self.counters) if "device" in store.names else None
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
+        # Arrivals, prompt lengths, requests in flight and L1 pressure, for the heartbeat.
+        self.traffic = TrafficMeter(pressure=self.l1_pressure)
         self.content_index = ContentIndex(self.options.content_index_entries)
         self.writer = BlockWriter(
             offload=self.offload,
@@ -216,22 +219,31 @@ class Engine:
         trace.segments = len(marked)
         sampler = Sampler(temperature=temperature, seed=seed)
         use_blend = self.tuner is not None and blend is not False
-        output, logits, cache = self._generate(
-            list(prompt_ids),
-            max_tokens,
-            namespace,
-            use_cache,
-            trace,
-            set(stop_ids),
-            on_token,
-            sampler,
-            marked,
-            use_blend,
-            write_back,
-        )
+        self.traffic.arrive(len(prompt_ids))
+        try:
+            output, logits, cache = self._generate(
+                list(prompt_ids),
+                max_tokens,
+                namespace,
+                use_cache,
+                trace,
+                set(stop_ids),
+                on_token,
+                sampler,
+                marked,
+                use_blend,
+                write_back,
+            )
+        finally:
+            self.traffic.finish()
         return GenerationResult(
             output_ids=output, trace=trace, first_logits=logits.float().cpu(), cache=cache if keep_cache else None
         )
+
+    def l1_pressure(self) -> float:
+        """The device working set's use over its capacity (0 without a device tier)."""
+        ws = self.working_set
+        return ws.used_bytes() / ws.capacity_bytes if ws is not None and ws.capacity_bytes else 0.0
 
     def full_prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Logits of the last position of a plain prefill (no cache), queued behind the requests."""
