@@ -40,6 +40,8 @@ EVENT_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # One per policy version (edit, mode switch, rollback); mode.switched also when the active mode changes.
     "policy.changed": {"version": int, "action": str, "author": str, "comment": str, "mode": str},
     "mode.switched": {"mode": str, "previous": str, "version": int, "author": str},
+    # One per switch load-following makes, with the measured traffic shape that made it.
+    "mode.followed": {"mode": str, "previous": str, "version": int, "reason": str},
     # One per plan, and per node at most one a second for the movements it finished (never per block).
     "movement.planned": {
         "plan": str,

@@ -31,3 +31,6 @@ class ModeKind(models.TextChoices):
 
 MODE_SWITCH_TASK = "policies.mode_switch"
 """Celery task name a mode schedule's beat entry runs."""
+
+LOAD_FOLLOW_TASK = "policies.load_follow"
+"""Celery task name of the load-following check (a beat entry every 60 s, migration 0004)."""

@@ -190,3 +190,47 @@ class NamespaceQuota(models.Model):
 
     def __str__(self) -> str:
         return f"{self.namespace}@{self.tier}"
+
+
+class LoadFollowing(models.Model):
+    """The settings and state of load-following (one row): when enabled, the control plane switches
+    to chat-peak, long-doc or nightly-batch (or no mode) as the nodes' traffic calls for
+    (loadfollow.Thresholds: each mode's enter and looser leave threshold, the minimum dwell).
+
+    A mode switch by anyone else holds load-following off: a manual one for `manual_hold_seconds`,
+    a scheduled one for `schedule_hold_seconds` (the schedule's window), or until resumed."""
+
+    enabled = models.BooleanField(default=False)
+    window_seconds = models.FloatField(
+        default=180.0, help_text="Only nodes whose traffic was reported this recently count."
+    )
+    long_prompt_tokens = models.PositiveIntegerField(
+        default=2048, help_text="Prompts of at least this many tokens are long documents (a power of two, 128-32768)."
+    )
+    chat_enter_rpm = models.FloatField(default=120.0)
+    chat_leave_rpm = models.FloatField(default=80.0)
+    long_enter_share = models.FloatField(default=0.5)
+    long_leave_share = models.FloatField(default=0.3)
+    quiet_enter_rpm = models.FloatField(default=5.0)
+    quiet_leave_rpm = models.FloatField(default=15.0)
+    pressure_enter = models.FloatField(default=0.85, help_text="L1 pressure that, with a queue, makes a chat peak.")
+    queue_enter = models.FloatField(
+        default=8.0, help_text="Fleet queue depth that, with L1 pressure, makes a chat peak."
+    )
+    min_dwell_seconds = models.FloatField(default=600.0)
+    manual_hold_seconds = models.FloatField(default=3600.0)
+    schedule_hold_seconds = models.FloatField(default=3600.0)
+    mode = models.CharField(max_length=63, blank=True, default="", help_text="Mode load-following last switched to.")
+    switched_at = models.DateTimeField(null=True, blank=True)
+    resumed_at = models.DateTimeField(null=True, blank=True, help_text="Switches before this hold nothing.")
+    checked_at = models.DateTimeField(null=True, blank=True)
+    last_reason = models.CharField(max_length=255, blank=True, default="")
+    author = models.CharField(max_length=150, blank=True, help_text="User name of the last change of settings.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "load following"
+        constraints = [models.CheckConstraint(condition=Q(id=1), name="loadfollowing_singleton")]
+
+    def __str__(self) -> str:
+        return "load-following " + ("on" if self.enabled else "off")

@@ -4,7 +4,8 @@ import logging
 
 from celery import shared_task
 
-from controlplane.policies.choices import MODE_SWITCH_TASK
+from controlplane.policies import following
+from controlplane.policies.choices import LOAD_FOLLOW_TASK, MODE_SWITCH_TASK
 from controlplane.policies.errors import PolicyError
 from controlplane.policies.services import mode_activate
 
@@ -25,3 +26,14 @@ def mode_switch(name: str) -> int | None:
         return None
     log.info("scheduled switch to mode %s: policy version %d in force", name, version.number)
     return version.number
+
+
+@shared_task(name=LOAD_FOLLOW_TASK, ignore_result=True)
+def load_follow() -> str:
+    """Beat job (every 60 s): switch modes as the nodes' traffic calls for. Returns what it did."""
+    result = following.load_follow()
+    if result.action == "switched":
+        log.info("%s (policy version %s)", result.reason, result.version)
+    elif result.action not in ("disabled", "stay"):
+        log.info("load-following %s: %s", result.action, result.reason)
+    return result.action

@@ -3,6 +3,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
+from controlplane.policies.api.following import LoadFollowingResumeView, LoadFollowingView
 from controlplane.policies.api.views import (
     ModeScheduleViewSet,
     ModeViewSet,
@@ -23,4 +24,6 @@ router.register("policy-versions", PolicyVersionViewSet, basename="policyversion
 urlpatterns = [
     *router.urls,
     path("policies/dry-run/", PolicyDryRunView.as_view(), name="policies-dry-run"),
+    path("load-following/", LoadFollowingView.as_view(), name="load-following"),
+    path("load-following/resume/", LoadFollowingResumeView.as_view(), name="load-following-resume"),
 ]
