@@ -267,7 +267,7 @@ def test_viewers_read_operators_write(api_as, throttle_cache):
         ({"manual_hold_seconds": -5}, "manual_hold_seconds", "cannot be negative"),
         ({"enabled": "maybe"}, "enabled", "valid boolean"),
         ({"min_dwell_seconds": "soon"}, "min_dwell_seconds", "valid number"),
-        ({"mode": "chat-peak"}, "mode", "not a load-following setting"),
+        ({"mode": "chat-peak", "": 1}, "non_field_errors", "not load-following settings: '', 'mode'"),
     ],
 )
 def test_bad_settings_are_400_naming_the_field(api_as, throttle_cache, body, field, message):

@@ -74,7 +74,9 @@ class LoadFollowingView(APIView):
             raise ValidationError({"non_field_errors": ["expected an object of settings"]})
         unknown = sorted(set(request.data) - set(SETTINGS))
         if unknown:
-            raise ValidationError({name: [f"{name}: not a load-following setting"] for name in unknown})
+            raise ValidationError(
+                {"non_field_errors": [f"not load-following settings: {', '.join(map(repr, unknown))}"]}
+            )
         data = LoadFollowingUpdateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         with policy_errors():
