@@ -79,6 +79,7 @@
     else if (event.type === "movement.finished") text += " " + p.node + ": " + p.done + " done, " + p.failed + " failed";
     else if (event.type === "mode.switched") text += " " + (p.previous || "none") + " → " + p.mode;
     else if (event.type === "policy.changed") text += " v" + p.version + " " + p.action + " by " + p.author;
+    else if (event.type === "mode.followed") text += " v" + p.version + " " + p.reason;
     eventsEl.prepend(S.el("li", { value: event.seq }, text));
     while (eventsEl.children.length > 30) eventsEl.lastChild.remove();
   }
