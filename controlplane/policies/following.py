@@ -122,8 +122,14 @@ def loadfollowing_resume(*, author: str = "", now: datetime | None = None) -> Lo
 
 
 def hold_of(row: LoadFollowing, now: datetime) -> str:
-    """Why load-following must not switch now (a recent switch by someone else), or ""."""
-    switch = PolicyVersion.objects.filter(action="mode.switch").exclude(author=AUTHOR).order_by("-number").first()
+    """Why load-following must not switch now (a recent switch by someone else), or "". A rollback
+    counts as a manual switch: it restores a mode (or none) on purpose."""
+    switch = (
+        PolicyVersion.objects.filter(action__in=("mode.switch", "policy.rollback"))
+        .exclude(author=AUTHOR)
+        .order_by("-number")
+        .first()
+    )
     if switch is None or (row.resumed_at is not None and switch.created_at <= row.resumed_at):
         return ""
     scheduled = switch.author == SCHEDULE_AUTHOR

@@ -20,7 +20,7 @@ from controlplane.policies import following, tasks
 from controlplane.policies.choices import LOAD_FOLLOW_TASK
 from controlplane.policies.following import load_follow, loadfollowing_resume, loadfollowing_update
 from controlplane.policies.models import Mode, PolicyVersion
-from controlplane.policies.services import mode_activate
+from controlplane.policies.services import mode_activate, policy_rollback
 from worker.dataplane.traffic import PROMPT_BUCKETS, TrafficSummary
 
 pytestmark = pytest.mark.django_db
@@ -190,6 +190,14 @@ def test_a_manual_switch_holds_until_its_hold_ends(enabled, sent_tasks):
     report(after, traffic(80))
     result = load_follow(now=after)
     assert (result.action, result.target) == ("switched", "chat-peak")
+
+
+def test_a_rollback_holds_like_a_manual_switch(enabled, sent_tasks):
+    version = policy_rollback(version=1, author="ops")
+    at = version.created_at + timedelta(minutes=1)
+    report(at, traffic(80))
+    held = load_follow(now=at)
+    assert held.action == "held" and f"manual switch by ops (v{version.number})" in held.reason
 
 
 def test_resume_ends_a_hold_at_once(enabled, sent_tasks):
