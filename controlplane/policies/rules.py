@@ -16,6 +16,7 @@ from controlplane.directory.choices import TIER_ORDER
 from controlplane.policies.errors import PolicyError
 from controlplane.policies.specs import (
     ALGORITHMS,
+    REMOTE_WRITES,
     PriorityClassSpec,
     TierPolicySpec,
 )
@@ -121,6 +122,7 @@ CLASS_RULES: dict[str, Checker] = {
     "weight": _float(low=0.0, high=1e6, low_open=True),
     "device_share": _float(low=0.0, high=1.0, low_open=False),
     "namespaces": _slug_list,
+    "remote_write": _choice(REMOTE_WRITES),
 }
 """Every field of a priority class (snapshot.PriorityClassSpec) and its rule."""
 
