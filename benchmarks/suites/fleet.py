@@ -90,6 +90,8 @@ def _nodes(model: LoadedModel, count: int, *, sharing: bool, redis_url: str) -> 
         try:
             yield engines
         finally:
+            for engine in engines:
+                engine.offload.remote_writer.drain(timeout=60)
             stack.close()
             for pool in pools:
                 Path("/dev/shm", pool).unlink(missing_ok=True)
@@ -141,9 +143,10 @@ def run(ctx: Context) -> list[Row]:
     system_tokens = max(512, int(2048 * scale))
     turns = 6 if scale >= 0.5 else 4
     conversations = 2 * CLIENTS
-    model = load_model("small")
+    model_name = os.environ.get("STRATA_BENCH_FLEET_MODEL", "small")
+    model = load_model(model_name)
     ctx.params.update(
-        model="small", clients=CLIENTS, system_tokens=system_tokens, user_tokens=96, answer_tokens=16, turns=turns
+        model=model_name, clients=CLIENTS, system_tokens=system_tokens, user_tokens=96, answer_tokens=16, turns=turns
     )
     system = _prompt(system_tokens, seed=100)
 

@@ -79,6 +79,7 @@ def test_turn_two_on_the_other_node_loads_turn_one_from_l3(two_nodes):
         engine.offload.remote_writer.set_classes(CHAT_THROUGH)
     turn1 = prompt_of(90, seed=11)
     reply = a.generate(turn1, max_tokens=20, namespace="chat").output_ids
+    assert a.offload.remote_writer.drain(timeout=30)
     written = (90 + 19) // BLOCK_TOKENS
     assert a.offload.counters.get("write_through.blocks") == written
     assert len(remote.keys()) == written
@@ -99,6 +100,7 @@ def test_the_default_on_demotion_writes_nothing_to_l3(two_nodes):
         engine.offload.remote_writer.set_classes(CHAT_THROUGH)
     prompt = prompt_of(80, seed=13)
     a.generate(prompt, max_tokens=4, namespace="default")
+    assert a.offload.remote_writer.drain(timeout=30)
     assert remote.keys() == [] and a.offload.counters.get("write_through.blocks") == 0
     again = b.generate(prompt, max_tokens=4, namespace="default")
     assert again.trace.cached_tokens == 0
@@ -126,6 +128,7 @@ def test_an_l3_outage_at_write_back_keeps_the_local_copy(two_nodes):
     a.offload.remote_writer.set_classes(CHAT_THROUGH)
     prompt = prompt_of(70, seed=14)
     first = a.generate(prompt, max_tokens=4, namespace="chat")
+    assert a.offload.remote_writer.drain(timeout=30)
     blocks = (70 + 3) // BLOCK_TOKENS
     assert first.trace.written_blocks == blocks
     assert a.offload.counters.get("write_through.failed") == blocks

@@ -350,10 +350,15 @@ class OffloadManager:
         )
 
     def register(self, registrations: Sequence[BlockRegistration]) -> None:
-        """Record new blocks in the directory in one batch (write-behind: returns at once), with
-        the L3 copies of the blocks whose class writes through (`remote_writer`)."""
-        registrations = [*registrations, *self.remote_writer.copy(registrations)]
+        """Record new blocks in the directory in one batch (write-behind: returns at once); the
+        blocks whose class writes through are copied to L3 in the background and registered there
+        as well once written (`remote_writer`)."""
         if registrations and self.directory is not None:
+            self.directory.register(blocks=registrations)
+        self.remote_writer.submit(registrations, then=self._register_remote)
+
+    def _register_remote(self, registrations: Sequence[BlockRegistration]) -> None:
+        if self.directory is not None:
             self.directory.register(blocks=registrations)
 
     def touch(self, namespace: str, keys: Sequence[uuid.UUID]) -> None:

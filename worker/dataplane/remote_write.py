@@ -3,8 +3,10 @@
 A priority class says when its blocks reach L3 (`remote_write`): when the planner demotes them
 (on-demotion, the default), or at write-back beside the node's own copy (write-through), so that a
 conversation whose next turn lands on another node finds its prefix there at once. The node learns
-the classes with the policies in force (`set_classes`); the offload manager hands each write-back
-batch to `copy` before registering it, and registers what `copy` returns as well.
+the classes with the policies in force (`set_classes`); the offload manager registers each
+write-back batch and hands it to `submit`, which copies the write-through blocks to L3 on a
+background thread (a write-back holds the engine's turn; an L3 write on it would delay the next
+request's prefill) and registers the L3 copies once written.
 
 The local copy is written first and stays whatever happens to L3: a failed or refused remote write
 is counted (`write_through.failed` / `write_through.full`) and logged, and the batch registers the
@@ -16,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -89,12 +92,49 @@ class RemoteWriter:
         self.counters = counters
         self.policy = RemoteWritePolicy()
         self._lock = threading.Lock()
+        self._copy_lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
+        self._pending: set[Future[None]] = set()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-write-through")
 
     def set_classes(self, classes: Sequence[Mapping[str, object]]) -> None:
         """Take the remote writes of the classes in force (raises ValueError on a bad payload,
         keeping the previous policy)."""
         self.policy = RemoteWritePolicy.from_classes(classes)
+
+    def submit(
+        self, registrations: Sequence[BlockRegistration], then: Callable[[list[BlockRegistration]], None]
+    ) -> None:
+        """Copy the write-through blocks of `registrations` to L3 in the background (off the
+        request's path: a write-back holds the engine's turn) and hand the remote registrations
+        to `then` (the directory's batch). Nothing to copy: returns at once."""
+        if not self.policy.any or REMOTE not in self.store.names:
+            return
+        batch = list(registrations)
+
+        def run() -> None:
+            written = self.copy(batch)
+            if written:
+                then(written)
+
+        future = self._executor.submit(run)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+
+    def _done(self, future: Future[None]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        if not future.cancelled() and (exc := future.exception()) is not None:
+            self.counters.add("write_through.failed")
+            log.warning("write-through batch failed (the local copies are kept): %s", exc)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the write-throughs submitted so far; False if `timeout` passed first."""
+        with self._lock:
+            pending = list(self._pending)
+        _, not_done = wait(pending, timeout=timeout)
+        return not not_done
 
     def copy(self, registrations: Sequence[BlockRegistration]) -> list[BlockRegistration]:
         """Write the write-through blocks of `registrations` to L3 as well; the registrations of
@@ -107,7 +147,7 @@ class RemoteWriter:
             return []
         remote = self.store.tier(REMOTE)
         written: list[BlockRegistration] = []
-        with self._lock:  # one host buffer, reused batch after batch
+        with self._copy_lock:  # one host buffer, reused batch after batch
             if self._buffer is None:
                 self._buffer = self.layout.empty()
             buffer = self._buffer
