@@ -164,12 +164,14 @@ class NodeRuntime:
         tiers: list[dict[str, Any]] | None = None,
         quotas: list[dict[str, Any]] | None = None,
     ) -> bool:
-        """Hold the engine's device working set to the classes of policy `version`; keep its tier
-        policies and quotas. An older version than the one in force is ignored (messages may
-        arrive late or twice)."""
+        """Hold the engine's device working set to the classes of policy `version` and write the
+        blocks of write-through classes to L3 at write-back; keep its tier policies and quotas. An
+        older version than the one in force is ignored (messages may arrive late or twice)."""
         from worker.dataplane.engine.working_set import ClassShare
+        from worker.dataplane.remote_write import RemoteWritePolicy
 
         shares = [ClassShare.from_dict(item) for item in classes]  # a bad payload raises, naming the field
+        remote_writes = RemoteWritePolicy.from_classes(classes)
         with self._policy_lock:
             if version < self.policy_version:
                 log.info("policy version %d ignored: version %d is already in force", version, self.policy_version)
@@ -180,6 +182,8 @@ class NodeRuntime:
             self.policy_quotas = list(quotas or [])
             if self.engine is not None and self.engine.working_set is not None:
                 self.engine.working_set.set_shares(shares, version=version)
+            if self.engine is not None:
+                self.engine.offload.remote_writer.policy = remote_writes
         return True
 
     def policies_refresh(self) -> None:

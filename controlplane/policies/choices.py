@@ -20,6 +20,13 @@ class QuotaTier(models.TextChoices):
     REMOTE = "remote", "L3 remote (the fleet)"
 
 
+class RemoteWrite(models.TextChoices):
+    """When a class's blocks reach the shared remote tier (specs.REMOTE_WRITES)."""
+
+    ON_DEMOTION = "on-demotion", "On demotion (the planner moves them there)"
+    WRITE_THROUGH = "write-through", "Write-through (at write-back, beside the node's copy)"
+
+
 class ModeKind(models.TextChoices):
     """What a mode is for; the three built-in load situations and the operator's own."""
 

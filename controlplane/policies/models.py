@@ -10,7 +10,7 @@ from django.db import models
 from django.db.models import Q
 
 from controlplane.directory.choices import TierLevel
-from controlplane.policies.choices import Algorithm, ModeKind, QuotaTier
+from controlplane.policies.choices import Algorithm, ModeKind, QuotaTier, RemoteWrite
 
 
 class PriorityClass(models.Model):
@@ -19,7 +19,10 @@ class PriorityClass(models.Model):
     `device_share` is the largest fraction of a node's device tier that blocks of the class may
     hold; the shares of all classes add up to at most 1, so each class can always reach its own.
     `weight` ranks classes when the planner must choose whose blocks leave a tier first (lower
-    leaves first). A namespace belongs to one class at most; namespaces in none belong to `default`."""
+    leaves first). A namespace belongs to one class at most; namespaces in none belong to `default`.
+    `remote_write` says when the class's blocks reach the shared remote tier (L3): when the planner
+    demotes them (on-demotion), or at write-back beside the node's own copy (write-through), so that
+    any node of the fleet finds them at once."""
 
     name = models.SlugField(max_length=63, unique=True)
     weight = models.FloatField(default=1.0)
@@ -30,6 +33,12 @@ class PriorityClass(models.Model):
         blank=True,
         help_text="Names of the namespaces whose blocks belong to this class.",
     )
+    remote_write = models.CharField(
+        max_length=16,
+        choices=RemoteWrite.choices,
+        default=RemoteWrite.ON_DEMOTION,
+        help_text="When the class's blocks reach L3: on-demotion (by the planner) or write-through (at write-back).",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -39,6 +48,9 @@ class PriorityClass(models.Model):
             models.CheckConstraint(condition=Q(weight__gt=0), name="priorityclass_weight_positive"),
             models.CheckConstraint(
                 condition=Q(device_share__gte=0) & Q(device_share__lte=1), name="priorityclass_device_share_fraction"
+            ),
+            models.CheckConstraint(
+                condition=Q(remote_write__in=["on-demotion", "write-through"]), name="priorityclass_remote_write_known"
             ),
         ]
 

@@ -17,6 +17,7 @@ from controlplane.policies.errors import PolicyError
 from controlplane.policies.specs import (
     ALGORITHMS,
     QUOTA_TIERS,
+    REMOTE_WRITES,
     PriorityClassSpec,
     TierPolicySpec,
 )
@@ -122,6 +123,7 @@ CLASS_RULES: dict[str, Checker] = {
     "weight": _float(low=0.0, high=1e6, low_open=True),
     "device_share": _float(low=0.0, high=1.0, low_open=False),
     "namespaces": _slug_list,
+    "remote_write": _choice(REMOTE_WRITES),
 }
 """Every field of a priority class (snapshot.PriorityClassSpec) and its rule."""
 

@@ -55,7 +55,11 @@ def policyversion_current() -> int:
 
 def class_row_spec(row: PriorityClass) -> PriorityClassSpec:
     return PriorityClassSpec(
-        name=row.name, weight=row.weight, device_share=row.device_share, namespaces=tuple(sorted(row.namespaces))
+        name=row.name,
+        weight=row.weight,
+        device_share=row.device_share,
+        namespaces=tuple(sorted(row.namespaces)),
+        remote_write=row.remote_write,
     )
 
 
@@ -110,7 +114,7 @@ def snapshot_current(*, overrides: Mapping[str, Any] | None = None) -> PolicySna
 
 # -- the stored state as JSON (what a version holds) -----------------------------------------------
 
-CLASS_FIELDS = ("name", "weight", "device_share", "namespaces")
+CLASS_FIELDS = ("name", "weight", "device_share", "namespaces", "remote_write")
 TIER_FIELDS = (
     "tier",
     "node_group",
@@ -145,9 +149,13 @@ def policy_state() -> dict[str, Any]:
     }
 
 
+CLASS_FIELD_DEFAULTS = {"remote_write": "on-demotion"}
+"""Class fields a version stored before they existed had at their default."""
+
+
 def _keyed(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return {
-        "classes": {c["name"]: c for c in state.get("classes", [])},
+        "classes": {c["name"]: {**CLASS_FIELD_DEFAULTS, **c} for c in state.get("classes", [])},
         "tiers": {f"{t['tier']}@{t.get('node_group') or 'fleet'}": t for t in state.get("tiers", [])},
         "quotas": {f"{q['namespace']}@{q['tier']}": q for q in state.get("quotas", [])},
         "modes": {m["name"]: m for m in state.get("modes", [])},

@@ -32,6 +32,7 @@ from controlplane.policies.models import (
     TierPolicy,
 )
 from controlplane.policies.selectors import (
+    CLASS_FIELD_DEFAULTS,
     base_specs,
     policy_state,
     policyversion_current,
@@ -128,13 +129,20 @@ def priorityclass_create(
     device_share: float,
     weight: float = 1.0,
     namespaces: Sequence[str] = (),
+    remote_write: str = "on-demotion",
     author: str = "",
     comment: str = "",
 ) -> PriorityClass:
     """A new class. Its device share must fit beside the others' (all together at most 100%)."""
     before = _begin()
     clean = _class_values(
-        {"name": name, "weight": weight, "device_share": device_share, "namespaces": list(namespaces)}
+        {
+            "name": name,
+            "weight": weight,
+            "device_share": device_share,
+            "namespaces": list(namespaces),
+            "remote_write": remote_write,
+        }
     )
     if PriorityClass.objects.filter(name=name).exists():
         raise PolicyError(f"name: a priority class named {name!r} exists", field="name")
@@ -149,7 +157,8 @@ def priorityclass_create(
 def priorityclass_update(
     *, priority_class: PriorityClass, author: str = "", comment: str = "", **changes: Any
 ) -> PriorityClass:
-    """Change a class's weight, device share or namespaces (its name is what blocks refer to)."""
+    """Change a class's weight, device share, namespaces or remote write (its name is what blocks
+    refer to)."""
     before = _begin()
     if "name" in changes and changes["name"] != priority_class.name:
         raise PolicyError("name: a priority class cannot be renamed; create a new one", field="name")
@@ -405,7 +414,8 @@ def policy_rollback(*, version: int, author: str = "", comment: str = "") -> Pol
 
 
 def _state_restore(state: Mapping[str, Any]) -> None:
-    classes = [_class_values(c) for c in state.get("classes", [])]
+    # A version stored before a class field existed restores the field's default.
+    classes = [_class_values({**CLASS_FIELD_DEFAULTS, **c}) for c in state.get("classes", [])]
     PriorityClass.objects.exclude(name__in=[c["name"] for c in classes]).delete()
     for values in classes:
         PriorityClass.objects.update_or_create(name=values["name"], defaults=values)

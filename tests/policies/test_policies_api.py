@@ -126,6 +126,13 @@ BAD = [
     ("patch", "/api/v1/priority-classes/batch/", {"device_share": 0.5}, "device_share"),
     (
         "post",
+        "/api/v1/priority-classes/",
+        {"name": "gold", "device_share": 0, "remote_write": "always"},
+        "remote_write",
+    ),
+    ("patch", "/api/v1/priority-classes/batch/", {"remote_write": "write-back"}, "remote_write"),
+    (
+        "post",
         "/api/v1/modes/",
         {"name": "bad", "overrides": {"tiers": [{"tier": "host", "low_watermark": 0.95}]}},
         "overrides.tiers[0].low_watermark",
@@ -194,6 +201,32 @@ def test_deleting_the_default_class_or_the_active_mode_is_a_conflict(world, api_
 
 
 # -- versions, authors, diff, rollback -------------------------------------------------------------
+
+
+def test_a_class_remote_write_is_versioned_sent_to_nodes_and_rolled_back(
+    world, api_as, sent_tasks, django_capture_on_commit_callbacks
+):
+    client = api_as("operator")
+    assert client.get("/api/v1/priority-classes/batch/").json()["remote_write"] == "on-demotion"
+    with django_capture_on_commit_callbacks(execute=True):
+        created = client.post(
+            "/api/v1/priority-classes/",
+            {"name": "shared", "device_share": 0.0, "namespaces": ["chat"], "remote_write": "write-through"},
+            format="json",
+        )
+    assert created.status_code == 201, created.content
+    assert created.json()["remote_write"] == "write-through"
+    assert PriorityClass.objects.get(name="shared").remote_write == "write-through"
+    diff = client.get("/api/v1/policy-versions/2/diff/").json()
+    assert any(c["path"] == "classes.shared" and c["change"] == "added" for c in diff["changes"]), diff
+    with django_capture_on_commit_callbacks(execute=True):
+        client.patch("/api/v1/priority-classes/shared/", {"remote_write": "on-demotion"}, format="json")
+    changes = client.get("/api/v1/policy-versions/3/diff/").json()["changes"]
+    assert [(c["path"], c["before"], c["after"]) for c in changes] == [
+        ("classes.shared.remote_write", "write-through", "on-demotion")
+    ]
+    client.post("/api/v1/policy-versions/2/rollback/", {}, format="json")
+    assert PriorityClass.objects.get(name="shared").remote_write == "write-through"
 
 
 def test_edits_record_their_author_and_versions_grow(world, api_as, sent_tasks):

@@ -34,6 +34,7 @@ from worker.dataplane.directory import (
 from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
+from worker.dataplane.remote_write import RemoteWriter
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.base import Tier
 
@@ -205,6 +206,8 @@ class OffloadManager:
         self.counters = counters if counters is not None else Counters()
         self.decide_enabled = decide
         self.write_back_tier = write_back_tier
+        self.remote_writer = RemoteWriter(store=store, layout=self.layout, counters=self.counters)
+        """Copies the blocks of write-through classes to L3 at write-back (`register`)."""
         self.model_key = model_key(profile)
         self.reprobe_seconds = reprobe_seconds
         self.clock = clock
@@ -273,6 +276,12 @@ class OffloadManager:
                     keys=keys, node=self.node, namespace=namespace, model_key=self.model_key
                 )
                 found = {key: tier for key, tier in located.items() if tier == REMOTE}
+                # A copy of this node's that the local tiers no longer hold hides any L3 copy
+                # behind it in the directory's answer: ask L3 itself for those.
+                stale = [key for key, tier in located.items() if tier != REMOTE]
+                if stale:
+                    present = self.store.tier(REMOTE).contains_many(stale)
+                    found.update((key, REMOTE) for key, here in zip(stale, present, strict=True) if here)
             else:
                 present = self.store.tier(REMOTE).contains_many(keys)
                 found = {key: REMOTE for key, here in zip(keys, present, strict=True) if here}
@@ -463,8 +472,15 @@ class OffloadManager:
         )
 
     def register(self, registrations: Sequence[BlockRegistration]) -> None:
-        """Record new blocks in the directory in one batch (write-behind: returns at once)."""
+        """Record new blocks in the directory in one batch (write-behind: returns at once); the
+        blocks whose class writes through are copied to L3 in the background and registered there
+        as well once written (`remote_writer`)."""
         if registrations and self.directory is not None:
+            self.directory.register(blocks=registrations)
+        self.remote_writer.submit(registrations, then=self._register_remote)
+
+    def _register_remote(self, registrations: Sequence[BlockRegistration]) -> None:
+        if self.directory is not None:
             self.directory.register(blocks=registrations)
 
     def touch(self, namespace: str, keys: Sequence[uuid.UUID]) -> None:

@@ -28,7 +28,7 @@ def _comment() -> serializers.CharField:
 class PriorityClassSerializer(serializers.ModelSerializer[PriorityClass]):
     class Meta:
         model = PriorityClass
-        fields = ["name", "weight", "device_share", "namespaces", "updated_at"]
+        fields = ["name", "weight", "device_share", "namespaces", "remote_write", "updated_at"]
 
 
 class PriorityClassCreateSerializer(serializers.Serializer):
@@ -43,6 +43,10 @@ class PriorityClassCreateSerializer(serializers.Serializer):
         default=list,
         help_text="Namespaces whose blocks belong to this class.",
     )
+    remote_write = serializers.CharField(
+        default="on-demotion",
+        help_text="When the class's blocks reach L3: on-demotion (by the planner) or write-through (at write-back).",
+    )
     comment = _comment()
 
 
@@ -50,6 +54,7 @@ class PriorityClassUpdateSerializer(serializers.Serializer):
     weight = serializers.FloatField(required=False)
     device_share = serializers.FloatField(required=False)
     namespaces = serializers.ListField(child=serializers.CharField(max_length=63), required=False)
+    remote_write = serializers.CharField(required=False)
     comment = _comment()
 
 
