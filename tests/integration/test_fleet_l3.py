@@ -23,6 +23,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 BLOCK = 16
 
+ADMIN_KEY = "fleet-nodes-admin-key"  # the nodes' request timelines need it
+
 
 @pytest.fixture
 def start_node(subprocess_env, python, tmp_path, settings) -> Iterator[Callable[[str, str], openai.OpenAI]]:
@@ -43,6 +45,7 @@ def start_node(subprocess_env, python, tmp_path, settings) -> Iterator[Callable[
             "STRATA_REMOTE_URL": remote_url,
             "STRATA_REMOTE_PREFIX": prefix,
             "STRATA_REMOTE_BYTES": "64MiB",
+            "STRATA_NODE_ADMIN_KEY": ADMIN_KEY,
         }
         command = [python, "manage.py", "strata_node", "--name", name, "--heartbeat-seconds", "0.5"]
         command += ["--model", "tiny", "--serve-port", str(port)]
@@ -86,7 +89,10 @@ def _answers(client: openai.OpenAI) -> bool:
 
 
 def _last_trace(client: openai.OpenAI) -> dict:
-    with urllib.request.urlopen(f"{client.base_url}strata/requests?limit=1", timeout=10) as answer:
+    request = urllib.request.Request(
+        f"{client.base_url}strata/requests?limit=1", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
         return json.load(answer)["requests"][0]
 
 
