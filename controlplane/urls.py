@@ -3,9 +3,10 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView
 
 from controlplane.dashboard import views as dashboard_views
+from controlplane.docs import RedocView, SwaggerView
 from controlplane.telemetry import views as telemetry_views
 
 api_v1 = [
@@ -27,8 +28,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
-    path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
+    path("api/docs/", SwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/redoc/", RedocView.as_view(url_name="schema"), name="api-redoc"),
     path("livez", telemetry_views.livez, name="livez"),
     path("readyz", telemetry_views.readyz, name="readyz"),
     path("metrics", telemetry_views.metrics, name="metrics"),

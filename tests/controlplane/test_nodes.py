@@ -153,6 +153,7 @@ def test_schema_and_docs_served(admin_client):
         assert page.status_code == 200
         # Swagger UI and ReDoc come from the installed sidecar package, never from a CDN.
         assert b"/static/drf_spectacular_sidecar/" in page.content and b"cdn.jsdelivr" not in page.content
+        assert b"googleapis" not in page.content and "default-src 'self'" in page["Content-Security-Policy"]
 
 
 @pytest.mark.django_db
