@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularRedocView, SpectacularSwaggerView
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -25,6 +26,7 @@ DOCS_CSP = "; ".join(
 
 
 class SwaggerView(SpectacularSwaggerView):
+    @extend_schema(exclude=True)  # a page about the API, not an operation of it
     def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         response = super().get(request, *args, **kwargs)
         response["Content-Security-Policy"] = DOCS_CSP
@@ -32,6 +34,7 @@ class SwaggerView(SpectacularSwaggerView):
 
 
 class RedocView(SpectacularRedocView):
+    @extend_schema(exclude=True)  # a page about the API, not an operation of it
     def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         response = super().get(request, *args, **kwargs)
         response["Content-Security-Policy"] = DOCS_CSP
