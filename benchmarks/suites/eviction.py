@@ -79,7 +79,7 @@ class Pool:
         present = self.held(keys)
         hits = next((i for i, here in enumerate(present) if not here), len(keys))
         if hits:
-            self.manager.touch_hits("a", [Hit(index=i, key=k, tier="host") for i, k in enumerate(keys[:hits])])
+            self.manager.note_hits([Hit(index=i, key=k, tier="host") for i, k in enumerate(keys[:hits])])
         self.write(keys[hits:], start=hits)
         return hits
 

@@ -84,7 +84,9 @@ def held(store: TieredStore, tier: str, names: list[str]) -> list[str]:
 
 
 def use(mgr: OffloadManager, names: list[str], tier: str = "host") -> None:
-    mgr.touch_hits("a", [Hit(index=i, key=key(n), tier=tier) for i, n in enumerate(names)])
+    """A request that reuses `names` and stores nothing new."""
+    mgr.note_hits([Hit(index=i, key=key(n), tier=tier) for i, n in enumerate(names)])
+    mgr.register([])
 
 
 def burst(mgr: OffloadManager, clock: Clock, *, hot: list[str], batches: int, tier: str = "host") -> tuple[int, int]:
@@ -220,3 +222,18 @@ def test_a_write_over_a_quota_with_nothing_of_its_own_to_evict_is_refused(models
     assert write(mgr, ["x"], namespace="none") == [False]
     assert mgr.counters.get("write_back_refused.host.quota") == 1 and mgr.counters.get("write_back.host.refused") == 1
     assert store.tier("host").usage().blocks == 0
+
+
+def test_a_request_extending_its_hits_evicts_other_blocks_not_its_own_prefix(models, make_store):
+    model = models("tiny")
+    store = make_store(model, ("host",), blocks=4)
+    clock = Clock()
+    mgr = manager(store, model, clock=clock)
+    write(mgr, ["p0", "p1"])
+    clock.now += 1
+    write(mgr, ["q0", "q1"])
+    clock.now += 1
+    # the request hits p0 p1 (the oldest blocks) and writes the two blocks after them
+    mgr.note_hits([Hit(index=i, key=key(n), tier="host") for i, n in enumerate(["p0", "p1"])])
+    assert write(mgr, ["p2", "p3"], start=2) == [True, True]
+    assert held(store, "host", ["p0", "p1", "p2", "p3", "q0", "q1"]) == ["p0", "p1", "p2", "p3"]

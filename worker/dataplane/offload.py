@@ -514,15 +514,20 @@ class OffloadManager:
                 touches=[BlockTouch(namespace=namespace, model_key=self.model_key, prefix_key=key) for key in keys]
             )
 
-    def touch_hits(self, namespace: str, hits: Sequence[Hit]) -> None:
-        """`touch` each hit under the namespace it belongs to (a shared one's, or the request's)."""
-        by_namespace: dict[str, list[uuid.UUID]] = collections.defaultdict(list)
+    def note_hits(self, hits: Sequence[Hit]) -> None:
+        """Count one use of each hit in this node's tiers (eviction ranks on them), as part of the
+        write-back batch that follows: call it before that batch's `store_block`s."""
         by_tier: dict[str, list[uuid.UUID]] = collections.defaultdict(list)
         for hit in hits:
-            by_namespace[hit.namespace or namespace].append(hit.key)
             by_tier[hit.tier].append(hit.key)
         for tier, keys in by_tier.items():
             self.evictor.touch(tier, keys)
+
+    def touch_hits(self, namespace: str, hits: Sequence[Hit]) -> None:
+        """`touch` each hit under the namespace it belongs to (a shared one's, or the request's)."""
+        by_namespace: dict[str, list[uuid.UUID]] = collections.defaultdict(list)
+        for hit in hits:
+            by_namespace[hit.namespace or namespace].append(hit.key)
         for name, keys in by_namespace.items():
             self.touch(name, keys)
 

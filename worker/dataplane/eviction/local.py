@@ -126,8 +126,12 @@ class LocalEvictor:
                 return result
 
     def touch(self, tier: str, keys: list[uuid.UUID]) -> None:
-        """Requests used `keys` from `tier`."""
-        self.ledger.record_access(tier, keys, now=self.clock())
+        """The request whose write-back comes next used `keys` from `tier`: they count as used at
+        the batch's moment, so its new blocks never evict the prefix they extend."""
+        with self._lock:
+            if self._stamp is None:
+                self._stamp = self.clock()
+            self.ledger.record_access(tier, keys, now=self._stamp)
 
     def forget(self, tier: str, key: uuid.UUID) -> None:
         """The block left the tier by another path (quarantine, a movement)."""
