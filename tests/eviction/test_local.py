@@ -237,3 +237,27 @@ def test_a_request_extending_its_hits_evicts_other_blocks_not_its_own_prefix(mod
     mgr.note_hits([Hit(index=i, key=key(n), tier="host") for i, n in enumerate(["p0", "p1"])])
     assert write(mgr, ["p2", "p3"], start=2) == [True, True]
     assert held(store, "host", ["p0", "p1", "p2", "p3", "q0", "q1"]) == ["p0", "p1", "p2", "p3"]
+
+
+def test_blocks_a_movement_put_in_are_adopted_and_ones_it_took_out_forgotten(models, make_store):
+    model = models("tiny")
+    store = make_store(model, ("host",), blocks=4)
+    clock = Clock()
+    mgr = manager(store, model, clock=clock)
+    write(mgr, ["a0", "a1"])
+    store.put(key("moved-in"), store.layout.empty(), tier="host")  # a movement's copy, not written back here
+    store.tier("host").delete(key("a1"))  # a movement's freed source
+    clock.now += 1
+    write(mgr, ["b0", "b1"])  # fits: moved-in, a0, b0, b1
+    clock.now += 1
+    assert write(mgr, ["c0"]) == [True]  # full: the ledger learns moved-in and forgets a1
+    assert mgr.evictor.ledger.get("host", key("a1")) is None
+    assert mgr.evictor.ledger.get("host", key("moved-in")) is not None
+    assert held(store, "host", ["a0", "moved-in", "b0", "b1", "c0"]) == ["moved-in", "b0", "b1", "c0"]
+    clock.now += 100
+    use(mgr, ["b0", "b1"])
+    use(mgr, ["c0"])
+    clock.now += 1
+    assert write(mgr, ["d0"]) == [True]  # the adopted block (used once, when adopted) is now the coldest
+    assert held(store, "host", ["moved-in", "b0", "b1", "c0", "d0"]) == ["b0", "b1", "c0", "d0"]
+    assert mgr.counters.get("eviction.unreported") == 1  # its namespace is unknown here

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -32,6 +33,10 @@ from worker.dataplane.eviction.rules import Rules, victim_order
 from worker.dataplane.tiers.base import PutResult, Tier
 
 log = logging.getLogger("strata.eviction")
+
+SYNC_SECONDS = 30.0
+"""How often at most a full tier's keys are read to match the ledger to them (blocks a movement
+put in or took out): the first time the tier is full, then at most once per this interval."""
 
 
 class WriteRefused(Exception):
@@ -74,6 +79,7 @@ class LocalEvictor:
         self._lock = threading.RLock()
         self._pending: list[PlacementChange] = []
         self._stamp: float | None = None
+        self._synced_at: dict[str, float] = {}
         """The clock at the current batch's first put (None between batches)."""
         self.evicted: collections.Counter[tuple[str, str]] = collections.Counter()
         """(tier, reason) -> evictions; also counted as `eviction.<tier>.<reason>`."""
@@ -104,9 +110,12 @@ class LocalEvictor:
                 try:
                     result = write()
                 except TierFull:
+                    if not synced and self.clock() - self._synced_at.get(tier.name, -math.inf) >= SYNC_SECONDS:
+                        self._sync(tier, nbytes)
+                        synced = True
                     victim = self._coldest(tier, key, position)
                     if victim is None and not synced:
-                        self.ledger.sync(tier.name, tier.keys(), nbytes=nbytes, now=self.clock())
+                        self._sync(tier, nbytes)
                         synced = True
                         continue
                     if victim is None:
@@ -159,6 +168,11 @@ class LocalEvictor:
             return changes
 
     # -- internals -----------------------------------------------------------------------------
+    def _sync(self, tier: Tier, nbytes: int) -> None:
+        """Match the ledger to what the tier holds (blocks moved in or out by other paths)."""
+        self.ledger.sync(tier.name, tier.keys(), nbytes=nbytes, now=self.clock())
+        self._synced_at[tier.name] = self.clock()
+
     def _within_quota(
         self, tier: Tier, key: uuid.UUID, *, namespace: str, quota: int, nbytes: int, position: int
     ) -> None:
