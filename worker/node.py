@@ -164,25 +164,32 @@ class NodeRuntime:
         tiers: list[dict[str, Any]] | None = None,
         quotas: list[dict[str, Any]] | None = None,
     ) -> bool:
-        """Hold the engine's device working set to the classes of policy `version` and write the
-        blocks of write-through classes to L3 at write-back; keep its tier policies and quotas. An
-        older version than the one in force is ignored (messages may arrive late or twice)."""
+        """Hold the engine to policy `version`: its device working set to the classes' shares and
+        the device tier's rule, its host and disk write-back to their tiers' eviction rules and
+        the namespaces' quotas (`Engine.apply_policies`), and its write-back's copies to L3 to the
+        classes that write through. An older version than the one in force is ignored (messages
+        may arrive late or twice)."""
         from worker.dataplane.engine.working_set import ClassShare
+        from worker.dataplane.eviction.rules import parse_rules
         from worker.dataplane.remote_write import RemoteWritePolicy
 
         shares = [ClassShare.from_dict(item) for item in classes]  # a bad payload raises, naming the field
         remote_writes = RemoteWritePolicy.from_classes(classes)
+        tiers, quotas = list(tiers or []), list(quotas or [])
+        group = self.config.node_group
+        parse_rules(tiers=tiers, classes=classes, quotas=quotas, node_group=group)  # likewise, before any is kept
         with self._policy_lock:
             if version < self.policy_version:
                 log.info("policy version %d ignored: version %d is already in force", version, self.policy_version)
                 return False
             self.policy_version = version
             self.policy_classes = shares
-            self.policy_tiers = list(tiers or [])
-            self.policy_quotas = list(quotas or [])
-            if self.engine is not None and self.engine.working_set is not None:
-                self.engine.working_set.set_shares(shares, version=version)
+            self.policy_tiers = tiers
+            self.policy_quotas = quotas
             if self.engine is not None:
+                self.engine.apply_policies(
+                    version=version, classes=classes, tiers=tiers, quotas=quotas, node_group=group
+                )
                 self.engine.offload.remote_writer.policy = remote_writes
         return True
 

@@ -121,6 +121,27 @@ class EngineMetrics:
             used.add_metric([self.node, name], usage.used_bytes)
             capacity.add_metric([self.node, name], usage.capacity_bytes)
         yield from (lookup, hits, blocks, tier_tokens, decisions, failures, lookup_failures, store, used, capacity)
+        yield from self._eviction(counts)
+
+    def _eviction(self, counts: Mapping[str, int]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        evictions = CounterMetricFamily(
+            "strata_evictions",
+            "Blocks evicted from this node's tiers to make room at write-back, by tier and reason "
+            "(pressure: the tier was full; quota: the namespace was over its quota; ttl: idle past the TTL).",
+            labels=["node", "tier", "reason"],
+        )
+        refused = CounterMetricFamily(
+            "strata_write_back_refused",
+            "Write-backs refused because nothing in the tier (or the namespace's quota) could be evicted.",
+            labels=["node", "tier", "reason"],
+        )
+        for name, value in sorted(counts.items()):
+            parts = name.split(".")
+            if len(parts) == 3 and parts[0] == "eviction":
+                evictions.add_metric([self.node, parts[1], parts[2]], value)
+            elif len(parts) == 3 and parts[0] == "write_back_refused":
+                refused.add_metric([self.node, parts[1], parts[2]], value)
+        yield from (evictions, refused)
         yield from self._blend(counts)
 
     def _blend(self, counts: Mapping[str, int]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

@@ -6,7 +6,8 @@ to a tier on write-back. Loading into an engine's memory is that engine's loader
 block goes after write-back is the control plane's business (movements).
 
     fingerprints -> lookup (local tiers, then one directory round trip) -> decide -> [engine loads]
-    [engine computes] -> store_block (write-back tier) ... -> register (one batch) + touch
+    [engine computes] -> store_block (write-back tier; a full host or disk tier evicts by its
+        policy, `eviction.local`) ... -> register (one batch, then the evictions) + touch
     a failed load -> quarantine (the directory marks the copy corrupt at once)
 """
 
@@ -32,13 +33,19 @@ from worker.dataplane.directory import (
     PlacementChange,
 )
 from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
+from worker.dataplane.eviction.local import LocalEvictor, WriteRefused
+from worker.dataplane.eviction.rules import Rules
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.remote_write import RemoteWriter
 from worker.dataplane.store import TieredStore
-from worker.dataplane.tiers.base import Tier
+from worker.dataplane.tiers.base import PutResult, Tier
 
 log = logging.getLogger("strata.engine")
+
+EVICTING_TIERS = ("host", "disk")
+"""Write-back tiers that make room by evicting at once on the node (the device tier is the
+working set's; the shared remote tier is the planner's)."""
 
 REPROBE_SECONDS = 30.0
 """How old a tier's speed estimate may grow before a request it would send to recompute loads
@@ -215,6 +222,12 @@ class OffloadManager:
         self._reprobed_at: dict[str, float] = {}
         self.prefill_speed = Throughput()
         self._fingerprinters: dict[str, Fingerprinter] = {}
+        self.evictor = LocalEvictor(model_key=self.model_key, node=node, counters=self.counters, clock=clock)
+        self._expired_at = 0.0
+
+    def apply_rules(self, rules: Rules) -> None:
+        """Evict from the node's host and disk tiers by `rules` from now on."""
+        self.evictor.rules = rules
 
     # -- fingerprints ----------------------------------------------------------------------------
     def fingerprinter(self, namespace: str) -> Fingerprinter:
@@ -444,12 +457,25 @@ class OffloadManager:
         target = self.target
         if (data is None) == (fill is None):
             raise ValueError("store_block: give the block's bytes (data) or a fill, not both or neither")
-        try:
+
+        def write() -> PutResult:
             if data is not None:
-                result = target.put(key, data)
+                return target.put(key, data)
+            assert fill is not None
+            return target.put_from(key, fill)
+
+        try:
+            if target.name in EVICTING_TIERS:
+                self.evictor.node = self.node
+                result = self.evictor.put(
+                    target, key, write, namespace=namespace, position=position, tokens=self.layout.block_tokens
+                )
             else:
-                assert fill is not None
-                result = target.put_from(key, fill)
+                result = write()
+        except WriteRefused as exc:
+            self.counters.add(f"write_back.{target.name}.refused")
+            log.warning("write-back refused: %s", exc)
+            return None
         except TierFull as exc:
             self.counters.add(f"write_back.{target.name}.full")
             log.warning("write-back skipped: %s", exc)
@@ -478,10 +504,24 @@ class OffloadManager:
         if registrations and self.directory is not None:
             self.directory.register(blocks=registrations)
         self.remote_writer.submit(registrations, then=self._register_remote)
+        self._expire()
+        changes = self.evictor.take_changes()
+        if changes and self.directory is not None:
+            self.directory.change_placements(changes=changes)
 
     def _register_remote(self, registrations: Sequence[BlockRegistration]) -> None:
         if self.directory is not None:
             self.directory.register(blocks=registrations)
+
+    def _expire(self) -> None:
+        """Evict blocks idle past their tier's TTL (at most once a second, with a batch)."""
+        now = self.clock()
+        if now - self._expired_at < 1.0:
+            return
+        self._expired_at = now
+        for name in self.local_tiers:
+            if name in EVICTING_TIERS:
+                self.evictor.expire(self.store.tier(name))
 
     def touch(self, namespace: str, keys: Sequence[uuid.UUID]) -> None:
         """Count one access of each reused block (write-behind; feeds the hotness ranking)."""
@@ -489,6 +529,15 @@ class OffloadManager:
             self.directory.touch(
                 touches=[BlockTouch(namespace=namespace, model_key=self.model_key, prefix_key=key) for key in keys]
             )
+
+    def note_hits(self, hits: Sequence[Hit]) -> None:
+        """Count one use of each hit in this node's tiers (eviction ranks on them), as part of the
+        write-back batch that follows: call it before that batch's `store_block`s."""
+        by_tier: dict[str, list[uuid.UUID]] = collections.defaultdict(list)
+        for hit in hits:
+            by_tier[hit.tier].append(hit.key)
+        for tier, keys in by_tier.items():
+            self.evictor.touch(tier, keys)
 
     def touch_hits(self, namespace: str, hits: Sequence[Hit]) -> None:
         """`touch` each hit under the namespace it belongs to (a shared one's, or the request's)."""
@@ -505,6 +554,8 @@ class OffloadManager:
         to them again before the reconciler runs. Returns those tiers."""
         causes = getattr(cause, "causes", ()) or (cause,)
         corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != "device"})
+        for tier in corrupt:
+            self.evictor.forget(tier, key)
         if corrupt and self.directory is not None:
             self.directory.change_placements(
                 changes=[

@@ -13,7 +13,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -38,8 +39,9 @@ from worker.dataplane.engine.cache import LoadFailed, StrataCache
 from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
-from worker.dataplane.engine.working_set import WorkingSet
+from worker.dataplane.engine.working_set import ClassShare, WorkingSet
 from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
+from worker.dataplane.eviction.rules import Rules, parse_rules
 from worker.dataplane.hashing import Fingerprinter
 from worker.dataplane.layout import block_layout
 from worker.dataplane.offload import REPROBE_SECONDS, Chain, Hit, OffloadManager, RequestTrace, Throughput
@@ -173,6 +175,32 @@ class Engine:
             )
 
     # -- public -------------------------------------------------------------------------------
+    def apply_policies(
+        self,
+        *,
+        version: int = 0,
+        classes: Sequence[Mapping[str, Any]] = (),
+        tiers: Sequence[Mapping[str, Any]] = (),
+        quotas: Sequence[Mapping[str, Any]] = (),
+        node_group: str = "",
+    ) -> Rules:
+        """Enforce the control plane's policies on this node: the host and disk tiers' eviction
+        and quotas at write-back (`OffloadManager.apply_rules`), and the device working set's
+        rule and class shares. Every field is parsed first; a bad one raises ValueError naming
+        it, and nothing is applied."""
+        shares = []
+        for i, item in enumerate(classes):
+            try:
+                shares.append(ClassShare.from_dict(dict(item)))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"classes[{i}].{exc}") from None
+        rules = parse_rules(tiers=tiers, classes=classes, quotas=quotas, node_group=node_group)
+        self.offload.apply_rules(rules)
+        if self.working_set is not None:
+            self.working_set.set_shares(shares, version=version)
+            self.working_set.set_rule(rules.tier("device"), weights=rules.weights, default_weight=rules.default_weight)
+        return rules
+
     def generate(
         self,
         prompt_ids: Sequence[int],

@@ -1,11 +1,14 @@
-"""The engine's L1 working set: which blocks stay in the device tier, least recently used out
-first, with each priority class held to its share of the tier.
+"""The engine's L1 working set: which blocks stay in the device tier, the coldest out first by the
+device tier's policy (least recently used by default), with each priority class held to its share
+of the tier.
 
 L1 is not registered in the directory (it changes with every request); the control plane steers
 it through priority classes instead: a class with `device_share` 0.1 may hold at most a tenth of
 the device pool, so in chat-peak mode a batch tenant's long documents cannot push the realtime
 tenants' prefixes out. A block of a class over its share evicts that class's own oldest blocks
-first; only when the whole pool is full do other classes' oldest blocks go.
+first; only when the whole pool is full do other classes' oldest blocks go. Which blocks are
+coldest follows the device tier's policy in force (`set_rule`: algorithm, TTL, min_accesses, class
+weights; a mode's override arrives already resolved), ranked by `eviction.rules.victim_order`.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import DEFAULT_CLASS
 from worker.dataplane.errors import TierFull
+from worker.dataplane.eviction.ledger import BlockStat
+from worker.dataplane.eviction.rules import Rules, TierRule, victim_order
 from worker.dataplane.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -65,9 +71,12 @@ class ClassShare:
 
 
 class WorkingSet:
-    """LRU over the blocks this engine keeps in its device tier, with per-class byte caps."""
+    """The blocks this engine keeps in its device tier, evicted by the device tier's rule, with
+    per-class byte caps."""
 
-    def __init__(self, tier: Tier, *, counters: Counters | None = None) -> None:
+    def __init__(
+        self, tier: Tier, *, counters: Counters | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.tier = tier
         self.counters = counters if counters is not None else Counters()
         self.capacity_bytes = tier.usage().capacity_bytes
@@ -78,6 +87,26 @@ class WorkingSet:
         self._shares: dict[str, float] = {}
         self._class_of: dict[str, str] = {}
         self.version = 0
+        self.clock = clock
+        self.rule = TierRule(tier="device")
+        self._rules = Rules()
+        self._stats: dict[uuid.UUID, BlockStat] = {}
+
+    def set_rule(
+        self, rule: TierRule, *, weights: Mapping[str, float] | None = None, default_weight: float = 1.0
+    ) -> None:
+        """Evict by `rule` (and the class weights by namespace) from now on; blocks already idle
+        past a new TTL leave now."""
+        with self._lock:
+            self.rule = rule
+            self._rules = Rules(weights=dict(weights or {}), default_weight=default_weight)
+            self._expire()
+        log.info(
+            "device working set: %s, ttl %s, min_accesses %d",
+            rule.algorithm,
+            f"{rule.ttl_seconds:g}s" if rule.ttl_seconds is not None else "none",
+            rule.min_accesses,
+        )
 
     # -- policy --------------------------------------------------------------------------------
     def set_shares(self, classes: Iterable[ClassShare], *, version: int = 0) -> None:
@@ -112,8 +141,9 @@ class WorkingSet:
         """Keep a copy of `block`; False when it is already kept or its class may hold none."""
         with self._lock:
             if key in self._lru:
-                self._lru.move_to_end(key)
+                self._used(key)
                 return False
+            self._expire()
             if self.tier.contains(key):  # kept by someone else (e.g. a test); adopt it
                 self._remember(key, namespace)
                 return False
@@ -130,7 +160,7 @@ class WorkingSet:
                 except TierFull:
                     if not self._lru:
                         return False
-                    victim = next(iter(self._lru))
+                    victim = self._coldest(self._lru)
                     self._evict(victim, reason="device.evicted")
                     continue
                 self._remember(key, namespace)
@@ -139,12 +169,13 @@ class WorkingSet:
     def touch(self, key: uuid.UUID) -> None:
         with self._lock:
             if key in self._lru:
-                self._lru.move_to_end(key)
+                self._used(key)
 
     def forget(self, key: uuid.UUID) -> None:
         """The block is no longer in the tier (a failed read dropped it)."""
         with self._lock:
             namespace = self._lru.pop(key, None)
+            self._stats.pop(key, None)
             if namespace is not None:
                 self._bytes[self.class_of(namespace)] -= self.block_bytes
 
@@ -165,16 +196,46 @@ class WorkingSet:
     # -- internals -----------------------------------------------------------------------------
     def _remember(self, key: uuid.UUID, namespace: str) -> None:
         self._lru[key] = namespace
+        now = self.clock()
+        self._stats[key] = BlockStat(
+            key=key, namespace=namespace, nbytes=self.block_bytes, inserted=now, last_access=now
+        )
         self._bytes[self.class_of(namespace)] += self.block_bytes
+
+    def _used(self, key: uuid.UUID) -> None:
+        self._lru.move_to_end(key)
+        stat = self._stats.get(key)
+        if stat is not None:
+            stat.accesses += 1
+            stat.last_access = self.clock()
+
+    def _coldest(self, keys: Iterable[uuid.UUID]) -> uuid.UUID:
+        """The coldest of `keys` (not empty) by the rule in force; plain LRU reads the order kept."""
+        keys = list(keys)
+        rule = self.rule
+        if rule.algorithm == "lru" and rule.ttl_seconds is None and not rule.min_accesses and not self._rules.weights:
+            return keys[0]
+        stats = [self._stats[key] for key in keys if key in self._stats]
+        order = victim_order(stats, rule, now=self.clock(), weight=self._rules)
+        return order[0].key if order else keys[0]
+
+    def _expire(self) -> None:
+        """Evict blocks idle past the rule's TTL."""
+        if self.rule.ttl_seconds is None:
+            return
+        now = self.clock()
+        for key in [key for key, stat in self._stats.items() if self.rule.is_expired(now - stat.last_access)]:
+            self._evict(key, reason="device.expired")
 
     def _shrink(self, name: str, limit: int) -> None:
         """Evict class `name`'s oldest blocks until it holds at most `limit` bytes."""
         if self._bytes[name] <= limit:
             return
-        for key in [k for k, namespace in self._lru.items() if self.class_of(namespace) == name]:
-            if self._bytes[name] <= limit:
+        while self._bytes[name] > limit:
+            members = [k for k, namespace in self._lru.items() if self.class_of(namespace) == name]
+            if not members:
                 break
-            self._evict(key, reason="device.share_evicted")
+            self._evict(self._coldest(members), reason="device.share_evicted")
 
     def _evict(self, key: uuid.UUID, *, reason: str) -> None:
         self.forget(key)

@@ -107,6 +107,7 @@ class BlockWriter:
         model_key = self.offload.model_key
         exact = len(tokens) if exact_until is None else exact_until
         hit_tiers = {h.key: h.tier for h in hits}
+        self.offload.note_hits(hits)  # before the stores: they must not evict what they extend
         registrations: list[BlockRegistration] = []
         with torch.inference_mode(False):
             block = self.layout.empty()
