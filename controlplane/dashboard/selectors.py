@@ -321,8 +321,10 @@ def _fragment_reuse(families: dict[str, list[Any]]) -> dict[str, Any]:
 def cache_stats(*, node: str | None = None) -> dict[str, Any]:
     """Cumulative cache counters of every serving node, read from its /metrics: tokens looked up,
     tokens served from cache and, split by the tier each hit block came from, hit tokens by tier;
-    and fragment reuse: reused tokens by kind, the recompute ratio, quality samples, and the current
-    r and fallback state of every (node, model, namespace)."""
+    the blocks nodes evicted at write-back by reason (pressure, quota, ttl) and the write-backs
+    refused for want of an evictable block; and fragment reuse: reused tokens by kind, the
+    recompute ratio, quality samples, and the current r and fallback state of every (node, model,
+    namespace)."""
 
     def fetch(n: Node) -> dict[str, Any]:
         try:
@@ -338,25 +340,35 @@ def cache_stats(*, node: str | None = None) -> dict[str, Any]:
         all_blocks = sum(blocks.values())
         # Every hit is a whole block, so a tier's share of hit blocks is its share of hit tokens.
         by_tier = {tier: hits * count / all_blocks for tier, count in blocks.items()} if all_blocks else {}
+        evictions: dict[str, float] = {}
+        for sample in _counter(families, "strata_evictions"):
+            evictions[sample.labels["reason"]] = evictions.get(sample.labels["reason"], 0.0) + sample.value
         return {
             "lookup_tokens": lookup,
             "hit_tokens": hits,
             "hit_blocks_by_tier": blocks,
             "hit_tokens_by_tier": by_tier,
+            "evictions_by_reason": evictions,
+            "write_backs_refused": total("strata_write_back_refused"),
             "fragment_reuse": _fragment_reuse(families),
         }
 
     answers = _each_node(_serving_nodes(node), fetch)
     fleet_by_tier: dict[str, float] = {}
+    fleet_evictions: dict[str, float] = {}
     for answer in answers:
         for tier, tokens in answer.get("hit_tokens_by_tier", {}).items():
             fleet_by_tier[tier] = fleet_by_tier.get(tier, 0.0) + tokens
+        for reason, count in answer.get("evictions_by_reason", {}).items():
+            fleet_evictions[reason] = fleet_evictions.get(reason, 0.0) + count
     return {
         "generated_at": timezone.now().isoformat(),
         "nodes": answers,
         "lookup_tokens": sum(a.get("lookup_tokens", 0.0) for a in answers),
         "hit_tokens": sum(a.get("hit_tokens", 0.0) for a in answers),
         "hit_tokens_by_tier": fleet_by_tier,
+        "evictions_by_reason": fleet_evictions,
+        "write_backs_refused": sum(a.get("write_backs_refused", 0.0) for a in answers),
         "fragment_reuse": _fleet_fragment_reuse(answers),
     }
 

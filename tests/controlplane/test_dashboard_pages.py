@@ -241,6 +241,31 @@ def test_requests_and_cache_counters_come_from_the_engine_servers(engine_server,
     assert refused["requests"] == [] and "set STRATA_NODE_ADMIN_KEY" in refused["nodes"][0]["error"]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_nodes_evictions_by_reason_reach_the_dashboard(models, make_store, settings):  # noqa: F811
+    settings.STRATA_NODE_ADMIN_KEY = NODE_ADMIN_KEY
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",), blocks=4), write_back_tier="host")
+    server = NodeServer(engine=engine, host="127.0.0.1", port=0, node="tight", admin_key=NODE_ADMIN_KEY).start()
+    try:
+        node_heartbeat(
+            name="tight",
+            host="h",
+            heartbeat_seconds=1.0,
+            address=server.address,
+            tiers=[TierReport(tier="host", capacity_bytes=1000, used_bytes=0)],
+        )
+        client = openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0, timeout=60)
+        for seed in range(3):  # three prompts of 4 blocks each into a pool of 4 blocks
+            client.completions.create(model="tiny", prompt=[(seed * 97 + i) % 500 + 1 for i in range(64)], max_tokens=1)
+        stats = _api("viewer", "viewer").get("/api/v1/dashboard/cache/?node=tight").json()
+        assert stats["evictions_by_reason"]["pressure"] == engine.counters.get("eviction.host.pressure") > 0
+        assert stats["write_backs_refused"] == 0
+        assert stats["nodes"][0]["evictions_by_reason"] == stats["evictions_by_reason"]
+    finally:
+        server.stop()
+
+
 def test_saved_time_is_cached_tokens_times_measured_prefill_per_token_less_loading():
     traces = [
         {"prompt_tokens": 100, "cached_tokens": 0, "prefill_s": 1.0, "load_s": 0.0},

@@ -206,6 +206,12 @@
       document.getElementById("hit-rate").textContent = S.percent(stats.hit_tokens, stats.lookup_tokens);
       document.getElementById("hit-detail").textContent = S.number(stats.hit_tokens) + " of " + S.number(stats.lookup_tokens) + " tokens looked up";
       renderReuse(stats.fragment_reuse);
+      const reasons = stats.evictions_by_reason || {};
+      const evicted = Object.values(reasons).reduce((sum, n) => sum + n, 0);
+      document.getElementById("evictions").textContent = S.number(evicted);
+      document.getElementById("evictions-detail").textContent =
+        (Object.keys(reasons).sort().map((r) => r + " " + S.number(reasons[r])).join(", ") || "none yet") +
+        "; " + S.number(stats.write_backs_refused || 0) + " write-back(s) refused";
       if (previousCache) {
         const looked = stats.lookup_tokens - previousCache.lookup_tokens;
         hits.push(S.TIERS.map((tier) => looked > 0
