@@ -1,6 +1,8 @@
-"""A workload driver for the demo: multi-turn chats and long-document questions against node servers.
+"""A workload driver for the demo: multi-turn chats and long-document questions against node servers,
+and RAG-style requests (shared passages in new orders) against a node that reuses fragments.
 
-    python -m worker.workload --node http://127.0.0.1:9100 --node http://127.0.0.1:9101
+    python -m worker.workload --node http://127.0.0.1:9100 --node http://127.0.0.1:9101 \
+        --rag-node http://127.0.0.1:9101
 
 It speaks the OpenAI HTTP API, so it works against any node; it paces itself so a small machine
 stays responsive, and logs one line per request (TTFT, cached tokens) so an operator sees reuse."""
@@ -100,6 +102,19 @@ def documents(rng: random.Random, doc_words: int, count: int = 3) -> Iterator[tu
         yield "acme", [{"role": "user", "content": "Document:\n" + doc + "\nQuestion: " + _text(rng, 12) + "?"}]
 
 
+RAG_NAMESPACE = "rag"
+
+
+def rag_requests(rng: random.Random, passage_words: int, count: int = 6) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """Endless questions over three of a few shared passages, picked and ordered anew each time: a
+    passage is seldom at the same place twice, so only fragment reuse finds it."""
+    passages = [f"Passage {i}: " + _text(random.Random(f"passage-{i}"), passage_words) for i in range(count)]
+    while True:
+        chosen = rng.sample(passages, 3)
+        question = "Question: " + _text(rng, 10) + "?"
+        yield RAG_NAMESPACE, [{"role": "user", "content": "\n".join([*chosen, question])}]
+
+
 def drive(
     client: Client,
     stream: Iterator[tuple[str, list[dict[str, str]]]],
@@ -127,14 +142,15 @@ def drive(
             continue
         if messages[-1]["role"] == "user" and kind == "chat":
             messages.append({"role": "assistant", "content": text})
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
         log.info(
-            "%-5s %s ns=%-6s prompt=%5d cached=%5d ttft=%6.0f ms",
+            "%-5s %s ns=%-6s prompt=%5d cached=%5d fragment=%5d ttft=%6.0f ms",
             kind,
             client.base.rsplit(":", 1)[-1],
             namespace,
             usage.get("prompt_tokens", 0),
-            cached,
+            details.get("cached_tokens", 0),
+            details.get("fragment_tokens", 0),
             ttft * 1000,
         )
         done += 1
@@ -145,6 +161,8 @@ def drive(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.workload", description=__doc__.splitlines()[0])
     parser.add_argument("--node", action="append", required=True, help="base URL of a node server (repeat)")
+    parser.add_argument("--rag-node", help="base URL of a node that reuses fragments: it also gets RAG requests")
+    parser.add_argument("--passage-words", type=int, default=60, help="words per shared passage of the RAG requests")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds between a client's requests")
     parser.add_argument("--doc-words", type=int, default=300, help="words per long document")
     parser.add_argument("--system-words", type=int, default=120, help="words in each tenant's system prompt")
@@ -193,6 +211,24 @@ def main(argv: list[str] | None = None) -> int:
                     client=client,
                     stream=documents(random.Random(100 + index), args.doc_words),
                     kind="doc",
+                    pause=args.pause * 2,
+                    max_tokens=args.max_tokens,
+                    stop=stop,
+                    limit=args.requests,
+                ),
+            )
+        )
+    if args.rag_node:
+        rag = next((c for c in clients if c.base == args.rag_node.rstrip("/")), None) or Client(args.rag_node)
+        log.info("RAG requests (shared passages in new orders, namespace %s) go to %s", RAG_NAMESPACE, rag.base)
+        threads.append(
+            threading.Thread(
+                target=drive,
+                daemon=True,
+                kwargs=dict(
+                    client=rag,
+                    stream=rag_requests(random.Random(200), args.passage_words),
+                    kind="rag",
                     pause=args.pause * 2,
                     max_tokens=args.max_tokens,
                     stop=stop,

@@ -88,13 +88,21 @@ def _procfile(
         ),
     ]
     node_urls = []
+    kinds = engines or ["strata"] * len(NODES)
+    # The last node Strata's own engine serves reuses fragments (vLLM's connector reuses prefixes
+    # only); the workload driver sends it RAG-style requests: shared passages in new orders.
+    blending = next((i for i in reversed(range(len(NODES))) if kinds[i] == "strata"), None) if model else None
     for index, name in enumerate(NODES):
-        engine = (engines or ["strata"] * len(NODES))[index]
         serve = (
-            f" --model {shlex.quote(model)} --serve-port {first_node_port + index} --engine {engine}" if model else ""
+            f" --model {shlex.quote(model)} --serve-port {first_node_port + index} --engine {kinds[index]}"
+            if model
+            else ""
         )
-        processes.append((name, f"{python} manage.py strata_node --name {name}{serve}"))
+        blend = "STRATA_BLEND=true " if index == blending else ""
+        processes.append((name, f"{blend}{python} manage.py strata_node --name {name}{serve}"))
         node_urls.append(f"--node http://127.0.0.1:{first_node_port + index}")
+    if blending is not None:
+        node_urls.append(f"--rag-node http://127.0.0.1:{first_node_port + blending}")
     if model:
         processes.append(("workload", f"{python} -m worker.workload {' '.join(node_urls)}"))
     processes += [
@@ -139,7 +147,7 @@ def run(port: int, model: str, api_port: int, engines: list[str] | None = None) 
     _manage("migrate", "--noinput", "-v", "0", env=env_vars)
     _manage("collectstatic", "--noinput", "-v", "0", env=env_vars)
     _manage("strata_admin", env=env_vars)
-    _manage("strata_namespace", "default", "acme", "globex", env=env_vars)
+    _manage("strata_namespace", "default", "acme", "globex", "rag", env=env_vars)  # rag: the RAG requests
 
     pid_file.write_text(str(os.getpid()))
     manager = Manager()

@@ -49,3 +49,13 @@ def test_demo_nodes_run_the_engines_asked_for():
     commands = dict(demo._procfile(8000, "bench", 9100, 8001, ["strata", "vllm"]))
     assert "--engine strata" in commands["gpu-0"] and "--serve-port 9100" in commands["gpu-0"]
     assert "--engine vllm" in commands["gpu-1"] and "--serve-port 9101" in commands["gpu-1"]
+
+
+@pytest.mark.parametrize(
+    ("engines", "blending", "port"), [(["strata", "strata"], "gpu-1", 9101), (["strata", "vllm"], "gpu-0", 9100)]
+)
+def test_one_demo_node_reuses_fragments_and_gets_the_rag_requests(engines, blending, port):
+    commands = dict(demo._procfile(8000, "bench", 9100, 8001, engines))
+    assert [name for name in demo.NODES if commands[name].startswith("STRATA_BLEND=true ")] == [blending]
+    assert f"--rag-node http://127.0.0.1:{port}" in commands["workload"]
+    assert "--rag-node" not in dict(demo._procfile(8000, "bench", 9100, 8001, ["vllm", "vllm"]))["workload"]

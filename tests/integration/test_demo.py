@@ -147,6 +147,19 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
         assert Session(f"http://127.0.0.1:{node_port}").get("/v1/strata/requests")[0] == 401
         code, body = session.get("/api/v1/requests/?node=gpu-0")
         assert code == 200 and json.loads(body)["requests"], json.loads(body)["nodes"]
+        # gpu-1 reuses fragments and gets the RAG requests: the overview's fragment reuse moves.
+        reused = 0.0
+        rag_deadline = time.monotonic() + 120
+        while time.monotonic() < rag_deadline and not reused:
+            code, body = session.get("/api/v1/dashboard/cache/?node=gpu-1")
+            reuse = json.loads(body)["fragment_reuse"] if code == 200 else {}
+            reused = reuse.get("reused_tokens", {}).get("fragment", 0.0)
+            if not reused:
+                time.sleep(1)
+        assert reused > 0, "the RAG requests to gpu-1 reused no fragment"
+        assert reuse["nodes"] == [
+            {"node": "gpu-1", "model": "tiny", "enabled": True, "default_recompute_percent": 15.0}
+        ]
 
         stop = subprocess.run(
             [sys.executable, "-m", "controlplane.runtime.demo", "stop"],
