@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -497,17 +498,22 @@ class OffloadManager:
             checksum=result.checksum.hex if result.checksum else "",
         )
 
-    def register(self, registrations: Sequence[BlockRegistration]) -> None:
+    def register(
+        self, registrations: Sequence[BlockRegistration], *, in_remote: Collection[uuid.UUID] = ()
+    ) -> Future[None] | None:
         """Record new blocks in the directory in one batch (write-behind: returns at once); the
-        blocks whose class writes through are copied to L3 in the background and registered there
-        as well once written (`remote_writer`)."""
+        blocks whose class writes through, but not those `in_remote` (local copies of L3 hits), are
+        copied to L3 in the background and registered there as well once written
+        (`remote_writer`). Returns the copy's future (None when nothing is copied)."""
         if registrations and self.directory is not None:
             self.directory.register(blocks=registrations)
-        self.remote_writer.submit(registrations, then=self._register_remote)
+        through = [r for r in registrations if r.prefix_key not in in_remote] if in_remote else registrations
+        future = self.remote_writer.submit(through, then=self._register_remote)
         self._expire()
         changes = self.evictor.take_changes()
         if changes and self.directory is not None:
             self.directory.change_placements(changes=changes)
+        return future
 
     def _register_remote(self, registrations: Sequence[BlockRegistration]) -> None:
         if self.directory is not None:

@@ -6,7 +6,9 @@ conversation whose next turn lands on another node finds its prefix there at onc
 the classes with the policies in force (`set_classes`); the offload manager registers each
 write-back batch and hands it to `submit`, which copies the write-through blocks to L3 on a
 background thread (a write-back holds the engine's turn; an L3 write on it would delay the next
-request's prefill) and registers the L3 copies once written.
+request's prefill) and registers the L3 copies once written. The request waits for its copies
+after it has let go of the engine's turn and before it answers (`wait`): the client's next turn,
+on whichever node, then finds the whole conversation in L3.
 
 The local copy is written first and stays whatever happens to L3: a failed or refused remote write
 is counted (`write_through.failed` / `write_through.full`) and logged, and the batch registers the
@@ -104,13 +106,18 @@ class RemoteWriter:
 
     def submit(
         self, registrations: Sequence[BlockRegistration], then: Callable[[list[BlockRegistration]], None]
-    ) -> None:
+    ) -> Future[None] | None:
         """Copy the write-through blocks of `registrations` to L3 in the background (off the
-        request's path: a write-back holds the engine's turn) and hand the remote registrations
-        to `then` (the directory's batch). Nothing to copy: returns at once."""
-        if not self.policy.any or REMOTE not in self.store.names:
-            return
-        batch = list(registrations)
+        engine's turn: a write-back holds it, and an L3 write there would delay the next request's
+        prefill) and hand the remote registrations to `then` (the directory's batch). The future
+        of the copy, which the request waits for before it answers (`wait`); None when nothing of
+        the batch writes through."""
+        policy = self.policy
+        if not policy.any or REMOTE not in self.store.names:
+            return None
+        batch = [r for r in registrations if r.tier != REMOTE and policy.writes_through(r.namespace)]
+        if not batch:
+            return None
 
         def run() -> None:
             written = self.copy(batch)
@@ -121,6 +128,18 @@ class RemoteWriter:
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._done)
+        return future
+
+    def wait(self, futures: Sequence[Future[None]], timeout: float) -> bool:
+        """Wait for a request's copies to L3 (write-through: the next turn, on any node, finds
+        them); False, counted and logged, if `timeout` passed first (the copies go on)."""
+        if not futures:
+            return True
+        _, not_done = wait(futures, timeout=timeout)
+        if not_done:
+            self.counters.add("write_through.late")
+            log.warning("write-through to L3 still running after %.1f s; answering without waiting", timeout)
+        return not not_done
 
     def _done(self, future: Future[None]) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ from worker.dataplane.store import TieredStore
 from worker.dataplane.traffic import TrafficMeter
 
 log = logging.getLogger("strata.engine")
+
+WRITE_THROUGH_WAIT_SECONDS = 5.0
+"""How long a request waits for its write-through copies to L3 before it answers anyway."""
 
 
 @dataclasses.dataclass
@@ -119,7 +123,11 @@ class Engine:
         options: EngineOptions | None = None,
         counters: Counters | None = None,
         on_trace: Callable[[RequestTrace], None] | None = None,
+        turns: Turns | None = None,
     ) -> None:
+        """`turns`: engines that compute on one device share its turns (several nodes served from
+        one process on one machine's CPUs take turns as one node's requests do); by default the
+        engine has the model to itself."""
         self.model = model
         self.store = store
         self.options = options or EngineOptions()
@@ -141,7 +149,7 @@ class Engine:
             reprobe_seconds=self.options.reprobe_seconds,
         )
         self.model_key = self.offload.model_key
-        self._turns = Turns()
+        self._turns = turns if turns is not None else Turns()
         self._ids = itertools.count(1)
         # L1: the blocks kept in the device tier, each priority class within its share.
         self.working_set = WorkingSet(store.tier("device"), counters=self.counters) if "device" in store.names else None
@@ -248,6 +256,7 @@ class Engine:
         sampler = Sampler(temperature=temperature, seed=seed)
         use_blend = self.tuner is not None and blend is not False
         self.traffic.arrive(len(prompt_ids))
+        copies: list[Future[None]] = []
         try:
             output, logits, cache = self._generate(
                 list(prompt_ids),
@@ -261,7 +270,11 @@ class Engine:
                 marked,
                 use_blend,
                 write_back,
+                copies,
             )
+            # Write-through means written before the answer: the copies to L3 ran beside the
+            # decode steps, off the engine's turn; what is left of them is waited for here.
+            self.offload.remote_writer.wait(copies, timeout=WRITE_THROUGH_WAIT_SECONDS)
         finally:
             self.traffic.finish()
         return GenerationResult(
@@ -327,6 +340,7 @@ class Engine:
         segments: list[tuple[int, int]],
         use_blend: bool,
         write_back: bool,
+        copies: list[Future[None]],
     ) -> tuple[list[int], torch.Tensor, StrataCache]:
         with self._turns.hold(Step.PREFILL), torch.inference_mode():
             cache, logits, hits, fragments, percent, exact_until, chain = self._first_token(
@@ -337,14 +351,15 @@ class Engine:
         early = use_cache and write_back and not use_blend
         if early:
             with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
-                self.writer.write_back(prompt, hits, cache, namespace, trace, chain=chain)
+                if copy := self.writer.write_back(prompt, hits, cache, namespace, trace, chain=chain):
+                    copies.append(copy)
         output = self._decode(cache, logits, max_tokens, trace, stop_ids, on_token, sampler)
         with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
             if fragments and self.tuner is not None:
                 self.tuner.offer(namespace, prompt, logits, percent)
             if use_cache and write_back:
                 # (hits were touched by the early write-back; they all lie in the prompt)
-                self.writer.write_back(
+                copy = self.writer.write_back(
                     prompt + output[:-1],
                     [] if early else hits,
                     cache,
@@ -356,6 +371,8 @@ class Engine:
                     stored_until=len(prompt) if early else 0,
                     chain=chain,
                 )
+                if copy is not None:
+                    copies.append(copy)
             self.traces.append(trace)
             if self.on_trace is not None:
                 self.on_trace(trace)

@@ -6,6 +6,9 @@ that fragment matching reads.
     block buffer -> device working set (LRU) and/or the write-back tier (`store_block`, hashed)
     -> register (one batch) + touch the hits
 
+A block the request read from L3 is kept in the write-back tier as well (the node's next turn of
+the same conversation reads it locally), and is not written back to L3.
+
 With fragment reuse on, blocks aligned to the request's segments (and those after the first
 fused fragment) are stored as well, under fragment keys that only a content match finds.
 """
@@ -15,11 +18,12 @@ from __future__ import annotations
 import collections
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
 from worker.dataplane.blend.matching import content_keys_at, fragment_key, segment_windows
-from worker.dataplane.directory import BlockRegistration
+from worker.dataplane.directory import REMOTE, BlockRegistration
 from worker.dataplane.engine.cache import StrataCache
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.layout import BlockLayout
@@ -88,7 +92,7 @@ class BlockWriter:
         fragments_too: bool = False,
         stored_until: int = 0,
         chain: Chain | None = None,
-    ) -> None:
+    ) -> Future[None] | None:
         """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch.
 
         Only blocks whose KV is exactly what a plain prefill computes (before `exact_until`, the
@@ -99,7 +103,9 @@ class BlockWriter:
 
         The blocks are keyed as `chain` says: a shared namespace's leading blocks are that
         namespace's (kept in the device pool at most, never stored or registered as this
-        namespace's), and the request's own blocks chain on from them."""
+        namespace's), and the request's own blocks chain on from them.
+
+        Returns the future of the batch's write-through to L3 (None when nothing goes there)."""
         fp = self.offload.fingerprinter(namespace)
         fingerprints = self.offload.fingerprints(tokens, namespace, chain)
         lead = len(chain.lead) if chain is not None else 0
@@ -145,8 +151,10 @@ class BlockWriter:
                 stored = fragment_key(ns_salt=fp.ns_salt, model_key=model_key, content_key=key, position=offset)
                 if self._store_block(stored, key, offset, cache, block, namespace, trace, registrations, already=None):
                     self.content_index.remember(key, stored, offset)
-        self.offload.register(registrations)
+        in_remote = {key for key, tier in hit_tiers.items() if tier == REMOTE}
+        future = self.offload.register(registrations, in_remote=in_remote)
         self.offload.touch_hits(namespace, hits)
+        return future
 
     def _keep_shared(
         self,
@@ -179,12 +187,14 @@ class BlockWriter:
         already: str | None,
     ) -> bool:
         """Copy tokens [start, start + block) of every layer into `block` and keep it in the write-back
-        tier (registered) and the device pool; True if some tier holds it afterwards."""
+        tier (registered) and the device pool; True if some tier holds it afterwards. A block read
+        from L3 (`already` remote) gets a copy in a local write-back tier too."""
         target = self.offload.target
         if already == "device":
             self._device_touch(key)
             return True
-        to_target = already is None and not target.contains(key)
+        local_copy = already is None or (already == REMOTE and target.name != REMOTE)
+        to_target = local_copy and not target.contains(key)
         to_device = self.keep_in_device and target.name != "device" and "device" in self.store.names
         if not to_target and not to_device:
             return True
