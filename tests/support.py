@@ -6,7 +6,7 @@ import dataclasses
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,6 +22,14 @@ def wait_for(predicate: Callable[[], T], *, timeout: float = 60.0, what: str = "
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def node_env(env: Mapping[str, str], node: str) -> dict[str, str]:
+    """`env` for node process `node`, on its own database credential (`strata_node_credential`)
+    in the test database instead of the control plane's."""
+    from controlplane.directory.services.credentials import node_credential_create
+
+    return {**env, "DATABASE_URL": node_credential_create(node=node).database_url}
 
 
 def free_port() -> int:

@@ -11,6 +11,8 @@ measures in a child process whose Django points at that database:
   registered chain, the rest misses. Chains are picked uniformly at random over the whole table.
 * ``node_lookup64``: the same through the node's Directory client (its own connection,
   server-side binding, prepared statement).
+* ``node_role_lookup64``: the node's Directory client on the node's own role
+  (``strata_node_credential``: grants and row-level security), as nodes run.
 * ``rest_lookup64``: ``POST /api/v1/blocks/lookup/`` through the engine API server as deployed
   (gunicorn, ``controlplane.runtime.gunicorn``: WSGI, threaded workers; token auth, role check,
   throttling, JSON) over a keep-alive HTTP connection, with the project's production settings (a
@@ -20,7 +22,8 @@ measures in a child process whose Django points at that database:
 * ``register``: the ``blocks_register`` service, 4096 new blocks (with one copy each) per call,
   and the WAL the server wrote per block meanwhile; ``register_2writers``: two callers at once,
   each on its own connection (several nodes flushing together); ``writebehind``: the same blocks
-  through the Directory client, enqueue to durable.
+  through the Directory client, enqueue to durable; ``node_role_writebehind`` on the node's own
+  role (row-level security checks every copy's node).
 
 The database is dropped at the end (``STRATA_BENCH_KEEP_DB=1`` keeps it). EXPLAIN (ANALYZE,
 BUFFERS) of a 64-key lookup, of a touch batch and (with WAL) of the two statements registering
@@ -491,10 +494,12 @@ def child(spec: dict[str, Any]) -> None:
     import django
 
     django.setup()
+    import psycopg
     from django.core.management import call_command
 
     from controlplane.directory.selectors import blocks_lookup
     from controlplane.directory.services import blocks_register
+    from controlplane.directory.services.credentials import node_credential_create
     from worker.directory import DirectoryOptions, PostgresDirectory, django_connect
 
     repeats = spec["repeats"]
@@ -510,10 +515,19 @@ def child(spec: dict[str, Any]) -> None:
     _emit(step=f"seeded {world.blocks} blocks in {seconds:.0f}s")
     token = _engine_token()
     node = PostgresDirectory(options=DirectoryOptions(), announce=lambda **_: None, source="bench")
+    # The same client on the node's own role (grants and row-level security, as nodes run).
+    credential = node_credential_create(node="gpu-0")
+    own = PostgresDirectory(
+        connect=lambda: psycopg.connect(credential.database_url, connect_timeout=2),
+        options=DirectoryOptions(),
+        announce=lambda **_: None,
+        source="bench",
+    )
     for _ in range(200):  # warm the plan caches and a share of the buffers
         ns, mk, keys = world.prompt(1)
         blocks_lookup(namespace=ns, model_key=mk, node="gpu-0", prefix_keys=keys)
         node.lookup(keys=keys, node="gpu-0", namespace=ns, model_key=mk)
+        own.lookup(keys=keys, node="gpu-0", namespace=ns, model_key=mk)
     _emit(step="warmed up")
 
     results: dict[str, list[float]] = {}
@@ -576,6 +590,14 @@ def child(spec: dict[str, Any]) -> None:
             record("node_lookup64_p50", _percentile(lat, 50) * 1e3)
             record("node_lookup64_p99", _percentile(lat, 99) * 1e3)
             lat = []
+            for _ in range(n64):
+                ns, mk, keys = world.prompt(1)
+                began = time.perf_counter()
+                own.lookup(keys=keys, node="gpu-0", namespace=ns, model_key=mk)
+                lat.append(time.perf_counter() - began)
+            record("node_role_lookup64_p50", _percentile(lat, 50) * 1e3)
+            record("node_role_lookup64_p99", _percentile(lat, 99) * 1e3)
+            lat = []
             for _ in range(n1024):
                 ns, mk, keys = world.prompt(16)
                 began = time.perf_counter()
@@ -615,8 +637,18 @@ def child(spec: dict[str, Any]) -> None:
             if not node.flush(timeout=600):
                 raise RuntimeError(f"write-behind did not drain: {node.stats()}")
             record("writebehind", len(regs) / (time.perf_counter() - began))
+            regs = [
+                _registration(world.namespace_names[ns_index], world.model_keys[1], i) for i in range(batches * 4096)
+            ]
+            began = time.perf_counter()
+            for start in range(0, len(regs), CHAIN):
+                own.register(blocks=regs[start : start + CHAIN])
+            if not own.flush(timeout=600):
+                raise RuntimeError(f"write-behind on the node's role did not drain: {own.stats()}")
+            record("node_role_writebehind", len(regs) / (time.perf_counter() - began))
             _emit(step=f"registration round {repeat + 1}")
     node.close()
+    own.close()
     if not any(hit_blocks):
         raise RuntimeError("no lookup found anything: the seed or the lookup is broken")
     median = {name: statistics.median(values) for name, values in results.items()}
@@ -627,6 +659,14 @@ def child(spec: dict[str, Any]) -> None:
     _row("directory.lookup1024_p50_ms", median["lookup1024_p50"], "ms", samples=n1024, **params)
     _row("directory.node_lookup64_p50_ms", median["node_lookup64_p50"], "ms", samples=n64, **params)
     _row("directory.node_lookup64_p99_ms", median["node_lookup64_p99"], "ms", samples=n64, **params)
+    for pct in ("p50", "p99"):
+        _row(
+            f"directory.node_role_lookup64_{pct}_ms",
+            median[f"node_role_lookup64_{pct}"],
+            "ms",
+            samples=n64,
+            **params,
+        )
     for variant, server, pool in (
         ("rest", "gunicorn (WSGI, the engine API)", "psycopg_pool 2..8"),
         ("rest_asgi", "daphne (ASGI)", "psycopg_pool 2..8"),
@@ -655,6 +695,7 @@ def child(spec: dict[str, Any]) -> None:
         **params,
     )
     _row("directory.writebehind_blocks_per_s", median["writebehind"], "blocks/s", **params)
+    _row("directory.node_role_writebehind_blocks_per_s", median["node_role_writebehind"], "blocks/s", **params)
     _row("directory.lookup64_hit_blocks_mean", statistics.fmean(hit_blocks), "blocks", **params)
     _explain(world)
     _emit(step="explained")

@@ -68,6 +68,24 @@ class Node(models.Model):
         return f"node.{self.name}"
 
 
+class NodeCredential(models.Model):
+    """A node's own PostgreSQL role (`manage.py strata_node_credential`): with it the node reads the
+    directory and writes only its own rows (grants plus row-level security, migration 0009). The
+    role is named after the database and the node; revoking it keeps the row, for the record."""
+
+    node = models.SlugField(max_length=63, unique=True, help_text="Name of the node the role acts as.")
+    role = models.CharField(max_length=63, unique=True, help_text="The PostgreSQL role (LOGIN) of that node.")
+    created_at = models.DateTimeField()
+    rotated_at = models.DateTimeField(null=True, blank=True, help_text="When the password last changed.")
+    revoked_at = models.DateTimeField(null=True, blank=True, help_text="When the role lost its login.")
+
+    class Meta:
+        ordering = ["node"]
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.role})"
+
+
 class NodeTier(models.Model):
     """Capacity and use of one tier of one node, as its last heartbeat reported."""
 

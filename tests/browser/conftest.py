@@ -174,6 +174,9 @@ def system() -> Iterator[System]:
             "daphne",
             [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
         )
+        # The node on its own credential, as `strata_node_credential` prints it.
+        printed = system.manage("strata_node_credential", NODE).splitlines()
+        credential = next(line for line in printed if line.startswith("DATABASE_URL=")).split("=", 1)[1]
         system.start(
             "node",
             [
@@ -194,6 +197,7 @@ def system() -> Iterator[System]:
                 "64MiB",
             ],
             {
+                "DATABASE_URL": credential,
                 "STRATA_HOST_POOL_NAME": pool,
                 "STRATA_BLOCK_TOKENS": "16",
                 "STRATA_HOST_BYTES": "64MiB",
@@ -230,6 +234,10 @@ def system() -> Iterator[System]:
             shm.unlink(missing_ok=True)
         with _admin_connection(params) as connection:
             connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            # The node roles named after this database (roles outlive it: they belong to the server).
+            roles = connection.execute("SELECT rolname FROM pg_roles WHERE starts_with(rolname, %s)", [name + "_"])
+            for (role,) in roles.fetchall():
+                connection.execute(f'DROP ROLE IF EXISTS "{role}"')
         for db in range(REDIS_BASE_DB, REDIS_BASE_DB + 3):
             client = redis.Redis.from_url(redis_env.url_for_db(db))
             client.flushdb()

@@ -179,3 +179,17 @@ def test_the_nodes_and_the_control_plane_share_the_node_admin_key(compose):
     services = compose["services"]
     for name in ("web", "node-gpu-0", "node-vllm"):
         assert services[name]["environment"]["STRATA_NODE_ADMIN_KEY"].startswith("${STRATA_NODE_ADMIN_KEY:?"), name
+
+
+def test_the_nodes_run_on_their_own_database_credentials(compose):
+    services = compose["services"]
+    command = _command(services["node-credentials"])
+    assert command[:3] == ["python", "manage.py", "strata_node_credential"] and "--url-dir" in command
+    folder = command[command.index("--url-dir") + 1]
+    for name, node in (("node-gpu-0", "gpu-0"), ("node-vllm", "gpu-vllm")):
+        service = services[name]
+        assert node in command and _command(service)[_command(service).index("--name") + 1] == node
+        assert "DATABASE_URL" not in service["environment"], name  # not the control plane's credential
+        assert service["environment"]["DATABASE_URL_FILE"] == f"{folder}/{node}.url"
+        assert f"credentials:{folder}:ro" in service["volumes"]
+        assert service["depends_on"]["node-credentials"]["condition"] == "service_completed_successfully"

@@ -44,6 +44,21 @@ def test_external_urls():
     assert not env.embedded_postgres and not env.embedded_redis
 
 
+def test_database_url_from_a_file(tmp_path):
+    url_file = tmp_path / "gpu-0.url"
+    url_file.write_text("postgresql://strata_node_gpu_0:s3cret@db.example:5432/strata\n")
+    env = load_environment({"DATABASE_URL_FILE": str(url_file), "REDIS_URL": "redis://cache:6379/0"})
+    assert (env.database.user, env.database.password, env.database.name) == ("strata_node_gpu_0", "s3cret", "strata")
+    assert not env.embedded_postgres
+    with pytest.raises(ConfigurationError, match="DATABASE_URL_FILE: set beside DATABASE_URL"):
+        load_environment({"DATABASE_URL_FILE": str(url_file), "DATABASE_URL": "postgresql://h/db"})
+    with pytest.raises(ConfigurationError, match="DATABASE_URL_FILE: cannot read .*missing.url: No such file"):
+        load_environment({"DATABASE_URL_FILE": str(tmp_path / "missing.url")})
+    (tmp_path / "empty.url").write_text("\n")
+    with pytest.raises(ConfigurationError, match="DATABASE_URL_FILE: .*empty.url is empty"):
+        load_environment({"DATABASE_URL_FILE": str(tmp_path / "empty.url")})
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "expected"),
     [

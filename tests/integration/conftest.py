@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import free_port
+from tests.support import free_port, node_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def serving_node(subprocess_env, python, tmp_path) -> Iterator[tuple[str, int]]:
     port = free_port()
     log = open(tmp_path / "node.log", "w+")
     env = {
-        **subprocess_env,
+        **node_env(subprocess_env, name),
         "STRATA_HOST_POOL_NAME": f"strata-test-{name}",
         "STRATA_BLOCK_TOKENS": "16",
         "STRATA_HOST_BYTES": "64MiB",

@@ -17,7 +17,7 @@ import redis
 from controlplane.directory.models import Node, Placement
 from controlplane.directory.services import namespace_ensure
 from controlplane.policies.services import priorityclass_create
-from tests.support import free_port, wait_for
+from tests.support import free_port, node_env, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
@@ -36,7 +36,7 @@ def start_node(subprocess_env, python, tmp_path, settings) -> Iterator[Callable[
         port = free_port()
         log = open(tmp_path / f"{name}.log", "w+")
         env = {
-            **subprocess_env,
+            **node_env(subprocess_env, name),
             "STRATA_HOST_POOL_NAME": f"strata-test-{name}",
             "STRATA_BLOCK_TOKENS": str(BLOCK),
             "STRATA_HOST_BYTES": "64MiB",

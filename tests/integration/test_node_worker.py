@@ -14,7 +14,7 @@ import pytest
 from controlplane.directory.choices import NodeState
 from controlplane.directory.models import Node
 from controlplane.directory.services import nodes_mark_stale
-from tests.support import wait_for
+from tests.support import node_env, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
@@ -39,7 +39,7 @@ def node_process(subprocess_env, python, tmp_path) -> Iterator[tuple[str, subpro
             "64MiB",
         ],
         cwd=REPO_ROOT,
-        env=subprocess_env,
+        env=node_env(subprocess_env, name),
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -107,7 +107,7 @@ def test_bad_node_option_stops_with_a_message(subprocess_env, python):
     result = subprocess.run(
         [python, "manage.py", "strata_node", "--name", "gpu-0", "--model", "no-such-model"],
         cwd=REPO_ROOT,
-        env=subprocess_env,
+        env=node_env(subprocess_env, "gpu-0"),
         capture_output=True,
         text=True,
         timeout=120,

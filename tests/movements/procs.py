@@ -18,7 +18,7 @@ from controlplane.movements.models import Movement
 from controlplane.policies.snapshot import PolicySnapshot, TierPolicySpec
 from tests.movements.conftest import random_block
 from tests.movements.invariants import InvariantReport, invariants_check
-from tests.support import free_port, wait_for
+from tests.support import free_port, node_env, wait_for
 from worker.dataplane.directory import BlockRegistration
 from worker.dataplane.errors import MISSES
 from worker.movements import MovementExecutor, MovementOptions
@@ -84,6 +84,8 @@ class NodeProcesses:
         }
         self.python = python
         self.started: list[tuple[subprocess.Popen, Path]] = []
+        self.credential: str | None = None
+        """The node's DATABASE_URL on its own credential (in the database this test's Django uses)."""
         self.port = 0
         """Port of the engine server of the process started last."""
 
@@ -109,9 +111,10 @@ class NodeProcesses:
         ]
         if self.concurrency:
             command += ["--concurrency", str(self.concurrency)]
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env={**self.env, **extra_env}, stdout=open(log, "w"), stderr=subprocess.STDOUT
-        )
+        if self.credential is None:  # the node's own, once: its later processes share it
+            self.credential = node_env({}, self.name)["DATABASE_URL"]
+        env = {**self.env, **extra_env, "DATABASE_URL": self.credential}
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         self.started.append((process, log))
         return process, log
 

@@ -1,6 +1,7 @@
 """Run a GPU node: its Celery worker on queue node.<name> and its heartbeat."""
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -33,9 +34,16 @@ class Command(BaseCommand):
         parser.add_argument("--tiers", dest="tiers", help="tiers of this node, e.g. device,host,disk,remote")
         parser.add_argument("--engine", dest="engine", help="engine serving the model: strata or vllm")
         parser.add_argument("--status-port", dest="status_port", help="port of a vLLM node's Strata endpoints")
+        parser.add_argument(
+            "--allow-owner-credential",
+            action="store_true",
+            help="start even when the database user is a superuser or owns the directory's tables "
+            "(STRATA_NODE_ALLOW_OWNER_CREDENTIAL=true); a node should run on its own credential "
+            "(manage.py strata_node_credential NAME)",
+        )
         parser.add_argument("--loglevel", default="INFO")
 
-    def handle(self, *args: Any, loglevel: str, **options: Any) -> None:
+    def handle(self, *args: Any, loglevel: str, allow_owner_credential: bool, **options: Any) -> None:
         overrides = {
             key: options[key]
             for key in (
@@ -62,7 +70,44 @@ class Command(BaseCommand):
             self.stderr.write(f"strata_node: {exc}")
             sys.exit(2)
         logging.getLogger("strata").setLevel(loglevel.upper())
+        allowed = allow_owner_credential or os.environ.get("STRATA_NODE_ALLOW_OWNER_CREDENTIAL", "").lower() in (
+            "1",
+            "true",
+            "yes",
+        )
+        self._check_credential(config.node_name, allowed=allowed)
         from controlplane.celery_app import app
         from worker.node import run_node
 
         sys.exit(run_node(app, config, loglevel=loglevel.upper()))
+
+    def _check_credential(self, node: str, *, allowed: bool) -> None:
+        """Refuse a database user that could rewrite the whole fleet (superuser, owner of the
+        directory's tables, or one that bypasses row-level security), unless told to allow it."""
+        from django.db import DatabaseError, connection
+
+        from controlplane.directory.services.credentials import credential_too_strong
+
+        try:
+            problem = credential_too_strong()
+        except DatabaseError as exc:
+            self.stderr.write(f"strata_node: cannot check the database credential: {exc}".rstrip())
+            sys.exit(2)
+        finally:
+            connection.close()
+        if not problem:
+            return
+        if allowed:
+            logging.getLogger("strata.node").warning(
+                "node %s runs with the control plane's database credential (%s): it can change every "
+                "node's rows; give it its own with `manage.py strata_node_credential %s`",
+                node,
+                problem,
+                node,
+            )
+            return
+        self.stderr.write(
+            f"strata_node: {problem}: a node runs on its own credential (`manage.py strata_node_credential "
+            f"{node}` prints its DATABASE_URL), or pass --allow-owner-credential to run it anyway"
+        )
+        sys.exit(2)
