@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from worker.dataplane.config import NodeConfig
 from worker.dataplane.connectors.vllm import StrataConnectorBase
+from worker.dataplane.connectors.vllm.runtime import PolicyRead
 from worker.dataplane.directory import Directory
 from worker.dataplane.layout import ModelProfile
 
@@ -38,7 +39,7 @@ def _django() -> None:
 
 
 class StrataConnector(StrataConnectorBase):
-    """StrataConnector with the fleet's block directory."""
+    """StrataConnector with the fleet's block directory and policies."""
 
     def open_directory(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Directory | None:
         _django()
@@ -56,6 +57,23 @@ class StrataConnector(StrataConnectorBase):
                     "StrataConnector: could not record model %s in the directory yet: %s", profile.model_id, exc
                 )
         return PostgresDirectory()
+
+    def policies_source(self) -> PolicyRead:
+        """The policies in force, read from the control plane's tables as a Strata node reads them
+        at each heartbeat (the host and disk eviction rules, the quotas, the classes that write
+        through to L3); each connector half follows them every heartbeat interval."""
+        _django()
+        from controlplane.policies.dispatch import node_policies
+        from controlplane.policies.snapshot import policies_snapshot
+
+        def read() -> tuple[int, Mapping[str, object]]:
+            from django.db import close_old_connections
+
+            close_old_connections()
+            snapshot = policies_snapshot()
+            return snapshot.version, node_policies(snapshot)
+
+        return read
 
     def store_environ(self) -> Mapping[str, str] | None:
         _django()

@@ -3,7 +3,7 @@ StrataConnector, heartbeats with its tiers, shows its requests (per-layer stall)
 plane and both metrics endpoints to Prometheus; the official openai client is served from Strata's
 tiers; an answer aborted mid-stream leaves nothing behind; the node's worker killed (SIGKILL) in the
 middle of a movement while vLLM serves never makes vLLM read a torn block, and a new worker finishes
-the movement."""
+the movement; a policy edit reaches the connector inside vLLM."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from controlplane.directory.models import Node, Placement
 from controlplane.movements.choices import MovementState
 from controlplane.movements.services import movements_plan
 from tests.movements.procs import DRAIN_HOST, REPO_ROOT, reconcile_and_check, state_of
-from tests.support import free_port, wait_for
+from tests.support import free_port, node_env, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration, pytest.mark.slow]
 
@@ -53,7 +53,7 @@ class VllmNode:
         self.name = f"vllm-node-{os.getpid()}"
         self.serve_port, self.status_port = free_port(), free_port()
         self.env = {
-            **env,
+            **node_env(env, self.name),
             "DJANGO_SETTINGS_MODULE": "tests.movements.fault_settings",
             "STRATA_HOST_POOL_NAME": f"strata-test-{self.name}",
             "STRATA_HOST_BYTES": "64MiB",
@@ -198,6 +198,18 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node, setti
     # Both metrics endpoints: vLLM's own and the node's Strata endpoints.
     assert "vllm:num_requests_running" in _get(node.url("/metrics")).decode()
     assert _metric(node.status("/metrics").decode(), "strata_hit_tokens_total") >= 1024
+
+    # A policy edit reaches the connector inside vLLM within a heartbeat interval.
+    from controlplane.policies.services import priorityclass_create
+    from controlplane.policies.snapshot import policies_snapshot
+
+    priorityclass_create(name="vllm-chat", device_share=0.0, namespaces=["chat"], remote_write="write-through")
+    version = policies_snapshot().version
+    wait_for(
+        lambda: _metric(node.status("/metrics").decode(), "strata_connector_policy_version") == version,
+        timeout=30,
+        what=f"the connector enforcing policy version {version}",
+    )
 
     # An answer abandoned mid-stream: vLLM aborts it, the connector forgets it.
     stream = client.completions.create(

@@ -21,6 +21,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from worker.dataplane.config import NodeConfig
 from worker.dataplane.connectors.vllm.metadata import StrataMetadata
 from worker.dataplane.connectors.vllm.runtime import (
+    PolicyFollower,
+    PolicyRead,
     Runtime,
     check_engine,
     node_options,
@@ -58,6 +60,10 @@ class StrataConnectorBase(KVConnectorBase_V1):
         config = node_options(self._kv_transfer_config.kv_connector_extra_config or {})
         profile = profile_for(vllm_config, config.block_tokens)
         self.runtime = self._open(config, profile, role)
+        read = self.policies_source()
+        self.policies = (
+            PolicyFollower(self.runtime, read, interval_s=config.heartbeat_seconds).start() if read else None
+        )
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -100,6 +106,10 @@ class StrataConnectorBase(KVConnectorBase_V1):
 
     def store_environ(self) -> Mapping[str, str] | None:
         """Environment the tiers are built from (None: this process's)."""
+        return None
+
+    def policies_source(self) -> PolicyRead | None:
+        """Where the policies in force are read (None: the defaults, none followed)."""
         return None
 
     # -- scheduler -----------------------------------------------------------------------------
@@ -203,6 +213,8 @@ class StrataConnectorBase(KVConnectorBase_V1):
             return None
 
     def shutdown(self) -> None:
+        if self.policies is not None:
+            self.policies.close()
         if self.scheduler is not None:
             self.scheduler.close()
         self.runtime.close()

@@ -6,18 +6,24 @@ the connector's kv_connector_extra_config gives."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from worker.dataplane.config import NodeConfig, load_config
 from worker.dataplane.directory import Directory
 from worker.dataplane.engine.models import checkpoint_profile
+from worker.dataplane.eviction.rules import parse_rules
 from worker.dataplane.layout import ModelProfile
 from worker.dataplane.offload import OffloadManager
+from worker.dataplane.remote_write import RemoteWritePolicy
 from worker.dataplane.store import TieredStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+log = logging.getLogger("strata.vllm")
 
 VLLM_ONLY_KEYS = frozenset({"shared_storage_path"})
 """kv_connector_extra_config keys other connectors read; not node options, ignored here."""
@@ -34,10 +40,96 @@ class Runtime:
     directory: Directory | None
     manager: OffloadManager
 
+    policy_version: int = 0
+    """The policy version this half enforces (0: none received yet)."""
+
+    def apply_policies(
+        self,
+        *,
+        version: int,
+        classes: Sequence[Mapping[str, Any]] = (),
+        tiers: Sequence[Mapping[str, Any]] = (),
+        quotas: Sequence[Mapping[str, Any]] = (),
+    ) -> bool:
+        """Enforce policy `version` on this half's write-back: the host and disk tiers' eviction
+        rules and the namespaces' quotas (`OffloadManager.apply_rules`), and which classes write
+        through to L3. vLLM's own pages are L1, so the device tier's rule and the classes' device
+        shares are vLLM's to keep. Everything is parsed first (a bad field raises ValueError naming
+        it, and nothing changes); an older version than the one in force is ignored."""
+        rules = parse_rules(tiers=tiers, classes=classes, quotas=quotas, node_group=self.config.node_group)
+        remote = RemoteWritePolicy.from_classes(classes)
+        if version < self.policy_version:
+            return False
+        self.manager.apply_rules(rules)
+        self.manager.remote_writer.policy = remote
+        self.policy_version = version
+        return True
+
     def close(self) -> None:
         if self.directory is not None:
             self.directory.close()
         self.store.close()
+
+
+PolicyRead = Callable[[], tuple[int, Mapping[str, Any]]]
+"""Reads the policies in force: (version, {"classes": [...], "tiers": [...], "quotas": [...]})."""
+
+
+class PolicyFollower:
+    """Keeps a connector half on the policies in force: reads them every `interval_s` and applies
+    a new version (`Runtime.apply_policies`). A failed read or a payload it cannot apply is logged
+    once per kind and retried at the next interval; the policy in force stays meanwhile."""
+
+    def __init__(self, runtime: Runtime, read: PolicyRead, *, interval_s: float) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s: must be above zero, got {interval_s}")
+        self.runtime = runtime
+        self.read = read
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = ""
+
+    def poll(self) -> bool:
+        """Read once and apply a new version; True when one was applied."""
+        try:
+            version, payload = self.read()
+            if version == self.runtime.policy_version:
+                return False
+            applied = self.runtime.apply_policies(
+                version=version,
+                classes=payload.get("classes", ()),
+                tiers=payload.get("tiers", ()),
+                quotas=payload.get("quotas", ()),
+            )
+        except Exception as exc:  # noqa: BLE001 - the policy in force stays; read again next interval
+            kind = type(exc).__name__
+            if kind != self._failing:
+                log.warning("StrataConnector: could not apply the policies in force (retrying): %s", exc)
+            self._failing = kind
+            return False
+        if self._failing:
+            log.info("StrataConnector: policies read again")
+            self._failing = ""
+        if applied:
+            log.info("StrataConnector on node %s: policy version %d in force", self.runtime.config.node_name, version)
+        return applied
+
+    def start(self) -> PolicyFollower:
+        self.poll()
+        self._thread = threading.Thread(target=self._run, name="strata-policies", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
 
 
 def profile_for(vllm_config: VllmConfig, block_tokens: int) -> ModelProfile:

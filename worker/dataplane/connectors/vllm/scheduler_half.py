@@ -426,7 +426,13 @@ class _Followed:
             labels=["node"],
         )
         pending.add_metric([node], sum(1 for t in tracked if t.pending is not None))
-        yield from (followed, pending)
+        version = GaugeMetricFamily(
+            "strata_connector_policy_version",
+            "The policy version the vLLM connector enforces at write-back (0: none read yet).",
+            labels=["node"],
+        )
+        version.add_metric([node], self.half.runtime.policy_version)
+        yield from (followed, pending, version)
 
 
 def _continue(
