@@ -628,24 +628,17 @@ def child(spec: dict[str, Any]) -> None:
             record("register", batches * 4096 / (time.perf_counter() - began))
             record("register_wal", _wal_bytes_since(wal_before) / (batches * 4096))
             record("register_2writers", _two_writers(world, ns_index, batches))
-            regs = [
-                _registration(world.namespace_names[ns_index], world.model_keys[1], i) for i in range(batches * 4096)
-            ]
-            began = time.perf_counter()
-            for start in range(0, len(regs), CHAIN):
-                node.register(blocks=regs[start : start + CHAIN])
-            if not node.flush(timeout=600):
-                raise RuntimeError(f"write-behind did not drain: {node.stats()}")
-            record("writebehind", len(regs) / (time.perf_counter() - began))
-            regs = [
-                _registration(world.namespace_names[ns_index], world.model_keys[1], i) for i in range(batches * 4096)
-            ]
-            began = time.perf_counter()
-            for start in range(0, len(regs), CHAIN):
-                own.register(blocks=regs[start : start + CHAIN])
-            if not own.flush(timeout=600):
-                raise RuntimeError(f"write-behind on the node's role did not drain: {own.stats()}")
-            record("node_role_writebehind", len(regs) / (time.perf_counter() - began))
+            for name, client in (("writebehind", node), ("node_role_writebehind", own)):
+                regs = [
+                    _registration(world.namespace_names[ns_index], world.model_keys[1], i)
+                    for i in range(batches * 4096)
+                ]
+                began = time.perf_counter()
+                for start in range(0, len(regs), CHAIN):
+                    client.register(blocks=regs[start : start + CHAIN])
+                if not client.flush(timeout=600):
+                    raise RuntimeError(f"{name}: the write-behind did not drain: {client.stats()}")
+                record(name, len(regs) / (time.perf_counter() - began))
             _emit(step=f"registration round {repeat + 1}")
     node.close()
     own.close()
