@@ -448,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     e.add_argument("--task", choices=(*TASKS, "both"), default="both")
     e.add_argument("--model", type=Path, help="the model directory (default: the task's fixture)")
-    e.add_argument("--passages", type=int, help=f"passages per question (default: {MAX_PASSAGES} lookup, 12 multihop)")
+    e.add_argument("--passages", type=int, help="passages per question (default: 16 lookup, 8 multihop)")
     e.add_argument("--questions", type=int, default=100)
     e.add_argument("--percents", default=",".join(f"{p:g}" for p in PERCENTS), help="recompute ratios r, in percent")
     e.add_argument("--selections", default="deviation,chunk-start")

@@ -48,8 +48,8 @@ FACTS_PER_PASSAGE = 4
 BINDINGS_PER_PASSAGE = 2
 MAX_CORPUS = len(KEYS) * 2 // FACTS_PER_PASSAGE
 """Every key is defined twice: a corpus holds at most 32 passages."""
-MAX_PASSAGES = 12
-"""Passages per prompt in the quality report (779 tokens)."""
+MAX_PASSAGES = 8
+"""Passages per prompt in the quality report (515 tokens)."""
 SEED = 20261204
 
 
@@ -176,22 +176,22 @@ def training_batch(
     return torch.tensor(inputs), torch.tensor(labels)
 
 
-DENSE_STEPS = 500
+DENSE_STEPS = 900
 """Training starts on passages made of their facts and bindings alone (8 tokens): the two hops are
 learnt there; 64-token passages with filler come after, up to TRAIN_PASSAGES of them."""
-TRAIN_PASSAGES = 16
+TRAIN_PASSAGES = 10
 """Past the MAX_PASSAGES the report asks about: a model is weakest at the edge of what it was trained on."""
-TOKENS_PER_STEP = 48 * PASSAGE_TOKENS
+TOKENS_PER_STEP = 32 * PASSAGE_TOKENS
 
 
 def batches(rng: random.Random, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
     """One training step: the curriculum's shape, then its data."""
     if step < DENSE_STEPS:
         shape = {
-            "passages": rng.randint(3, 8),
+            "passages": rng.randint(3, 6),
             "body": FACTS_PER_PASSAGE + BINDINGS_PER_PASSAGE,
             "batch": 32,
-            "queries": 8,
+            "queries": 16,
         }
     else:
         ramp = max(1, (steps - DENSE_STEPS) * 5 // 10)
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the model and save it")
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--steps", type=int, default=1200)
+    t.add_argument("--steps", type=int, default=1500)
     t.add_argument("--seed", type=int, default=SEED)
     t.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ prompts of 16 passages x 256 tokens after a 256-token header (4.4K tokens, 256-t
 - blend.rag.accuracy_delta_pts: full-prefill accuracy - blend accuracy, in points;
 - the same for the contract workload, and blend.long_<preset>.ttft_vs_full_prefill on the presets;
 - blend.multihop.accuracy_delta_pts and blend.multihop.r0_accuracy_delta_pts: accuracy lost at the
-  default r and at r = 0 on the multi-hop task of tests/fixtures/blend-multihop (12 passages of 64
+  default r and at r = 0 on the multi-hop task of tests/fixtures/blend-multihop (8 passages of 64
   tokens whose bindings take their value from another passage; `python -m benchmarks.blend_multihop`).
 """
 
