@@ -228,7 +228,8 @@ def train(
     log_every: int = 50,
     config: Callable[[], Any] | None = None,
     init: Callable[[Any], None] = init_embeddings,
-    batches: Callable[[random.Random, int, int], tuple[torch.Tensor, torch.Tensor, dict[str, int]]] = step_batch,
+    batches: Callable[[random.Random, int, int], tuple[torch.Tensor, Any, dict[str, int]]] = step_batch,
+    readout_layer: int = 4,
 ) -> dict[str, object]:
     """Train from scratch with a fixed seed and save with save_pretrained (safetensors; the
     weights are stored in float16 to keep the fixture small and load as float32). `config`,
@@ -256,11 +257,24 @@ def train(
     started = time.time()
     history = []
     for step in range(steps):
-        x, y, shape = batches(rng, step, steps)
+        x, labels, shape = batches(rng, step, steps)
+        # Labels of the last layer's output, and optionally of layer `readout_layer`'s (a step that
+        # must be done by then, read through the final norm and the output head).
+        y, early = labels if isinstance(labels, tuple) else (labels, None)
         # Only the answers are scored: the output head runs on those positions alone.
-        hidden = model.model(input_ids=x).last_hidden_state
+        outputs = model.model(input_ids=x, output_hidden_states=early is not None)
+        hidden = outputs.last_hidden_state
         scored = y != -100
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[scored]), y[scored])
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[scored]), y[scored], reduction="sum")
+        count = scored.sum()
+        if early is not None:
+            marked = early != -100
+            middle = model.model.norm(outputs.hidden_states[readout_layer])
+            loss = loss + torch.nn.functional.cross_entropy(
+                model.lm_head(middle[marked]), early[marked], reduction="sum"
+            )
+            count = count + marked.sum()
+        loss = loss / count
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
