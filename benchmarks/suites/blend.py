@@ -303,8 +303,13 @@ def run(ctx: Context) -> list[Row]:
     model = load_model(str(MODEL_DIR), device="cpu")
     rows = rag_workload(model, requests=requests, percent=percent, progress=ctx.log)
     ctx.step("RAG done")
-    rows += multihop_quality(questions=max(50, int(200 * scale)), percent=percent)
-    ctx.step("multi-hop quality done")
+    if (MULTIHOP_DIR / "config.json").exists():
+        rows += multihop_quality(questions=max(50, int(200 * scale)), percent=percent)
+        ctx.step("multi-hop quality done")
+    else:
+        ctx.step(
+            f"multi-hop quality skipped: {MULTIHOP_DIR} holds no model (python -m benchmarks.blend_multihop train)"
+        )
     rows += contract_workload(model, requests=requests, percent=percent, progress=ctx.log)
     ctx.step("contracts done")
     for preset in ("small", "small-deep"):
