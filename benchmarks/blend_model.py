@@ -25,7 +25,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -197,23 +197,53 @@ def model_config() -> Any:
     )
 
 
-def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50) -> dict[str, object]:
+def init_embeddings(model: Any) -> None:
+    """A fact token starts as the sum of its key's and its value's embeddings (what it means)."""
+    with torch.no_grad():
+        table = model.model.embed_tokens.weight
+        for k in KEYS:
+            for v in VALUES:
+                table[fact(k, v)] = table[k] + table[v]
+
+
+def step_batch(rng: random.Random, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+    """The inputs, labels and shape of one training step of the lookup task."""
+    shape = curriculum(rng, step, steps)
+    x, y = training_batch(
+        rng,
+        batch=shape["batch"],
+        passages=shape["passages"],
+        queries=shape["queries"],
+        facts=shape["facts"],
+        body=shape["body"],
+    )
+    return x, y, shape
+
+
+def train(
+    out: Path,
+    *,
+    steps: int,
+    seed: int = SEED,
+    log_every: int = 50,
+    config: Callable[[], Any] | None = None,
+    init: Callable[[Any], None] = init_embeddings,
+    batches: Callable[[random.Random, int, int], tuple[torch.Tensor, Any, dict[str, int]]] = step_batch,
+    readout_layer: int = 4,
+) -> dict[str, object]:
     """Train from scratch with a fixed seed and save with save_pretrained (safetensors; the
-    weights are stored in float16 to keep the fixture small and load as float32)."""
+    weights are stored in float16 to keep the fixture small and load as float32). `config`,
+    `init` and `batches` make the model, shape its first embeddings and draw each step's data
+    (the lookup task's by default; benchmarks/blend_multihop.py passes its own)."""
     from safetensors.torch import save_file  # noqa: PLC0415
     from transformers import LlamaForCausalLM  # noqa: PLC0415
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model = LlamaForCausalLM(model_config())
-    with torch.no_grad():
-        # A fact token starts as the sum of its key's and its value's embeddings (what it means),
-        # and the initialisation is wider than the default: both shorten the plateau before the
-        # model learns to look things up from many minutes to a couple of hundred steps.
-        table = model.model.embed_tokens.weight
-        for k in KEYS:
-            for v in VALUES:
-                table[fact(k, v)] = table[k] + table[v]
+    model = LlamaForCausalLM((config or model_config)())
+    # Structured first embeddings and an initialisation wider than the default: both shorten the
+    # plateau before the model learns to look things up from many minutes to a couple of hundred steps.
+    init(model)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
@@ -227,19 +257,24 @@ def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50) -> di
     started = time.time()
     history = []
     for step in range(steps):
-        shape = curriculum(rng, step, steps)
-        x, y = training_batch(
-            rng,
-            batch=shape["batch"],
-            passages=shape["passages"],
-            queries=shape["queries"],
-            facts=shape["facts"],
-            body=shape["body"],
-        )
+        x, labels, shape = batches(rng, step, steps)
+        # Labels of the last layer's output, and optionally of layer `readout_layer`'s (a step that
+        # must be done by then, read through the final norm and the output head).
+        y, early = labels if isinstance(labels, tuple) else (labels, None)
         # Only the answers are scored: the output head runs on those positions alone.
-        hidden = model.model(input_ids=x).last_hidden_state
+        outputs = model.model(input_ids=x, output_hidden_states=early is not None)
+        hidden = outputs.last_hidden_state
         scored = y != -100
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[scored]), y[scored])
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[scored]), y[scored], reduction="sum")
+        count = scored.sum()
+        if early is not None:
+            marked = early != -100
+            middle = model.model.norm(outputs.hidden_states[readout_layer])
+            loss = loss + torch.nn.functional.cross_entropy(
+                model.lm_head(middle[marked]), early[marked], reduction="sum"
+            )
+            count = count + marked.sum()
+        loss = loss / count
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -321,46 +356,86 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
     return max(0.0, float(torch.sum(ref.exp() * (ref - oth))))
 
 
+TASKS = ("lookup", "multihop")
+"""The quality tasks: this module's key-value lookup and benchmarks/blend_multihop.py's bindings."""
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+FIXTURE_DIRS = {"lookup": FIXTURES / "blend-model", "multihop": FIXTURES / "blend-multihop"}
+PERCENTS = (0, 5, 15, 30, 60)
+SELECTION_PREFIX = {"deviation": "blend", "chunk-start": "chunk_start"}
+"""Variant names: blend_r15 is deviation selection at r = 15%, chunk_start_r15 EPIC's chunk starts."""
+
+
+def task_questions(task: str, *, passages: int, seed: int) -> tuple[list[Any], Callable[[random.Random], Question]]:
+    """The corpus of `task` whose passages the questions draw on, and a question drawer."""
+    if task == "lookup":
+        corpus = make_corpus(4 * passages, seed=seed)
+        return corpus, lambda rng: make_question(rng, rng.sample(corpus, passages))
+    if task == "multihop":
+        from benchmarks import blend_multihop  # noqa: PLC0415
+
+        multihop = blend_multihop.make_corpus(blend_multihop.MAX_CORPUS, seed=seed)
+        return multihop, lambda rng: blend_multihop.draw_question(rng, multihop, passages)
+    raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {task!r}")
+
+
 def quality_report(
     model_dir: Path,
     *,
+    task: str = "lookup",
     questions: int = 100,
     passages: int = MAX_PASSAGES,
-    percents: Sequence[float] = (0, 5, 15, 30),
+    percents: Sequence[float] = PERCENTS,
+    selections: Sequence[str] = ("deviation",),
     seed: int = 11,
     block_tokens: int = 32,
 ) -> dict[str, dict[str, float]]:
     """Task accuracy and logit KL against full prefill for: full prefill, prefix-only reuse, and
-    blend at each r. The cache is warmed by RAG requests that bring every passage once (in groups,
-    so each passage's KV was computed after other passages), then left unchanged while every
-    variant answers the same questions."""
+    blend at each r with each selection. The cache is warmed by RAG requests that bring every
+    passage once (in groups, so each passage's KV was computed after other passages), then left
+    unchanged while every variant answers the same questions."""
     from worker.dataplane.engine.models import load_model  # noqa: PLC0415
 
     model = load_model(str(model_dir), device="cpu")
-    engine = fixture_engine(model, block_tokens=block_tokens)
+    engines = {s: fixture_engine(model, block_tokens=block_tokens, selection=s) for s in selections}
     rng = random.Random(seed)
-    corpus = make_corpus(4 * passages, seed=seed)
+    corpus, draw = task_questions(task, passages=passages, seed=seed)
     for first in range(0, len(corpus), passages):
-        warm = make_question(rng, corpus[first : first + passages])
-        engine.generate(warm.prompt, max_tokens=1, segments=warm.segments)
-    variants = ["full", "prefix_only", *[f"blend_r{p:g}" for p in percents]]
+        segments, prompt = [], [BOS]
+        for passage in corpus[first : first + passages]:
+            segments.append((len(prompt), len(prompt) + len(passage.tokens)))
+            prompt += passage.tokens
+        # The lookup report has always warmed with a question: drawing it keeps the same questions after.
+        prompt = make_question(rng, corpus[first : first + passages]).prompt if task == "lookup" else [*prompt, QUERY]
+        for engine in engines.values():
+            engine.generate(prompt, max_tokens=1, segments=segments)
+    variants = ["full", "prefix_only", *[f"{SELECTION_PREFIX[s]}_r{p:g}" for s in selections for p in percents]]
     right = dict.fromkeys(variants, 0)
     kl = dict.fromkeys(variants, 0.0)
     reused = dict.fromkeys(variants, 0)
     recomputed = dict.fromkeys(variants, 0)
+    first_engine = engines[selections[0]]
     for _ in range(questions):
-        q = make_question(rng, rng.sample(corpus, passages))
-        full = engine.generate(q.prompt, max_tokens=1, use_cache=False)
-        runs = {"full": full, "prefix_only": engine.generate(q.prompt, max_tokens=1, blend=False, write_back=False)}
-        for percent in percents:
-            assert engine.tuner is not None
-            engine.tuner.set_percent("default", percent)
-            runs[f"blend_r{percent:g}"] = engine.generate(q.prompt, max_tokens=1, segments=q.segments, write_back=False)
+        q = draw(rng)
+        full = first_engine.generate(q.prompt, max_tokens=1, use_cache=False)
+        runs = {
+            "full": full,
+            "prefix_only": first_engine.generate(q.prompt, max_tokens=1, blend=False, write_back=False),
+        }
+        for selection, engine in engines.items():
+            for percent in percents:
+                assert engine.tuner is not None
+                engine.tuner.set_percent("default", percent)
+                runs[f"{SELECTION_PREFIX[selection]}_r{percent:g}"] = engine.generate(
+                    q.prompt, max_tokens=1, segments=q.segments, write_back=False
+                )
         for name, run in runs.items():
             right[name] += run.output_ids[0] == q.answer
             kl[name] += kl_divergence(full.first_logits, run.first_logits)
             reused[name] += run.trace.prefix_tokens + run.trace.fragment_tokens
             recomputed[name] += run.trace.recomputed_tokens
+    for engine in engines.values():
+        engine.close()
+        engine.store.close()
     prompt_tokens = len(q.prompt)
     return {
         name: {
@@ -382,40 +457,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--steps", type=int, default=1600)
     t.add_argument("--seed", type=int, default=SEED)
     t.add_argument("--threads", type=int, default=2)
-    e = sub.add_parser("quality", help="accuracy and KL vs full prefill: full, prefix-only, blend at r")
-    e.add_argument("--model", type=Path, required=True)
-    e.add_argument("--passages", type=int, default=MAX_PASSAGES)
+    e = sub.add_parser(
+        "quality", help="accuracy and KL vs full prefill: full, prefix-only, blend at each r and selection"
+    )
+    e.add_argument("--task", choices=(*TASKS, "both"), default="both")
+    e.add_argument("--model", type=Path, help="the model directory (default: the task's fixture)")
+    e.add_argument("--passages", type=int, help="passages per question (default: 16 lookup, 8 multihop)")
     e.add_argument("--questions", type=int, default=100)
+    e.add_argument("--percents", default=",".join(f"{p:g}" for p in PERCENTS), help="recompute ratios r, in percent")
+    e.add_argument("--selections", default="deviation,chunk-start")
+    e.add_argument("--threads", type=int, default=2)
     e.add_argument(
         "--save",
         action="store_true",
-        help="write the report to <model>/quality.json (what tests/blend/test_quality.py checks)",
+        help="write the report to <model>/quality.json (what tests/blend/test_quality*.py check)",
     )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.command == "train":
-        torch.set_num_threads(args.threads)
         info = train(args.out, steps=args.steps, seed=args.seed)
         print(json.dumps(info))
-    else:
-        report = quality_report(args.model, questions=args.questions, passages=args.passages)
-        print(f"{'variant':<14}{'accuracy':>10}{'KL vs full':>12}{'reused tok':>12}{'recomputed':>12}")
-        for name, row in report.items():
+        return 0
+    tasks = TASKS if args.task == "both" else (args.task,)
+    if args.model is not None and len(tasks) > 1:
+        parser.error("--model: name one --task with it")
+    percents = [float(p) for p in args.percents.split(",") if p.strip()]
+    selections = [s.strip() for s in args.selections.split(",") if s.strip()]
+    for name in selections:
+        if name not in SELECTION_PREFIX:
+            parser.error(f"--selections: {name!r} is not one of {', '.join(SELECTION_PREFIX)}")
+    for name in tasks:
+        from benchmarks import blend_multihop  # noqa: PLC0415
+
+        model = args.model or FIXTURE_DIRS[name]
+        passages = args.passages or (MAX_PASSAGES if name == "lookup" else blend_multihop.MAX_PASSAGES)
+        arguments = {
+            "task": name,
+            "questions": args.questions,
+            "passages": passages,
+            "percents": percents,
+            "selections": selections,
+        }
+        report = quality_report(model, **arguments)  # type: ignore[arg-type]
+        print(f"\n{name} ({model}, {passages} passages, {args.questions} questions)")
+        print(f"{'variant':<18}{'accuracy':>10}{'KL vs full':>12}{'reused tok':>12}{'recomputed':>12}")
+        for variant, row in report.items():
             print(
-                f"{name:<14}{100 * row['accuracy']:>9.1f}%{row['kl']:>12.2e}{row['reused_tokens']:>12.1f}"
+                f"{variant:<18}{100 * row['accuracy']:>9.1f}%{row['kl']:>12.2e}{row['reused_tokens']:>12.1f}"
                 f"{row['recomputed_tokens']:>12.1f}"
             )
         print(json.dumps(report))
         if args.save:
             command = (
-                f"python -m benchmarks.blend_model quality --model {args.model} --passages {args.passages} "
-                f"--questions {args.questions}"
+                f"python -m benchmarks.blend_model quality --task {name} --passages {passages} "
+                f"--questions {args.questions} --percents {args.percents} --selections {args.selections}"
             )
-            document = {
-                "command": command,
-                "arguments": {"questions": args.questions, "passages": args.passages},
-                "report": report,
-            }
-            (args.model / "quality.json").write_text(json.dumps(document, indent=1) + "\n")
+            document = {"command": command, "arguments": arguments, "report": report}
+            (model / "quality.json").write_text(json.dumps(document, indent=1) + "\n")
     return 0
 
 

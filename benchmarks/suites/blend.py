@@ -18,7 +18,10 @@ prompts of 16 passages x 256 tokens after a 256-token header (4.4K tokens, 256-t
 - blend.rag.reused_tokens_vs_prefix_only: prompt tokens served from the cache, blend / prefix-only;
 - blend.rag.ttft_vs_full_prefill: full-prefill TTFT / blend TTFT (how many times faster), warm half;
 - blend.rag.accuracy_delta_pts: full-prefill accuracy - blend accuracy, in points;
-- the same for the contract workload, and blend.long_<preset>.ttft_vs_full_prefill on the presets.
+- the same for the contract workload, and blend.long_<preset>.ttft_vs_full_prefill on the presets;
+- blend.multihop.accuracy_delta_pts and blend.multihop.r0_accuracy_delta_pts: accuracy lost at the
+  default r and at r = 0 on the multi-hop task of tests/fixtures/blend-multihop (8 passages of 64
+  tokens whose bindings take their value from another passage; `python -m benchmarks.blend_multihop`).
 """
 
 from __future__ import annotations
@@ -241,6 +244,43 @@ def long_prompt_ttft(
     return [row for row in rows if "ttft" in row.name or "reused_tokens_vs" in row.name]
 
 
+MULTIHOP_DIR = task.FIXTURE_DIRS["multihop"]
+
+
+def multihop_quality(*, questions: int, percent: float) -> list[Row]:
+    """Accuracy lost on the multi-hop task (tests/fixtures/blend-multihop), whose bindings take
+    their value from another passage: at r = 0 fused KV lacks it, at the default r it is recomputed."""
+    from benchmarks import blend_multihop  # noqa: PLC0415
+
+    report = task.quality_report(
+        MULTIHOP_DIR,
+        task="multihop",
+        questions=questions,
+        passages=blend_multihop.MAX_PASSAGES,
+        percents=sorted({0.0, percent}),
+        selections=("deviation",),
+    )
+    full = 100 * report["full"]["accuracy"]
+    at_r = report[f"blend_r{percent:g}"]
+    at_0 = report["blend_r0"]
+    note = f"{questions} questions, {blend_multihop.MAX_PASSAGES} passages of {blend_multihop.PASSAGE_TOKENS} tokens"
+    return [
+        Row("blend.multihop.full.accuracy_pct", full, "%", note=note),
+        Row(
+            "blend.multihop.accuracy_delta_pts",
+            full - 100 * at_r["accuracy"],
+            "pts",
+            note=f"full prefill minus blend at r={percent:g}% (mean KL {at_r['kl']:.4f})",
+        ),
+        Row(
+            "blend.multihop.r0_accuracy_delta_pts",
+            full - 100 * at_0["accuracy"],
+            "pts",
+            note=f"full prefill minus blend at r=0 (mean KL {at_0['kl']:.4f}): what recompute has to win back",
+        ),
+    ]
+
+
 def run(ctx: Context) -> list[Row]:
     if not (MODEL_DIR / "config.json").exists():
         raise FileNotFoundError(
@@ -259,10 +299,17 @@ def run(ctx: Context) -> list[Row]:
         long_models=["small", "small-deep"],
         long_requests=long_requests,
     )
-    ctx.plan(4)
+    ctx.plan(5)
     model = load_model(str(MODEL_DIR), device="cpu")
     rows = rag_workload(model, requests=requests, percent=percent, progress=ctx.log)
     ctx.step("RAG done")
+    if (MULTIHOP_DIR / "config.json").exists():
+        rows += multihop_quality(questions=max(50, int(200 * scale)), percent=percent)
+        ctx.step("multi-hop quality done")
+    else:
+        ctx.step(
+            f"multi-hop quality skipped: {MULTIHOP_DIR} holds no model (python -m benchmarks.blend_multihop train)"
+        )
     rows += contract_workload(model, requests=requests, percent=percent, progress=ctx.log)
     ctx.step("contracts done")
     for preset in ("small", "small-deep"):

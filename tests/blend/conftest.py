@@ -17,6 +17,7 @@ from worker.dataplane.tiers.device import DeviceTier
 
 BLOCK_TOKENS = 16
 FIXTURE_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "blend-model"
+MULTIHOP_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "blend-multihop"
 
 
 @pytest.fixture(scope="session")
