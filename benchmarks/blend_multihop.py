@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import blend_model
+from benchmarks import blend_base
 
-BOS, PASSAGE, QUERY, END = blend_model.BOS, blend_model.PASSAGE, blend_model.QUERY, blend_model.END
+BOS, PASSAGE, QUERY, END = blend_base.BOS, blend_base.PASSAGE, blend_base.QUERY, blend_base.END
 VALUES = range(8, 16)
 KEYS = range(16, 80)
 NAMES = range(80, 144)
@@ -125,7 +125,7 @@ def answerable(passages: Sequence[Passage]) -> list[tuple[int, int]]:
 
 def make_question(
     rng: random.Random, passages: Sequence[Passage], *, header: Sequence[int] = ()
-) -> blend_model.Question:
+) -> blend_base.Question:
     """BOS, an optional header, the passages in the given order, then QUERY name. The passages must
     hold an answerable binding (see `answerable`)."""
     pool = answerable(passages)
@@ -137,10 +137,10 @@ def make_question(
         segments.append((len(prompt), len(prompt) + len(passage.tokens)))
         prompt += passage.tokens
     name, value = rng.choice(pool)
-    return blend_model.Question(prompt=[*prompt, QUERY, name], answer=value, segments=segments)
+    return blend_base.Question(prompt=[*prompt, QUERY, name], answer=value, segments=segments)
 
 
-def draw_question(rng: random.Random, corpus: Sequence[Passage], passages: int) -> blend_model.Question:
+def draw_question(rng: random.Random, corpus: Sequence[Passage], passages: int) -> blend_base.Question:
     """A question over `passages` of `corpus` in a random order that has an answerable binding."""
     while True:
         chosen = rng.sample(list(corpus), passages)
@@ -222,9 +222,7 @@ def batches(rng: random.Random, step: int, steps: int) -> tuple[torch.Tensor, An
 
 def model_config() -> Any:
     """The lookup model's shape (8 layers, hidden 128) with this task's vocabulary."""
-    config = blend_model.model_config()
-    config.vocab_size = VOCAB
-    return config
+    return blend_base.model_config(VOCAB)
 
 
 def init_embeddings(model: Any) -> None:
@@ -240,7 +238,7 @@ def init_embeddings(model: Any) -> None:
 
 
 def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50) -> dict[str, object]:
-    return blend_model.train(
+    return blend_base.train(
         out, steps=steps, seed=seed, log_every=log_every, config=model_config, init=init_embeddings, batches=batches
     )
 
