@@ -174,7 +174,7 @@ class NodeRuntime:
         from worker.dataplane.remote_write import RemoteWritePolicy
 
         shares = [ClassShare.from_dict(item) for item in classes]  # a bad payload raises, naming the field
-        remote_writes = RemoteWritePolicy.from_classes(classes)
+        RemoteWritePolicy.from_classes(classes)  # likewise, before any is kept
         tiers, quotas = list(tiers or []), list(quotas or [])
         group = self.config.node_group
         parse_rules(tiers=tiers, classes=classes, quotas=quotas, node_group=group)  # likewise, before any is kept
@@ -190,7 +190,6 @@ class NodeRuntime:
                 self.engine.apply_policies(
                     version=version, classes=classes, tiers=tiers, quotas=quotas, node_group=group
                 )
-                self.engine.offload.remote_writer.policy = remote_writes
         return True
 
     def policies_refresh(self) -> None:

@@ -215,10 +215,9 @@ class EmbeddedPostgres:
         every other role (the nodes' own, `strata_node_credential`) with its password. True when
         the file changed."""
         path = self.data / "pg_hba.conf"
-        wanted = HBA
-        if path.exists() and path.read_text() == wanted:
+        if path.exists() and path.read_text() == HBA:
             return False
-        path.write_text(wanted)
+        path.write_text(HBA)
         return True
 
     def _create_database(self, user: str | None) -> None:

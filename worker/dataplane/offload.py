@@ -18,8 +18,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -35,10 +36,10 @@ from worker.dataplane.directory import (
 )
 from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
 from worker.dataplane.eviction.local import LocalEvictor, WriteRefused
-from worker.dataplane.eviction.rules import Rules
+from worker.dataplane.eviction.rules import Rules, parse_rules
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
-from worker.dataplane.remote_write import RemoteWriter
+from worker.dataplane.remote_write import RemoteWritePolicy, RemoteWriter
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.base import PutResult, Tier
 
@@ -229,6 +230,22 @@ class OffloadManager:
     def apply_rules(self, rules: Rules) -> None:
         """Evict from the node's host and disk tiers by `rules` from now on."""
         self.evictor.rules = rules
+
+    def apply_policies(
+        self,
+        *,
+        classes: Sequence[Mapping[str, Any]] = (),
+        tiers: Sequence[Mapping[str, Any]] = (),
+        quotas: Sequence[Mapping[str, Any]] = (),
+        node_group: str = "",
+    ) -> Rules:
+        """Evict (host, disk, quotas) and write through to L3 as the policies say; all parsed first
+        (a bad field raises ValueError naming it, nothing changes). Returns the rules."""
+        rules = parse_rules(tiers=tiers, classes=classes, quotas=quotas, node_group=node_group)
+        remote = RemoteWritePolicy.from_classes(classes)
+        self.apply_rules(rules)
+        self.remote_writer.policy = remote
+        return rules
 
     # -- fingerprints ----------------------------------------------------------------------------
     def fingerprinter(self, namespace: str) -> Fingerprinter:
@@ -501,10 +518,9 @@ class OffloadManager:
     def register(
         self, registrations: Sequence[BlockRegistration], *, in_remote: Collection[uuid.UUID] = ()
     ) -> Future[None] | None:
-        """Record new blocks in the directory in one batch (write-behind: returns at once); the
-        blocks whose class writes through, but not those `in_remote` (local copies of L3 hits), are
-        copied to L3 in the background and registered there as well once written
-        (`remote_writer`). Returns the copy's future (None when nothing is copied)."""
+        """Record new blocks in the directory in one batch (write-behind); copy those whose class
+        writes through, but not those `in_remote` (local copies of L3 hits), to L3 in the
+        background (`remote_writer`). Returns the copy's future (None: nothing copied)."""
         if registrations and self.directory is not None:
             self.directory.register(blocks=registrations)
         through = [r for r in registrations if r.prefix_key not in in_remote] if in_remote else registrations

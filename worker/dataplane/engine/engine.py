@@ -42,7 +42,7 @@ from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import ClassShare, WorkingSet
 from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
-from worker.dataplane.eviction.rules import Rules, parse_rules
+from worker.dataplane.eviction.rules import Rules
 from worker.dataplane.hashing import Fingerprinter
 from worker.dataplane.layout import block_layout
 from worker.dataplane.offload import REPROBE_SECONDS, Chain, Hit, OffloadManager, RequestTrace, Throughput
@@ -192,8 +192,8 @@ class Engine:
         quotas: Sequence[Mapping[str, Any]] = (),
         node_group: str = "",
     ) -> Rules:
-        """Enforce the control plane's policies on this node: the host and disk tiers' eviction
-        and quotas at write-back (`OffloadManager.apply_rules`), and the device working set's
+        """Enforce the control plane's policies on this node: the host and disk tiers' eviction,
+        quotas and write-through classes at write-back (`OffloadManager.apply_policies`), and the device working set's
         rule and class shares. Every field is parsed first; a bad one raises ValueError naming
         it, and nothing is applied."""
         shares = []
@@ -202,8 +202,7 @@ class Engine:
                 shares.append(ClassShare.from_dict(dict(item)))
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"classes[{i}].{exc}") from None
-        rules = parse_rules(tiers=tiers, classes=classes, quotas=quotas, node_group=node_group)
-        self.offload.apply_rules(rules)
+        rules = self.offload.apply_policies(classes=classes, tiers=tiers, quotas=quotas, node_group=node_group)
         if self.working_set is not None:
             self.working_set.set_shares(shares, version=version)
             self.working_set.set_rule(rules.tier("device"), weights=rules.weights, default_weight=rules.default_weight)

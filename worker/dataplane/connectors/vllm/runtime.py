@@ -14,10 +14,8 @@ from typing import TYPE_CHECKING, Any
 from worker.dataplane.config import NodeConfig, load_config
 from worker.dataplane.directory import Directory
 from worker.dataplane.engine.models import checkpoint_profile
-from worker.dataplane.eviction.rules import parse_rules
 from worker.dataplane.layout import ModelProfile
 from worker.dataplane.offload import OffloadManager
-from worker.dataplane.remote_write import RemoteWritePolicy
 from worker.dataplane.store import TieredStore
 
 if TYPE_CHECKING:
@@ -52,16 +50,13 @@ class Runtime:
         quotas: Sequence[Mapping[str, Any]] = (),
     ) -> bool:
         """Enforce policy `version` on this half's write-back: the host and disk tiers' eviction
-        rules and the namespaces' quotas (`OffloadManager.apply_rules`), and which classes write
+        rules and the namespaces' quotas, and which classes write
         through to L3. vLLM's own pages are L1, so the device tier's rule and the classes' device
         shares are vLLM's to keep. Everything is parsed first (a bad field raises ValueError naming
         it, and nothing changes); an older version than the one in force is ignored."""
-        rules = parse_rules(tiers=tiers, classes=classes, quotas=quotas, node_group=self.config.node_group)
-        remote = RemoteWritePolicy.from_classes(classes)
         if version < self.policy_version:
             return False
-        self.manager.apply_rules(rules)
-        self.manager.remote_writer.policy = remote
+        self.manager.apply_policies(classes=classes, tiers=tiers, quotas=quotas, node_group=self.config.node_group)
         self.policy_version = version
         return True
 
