@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import RedisServer, free_port
+from tests.support import RedisServer, free_port, node_env
 
 PAGES = 64
 """vLLM's KV space of these engines: 64 pages of 128 tokens (8192 tokens)."""
@@ -173,7 +173,8 @@ def plain(checkpoint, vllm_environment) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def strata(node, vllm_environment) -> Iterator[Any]:
-    """vLLM with StrataConnector (the control plane's: the directory on), serving as `node`."""
+    """vLLM with StrataConnector (the control plane's: the directory on), serving as `node` on
+    the node's own database credential."""
     from vllm.config import KVTransferConfig
 
     transfer = KVTransferConfig(
@@ -183,6 +184,6 @@ def strata(node, vllm_environment) -> Iterator[Any]:
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=node.extra,
     )
-    llm = _llm(node.checkpoint, vllm_environment, transfer)
+    llm = _llm(node.checkpoint, node_env(vllm_environment, node.name), transfer)
     yield llm
     llm.llm_engine.engine_core.shutdown()
