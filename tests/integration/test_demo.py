@@ -46,12 +46,20 @@ class Session:
         self.jar = http.cookiejar.CookieJar()
         self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar))
 
-    def get(self, path: str) -> tuple[int, bytes]:
-        try:
-            with self.opener.open(self.base + path, timeout=10) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
+    def get(self, path: str, *, attempts: int = 5) -> tuple[int, bytes]:
+        """The status and body of GET `path`; a refused or dropped connection is tried again, up to
+        `attempts` times a second apart (a loaded machine may be restarting a worker)."""
+        for attempt in range(attempts):
+            try:
+                with self.opener.open(self.base + path, timeout=10) as response:
+                    return response.status, response.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read()
+            except OSError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(1)
+        raise AssertionError("unreachable")
 
     def login(self, username: str, password: str) -> None:
         self.get("/accounts/login/")
@@ -72,6 +80,16 @@ def var_dir():
     path = Path(tempfile.mkdtemp(prefix="strata-demo-test-"))
     yield path / "var"
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _why_down(demo: subprocess.Popen, log) -> str:
+    """What the demo's supervisor said about its processes' exits (it stops them all when one
+    ends), for a failure message: the log's last lines that tell why."""
+    log.flush()
+    log.seek(0)
+    lines = log.read().splitlines()
+    telling = [line for line in lines if any(w in line for w in ("exited", "Error", "error", "Traceback", "refus"))]
+    return f"the demo's exit code: {demo.poll()}; its log says:\n" + "\n".join(telling[-40:] or lines[-40:])
 
 
 def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
@@ -106,13 +124,13 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
         status = None
         while time.monotonic() < deadline and demo.poll() is None:
             try:
-                status, _ = session.get("/readyz")
+                status, _ = session.get("/readyz", attempts=1)
             except OSError:
                 status = None
             if status == 200:
                 break
             time.sleep(0.5)
-        assert status == 200, f"readyz never 200 (last {status})"
+        assert status == 200, f"readyz never 200 (last {status}); {_why_down(demo, log)}"
         password = (var_dir / "admin-password").read_text().strip()
         session.login("admin", password)
         names: set[str] = set()
@@ -181,6 +199,9 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
         # The nodes' shared-memory pools go with the demo: nothing is left holding memory.
         assert "host-tier pools removed from /dev/shm" in stop.stdout
         assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(pools)]
+    except OSError as exc:
+        # A request that finds nothing listening: say which process ended the demo, and why.
+        raise AssertionError(f"{exc}; {_why_down(demo, log)}") from exc
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
