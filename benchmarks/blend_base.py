@@ -65,11 +65,15 @@ def train(
     batches: Callable[[random.Random, int, int], tuple[torch.Tensor, Any, dict[str, int]]],
     log_every: int = 50,
     readout_layer: int = 4,
+    check: Callable[[Any], dict[str, float]] | None = None,
+    check_every: int = 0,
 ) -> dict[str, object]:
     """Train from scratch with a fixed seed and save with save_pretrained (safetensors; the
     weights are stored in float16 to keep the fixture small and load as float32). `config`,
     `init` and `batches` make the model, shape its first embeddings and draw each step's data
-    (benchmarks/blend_model.py's lookup task and benchmarks/blend_multihop.py's bindings)."""
+    (benchmarks/blend_model.py's lookup task and benchmarks/blend_multihop.py's bindings). `check`,
+    when given, measures the model every `check_every` steps and at the end (held-out accuracy): its
+    results go to the log and to training.json."""
     from safetensors.torch import save_file  # noqa: PLC0415
     from transformers import LlamaForCausalLM  # noqa: PLC0415
 
@@ -115,7 +119,12 @@ def train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        if step % log_every == 0 or step == steps - 1:
+        checked: dict[str, float] = {}
+        if check is not None and ((check_every and step % check_every == check_every - 1) or step == steps - 1):
+            model.eval()
+            checked = check(model)
+            model.train()
+        if step % log_every == 0 or step == steps - 1 or checked:
             history.append(
                 {
                     "step": step,
@@ -123,11 +132,13 @@ def train(
                     "passages": shape["passages"],
                     "tokens": int(x.shape[1]),
                     "seconds": round(time.time() - started, 1),
+                    **checked,
                 }
             )
             print(
                 f"step {step:5d}  loss {loss.item():.4f}  passages {shape['passages']:2d}  "
-                f"tokens {x.shape[1]:5d}  {time.time() - started:6.1f}s",
+                f"tokens {x.shape[1]:5d}  {time.time() - started:6.1f}s"
+                + "".join(f"  {name} {value:.3f}" for name, value in checked.items()),
                 flush=True,
             )
     model.eval()
@@ -145,6 +156,7 @@ def train(
         "torch": torch.__version__,
         "seconds": round(time.time() - started, 1),
         "final_loss": history[-1]["loss"],
+        **{f"final_{name}": value for name, value in checked.items()},
     }
     (out / "training.json").write_text(json.dumps({**info, "history": history}, indent=1) + "\n")
     return info
