@@ -62,7 +62,7 @@ def train(
     seed: int,
     config: Callable[[], Any],
     init: Callable[[Any], None],
-    batches: Callable[[random.Random, int, int], tuple[torch.Tensor, Any, dict[str, int]]],
+    batches: Callable[[random.Random, int, int], tuple[Any, Any, dict[str, int]]],
     log_every: int = 50,
     readout_layer: int = 4,
     check: Callable[[Any], dict[str, float]] | None = None,
@@ -97,11 +97,13 @@ def train(
     history = []
     for step in range(steps):
         x, labels, shape = batches(rng, step, steps)
+        # Inputs, or inputs and their position ids (benchmarks/blend_multihop.py shuffles them).
+        x, positions = x if isinstance(x, tuple) else (x, None)
         # Labels of the last layer's output, and optionally of layer `readout_layer`'s (a step that
         # must be done by then, read through the final norm and the output head).
         y, early = labels if isinstance(labels, tuple) else (labels, None)
         # Only the answers are scored: the output head runs on those positions alone.
-        outputs = model.model(input_ids=x, output_hidden_states=early is not None)
+        outputs = model.model(input_ids=x, position_ids=positions, output_hidden_states=early is not None)
         hidden = outputs.last_hidden_state
         scored = y != -100
         loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[scored]), y[scored], reduction="sum")
