@@ -17,7 +17,7 @@ from the binding's hidden state, which saw the earlier definition alone. KV of t
 passage computed without that definition before it, as fragment reuse at r = 0 serves it, holds
 the wrong value or none.
 
-    python -m benchmarks.blend_multihop train --out tests/fixtures/blend-multihop   # ~25 min on 2 cores
+    python -m benchmarks.blend_multihop train --out tests/fixtures/blend-multihop   # ~15 min on 2 cores
     python -m benchmarks.blend_model quality --task multihop --save
 """
 
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the model and save it")
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--steps", type=int, default=5000)
+    t.add_argument("--steps", type=int, default=3000)
     t.add_argument("--seed", type=int, default=SEED)
     t.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
