@@ -25,6 +25,34 @@ PAGES = 64
 MAX_MODEL_LEN = 4096
 
 
+@contextlib.contextmanager
+def local_runtime(tmp_path: Path, shm_name: str, profile: Any, node: str, **overrides: str) -> Iterator[Any]:
+    """A connector Runtime over a real host pool and disk tier (4 MiB / 8 MiB), no directory."""
+    from worker.dataplane.config import load_config
+    from worker.dataplane.connectors.vllm.runtime import Runtime
+    from worker.dataplane.offload import OffloadManager
+    from worker.dataplane.store import build_store
+
+    config = load_config(
+        overrides={
+            "node_name": node,
+            "tiers": "host,disk",
+            "host_pool_name": shm_name,
+            "host_bytes": "4MiB",
+            "disk_path": str(tmp_path / "disk"),
+            "disk_bytes": "8MiB",
+            **overrides,
+        },
+        environ={},
+    )
+    store = build_store(config, profile=profile, environ={})
+    manager = OffloadManager(store=store, profile=profile, node=node, write_back_tier="host")
+    try:
+        yield Runtime(config=config, profile=profile, store=store, directory=None, manager=manager)
+    finally:
+        store.close()
+
+
 def vllm_env(connection_settings: dict[str, Any], redis_url: str) -> dict[str, str]:
     """What vLLM's processes need to reach the test run's database and Redis."""
     host = connection_settings["HOST"]

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.dataplane.config import load_config
-from worker.dataplane.connectors.vllm.runtime import PolicyFollower, Runtime
+from tests.connectors.conftest import local_runtime
+from worker.dataplane.connectors.vllm.runtime import PolicyFollower
 from worker.dataplane.layout import ModelProfile
-from worker.dataplane.offload import OffloadManager
-from worker.dataplane.store import build_store
 
 PROFILE = ModelProfile(model_id="pages", layers=2, kv_heads=2, head_dim=8, dtype="float32", block_tokens=16)
 
@@ -33,22 +31,8 @@ POLICIES = {
 
 @pytest.fixture
 def runtime(tmp_path: Path, shm_name: str):
-    config = load_config(
-        overrides={
-            "node_name": "gpu-v",
-            "node_group": "edge",
-            "tiers": "host,disk",
-            "host_pool_name": shm_name,
-            "host_bytes": "4MiB",
-            "disk_path": str(tmp_path / "disk"),
-            "disk_bytes": "8MiB",
-        },
-        environ={},
-    )
-    store = build_store(config, profile=PROFILE, environ={})
-    manager = OffloadManager(store=store, profile=PROFILE, node="gpu-v", write_back_tier="host")
-    yield Runtime(config=config, profile=PROFILE, store=store, directory=None, manager=manager)
-    store.close()
+    with local_runtime(tmp_path, shm_name, PROFILE, "gpu-v", node_group="edge") as runtime:
+        yield runtime
 
 
 def test_a_new_version_reaches_the_write_back(runtime):

@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.dataplane.config import load_config
+from tests.connectors.conftest import local_runtime
 from worker.dataplane.connectors.pages import PagedKV
 from worker.dataplane.connectors.vllm.metadata import LoadSpec, SaveSpec, StrataMetadata
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
 from worker.dataplane.engine.loader import staged_hits
 from worker.dataplane.layout import ModelProfile, block_layout
-from worker.dataplane.offload import Hit, OffloadManager
-from worker.dataplane.store import build_store
+from worker.dataplane.offload import Hit
 
 PROFILE = ModelProfile(model_id="pages", layers=3, kv_heads=2, head_dim=8, dtype="float32", block_tokens=32)
 LAYOUT = block_layout(PROFILE)
@@ -29,21 +28,8 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.layers)]
 
 @pytest.fixture
 def runtime(tmp_path: Path, shm_name: str):
-    config = load_config(
-        overrides={
-            "node_name": "pages",
-            "tiers": "host,disk",
-            "host_pool_name": shm_name,
-            "host_bytes": "4MiB",
-            "disk_path": str(tmp_path / "disk"),
-            "disk_bytes": "8MiB",
-        },
-        environ={},
-    )
-    store = build_store(config, profile=PROFILE, environ={})
-    manager = OffloadManager(store=store, profile=PROFILE, node="pages", write_back_tier="host")
-    yield Runtime(config=config, profile=PROFILE, store=store, directory=None, manager=manager)
-    store.close()
+    with local_runtime(tmp_path, shm_name, PROFILE, "pages") as runtime:
+        yield runtime
 
 
 def engine_pages(pages: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
