@@ -581,22 +581,15 @@ def child(spec: dict[str, Any]) -> None:
             record("lookup64_p50", _percentile(lat, 50) * 1e3)
             record("lookup64_p99", _percentile(lat, 99) * 1e3)
             _emit(step=f"lookup64 round {repeat + 1}")
-            lat = []
-            for _ in range(n64):
-                ns, mk, keys = world.prompt(1)
-                began = time.perf_counter()
-                node.lookup(keys=keys, node="gpu-0", namespace=ns, model_key=mk)
-                lat.append(time.perf_counter() - began)
-            record("node_lookup64_p50", _percentile(lat, 50) * 1e3)
-            record("node_lookup64_p99", _percentile(lat, 99) * 1e3)
-            lat = []
-            for _ in range(n64):
-                ns, mk, keys = world.prompt(1)
-                began = time.perf_counter()
-                own.lookup(keys=keys, node="gpu-0", namespace=ns, model_key=mk)
-                lat.append(time.perf_counter() - began)
-            record("node_role_lookup64_p50", _percentile(lat, 50) * 1e3)
-            record("node_role_lookup64_p99", _percentile(lat, 99) * 1e3)
+            for prefix, client in (("node", node), ("node_role", own)):
+                lat = []
+                for _ in range(n64):
+                    ns, mk, keys = world.prompt(1)
+                    began = time.perf_counter()
+                    client.lookup(keys=keys, node="gpu-0", namespace=ns, model_key=mk)
+                    lat.append(time.perf_counter() - began)
+                record(f"{prefix}_lookup64_p50", _percentile(lat, 50) * 1e3)
+                record(f"{prefix}_lookup64_p99", _percentile(lat, 99) * 1e3)
             lat = []
             for _ in range(n1024):
                 ns, mk, keys = world.prompt(16)
