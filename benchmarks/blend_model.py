@@ -277,14 +277,19 @@ def quality_report(
     seed: int = 11,
     block_tokens: int = 32,
 ) -> dict[str, dict[str, float]]:
-    """Task accuracy and logit KL against full prefill for: full prefill, prefix-only reuse, and
-    blend at each r with each selection. The cache is warmed by RAG requests that bring every
+    """Task accuracy and logit KL against full prefill for: full prefill, prefix-only reuse, fused
+    KV with nothing recomputed (`fused`: r = 0 and no check layer, the fragments' cached KV at every
+    layer), and blend at each r with each selection. The cache is warmed by RAG requests that bring every
     passage once (in groups, so each passage's KV was computed after other passages), then left
     unchanged while every variant answers the same questions."""
     from worker.dataplane.engine.models import load_model  # noqa: PLC0415
 
     model = load_model(str(model_dir), device="cpu")
-    engines = {s: fixture_engine(model, block_tokens=block_tokens, selection=s) for s in selections}
+    # Chunk-start selection at r = 0 recomputes no fragment token at any layer: the `fused` variant.
+    engines = {
+        s: fixture_engine(model, block_tokens=block_tokens, selection=s)
+        for s in dict.fromkeys([*selections, "chunk-start"])
+    }
     rng = random.Random(seed)
     corpus, draw = task_questions(task, passages=passages, seed=seed)
     for first in range(0, len(corpus), passages):
@@ -296,7 +301,12 @@ def quality_report(
         prompt = make_question(rng, corpus[first : first + passages]).prompt if task == "lookup" else [*prompt, QUERY]
         for engine in engines.values():
             engine.generate(prompt, max_tokens=1, segments=segments)
-    variants = ["full", "prefix_only", *[f"{SELECTION_PREFIX[s]}_r{p:g}" for s in selections for p in percents]]
+    variants = [
+        "full",
+        "prefix_only",
+        "fused",
+        *[f"{SELECTION_PREFIX[s]}_r{p:g}" for s in selections for p in percents],
+    ]
     right = dict.fromkeys(variants, 0)
     kl = dict.fromkeys(variants, 0.0)
     reused = dict.fromkeys(variants, 0)
@@ -309,7 +319,12 @@ def quality_report(
             "full": full,
             "prefix_only": first_engine.generate(q.prompt, max_tokens=1, blend=False, write_back=False),
         }
-        for selection, engine in engines.items():
+        fused = engines["chunk-start"]
+        assert fused.tuner is not None
+        fused.tuner.set_percent("default", 0)
+        runs["fused"] = fused.generate(q.prompt, max_tokens=1, segments=q.segments, write_back=False)
+        for selection in selections:
+            engine = engines[selection]
             for percent in percents:
                 assert engine.tuner is not None
                 engine.tuner.set_percent("default", percent)
