@@ -17,7 +17,7 @@ from the binding's hidden state, which saw the earlier definition alone. KV of t
 passage computed without that definition before it, as fragment reuse at r = 0 serves it, holds
 the wrong value or none.
 
-    python -m benchmarks.blend_multihop train --out tests/fixtures/blend-multihop   # ~15 min on 2 cores
+    python -m benchmarks.blend_multihop train --out tests/fixtures/blend-multihop   # ~30 min on 2 cores
     python -m benchmarks.blend_model quality --task multihop --save
 """
 
@@ -48,7 +48,7 @@ BIND_BASE = FACT_BASE + len(KEYS) * len(VALUES)
 """Binding tokens: one per (name, key), "name := the value of key"."""
 VOCAB = BIND_BASE + len(NAMES) * len(KEYS)
 BINDINGS = range(BIND_BASE, VOCAB)
-PASSAGE_TOKENS = 64
+PASSAGE_TOKENS = 32
 PASSAGE_BODY = PASSAGE_TOKENS - 2
 FACTS_PER_PASSAGE = 4
 BINDINGS_PER_PASSAGE = 2
@@ -56,7 +56,7 @@ ITEM_TOKENS = FACTS_PER_PASSAGE + BINDINGS_PER_PASSAGE
 MAX_CORPUS = len(KEYS) * 2 // FACTS_PER_PASSAGE
 """Every key is defined twice: a corpus holds at most 32 passages."""
 MAX_PASSAGES = 8
-"""Passages per prompt in the quality report (515 tokens)."""
+"""Passages per prompt in the quality report (259 tokens)."""
 SEED = 20261204
 
 
@@ -237,18 +237,19 @@ def evaluate(model: Any, *, seed: int, passages: int = MAX_PASSAGES, questions: 
     return right / questions
 
 
-DENSE_STEPS = 600
-"""Training starts on passages made of their facts and bindings alone (8 tokens): the two hops are
-learnt there; 64-token passages with filler come after, up to TRAIN_PASSAGES of them."""
+DENSE_STEPS = 2000
+"""Training starts on passages made of their facts and bindings alone (8 tokens), 3 to TRAIN_PASSAGES
+of them: the two hops are learnt there; 32-token passages with filler come after, up to
+TRAIN_PASSAGES of them."""
 TRAIN_PASSAGES = 10
 """Past the MAX_PASSAGES the report asks about: a model is weakest at the edge of what it was trained on."""
-TOKENS_PER_STEP = 32 * PASSAGE_TOKENS
+TOKENS_PER_STEP = 2048
 
 
 def batches(rng: random.Random, step: int, steps: int) -> tuple[Any, Any, dict[str, int]]:
     """One training step: the curriculum's shape, then its data."""
     if step < DENSE_STEPS:
-        shape = {"passages": rng.randint(3, 6), "body": ITEM_TOKENS, "batch": 32, "queries": 16}
+        shape = {"passages": rng.randint(3, TRAIN_PASSAGES), "body": ITEM_TOKENS, "batch": 32, "queries": 16}
     else:
         ramp = max(1, (steps - DENSE_STEPS) * 5 // 10)
         most = 4 + min(TRAIN_PASSAGES - 4, (step - DENSE_STEPS) * (TRAIN_PASSAGES - 4) // ramp)
@@ -308,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the model and save it")
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--steps", type=int, default=3000)
+    t.add_argument("--steps", type=int, default=4500)
     t.add_argument("--seed", type=int, default=SEED)
     t.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
