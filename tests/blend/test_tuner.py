@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.blend.conftest import BLOCK_TOKENS, blend_engine, tokens
-from worker.dataplane.blend.options import DEFAULT_CHECK_LAYER, BlendError, BlendOptions, parse_namespace_percents
+from worker.dataplane.blend.options import BlendError, BlendOptions, parse_namespace_percents
 from worker.dataplane.blend.tuner import PREFIX_ONLY, BlendTuner, agreement
 from worker.dataplane.counters import Counters
 
@@ -125,15 +125,6 @@ def test_namespace_percent_pairs():
 def test_a_check_layer_past_the_model_is_refused(models):
     with pytest.raises(ValueError, match="blend: check_layer 2 is past the model's 2 layers"):
         blend_engine(models("tiny"), check_layer=2)
-
-
-def test_the_default_check_layer_fits_the_model(models):
-    """Unset, the check layer is DEFAULT_CHECK_LAYER, or the last layer but one of a shallower model."""
-    assert BlendOptions().check_layer_for(8) == DEFAULT_CHECK_LAYER == 2
-    assert BlendOptions().check_layer_for(2) == 1
-    assert BlendOptions(check_layer=5).check_layer_for(8) == 5
-    assert blend_engine(models("tiny")).check_layer == 1
-    assert blend_engine(models("tiny"), check_layer=1).check_layer == 1
 
 
 def test_node_options_carry_blend_settings():

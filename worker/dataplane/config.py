@@ -297,9 +297,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "blend_check_layer",
         parse_int,
-        None,
+        1,
         "Layer whose KV deviation picks the tokens to recompute (deviation selection); layers before it are computed "
-        "for every token. Unset: 2, or 1 on a model of 2 layers.",
+        "for every token.",
         check_at_least_one,
     ),
     Option(
@@ -418,7 +418,7 @@ class NodeConfig:
     blend_namespace_percent: dict[str, float] = dataclasses.field(default_factory=dict)
     blend_model_percent: dict[str, float] = dataclasses.field(default_factory=dict)
     blend_selection: str = "deviation"
-    blend_check_layer: int | None = None
+    blend_check_layer: int = 1
     blend_sample_rate: float = 0.05
     blend_agreement_threshold: float = 0.9
     blend_max_kl: float = 0.1

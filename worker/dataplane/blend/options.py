@@ -11,13 +11,6 @@ SELECTIONS = ("deviation", "chunk-start")
 """How the tokens to recompute are chosen: CacheBlend's largest KV deviation at the check layer,
 or EPIC's first tokens of every reused run (no check layer, cheaper, usually less accurate)."""
 
-DEFAULT_CHECK_LAYER = 2
-"""The check layer unless one is set. Layer 1 (CacheBlend's choice) misses tokens whose KV
-depends on another passage from the second layer on: on the multi-hop fixture, where a binding
-takes its value from an earlier passage, deviation at layer 1 recomputing 15% of the fragment
-tokens lost 4 points and at layer 2 none (benchmarks/README.md, "blend: the multi-hop task").
-One more layer computed for every token is 1/L of the model's work (1/8 on the fixture)."""
-
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+-]{0,127}$")
 """A model as the engine names it: a preset name or the directory name of a local checkpoint."""
@@ -112,10 +105,9 @@ class BlendOptions:
     namespace_percent: Mapping[str, float] = dataclasses.field(default_factory=dict)
     model_percent: Mapping[str, float] = dataclasses.field(default_factory=dict)
     selection: str = "deviation"
-    check_layer: int | None = None
-    """The layer whose fresh-vs-reused KV deviation picks the tokens to recompute; layers before it
-    are computed for every token. None: DEFAULT_CHECK_LAYER, or the last layer but one of a model
-    too shallow for it (`check_layer_for`)."""
+    check_layer: int = 1
+    """The layer whose fresh-vs-reused KV deviation picks the tokens to recompute (CacheBlend: 1).
+    Layers before it are computed for every token."""
     sample_rate: float = 0.05
     """Share of blended requests also run with a full prefill in the background to measure agreement."""
     agreement_threshold: float = 0.9
@@ -143,9 +135,7 @@ class BlendOptions:
             check_percent(f"model_percent[{name}]", percent)
         if self.selection not in SELECTIONS:
             raise BlendError("selection", f"expected one of {', '.join(SELECTIONS)}, got {self.selection!r}")
-        if self.check_layer is not None and (
-            isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 1
-        ):
+        if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 1:
             raise BlendError("check_layer", f"must be an integer of at least 1, got {self.check_layer!r}")
         if not 0 <= self.sample_rate <= 1:
             raise BlendError("sample_rate", f"must be between 0 and 1, got {self.sample_rate}")
@@ -183,13 +173,6 @@ class BlendOptions:
             if not sep or owner == model:
                 names.add(namespace)
         return sorted(names)
-
-    def check_layer_for(self, layers: int) -> int:
-        """The check layer on a model of `layers` layers: the one set, else DEFAULT_CHECK_LAYER or,
-        on a model of fewer than DEFAULT_CHECK_LAYER + 1 layers, its last layer but one (at least 1)."""
-        if self.check_layer is not None:
-            return self.check_layer
-        return max(1, min(DEFAULT_CHECK_LAYER, layers - 1))
 
     @classmethod
     def from_config(cls, config: Any) -> BlendOptions:

@@ -166,14 +166,15 @@ class Engine:
             keep_in_device=self.options.keep_in_device,
         )
         self.blend_options = self.options.blend
-        self.check_layer = self.blend_options.check_layer_for(model.layers)
         self.tuner: BlendTuner | None = None
         if self.blend_options.enabled:
             problem = rope_problem(model.model.model.rotary_emb)
             if problem is not None:
                 raise ValueError(f"blend: fragments of model {model.name} cannot be re-aligned: {problem}")
-            if self.check_layer >= model.layers and self.blend_options.selection == "deviation":
-                raise ValueError(f"blend: check_layer {self.check_layer} is past the model's {model.layers} layers")
+            if self.blend_options.check_layer >= model.layers and self.blend_options.selection == "deviation":
+                raise ValueError(
+                    f"blend: check_layer {self.blend_options.check_layer} is past the model's {model.layers} layers"
+                )
             self.tuner = BlendTuner(
                 options=self.blend_options,
                 full_prefill=self.full_prefill_logits,
@@ -534,7 +535,7 @@ class Engine:
             fragments=fragments,
             recompute_ratio=percent / 100.0,
             selection=self.blend_options.selection,
-            check_layer=self.check_layer,
+            check_layer=self.blend_options.check_layer,
         )
         try:
             if not trace.layerwise:

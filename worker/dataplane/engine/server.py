@@ -180,7 +180,7 @@ class NodeServer:
                 "namespace_percent": dict(options.namespace_percent),
                 "model_percent": dict(options.model_percent),
                 "selection": options.selection,
-                "check_layer": engine.check_layer,
+                "check_layer": options.check_layer,
                 "sample_rate": options.sample_rate,
                 "agreement_threshold": options.agreement_threshold,
                 "max_kl": options.max_kl,
