@@ -212,8 +212,10 @@ def fixture_engine(
     selection: str = "deviation",
     sample_rate: float = 0.0,
     enabled: bool = True,
+    check_layer: int | None = None,
 ) -> Engine:
-    """An engine with fragment reuse over an in-memory block pool (the device tier on CPU)."""
+    """An engine with fragment reuse over an in-memory block pool (the device tier on CPU); the
+    check layer is BlendOptions' unless given."""
     from worker.dataplane.blend.options import BlendOptions  # noqa: PLC0415
     from worker.dataplane.engine.engine import Engine, EngineOptions  # noqa: PLC0415
     from worker.dataplane.layout import BlockLayout  # noqa: PLC0415
@@ -233,7 +235,13 @@ def fixture_engine(
         write_back_tier="device",
         keep_in_device=False,
         decide=False,
-        blend=BlendOptions(enabled=enabled, recompute_percent=percent, selection=selection, sample_rate=sample_rate),
+        blend=BlendOptions(
+            enabled=enabled,
+            recompute_percent=percent,
+            selection=selection,
+            sample_rate=sample_rate,
+            **({} if check_layer is None else {"check_layer": check_layer}),
+        ),
     )
     return Engine(model=model, store=store, options=options)
 
@@ -276,18 +284,20 @@ def quality_report(
     selections: Sequence[str] = ("deviation",),
     seed: int = 11,
     block_tokens: int = 32,
+    check_layer: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """Task accuracy and logit KL against full prefill for: full prefill, prefix-only reuse, fused
     KV with nothing recomputed (`fused`: r = 0 and no check layer, the fragments' cached KV at every
     layer), and blend at each r with each selection. The cache is warmed by RAG requests that bring every
     passage once (in groups, so each passage's KV was computed after other passages), then left
-    unchanged while every variant answers the same questions."""
+    unchanged while every variant answers the same questions. `check_layer` is deviation
+    selection's (BlendOptions' unless given)."""
     from worker.dataplane.engine.models import load_model  # noqa: PLC0415
 
     model = load_model(str(model_dir), device="cpu")
     # Chunk-start selection at r = 0 recomputes no fragment token at any layer: the `fused` variant.
     engines = {
-        s: fixture_engine(model, block_tokens=block_tokens, selection=s)
+        s: fixture_engine(model, block_tokens=block_tokens, selection=s, check_layer=check_layer)
         for s in dict.fromkeys([*selections, "chunk-start"])
     }
     rng = random.Random(seed)
@@ -326,6 +336,9 @@ def quality_report(
         for selection in selections:
             engine = engines[selection]
             for percent in percents:
+                if selection == "chunk-start" and percent == 0:
+                    runs["chunk_start_r0"] = runs["fused"]  # the same run: nothing recomputed
+                    continue
                 assert engine.tuner is not None
                 engine.tuner.set_percent("default", percent)
                 runs[f"{SELECTION_PREFIX[selection]}_r{percent:g}"] = engine.generate(
@@ -353,6 +366,8 @@ def quality_report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from worker.dataplane.blend.options import BlendError, BlendOptions  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(prog="python -m benchmarks.blend_model", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the model and save it")
@@ -370,6 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--percents", default=",".join(f"{p:g}" for p in PERCENTS), help="recompute ratios r, in percent")
     e.add_argument("--selections", default="deviation,chunk-start")
     e.add_argument("--threads", type=int, default=2)
+    e.add_argument(
+        "--check-layer",
+        type=int,
+        default=BlendOptions().check_layer,  # recorded in quality.json's arguments
+        help="the layer whose KV deviation picks the tokens to recompute (default: the engine's)",
+    )
     e.add_argument(
         "--save",
         action="store_true",
@@ -389,6 +410,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in selections:
         if name not in SELECTION_PREFIX:
             parser.error(f"--selections: {name!r} is not one of {', '.join(SELECTION_PREFIX)}")
+    try:
+        BlendOptions(check_layer=args.check_layer)
+    except BlendError as exc:
+        parser.error(f"--check-layer: {exc}")
     for name in tasks:
         from benchmarks import blend_multihop  # noqa: PLC0415
 
@@ -400,6 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "passages": passages,
             "percents": percents,
             "selections": selections,
+            "check_layer": args.check_layer,
         }
         report = quality_report(model, **arguments)  # type: ignore[arg-type]
         print(f"\n{name} ({model}, {passages} passages, {args.questions} questions)")
@@ -414,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = (
                 f"python -m benchmarks.blend_model quality --task {name} --passages {passages} "
                 f"--questions {args.questions} --percents {args.percents} --selections {args.selections}"
+                f" --check-layer {args.check_layer}"
             )
             document = {"command": command, "arguments": arguments, "report": report}
             (model / "quality.json").write_text(json.dumps(document, indent=1) + "\n")

@@ -86,3 +86,11 @@ def test_training_is_reproducible(tmp_path):
     assert first["final_loss"] == again["final_loss"]
     recorded = json.loads((MULTIHOP_MODEL / "training.json").read_text())
     assert recorded["seed"] == blend_multihop.SEED and recorded["torch"]
+
+
+def test_a_bad_check_layer_is_refused_before_anything_runs(capsys):
+    before = (MULTIHOP_MODEL / "quality.json").read_bytes()
+    with pytest.raises(SystemExit):
+        blend_model.main(["quality", "--task", "multihop", "--check-layer", "0", "--save"])
+    assert "--check-layer: check_layer: must be an integer of at least 1, got 0" in capsys.readouterr().err
+    assert (MULTIHOP_MODEL / "quality.json").read_bytes() == before
