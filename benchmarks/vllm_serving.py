@@ -145,6 +145,8 @@ class Server:
         # every configuration computes on every core here, as a GPU's compute is the same for all.
         self.env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         self.shm_before: set[Path] = set()
+        self.node: str | None = None
+        """The node a Strata configuration serves as (it runs on that node's own database credential)."""
         self.pool: str | None = None
         self.admin_key = ""
         """The key of the node's request timelines (Strata configurations)."""
@@ -178,6 +180,7 @@ class Server:
                 "--heartbeat-seconds",
                 "5",
             ]
+            self.node = name
             self.pool = f"strata-{name}-{os.getpid()}"
             self.admin_key = secrets.token_urlsafe(24)
             self.env.update(
@@ -225,6 +228,8 @@ class Server:
 
     def _start(self) -> Server:
         self.shm_before = set(SHM.glob("psm_*"))
+        if self.node is not None:
+            self.env["DATABASE_URL"] = node_database_url(self.node, env=self.env, directory=self.logs / "credentials")
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -285,6 +290,20 @@ class Server:
         # vLLM's engine processes are in the group too: make sure none outlives the run.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def node_database_url(node: str, *, env: dict[str, str], directory: Path) -> str:
+    """The DATABASE_URL of node `node`'s own database role, issued with the control plane's
+    credential in `env` (`manage.py strata_node_credential`): a node refuses to start on the
+    owner's credential, as an operator's would."""
+    subprocess.run(
+        [sys.executable, "manage.py", "strata_node_credential", node, "--url-dir", str(directory)],
+        cwd=REPO_ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    return (directory / f"{node}.url").read_text().strip()
 
 
 def _mapped_shm() -> set[str]:
