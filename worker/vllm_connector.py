@@ -51,7 +51,7 @@ class StrataConnector(StrataConnectorBase):
             # database answers retries them (DirectoryOptions.unknown_grace_s) and serves meanwhile.
             try:
                 modelprofile_ensure(profile=profile)
-                namespace_ensure(name="default")
+                namespace_ensure(name=config.default_namespace)
             except Exception as exc:  # noqa: BLE001 - serving goes on from the node's tiers
                 log.warning(
                     "StrataConnector: could not record model %s in the directory yet: %s", profile.model_id, exc

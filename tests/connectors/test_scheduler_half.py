@@ -1,14 +1,17 @@
 """The connector's scheduler half with a real host tier and stand-ins for vLLM's request objects and
 the directory: a lookup that needs a round trip answers "ask again" until it is back, an outage of
-the directory is a miss (counted), vLLM's own cache goes first, and a bad namespace is served
-uncached."""
+the directory is a miss (counted), vLLM's own cache goes first; keys carry the LoRA adapter and
+the cache salt, namespaces come from identities the operator controls, requests Strata cannot key
+are served uncached and counted, and a promised load is never dropped from a step."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,12 +19,15 @@ import pytest
 from worker.dataplane.config import load_config
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.scheduler_half import SchedulerHalf
+from worker.dataplane.connectors.vllm.tenancy import NAMESPACE_PARAM, TAG_PARAM, namespace_tag
 from worker.dataplane.directory import DirectoryUnavailable, LookupResult
+from worker.dataplane.hashing import KeyScope
 from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.store import build_store
 
 PROFILE = ModelProfile(model_id="sched", layers=2, kv_heads=2, head_dim=8, dtype="float32", block_tokens=32)
+SECRET = "namespace-secret-for-tests"
 
 
 @dataclasses.dataclass
@@ -29,23 +35,25 @@ class Request:
     """What the scheduler half reads of vLLM's Request."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     arrival_time: float = 0.0
     mm_features: list[Any] = dataclasses.field(default_factory=list)
+    lora_request: Any = None
+    prompt_embeds: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids
+        return self.prompt_token_ids or []
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.all_token_ids)
 
     num_output_tokens = 0
 
@@ -79,8 +87,7 @@ class Directory:
         pass
 
 
-@pytest.fixture
-def half(tmp_path: Path, shm_name: str):
+def make_half(tmp_path: Path, shm_name: str, **options: Any):
     config = load_config(
         overrides={
             "node_name": "sched",
@@ -89,6 +96,8 @@ def half(tmp_path: Path, shm_name: str):
             "host_bytes": "1MiB",
             "remote_url": str(tmp_path / "l3"),
             "status_port": 1,
+            "namespace_secret": SECRET,
+            **options,
         },
         environ={},
     )
@@ -104,14 +113,31 @@ def half(tmp_path: Path, shm_name: str):
     scheduler = SchedulerHalf(
         Runtime(config=config, profile=PROFILE, store=store, directory=None, manager=manager), page_tokens=16
     )
+    return scheduler, directory, store
+
+
+@pytest.fixture
+def half(tmp_path: Path, shm_name: str):
+    scheduler, directory, store = make_half(tmp_path, shm_name)
     yield scheduler, directory
     scheduler.close()
     store.close()
 
 
-def stored(half: SchedulerHalf, request: Request, blocks: int) -> None:
-    """Put the request's first `blocks` blocks in the host tier."""
-    keys = half.manager.fingerprinter(request.cache_salt or "default").prefix_keys(request.prompt_token_ids)
+@pytest.fixture
+def open_half(tmp_path: Path, shm_name: str):
+    """A scheduler half that honours the namespaces clients name (client_namespaces)."""
+    scheduler, directory, store = make_half(tmp_path, shm_name, client_namespaces="true")
+    yield scheduler, directory
+    scheduler.close()
+    store.close()
+
+
+def stored(
+    half: SchedulerHalf, request: Request, blocks: int, *, namespace: str = "default", scope: KeyScope | None = None
+) -> None:
+    """Put the request's first `blocks` blocks, keyed as `namespace` and `scope` key them, in the host tier."""
+    keys = half.manager.fingerprinter(namespace, scope).prefix_keys(request.prompt_token_ids)
     for key in keys[:blocks]:
         half.manager.store.put(key, block_layout(PROFILE).empty(), tier="host")
 
@@ -160,7 +186,11 @@ def test_an_outage_of_the_directory_is_a_miss_and_counted(half):
     scheduler, directory = half
     directory.down = True
     directory.release.set()
-    request = Request(uuid.uuid4().hex, prompt(2 * 32 + 1), cache_salt="tenant-new")
+    request = Request(
+        uuid.uuid4().hex,
+        prompt(2 * 32 + 1),
+        kv_transfer_params={NAMESPACE_PARAM: "tenant-new", TAG_PARAM: namespace_tag(SECRET, "tenant-new")},
+    )
     answer = scheduler.matched_tokens(request, 0)
     for _ in range(100):
         if answer is not None:
@@ -171,14 +201,191 @@ def test_an_outage_of_the_directory_is_a_miss_and_counted(half):
     assert scheduler.manager.counters.get("lookup_failures") == 1
 
 
-@pytest.mark.parametrize("salt,params", [("not a namespace!", None), (None, {"strata_namespace": "x" * 64})])
-def test_a_name_that_is_no_namespace_is_served_uncached(half, salt, params):
-    scheduler, _ = half
-    request = Request(uuid.uuid4().hex, prompt(64), cache_salt=salt, kv_transfer_params=params)
+def test_a_salt_is_any_string_and_a_secret_mixed_into_the_keys(half):
+    scheduler, directory = half
+    directory.release.set()
+    tokens = prompt(3 * 32 + 1)
+    salt = "c2VjcmV0L3RlbmFudD0/Kys="  # vLLM clients send base64: no namespace name, a salt all the same
+    stored(scheduler, Request("w", tokens), 3, scope=KeyScope(salt=salt))
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, cache_salt=salt)) == 3 * 32
+    # The same tokens without the salt, or with another, find nothing: no probing another's prompts.
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens)) == 0
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, cache_salt=salt + "x")) == 0
+    # The salt is mixed into every key after the first, and into content keys.
+    salted = scheduler.manager.fingerprints(tokens, "default", scope=KeyScope(salt=salt))
+    plain = scheduler.manager.fingerprints(tokens, "default")
+    assert not {fp.prefix_key for fp in salted} & {fp.prefix_key for fp in plain}
+    assert not {fp.content_key for fp in salted} & {fp.content_key for fp in plain}
+    assert scheduler.manager.counters.get("lookup_failures") == 0
+
+
+def test_a_claimed_namespace_is_ignored_unless_the_operator_allows_it(half):
+    scheduler, directory = half
+    directory.release.set()
+    tokens = prompt(2 * 32 + 1)
+    stored(scheduler, Request("w", tokens), 2, namespace="tenant-b")
+    claim = Request(uuid.uuid4().hex, tokens, kv_transfer_params={NAMESPACE_PARAM: "tenant-b"})
+    assert answer_of(scheduler, claim) == 0
+    assert scheduler.requests[claim.request_id].namespace == "default"
+    # A tag forged without the node's secret is a claim like any other.
+    forged = Request(
+        uuid.uuid4().hex,
+        tokens,
+        kv_transfer_params={NAMESPACE_PARAM: "tenant-b", TAG_PARAM: namespace_tag("guess", "tenant-b")},
+    )
+    assert answer_of(scheduler, forged) == 0
+    # The middleware's tag (an API key or a trusted gateway's header placed the request) is honoured.
+    vouched = Request(
+        uuid.uuid4().hex,
+        tokens,
+        kv_transfer_params={NAMESPACE_PARAM: "tenant-b", TAG_PARAM: namespace_tag(SECRET, "tenant-b")},
+    )
+    assert answer_of(scheduler, vouched) == 2 * 32
+    assert scheduler.requests[vouched.request_id].trace.namespace == "tenant-b"
+
+
+def test_client_namespaces_honour_a_claim_but_never_give_another_s_salted_blocks(open_half):
+    scheduler, directory = open_half
+    directory.release.set()
+    tokens = prompt(2 * 32 + 1)
+    stored(scheduler, Request("w", tokens), 2, namespace="tenant-b", scope=KeyScope(salt="b's secret"))
+    own = Request(uuid.uuid4().hex, tokens, cache_salt="b's secret", kv_transfer_params={NAMESPACE_PARAM: "tenant-b"})
+    assert answer_of(scheduler, own) == 2 * 32
+    other = Request(uuid.uuid4().hex, tokens, kv_transfer_params={NAMESPACE_PARAM: "tenant-b"})
+    assert answer_of(scheduler, other) == 0  # tenant b's name without its salt: nothing
+
+
+@pytest.mark.parametrize("params", [{NAMESPACE_PARAM: "x" * 64}, {NAMESPACE_PARAM: "not a namespace!"}])
+def test_a_claim_that_is_no_namespace_is_served_uncached_and_counted(open_half, params):
+    scheduler, _ = open_half
+    request = Request(uuid.uuid4().hex, prompt(64), kv_transfer_params=params)
     assert scheduler.matched_tokens(request, 0) == 0
-    assert scheduler.manager.counters.get("lookup_failures") == 1
+    assert scheduler.manager.counters.get("uncached.namespace") == 1
+    assert scheduler.requests[request.request_id].trace.uncached == "namespace"
     scheduler.finished(request)  # type: ignore[arg-type]
     assert scheduler.requests == {}
+
+
+def lora(tmp_path: Path, name: str, weights: bytes) -> SimpleNamespace:
+    adapter = tmp_path / name
+    adapter.mkdir(exist_ok=True)
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(weights)
+    return SimpleNamespace(lora_name=name, lora_int_id=1, lora_path=str(adapter))
+
+
+def test_the_lora_adapter_and_its_weights_are_part_of_the_keys(half, tmp_path):
+    scheduler, directory = half
+    directory.release.set()
+    tokens = prompt(3 * 32 + 1)
+    a, b = lora(tmp_path, "a", b"A" * 4096), lora(tmp_path, "b", b"B" * 4096)
+    first = Request(uuid.uuid4().hex, tokens, lora_request=a)
+    assert answer_of(scheduler, first) == 0
+    stored(scheduler, first, 3, scope=scheduler.requests[first.request_id].scope)
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, lora_request=a)) == 3 * 32
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, lora_request=b)) == 0
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens)) == 0  # the base model
+    # The same name on other weights (the adapter rewritten in place, its size and mtime kept).
+    weights = Path(a.lora_path) / "adapter_model.safetensors"
+    stat = weights.stat()
+    weights.write_bytes(b"C" * 4096)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, lora_request=a)) == 0
+
+
+def test_requests_strata_cannot_key_are_served_uncached_and_counted(half, tmp_path):
+    scheduler, directory = half
+    directory.release.set()
+    tokens = prompt(2 * 32 + 1)
+    stored(scheduler, Request("w", tokens), 2)
+    embeds = Request(uuid.uuid4().hex, None, prompt_embeds=object())
+    media = Request(uuid.uuid4().hex, tokens, mm_features=[object()])
+    missing = Request(
+        uuid.uuid4().hex, tokens, lora_request=SimpleNamespace(lora_name="gone", lora_int_id=2, lora_path="/no/such")
+    )
+    for request in (embeds, media, missing):
+        assert answer_of(scheduler, request) == 0
+    counters = scheduler.manager.counters
+    assert (counters.get("uncached.prompt_embeds"), counters.get("uncached.multimodal")) == (1, 1)
+    assert counters.get("uncached.adapter") == 1
+    # A field of vLLM's Request that Strata does not know, set: uncached; left empty: served.
+    scheduler.unknown_fields = frozenset({"future_field"})
+    new = Request(uuid.uuid4().hex, tokens)
+    new.future_field = "changes the KV"  # type: ignore[attr-defined]
+    assert answer_of(scheduler, new) == 0
+    assert counters.get("uncached.field.future_field") == 1
+    empty = Request(uuid.uuid4().hex, tokens)
+    empty.future_field = None  # type: ignore[attr-defined]
+    assert answer_of(scheduler, empty) == 2 * 32
+
+
+def output_of(*steps: tuple[Request, list[int], int, int]) -> Any:
+    """A SchedulerOutput stand-in: new requests (request, pages, computed tokens, scheduled tokens)."""
+    return SimpleNamespace(
+        total_num_scheduled_tokens=sum(s[3] for s in steps),
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r.request_id, block_ids=(pages,), num_computed_tokens=computed)
+            for r, pages, computed, _ in steps
+        ],
+        num_scheduled_tokens={r.request_id: scheduled for r, _, _, scheduled in steps},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+    )
+
+
+def test_a_request_whose_step_fails_loses_its_own_saves_and_no_other_request_s_load(half, monkeypatch):
+    scheduler, directory = half
+    directory.release.set()
+    hit = Request(uuid.uuid4().hex, prompt(3 * 32 + 5))
+    stored(scheduler, hit, 3)
+    assert answer_of(scheduler, hit) == 3 * 32
+    scheduler.allocated(hit, 3 * 32)  # type: ignore[arg-type]
+    cold = Request(uuid.uuid4().hex, [7 + i % 200 for i in range(4 * 32)], cache_salt="another tenant")
+    assert answer_of(scheduler, cold) == 0
+    real = scheduler._fingerprints
+
+    def failing(tracked, blocks):  # a save that cannot be planned (a namespace gone, a bug)
+        if tracked.request is cold:
+            raise ValueError("namespace: no namespace named 'gone'")
+        return real(tracked, blocks)
+
+    monkeypatch.setattr(scheduler, "_fingerprints", failing)
+    meta = scheduler.build(output_of((cold, list(range(8)), 0, 4 * 32), (hit, list(range(8, 15)), 3 * 32, 5)))
+    assert [spec.request_id for spec in meta.loads] == [hit.request_id]
+    load = meta.loads[0]
+    assert (load.start, load.end, len(load.keys), load.refused) == (0, 3 * 32, 3, "")
+    assert [save.request_id for save in meta.saves] == []
+    assert scheduler.manager.counters.get("write_back.unplanned") == 1
+    assert set(meta.prefills_done) == {hit.request_id, cold.request_id}
+
+
+def test_a_load_that_cannot_be_planned_is_refused_never_dropped(half):
+    scheduler, _ = half
+    hit = Request(uuid.uuid4().hex, prompt(3 * 32 + 5))
+    stored(scheduler, hit, 3)
+    assert answer_of(scheduler, hit) == 3 * 32
+    scheduler.allocated(hit, 3 * 32)  # type: ignore[arg-type]
+    scheduler.requests[hit.request_id].plan.hits.pop()  # the plan lost a block it promised
+    meta = scheduler.build(output_of((hit, list(range(7)), 3 * 32, 5)))
+    (load,) = meta.loads
+    assert load.refused.startswith("load not planned") and (load.start, load.end, load.pages) == (
+        0,
+        3 * 32,
+        list(range(7)),
+    )
+    # A step that fails as a whole hands every promised load over, refused.
+    again = Request(uuid.uuid4().hex, hit.prompt_token_ids)
+    assert answer_of(scheduler, again) == 3 * 32
+    scheduler.allocated(again, 3 * 32)  # type: ignore[arg-type]
+    meta = scheduler.refused(output_of((again, list(range(20, 27)), 3 * 32, 5)), "the step could not be planned")
+    (load,) = meta.loads
+    assert (load.request_id, load.refused, load.start, load.end) == (
+        again.request_id,
+        "the step could not be planned",
+        0,
+        3 * 32,
+    )
 
 
 def test_a_shared_namespace_leads_the_prompt_and_the_saves_chain_on_from_it(half):
@@ -186,8 +393,12 @@ def test_a_shared_namespace_leads_the_prompt_and_the_saves_chain_on_from_it(half
     directory.release.set()
     directory.shared = {"library": b"library"}
     tokens = prompt(3 * 32 + 5)
-    stored(scheduler, Request("lib", tokens, cache_salt="library"), 2)  # the library holds two blocks
-    request = Request(uuid.uuid4().hex, tokens, cache_salt="tenant-a")
+    stored(scheduler, Request("lib", tokens), 2, namespace="library")  # the library holds two blocks
+    request = Request(
+        uuid.uuid4().hex,
+        tokens,
+        kv_transfer_params={NAMESPACE_PARAM: "tenant-a", TAG_PARAM: namespace_tag(SECRET, "tenant-a")},
+    )
     assert answer_of(scheduler, request) == 2 * 32
     tracked = scheduler.requests[request.request_id]
     library = scheduler.manager.fingerprinter("library").blocks(tokens)
@@ -197,4 +408,7 @@ def test_a_shared_namespace_leads_the_prompt_and_the_saves_chain_on_from_it(half
     assert scheduler.manager.counters.get("lookup.shared_hits") == 2
     # Without the share, the same prompt of another tenant finds nothing.
     directory.shared = {}
-    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, cache_salt="tenant-b")) == 0
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens)) == 0
+    # A salted request keys its own chain only: a shared namespace's blocks are unsalted.
+    directory.shared = {"library": b"library"}
+    assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, cache_salt="s")) == 0

@@ -175,6 +175,29 @@ def test_a_vanished_block_reports_every_page_of_the_load(runtime):
     assert runtime.manager.counters.get("load_failures") == 1
 
 
+def test_a_refused_load_reads_nothing_and_reports_its_pages(runtime):
+    kv = engine_pages()
+    before = {name: tensor.clone() for name, tensor in kv.items()}
+    reader = worker_for(runtime, kv)
+    pages = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    refused = LoadSpec(
+        request_id="q",
+        namespace="default",
+        keys=[],
+        tiers=[],
+        first_block=1,
+        start=40,
+        end=64,
+        pages=pages,
+        refused="the step could not be planned",
+    )
+    run_step(reader, StrataMetadata(loads=[refused]))
+    assert reader.take_invalid() == {10, 11, 12}  # the pages of tokens 40..63 (8 a page)
+    assert reader.take_report().loads["q"].failure == "the step could not be planned"
+    assert runtime.manager.counters.get("load_failures") == 1
+    assert all(torch.equal(kv[name], before[name]) for name in kv)
+
+
 class _Tier:
     def __init__(self, direct: bool) -> None:
         self.reads_into_device = direct

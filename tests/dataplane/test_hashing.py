@@ -171,3 +171,27 @@ def test_fingerprinter_binds_a_namespace_and_a_model() -> None:
     assert fingerprinter.prefix_keys(tokens) == [
         fp.prefix_key for fp in fingerprint_prompt(tokens, ns_salt=SALT, model_key=model_key(PROFILE), block_tokens=4)
     ]
+
+
+def test_a_key_scope_changes_every_key_and_no_scope_changes_none():
+    from worker.dataplane.hashing import Fingerprinter, KeyScope
+
+    model = uuid.uuid4()
+    tokens = list(range(1, 4 * 16 + 1))
+    plain = Fingerprinter(ns_salt=b"ns", model_key=model, block_tokens=16)
+    assert plain.scoped(None) is plain and plain.scoped(KeyScope()) is plain
+    assert KeyScope().root(ns_salt=b"ns", model_key=model) is None
+    scopes = [KeyScope(salt="s"), KeyScope(salt="t"), KeyScope(adapter="a@1"), KeyScope(adapter="a@2", salt="s")]
+    printed = [plain.blocks(tokens)] + [plain.scoped(scope).blocks(tokens) for scope in scopes]
+    for kind in ("prefix_key", "content_key"):
+        keys = [getattr(fp, kind) for blocks in printed for fp in blocks]
+        assert len(set(keys)) == len(keys), f"{kind}s of different scopes must all differ"
+    # The same scope gives the same keys (another process, another node); the chain starts at its root.
+    again = Fingerprinter(ns_salt=b"ns", model_key=model, block_tokens=16).scoped(KeyScope(salt="s"))
+    assert again.blocks(tokens) == printed[1]
+    root = KeyScope(salt="s").root(ns_salt=b"ns", model_key=model)
+    assert printed[1][0].prefix_key == prefix_key(ns_salt=b"ns", model_key=model, parent=root, token_ids=tokens[:16])
+    # The adapter and the salt are length-delimited: moving a character between them is another scope.
+    assert KeyScope(adapter="ab", salt="c").root(ns_salt=b"ns", model_key=model) != KeyScope(
+        adapter="a", salt="bc"
+    ).root(ns_salt=b"ns", model_key=model)

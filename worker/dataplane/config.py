@@ -31,6 +31,7 @@ from worker.dataplane.config_values import (
     parse_engine,
     parse_float,
     parse_int,
+    parse_namespace,
     parse_native_copy,
     parse_node_group,
     parse_node_name,
@@ -255,8 +256,36 @@ OPTIONS: tuple[Option, ...] = (
         "api_keys",
         parse_api_keys,
         {},
-        "API keys of the node server as key=namespace pairs, comma-separated; empty: no key needed, namespace from "
-        "X-Strata-Namespace.",
+        "Tenants' API keys as key=namespace pairs, comma-separated: a request's key names its namespace (node "
+        "server; vLLM through NamespaceMiddleware). Empty: no key needed.",
+    ),
+    Option(
+        "namespace_header",
+        parse_str,
+        "",
+        "Header a trusted gateway sets to name a request's namespace (when no API key does), e.g. X-Strata-Namespace;"
+        " empty: no header is trusted.",
+    ),
+    Option(
+        "client_namespaces",
+        parse_bool,
+        False,
+        "Honour a namespace a client names itself (X-Strata-Namespace on the node server, kv_transfer_params."
+        "strata_namespace in vLLM): any client may then use any namespace's quota (never its blocks: keys carry the "
+        "cache salt).",
+    ),
+    Option(
+        "default_namespace",
+        parse_namespace,
+        "default",
+        "Namespace of a request that no API key, trusted header or allowed client claim places.",
+    ),
+    Option(
+        "namespace_secret",
+        parse_str,
+        "",
+        "Secret with which vLLM's API server vouches to the connector for a namespace it read from an API key or a "
+        "trusted header (a node that launches vLLM makes one when empty).",
     ),
     Option(
         "blend",
@@ -411,7 +440,11 @@ class NodeConfig:
     block_tokens: int = 256
     serve_host: str = "127.0.0.1"
     serve_port: int = 9100
-    api_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    api_keys: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    namespace_header: str = ""
+    client_namespaces: bool = False
+    default_namespace: str = "default"
+    namespace_secret: str = dataclasses.field(default="", repr=False)
     node_group: str = "default"
     blend: bool = False
     blend_recompute_percent: float = 15.0

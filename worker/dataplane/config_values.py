@@ -139,6 +139,13 @@ def parse_node_group(value: Any) -> str:
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
+def parse_namespace(value: Any) -> str:
+    text = str(value).strip()
+    if not _NAMESPACE_RE.match(text):
+        raise ValueError(f"namespace {text!r} must be 1-63 letters, digits, '.', '_' or '-'")
+    return text
+
+
 def parse_api_keys(value: Any) -> dict[str, str]:
     if isinstance(value, dict):
         pairs = [(str(k), str(v)) for k, v in value.items()]

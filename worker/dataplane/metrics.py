@@ -93,6 +93,15 @@ class EngineMetrics:
             labels=["node"],
         )
         lookup_failures.add_metric([self.node], counts.get("lookup_failures", 0))
+        uncached = CounterMetricFamily(
+            "strata_uncached_requests",
+            "Requests served without the cache because Strata cannot key what they carry (prompt_embeds, "
+            "multimodal, an unreadable LoRA adapter, a field it does not know) or their namespace claim was invalid.",
+            labels=["node", "reason"],
+        )
+        for name, value in counts.items():
+            if name.startswith("uncached."):
+                uncached.add_metric([self.node, name.removeprefix("uncached.")], value)
         for name, value in counts.items():
             if name.startswith("hit_blocks."):
                 blocks.add_metric([self.node, name.removeprefix("hit_blocks.")], value)
@@ -120,7 +129,19 @@ class EngineMetrics:
         for name, usage in self.offload.store.usage().items():
             used.add_metric([self.node, name], usage.used_bytes)
             capacity.add_metric([self.node, name], usage.capacity_bytes)
-        yield from (lookup, hits, blocks, tier_tokens, decisions, failures, lookup_failures, store, used, capacity)
+        yield from (
+            lookup,
+            hits,
+            blocks,
+            tier_tokens,
+            decisions,
+            failures,
+            lookup_failures,
+            uncached,
+            store,
+            used,
+            capacity,
+        )
         yield from self._eviction(counts)
 
     def _eviction(self, counts: Mapping[str, int]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

@@ -37,7 +37,7 @@ from worker.dataplane.directory import (
 from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
 from worker.dataplane.eviction.local import LocalEvictor, WriteRefused
 from worker.dataplane.eviction.rules import Rules, parse_rules
-from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, model_key
+from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, KeyScope, model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.remote_write import RemoteWritePolicy, RemoteWriter
 from worker.dataplane.store import TieredStore
@@ -158,6 +158,9 @@ class RequestTrace:
     blend_percent: float = 0.0
     """The namespace's r when the request ran."""
     segments: int = 0
+    uncached: str = ""
+    """Why the request was served without the cache (prompt_embeds, multimodal, adapter, namespace,
+    field.<name>); "" when it was not."""
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -248,24 +251,29 @@ class OffloadManager:
         return rules
 
     # -- fingerprints ----------------------------------------------------------------------------
-    def fingerprinter(self, namespace: str) -> Fingerprinter:
-        """The namespace's fingerprinter; raises DirectoryUnavailable while its salt cannot be read."""
+    def fingerprinter(self, namespace: str, scope: KeyScope | None = None) -> Fingerprinter:
+        """The namespace's fingerprinter under `scope` (a request's adapter and cache salt); raises
+        DirectoryUnavailable while the namespace's salt cannot be read. Only the namespace's own
+        is kept: a scope holds a tenant's secret, and there may be as many as requests."""
         found = self._fingerprinters.get(namespace)
         if found is None:
             found = Fingerprinter(
                 ns_salt=self.namespace_salt(namespace), model_key=self.model_key, block_tokens=self.layout.block_tokens
             )
             self._fingerprinters[namespace] = found
-        return found
+        return found.scoped(scope)
 
     def knows_salt(self, namespace: str) -> bool:
         """True when `fingerprinter(namespace)` answers without a directory read."""
         return namespace in self._fingerprinters
 
-    def fingerprints(self, tokens: Sequence[int], namespace: str, chain: Chain | None = None) -> list[BlockFingerprint]:
+    def fingerprints(
+        self, tokens: Sequence[int], namespace: str, chain: Chain | None = None, scope: KeyScope | None = None
+    ) -> list[BlockFingerprint]:
         """The prompt's blocks as `chain` keys them: the shared lead, then the namespace's own
-        blocks chained on from it (the namespace's own chain from the first block without one)."""
-        own = self.fingerprinter(namespace)
+        blocks chained on from it (the namespace's own chain from the first block without one),
+        all under the request's `scope`."""
+        own = self.fingerprinter(namespace, scope)
         if chain is None or not chain.lead:
             return own.blocks(tokens)
         lead = len(chain.lead)
@@ -345,24 +353,33 @@ class OffloadManager:
         found.update(self.locate_remote([fp.prefix_key for fp in rest], namespace))
         return self.prefix_hits(fingerprints, found)
 
-    def lookup_prompt(self, tokens: Sequence[int], namespace: str) -> tuple[list[BlockFingerprint], list[Hit], Chain]:
+    def lookup_prompt(
+        self, tokens: Sequence[int], namespace: str, scope: KeyScope | None = None
+    ) -> tuple[list[BlockFingerprint], list[Hit], Chain]:
         """The longest run of the prompt's blocks held anywhere the namespace may read: its own
         chain, or a shared namespace's blocks leading the prompt followed by the namespace's own
         blocks chained on from them (see `Chain`). Returns the winning chain's fingerprints (the
-        ones write-back stores under), its hits and the chain; a tie goes to the own chain."""
-        fingerprints = self.fingerprints(tokens, namespace)
+        ones write-back stores under), its hits and the chain; a tie goes to the own chain.
+
+        Everything is keyed under the request's `scope`. A shared namespace's blocks lead only
+        requests without a cache salt (a salted request shares KV with its own salt alone, as in
+        vLLM), and only those of the request's own adapter."""
+        fingerprints = self.fingerprints(tokens, namespace, scope=scope)
         hits = self.lookup(fingerprints, namespace)
         best = (fingerprints, hits, Chain())
-        if len(hits) == len(fingerprints):
+        if len(hits) == len(fingerprints) or (scope is not None and scope.salt):
             return best
+        lead_scope = KeyScope(adapter=scope.adapter) if scope is not None else None
         for shared, salt in sorted(self.shared_salts(namespace).items()):
-            printer = Fingerprinter(ns_salt=salt, model_key=self.model_key, block_tokens=self.layout.block_tokens)
+            printer = Fingerprinter(
+                ns_salt=salt, model_key=self.model_key, block_tokens=self.layout.block_tokens
+            ).scoped(lead_scope)
             lead_prints = printer.blocks(tokens)
             lead_hits = self.lookup(lead_prints, namespace)
             if not lead_hits:
                 continue
             chain = Chain(shared=shared, lead=tuple(lead_prints[: len(lead_hits)]))
-            chained = self.fingerprints(tokens, namespace, chain)
+            chained = self.fingerprints(tokens, namespace, chain, scope=scope)
             own_hits = self.lookup(chained[len(lead_hits) :], namespace)
             found = [dataclasses.replace(hit, namespace=shared) for hit in lead_hits] + own_hits
             if len(found) > len(best[1]):

@@ -137,11 +137,15 @@ class StrataConnectorBase(KVConnectorBase_V1):
         assert self.scheduler is not None
         try:
             return self.scheduler.build(scheduler_output)
-        except Exception:  # noqa: BLE001 - a step without Strata work: requests promised a load are
-            # then not loaded, and vLLM recomputes them (no load means no pages filled: see
-            # WorkerHalf._settle, which fails a load whose layers never arrived).
+        except Exception as exc:  # noqa: BLE001 - never an engine error; every promised load is refused
+            # (handed over as failed: vLLM recomputes its pages), never dropped: a load vLLM was
+            # promised and the worker never heard of would leave its pages unfilled and served.
             log.exception("building this step's connector work failed")
-            return StrataMetadata()
+            try:
+                return self.scheduler.refused(scheduler_output, f"the step could not be planned: {exc}")
+            except Exception:  # noqa: BLE001
+                log.exception("refusing this step's loads failed")
+                return StrataMetadata()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None

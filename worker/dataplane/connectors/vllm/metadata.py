@@ -26,6 +26,9 @@ class LoadSpec:
     start: int
     end: int
     pages: list[int]
+    refused: str = ""
+    """Why the scheduler could not plan this load ("" for a load to make): the worker reads
+    nothing and reports the pages [start, end) as failed, so vLLM recomputes them."""
 
 
 @dataclasses.dataclass

@@ -1,12 +1,17 @@
 """The connector's scheduler half: what each request can load from Strata and what each step saves.
 
-get_num_new_matched_tokens: fingerprint the request (our chained, salted keys; the namespace
-from kv_transfer_params' strata_namespace, else cache_salt, else default), find its blocks in
-the node's tiers, then with one batched directory lookup; answer None ("ask again next step")
-while that lookup is in flight, so the scheduler loop never waits on the database. The
-offload manager decides load or recompute.
+get_num_new_matched_tokens: fingerprint the request (our chained keys, salted with its
+namespace's salt, scoped by its LoRA adapter and cache salt: `requests`; the namespace from an
+identity the operator controls: `tenancy`), find its blocks in the node's tiers, then with one
+batched directory lookup; answer None ("ask again next step") while that lookup is in flight,
+so the scheduler loop never waits on the database. The offload manager decides load or
+recompute. A request Strata cannot key (prompt embeddings, multimodal inputs, a field it does
+not know, an adapter it cannot read) is served uncached and counted.
 build_connector_meta: per scheduled request, the blocks to load this step (tokens, keys,
-tiers, pages) and the full blocks its step completes, to save.
+tiers, pages) and the full blocks its step completes, to save. Each request's part is built on
+its own: a request whose part fails loses its own saves, and a load vLLM was promised is
+always handed over, if need be as a refused one, so that the worker reports its pages and
+vLLM recomputes them (pages promised and never filled would be served as they are).
 update_connector_output: the worker's step report folds into the request timelines and the
 speed estimates; the timelines and the metrics are served by `connectors.status`.
 """
@@ -16,15 +21,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import Request as VllmRequest
 
 from worker.dataplane.connectors.status import StatusServer
 from worker.dataplane.connectors.vllm.metadata import (
@@ -33,10 +38,18 @@ from worker.dataplane.connectors.vllm.metadata import (
     StrataMetadata,
     StrataWorkerMeta,
 )
+from worker.dataplane.connectors.vllm.requests import (
+    AdapterDigests,
+    AdapterUnreadable,
+    scope_of,
+    uncached_reason,
+    unknown_fields,
+)
 from worker.dataplane.connectors.vllm.runtime import Runtime
+from worker.dataplane.connectors.vllm.tenancy import NamespacePolicy
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import DirectoryUnavailable
-from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
+from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, KeyScope
 from worker.dataplane.metrics import EngineMetrics
 from worker.dataplane.offload import Decision, Hit, RequestTrace, TierLoad
 
@@ -47,27 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.vllm")
 
-DEFAULT_NAMESPACE = "default"
-NAMESPACE_PARAM = "strata_namespace"
-"""The key of kv_transfer_params naming a request's namespace (else its cache_salt names it)."""
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-
 HIT_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 """vLLM's name for the tier that served a hit (it has none for a distributed store)."""
-
-
-def namespace_of(request: Request) -> str:
-    """The namespace a request's blocks belong to: kv_transfer_params' strata_namespace, else
-    its cache_salt, else the default. ValueError naming the value when it is not a namespace name."""
-    params = request.kv_transfer_params or {}
-    name = params.get(NAMESPACE_PARAM) if isinstance(params, Mapping) else None
-    name = name or request.cache_salt or DEFAULT_NAMESPACE
-    if not isinstance(name, str) or not _NAMESPACE_RE.match(name):
-        raise ValueError(
-            f"namespace {name!r} (kv_transfer_params.{NAMESPACE_PARAM} or cache_salt) must be 1-63 "
-            f"letters, digits, '.', '_' or '-'"
-        )
-    return name
 
 
 @dataclasses.dataclass
@@ -88,7 +82,10 @@ class Tracked:
 
     request: Request
     namespace: str | None
+    """None: the request is served uncached (`trace.uncached` says why)."""
     trace: RequestTrace
+    scope: KeyScope | None = None
+    """Its adapter and cache salt, once known (the adapter's digest may take a lookup thread)."""
     fingerprints: list[BlockFingerprint] = dataclasses.field(default_factory=list)
     plan: Plan | None = None
     pending: Future[Plan] | None = None
@@ -113,6 +110,19 @@ class SchedulerHalf:
             raise ValueError(
                 f"StrataConnector: vLLM's block size {page_tokens} must divide Strata's block_tokens "
                 f"{self.block_tokens}"
+            )
+        self.policy = NamespacePolicy(
+            default_namespace=runtime.config.default_namespace,
+            client_namespaces=runtime.config.client_namespaces,
+            namespace_secret=runtime.config.namespace_secret,
+        )
+        self.adapters = AdapterDigests()
+        self.unknown_fields = frozenset(unknown_fields(VllmRequest))
+        if self.unknown_fields:
+            log.warning(
+                "StrataConnector: vLLM's requests carry fields Strata does not key (%s); a request that sets one "
+                "is served uncached",
+                ", ".join(sorted(self.unknown_fields)),
             )
         self.requests: dict[str, Tracked] = {}
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
@@ -154,18 +164,25 @@ class SchedulerHalf:
                 started_at=float(request.arrival_time),
             )
             namespace: str | None = None
-            if request.prompt_token_ids is None or request.mm_features:
-                log.debug("request %s: prompt embeddings or media are not cached", request.request_id)
-            else:
+            reason = uncached_reason(request, self.unknown_fields)
+            if not reason:
                 try:
-                    namespace = namespace_of(request)
+                    namespace = self.policy.namespace_of(request.kv_transfer_params)
                 except ValueError as exc:
                     log.warning("request %s runs without the cache: %s", request.request_id, exc)
-                    self.manager.counters.add("lookup_failures")
+                    reason = "namespace"
+            if reason:
+                self._uncached(trace, reason)
             trace.namespace = namespace or ""
             tracked = Tracked(request=request, namespace=namespace, trace=trace)
             self.requests[request.request_id] = tracked
         return tracked
+
+    def _uncached(self, trace: RequestTrace, reason: str) -> None:
+        """Serve the request without the cache, and count why."""
+        log.debug("request %s is served uncached: %s", trace.request_id, reason)
+        trace.uncached = reason
+        self.manager.counters.add(f"uncached.{reason}")
 
     def matched_tokens(self, request: Request, computed: int) -> int | None:
         """Tokens beyond `computed` (vLLM's own prefix cache) that Strata can load; None while the
@@ -183,19 +200,23 @@ class SchedulerHalf:
                 return None
             tracked.plan, tracked.pending = tracked.pending.result(), None
             self._record_plan(tracked)
+            if tracked.namespace is None:  # found unkeyable on the way (an adapter it cannot read)
+                return 0
         hit_tokens = min(len(tracked.plan.hits) * self.block_tokens, request.num_tokens - 1)
         return max(0, hit_tokens - computed)
 
     def _start_lookup(self, tracked: Tracked) -> Future[Plan]:
-        """The lookup, here if it needs no round trip (the salt is known and the node's own tiers
-        answer for every block, or there is no directory to ask: nothing remote, no shared
-        namespace), else on a lookup thread."""
+        """The lookup, here if it needs no round trip (the namespace's salt and the adapter's
+        digest are known and the node's own tiers answer for every block, or there is no
+        directory to ask: nothing remote, no shared namespace), else on a lookup thread."""
         tokens = list(tracked.request.all_token_ids)
         namespace = tracked.namespace
         assert namespace is not None
         manager = self.manager
-        if manager.knows_salt(namespace):
-            fingerprints = manager.fingerprints(tokens, namespace)
+        if tracked.scope is None:
+            tracked.scope = scope_of(tracked.request, self.adapters, wait=False)
+        if tracked.scope is not None and manager.knows_salt(namespace):
+            fingerprints = manager.fingerprints(tokens, namespace, scope=tracked.scope)
             found = manager.locate_local([fp.prefix_key for fp in fingerprints])
             alone = "remote" not in manager.store.names and manager.directory is None
             if manager.first_miss(fingerprints, found) == len(fingerprints) or alone:
@@ -208,9 +229,16 @@ class SchedulerHalf:
         namespace = tracked.namespace
         assert namespace is not None
         try:
+            if tracked.scope is None:
+                tracked.scope = scope_of(tracked.request, self.adapters, wait=True)
             # The namespace's own chain, or a shared namespace's blocks leading the prompt; the
             # blocks saved later continue whichever chain won (`_continue`).
-            fingerprints, held, _ = self.manager.lookup_prompt(tokens, namespace)
+            fingerprints, held, _ = self.manager.lookup_prompt(tokens, namespace, scope=tracked.scope)
+        except AdapterUnreadable as exc:
+            log.warning("request %s runs without the cache: %s", tracked.request.request_id, exc)
+            self._uncached(tracked.trace, "adapter")
+            tracked.namespace = None
+            return Plan([], 0, [], Decision("no-hit"), time.perf_counter() - started)
         except (DirectoryUnavailable, ValueError) as exc:  # the database is down; an unknown namespace
             log.warning("request %s runs without the cache: %s", tracked.request.request_id, exc)
             self.manager.counters.add("lookup_failures")
@@ -280,58 +308,116 @@ class SchedulerHalf:
             self._step(tracked, cached.num_computed_tokens[i], output.num_scheduled_tokens[req_id], meta)
         return meta
 
+    def refused(self, output: SchedulerOutput, reason: str) -> StrataMetadata:
+        """The step's work when building it failed as a whole: every load promised to a request
+        scheduled in it, refused, so that the worker reports their pages and vLLM recomputes them."""
+        meta = StrataMetadata(scheduled_tokens=output.total_num_scheduled_tokens)
+        scheduled = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
+        cached = output.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, computed in scheduled:
+            tracked = self.requests.get(req_id)
+            if tracked is not None and tracked.load_tokens > 0:
+                meta.loads.append(self._refused_load(tracked, computed, reason))
+        return meta
+
     def _step(self, tracked: Tracked, computed: int, scheduled: int, meta: StrataMetadata) -> None:
-        request, size = tracked.request, self.block_tokens
+        """One request's part of the step: its load (always handed over when one was promised),
+        its saves, its prefill's end. A failure loses the request's own saves, nothing else."""
         if not tracked.scheduled:
             tracked.scheduled = True
             tracked.first_step_at = time.time()
             tracked.trace.cached_tokens = computed  # vLLM's own prefix cache and what Strata loads
-        if tracked.load_tokens > 0 and tracked.plan is not None and tracked.namespace is not None:
-            start, end = computed - tracked.load_tokens, computed
-            first, last = start // size, -(-end // size)
-            hits = tracked.plan.hits[first:last]
-            tracked.load = LoadSpec(
-                request_id=request.request_id,
-                namespace=tracked.namespace,
-                keys=[h.key for h in hits],
-                tiers=[h.tier for h in hits],
-                first_block=first,
-                start=start,
-                end=end,
-                pages=list(tracked.pages),
-            )
-            meta.loads.append(tracked.load)
-            tracked.trace.prefix_tokens = end - start
-            tracked.trace.hit_blocks_by_tier = dict(collections.Counter(h.tier for h in hits))
-            self.manager.touch_hits(tracked.namespace, hits)
-            tracked.load_tokens = 0
-        done = min(computed + scheduled, request.num_tokens)
-        full = done // size
-        if tracked.namespace is not None and full > tracked.stored:
-            fingerprints = self._fingerprints(tracked, full)
-            if fingerprints is not None:
-                meta.saves.append(
-                    SaveSpec(
-                        request_id=request.request_id,
-                        namespace=tracked.namespace,
-                        pages=list(tracked.pages),
-                        blocks=[
-                            (fp.index, fp.prefix_key, fp.content_key) for fp in fingerprints[tracked.stored : full]
-                        ],
-                    )
+        if tracked.load_tokens > 0:
+            try:
+                meta.loads.append(self._load(tracked, computed))
+            except Exception as exc:  # noqa: BLE001 - the promised pages are recomputed, never left unfilled
+                log.exception(
+                    "request %s: its load could not be planned; vLLM recomputes it", tracked.request.request_id
                 )
-                tracked.stored = full
-        if not tracked.prefilled and done >= request.num_prompt_tokens:
+                meta.loads.append(self._refused_load(tracked, computed, f"load not planned: {exc}"))
+            tracked.load_tokens = 0
+        try:
+            self._saves(tracked, computed, scheduled, meta)
+        except Exception:  # noqa: BLE001 - blocks not saved are a future miss, never another request's loss
+            log.exception("request %s: this step's blocks are not saved", tracked.request.request_id)
+            self.manager.counters.add("write_back.unplanned")
+        request = tracked.request
+        if not tracked.prefilled and min(computed + scheduled, request.num_tokens) >= request.num_prompt_tokens:
             tracked.prefilled = True
             meta.prefills_done.append(request.request_id)
+
+    def _load(self, tracked: Tracked, computed: int) -> LoadSpec:
+        """The load vLLM was promised for this request (its tokens before `computed` that vLLM's
+        own cache does not hold), as a spec for the worker."""
+        request, size = tracked.request, self.block_tokens
+        plan, namespace = tracked.plan, tracked.namespace
+        if plan is None or namespace is None:
+            raise RuntimeError("a load was promised for a request without a plan")
+        start, end = computed - tracked.load_tokens, computed
+        first, last = start // size, -(-end // size)
+        hits = plan.hits[first:last]
+        if len(hits) != last - first:
+            raise RuntimeError(f"tokens {start}..{end} need blocks {first}..{last}, the plan holds {len(plan.hits)}")
+        tracked.load = LoadSpec(
+            request_id=request.request_id,
+            namespace=namespace,
+            keys=[h.key for h in hits],
+            tiers=[h.tier for h in hits],
+            first_block=first,
+            start=start,
+            end=end,
+            pages=list(tracked.pages),
+        )
+        tracked.trace.prefix_tokens = end - start
+        tracked.trace.hit_blocks_by_tier = dict(collections.Counter(h.tier for h in hits))
+        self.manager.touch_hits(namespace, hits)
+        return tracked.load
+
+    def _refused_load(self, tracked: Tracked, computed: int, reason: str) -> LoadSpec:
+        """A load the worker does not read but reports as failed: its pages are recomputed."""
+        start, end = computed - tracked.load_tokens, computed
+        tracked.load = LoadSpec(
+            request_id=tracked.request.request_id,
+            namespace=tracked.namespace or "",
+            keys=[],
+            tiers=[],
+            first_block=start // self.block_tokens,
+            start=start,
+            end=end,
+            pages=list(tracked.pages),
+            refused=reason,
+        )
+        return tracked.load
+
+    def _saves(self, tracked: Tracked, computed: int, scheduled: int, meta: StrataMetadata) -> None:
+        """The full blocks this step completes that are not stored yet."""
+        request, size = tracked.request, self.block_tokens
+        full = min(computed + scheduled, request.num_tokens) // size
+        if tracked.namespace is None or full <= tracked.stored:
+            return
+        fingerprints = self._fingerprints(tracked, full)
+        if fingerprints is None:
+            return
+        meta.saves.append(
+            SaveSpec(
+                request_id=request.request_id,
+                namespace=tracked.namespace,
+                pages=list(tracked.pages),
+                blocks=[(fp.index, fp.prefix_key, fp.content_key) for fp in fingerprints[tracked.stored : full]],
+            )
+        )
+        tracked.stored = full
 
     def _fingerprints(self, tracked: Tracked, blocks: int) -> list[BlockFingerprint] | None:
         """The request's first `blocks` block keys (its output tokens too, as they grow)."""
         have = tracked.fingerprints
         if len(have) < blocks:
             assert tracked.namespace is not None
+            if tracked.scope is None:  # its lookup has not run: its keys are not known yet
+                return None
             try:
-                fingerprinter = self.manager.fingerprinter(tracked.namespace)
+                fingerprinter = self.manager.fingerprinter(tracked.namespace, tracked.scope)
             except DirectoryUnavailable as exc:
                 log.warning("request %s: blocks not saved: %s", tracked.request.request_id, exc)
                 return None

@@ -127,6 +127,12 @@ class WorkerHalf:
         if meta is None or paged is None:
             return
         for spec in meta.loads:
+            if spec.refused:
+                log.warning("request %s: load refused (%s); vLLM recomputes its pages", spec.request_id, spec.refused)
+                self._invalidate(spec)
+                self.manager.counters.add("load_failures")
+                self.report.loads[spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=spec.refused)
+                continue
             try:
                 hits = [
                     Hit(index=spec.first_block + i, key=key, tier=tier)
