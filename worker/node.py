@@ -75,7 +75,7 @@ class NodeRuntime:
         model = load_model(config.model, dtype=config.model_dtype or None)
         profile = model.profile(config.block_tokens)
         modelprofile_ensure(profile=profile)
-        namespace_ensure(name="default")
+        namespace_ensure(name=config.default_namespace)
         for namespace in set(config.api_keys.values()):
             namespace_ensure(name=namespace)
         self.store = build_store(config, profile=profile, environ=self._tier_environ())
@@ -103,6 +103,9 @@ class NodeRuntime:
             node=config.node_name,
             api_keys=config.api_keys,
             admin_key=config.node_admin_key,
+            namespace_header=config.namespace_header,
+            client_namespaces=config.client_namespaces,
+            default_namespace=config.default_namespace,
         ).start()
 
     def _start_vllm(self) -> None:
@@ -119,7 +122,7 @@ class NodeRuntime:
         dtype = config.model_dtype or checkpoint_profile(checkpoint, block_tokens=config.block_tokens).dtype
         profile = checkpoint_profile(checkpoint, dtype=dtype, block_tokens=config.block_tokens)
         modelprofile_ensure(profile=profile)
-        namespace_ensure(name="default")
+        namespace_ensure(name=config.default_namespace)
         for namespace in set(config.api_keys.values()):
             namespace_ensure(name=namespace)
         tiers = [name for name in config.tiers if name != "device"]  # vLLM's own pages are L1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -43,8 +44,20 @@ CONNECTOR_OPTIONS = (
     "copy_threads",
     "block_tokens",
     "serve_host",
+    "namespace_header",
+    "client_namespaces",
+    "default_namespace",
 )
-"""The node options the connector inside vLLM reads (handed over as STRATA_* variables)."""
+"""The node options the connector inside vLLM reads (handed over as STRATA_* variables; the
+tenants' API keys and the namespace secret are handed over by `server_environ` too)."""
+
+NAMESPACE_MIDDLEWARE = "worker.dataplane.connectors.vllm.tenancy.NamespaceMiddleware"
+"""vLLM's API server middleware that places requests in namespaces by API key or trusted header."""
+
+
+def places_by_identity(config: NodeConfig) -> bool:
+    """Whether the vLLM server needs NamespaceMiddleware (API keys or a trusted header)."""
+    return bool(config.api_keys or config.namespace_header)
 
 
 def kv_transfer_config(config: NodeConfig) -> dict[str, object]:
@@ -73,6 +86,7 @@ def server_command(config: NodeConfig, *, model: str, dtype: str) -> list[str]:
         dtype,
         "--kv-transfer-config",
         json.dumps(kv_transfer_config(config)),
+        *(["--middleware", NAMESPACE_MIDDLEWARE] if places_by_identity(config) else []),
         *config.vllm_args,
     ]
 
@@ -81,6 +95,11 @@ def server_environ(config: NodeConfig, environ: Mapping[str, str]) -> dict[str, 
     """The node's environment plus its options (flags included) as the connector reads them."""
     options = {f"STRATA_{name.upper()}": str(getattr(config, name)) for name in CONNECTOR_OPTIONS}
     options["STRATA_DISK_PATH"] = str(config.node_disk_path.resolve())
+    options["STRATA_API_KEYS"] = ",".join(f"{key}={namespace}" for key, namespace in config.api_keys.items())
+    # The middleware vouches for the namespaces it places with this secret, and the connector in
+    # vLLM's engine checks it: one made for this server unless the operator gave one.
+    secret = config.namespace_secret or (secrets.token_urlsafe(32) if places_by_identity(config) else "")
+    options["STRATA_NAMESPACE_SECRET"] = secret
     return {**environ, **options}
 
 

@@ -33,10 +33,15 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+Tenants = dict[str, dict[str, str]]
+"""Per namespace, the tenant's api_key (the node places its requests by it) and cache_salt (its secret)."""
+
+
 class Client:
-    def __init__(self, base: str, *, timeout: float = 600.0) -> None:
+    def __init__(self, base: str, *, timeout: float = 600.0, tenants: Tenants | None = None) -> None:
         self.base = base.rstrip("/")
         self.timeout = timeout
+        self.tenants = tenants or {}
         self.model = self._model()
 
     def _model(self) -> str:
@@ -44,22 +49,26 @@ class Client:
             return str(json.loads(response.read())["data"][0]["id"])
 
     def chat(self, messages: list[dict[str, str]], *, max_tokens: int, namespace: str) -> tuple[str, dict, float]:
-        # The namespace goes as the header Strata's node server reads and as vLLM's cache_salt,
-        # which StrataConnector reads (each server ignores the other's).
-        body = json.dumps(
-            {
-                "model": self.model,
-                "messages": messages,
-                "max_tokens": max_tokens,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "cache_salt": namespace,
-            }
-        ).encode()
+        # The tenant's API key places the request in its namespace (on either engine); its cache
+        # salt keys its blocks (vLLM's cache_salt; Strata's node server ignores it). Without
+        # credentials for the namespace, the namespace is named by the header, which a node
+        # honours only with STRATA_CLIENT_NAMESPACES.
+        payload: dict[str, object] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        headers = {"Content-Type": "application/json"}
+        tenant = self.tenants.get(namespace)
+        if tenant is not None:
+            headers["Authorization"] = f"Bearer {tenant['api_key']}"
+            payload["cache_salt"] = tenant["cache_salt"]
+        else:
+            headers["X-Strata-Namespace"] = namespace
         request = urllib.request.Request(
-            self.base + "/v1/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json", "X-Strata-Namespace": namespace},
+            self.base + "/v1/chat/completions", data=json.dumps(payload).encode(), headers=headers
         )
         sent = time.perf_counter()
         first = None
@@ -168,7 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system-words", type=int, default=120, help="words in each tenant's system prompt")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--requests", type=int, default=None, help="stop after this many requests per client")
+    parser.add_argument(
+        "--tenants", help="JSON file of each namespace's api_key and cache_salt (the demo's var/tenants.json)"
+    )
     args = parser.parse_args(argv)
+    tenants: Tenants = {}
+    if args.tenants:
+        try:
+            with open(args.tenants) as handle:
+                tenants = json.load(handle)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--tenants: cannot read {args.tenants}: {exc}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -177,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     for url in args.node:
         while True:
             try:
-                clients.append(Client(url))
+                clients.append(Client(url, tenants=tenants))
                 break
             except (urllib.error.URLError, OSError):
                 if time.monotonic() > deadline:
@@ -219,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.rag_node:
-        rag = next((c for c in clients if c.base == args.rag_node.rstrip("/")), None) or Client(args.rag_node)
+        rag = next((c for c in clients if c.base == args.rag_node.rstrip("/")), None) or Client(
+            args.rag_node, tenants=tenants
+        )
         log.info("RAG requests (shared passages in new orders, namespace %s) go to %s", RAG_NAMESPACE, rag.base)
         threads.append(
             threading.Thread(

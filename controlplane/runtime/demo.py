@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import secrets
 import shlex
@@ -52,6 +53,29 @@ def node_admin_key(var: Path) -> str:
     return path.read_text().strip()
 
 
+TENANTS = ("default", "acme", "globex", "rag")
+"""The demo's tenant namespaces (rag: the RAG requests)."""
+
+
+def tenant_credentials(var: Path) -> dict[str, dict[str, str]]:
+    """Each demo tenant's API key (the nodes place its requests in its namespace by it) and cache
+    salt (its secret: its blocks are keyed with it), made once and kept in var/tenants.json
+    (readable by its owner only), where the workload driver reads them."""
+    path = var / "tenants.json"
+    known: dict[str, dict[str, str]] = {}
+    if path.exists():
+        known = json.loads(path.read_text())
+    if set(known) != set(TENANTS):
+        known = {
+            name: {"api_key": f"tenant-{secrets.token_urlsafe(24)}", "cache_salt": secrets.token_urlsafe(24)}
+            for name in TENANTS
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(json.dumps(known, indent=2))
+    return known
+
+
 def _manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, str(REPO_ROOT / "manage.py"), *args], env=env, check=True, cwd=REPO_ROOT)
 
@@ -75,7 +99,12 @@ def demo_engines(value: str) -> list[str]:
 
 
 def _procfile(
-    port: int, model: str, first_node_port: int, api_port: int, engines: list[str] | None = None
+    port: int,
+    model: str,
+    first_node_port: int,
+    api_port: int,
+    engines: list[str] | None = None,
+    tenants: Path = Path("var/tenants.json"),
 ) -> list[tuple[str, str]]:
     python = shlex.quote(sys.executable)
     celery = f"{python} -m celery -A controlplane.celery_app"
@@ -104,7 +133,9 @@ def _procfile(
     if blending is not None:
         node_urls.append(f"--rag-node http://127.0.0.1:{first_node_port + blending}")
     if model:
-        processes.append(("workload", f"{python} -m worker.workload {' '.join(node_urls)}"))
+        processes.append(
+            ("workload", f"{python} -m worker.workload --tenants {shlex.quote(str(tenants))} {' '.join(node_urls)}")
+        )
     processes += [
         (
             "control",
@@ -150,19 +181,21 @@ def run(port: int, model: str, api_port: int, engines: list[str] | None = None) 
     env_vars.setdefault("STRATA_HOST_POOL_NAME", f"{_pool_prefix(env.var_dir)}-{{node}}")
     env_vars.setdefault("STRATA_HOST_BYTES", "512MiB")
     env_vars.setdefault("STRATA_NODE_ADMIN_KEY", node_admin_key(env.var_dir))
+    tenants = tenant_credentials(env.var_dir)
+    env_vars.setdefault("STRATA_API_KEYS", ",".join(f"{t['api_key']}={name}" for name, t in tenants.items()))
     if "vllm" in (engines or []):
         env_vars.setdefault("STRATA_VLLM_ARGS", VLLM_ARGS)
         env_vars.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     _manage("migrate", "--noinput", "-v", "0", env=env_vars)
     _manage("collectstatic", "--noinput", "-v", "0", env=env_vars)
     _manage("strata_admin", env=env_vars)
-    _manage("strata_namespace", "default", "acme", "globex", "rag", env=env_vars)  # rag: the RAG requests
+    _manage("strata_namespace", *TENANTS, env=env_vars)
 
     pid_file.write_text(str(os.getpid()))
     manager = Manager()
     first_node_port = int(os.environ.get("STRATA_DEMO_NODE_PORT", "9100"))
     credentials = _node_credentials(env.var_dir, env_vars)
-    for name, command in _procfile(port, model, first_node_port, api_port, engines):
+    for name, command in _procfile(port, model, first_node_port, api_port, engines, env.var_dir / "tenants.json"):
         process_env = {**env_vars, "DATABASE_URL": credentials[name]} if name in credentials else env_vars
         manager.add_process(name, command, env=process_env, cwd=str(REPO_ROOT))
     base = f"http://127.0.0.1:{port}"

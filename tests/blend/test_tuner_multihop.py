@@ -42,7 +42,9 @@ def node() -> Iterator[NodeServer]:
         max_percent=CEILING,
         reprobe_seconds=0,
     )
-    server = NodeServer(engine=engine, host="127.0.0.1", port=0, node="multihop", admin_key=ADMIN_KEY).start()
+    server = NodeServer(
+        engine=engine, host="127.0.0.1", port=0, node="multihop", admin_key=ADMIN_KEY, client_namespaces=True
+    ).start()
     yield server
     server.stop()
     engine.close()

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.engine.conftest import engine_for
-from worker.dataplane.engine.server import NodeServer
+from worker.dataplane.engine.server import NAMESPACE_HEADER, NodeServer
 from worker.dataplane.engine.timelines import RECENT
 from worker.dataplane.offload import RequestTrace
 
@@ -19,7 +19,9 @@ from worker.dataplane.offload import RequestTrace
 def server(models, make_store) -> Iterator[NodeServer]:
     model = models("tiny")
     engine = engine_for(model, make_store(model, ("device", "host")), write_back_tier="host", keep_in_device=True)
-    node = NodeServer(engine=engine, host="127.0.0.1", port=0, node="test-node", admin_key=ADMIN).start()
+    node = NodeServer(
+        engine=engine, host="127.0.0.1", port=0, node="test-node", admin_key=ADMIN, client_namespaces=True
+    ).start()
     yield node
     node.stop()
 
@@ -89,6 +91,31 @@ def test_namespace_header_isolates_tenants(client):
     a = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_headers={"X-Strata-Namespace": "a"})
     assert b.usage.prompt_tokens_details.cached_tokens == 0
     assert a.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_namespace_comes_from_an_identity_the_operator_controls(models, make_store):
+    model = models("tiny")
+    engine = engine_for(model, make_store(model, ("host",)))
+    prompt = "tenant identity " * 10
+    closed = NodeServer(engine=engine, host="127.0.0.1", port=0, node="closed", default_namespace="b").start()
+    gateway = NodeServer(engine=engine, host="127.0.0.1", port=0, node="gw", namespace_header="X-Tenant").start()
+    try:
+        client = openai.OpenAI(base_url=f"http://{closed.address}/v1", api_key="unused", max_retries=0)
+        # A client naming its namespace is refused, with the reason, when the node does not take claims.
+        with pytest.raises(openai.PermissionDeniedError, match="does not take namespaces from clients"):
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_headers={NAMESPACE_HEADER: "a"})
+        # Without a claim, the node's default namespace ("b" here) holds the request's blocks.
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+        assert engine.traces[-1].namespace == "b"
+        # Behind a trusted gateway, its header names the namespace; a malformed one is refused by name.
+        through = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0)
+        through.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_headers={"X-Tenant": "a"})
+        assert engine.traces[-1].namespace == "a"
+        with pytest.raises(openai.BadRequestError, match="X-Tenant must be 1-63"):
+            through.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_headers={"X-Tenant": "no!"})
+    finally:
+        closed.stop()
+        gateway.stop()
 
 
 def test_api_keys_choose_the_namespace(models, make_store):

@@ -24,6 +24,7 @@ def serving_node(subprocess_env, python, tmp_path) -> Iterator[tuple[str, int]]:
         "STRATA_HOST_BYTES": "64MiB",
         "STRATA_DEVICE_BYTES": "8MiB",
         "STRATA_TIERS": "device,host,disk",
+        "STRATA_CLIENT_NAMESPACES": "true",  # the tests name tenants by X-Strata-Namespace
     }
     process = subprocess.Popen(
         [

@@ -46,6 +46,7 @@ def start_node(subprocess_env, python, tmp_path, settings) -> Iterator[Callable[
             "STRATA_REMOTE_PREFIX": prefix,
             "STRATA_REMOTE_BYTES": "64MiB",
             "STRATA_NODE_ADMIN_KEY": ADMIN_KEY,
+            "STRATA_CLIENT_NAMESPACES": "true",  # tenants named by X-Strata-Namespace
         }
         command = [python, "manage.py", "strata_node", "--name", name, "--heartbeat-seconds", "0.5"]
         command += ["--model", "tiny", "--serve-port", str(port)]

@@ -44,10 +44,18 @@ class NodeServer:
         api_keys: Mapping[str, str] | None = None,
         served_name: str | None = None,
         admin_key: str = "",
+        namespace_header: str = "",
+        client_namespaces: bool = False,
+        default_namespace: str = "default",
     ) -> None:
         self.engine = engine
         self.node = node
         self.api_keys = dict(api_keys or {})
+        self.namespace_header = namespace_header
+        """A header a trusted gateway sets to name the namespace ("" for none)."""
+        self.client_namespaces = client_namespaces
+        """Whether a client may name its namespace itself (X-Strata-Namespace)."""
+        self.default_namespace = default_namespace
         if admin_key and admin_key in self.api_keys:
             # A tenant holding it could then change every tenant's settings.
             raise ValueError("node_admin_key: the admin key is also a tenant's API key (api_keys)")
@@ -87,14 +95,19 @@ class NodeServer:
 
     # -- request handling -------------------------------------------------------------------
     def namespace_of(self, headers: Message) -> str:
+        """A request's namespace, from an identity the operator controls: its API key (api_keys),
+        else the header a trusted gateway sets (namespace_header), else the client's own
+        X-Strata-Namespace where the operator allows it (client_namespaces), else the default. A
+        client naming a namespace the node does not take from clients is refused, not quietly
+        moved to another namespace."""
         key = access.bearer(headers)
+        asked = headers.get(NAMESPACE_HEADER)
         if self.api_keys:
             if key not in self.api_keys:
                 raise ApiError(
                     HTTPStatus.UNAUTHORIZED, "unknown API key", kind="authentication_error", code="invalid_api_key"
                 )
             namespace = self.api_keys[key]
-            asked = headers.get(NAMESPACE_HEADER)
             if asked and asked != namespace:
                 raise ApiError(
                     HTTPStatus.FORBIDDEN,
@@ -102,9 +115,23 @@ class NodeServer:
                     kind="permission_error",
                 )
             return namespace
-        namespace = headers.get(NAMESPACE_HEADER) or "default"
+        if self.namespace_header and (trusted := headers.get(self.namespace_header)):
+            return self._checked(self.namespace_header, trusted)
+        if asked:
+            if not self.client_namespaces:
+                raise ApiError(
+                    HTTPStatus.FORBIDDEN,
+                    f"{NAMESPACE_HEADER}: this node does not take namespaces from clients (STRATA_CLIENT_NAMESPACES "
+                    "is off); a namespace comes from an API key or a trusted gateway's header",
+                    kind="permission_error",
+                )
+            return self._checked(NAMESPACE_HEADER, asked)
+        return self.default_namespace
+
+    @staticmethod
+    def _checked(header: str, namespace: str) -> str:
         if not namespace.replace("-", "").replace("_", "").replace(".", "").isalnum() or len(namespace) > 63:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"{NAMESPACE_HEADER} must be 1-63 letters, digits, '-', '_' or '.'")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"{header} must be 1-63 letters, digits, '-', '_' or '.'")
         return namespace
 
     def check_admin(self, headers: Message) -> None:

@@ -120,7 +120,8 @@ class NamespaceMiddleware:
     """ASGI middleware for vLLM's API server: writes the namespace of each request's identity (API
     key or gateway header, see `Identities`) into the JSON body's kv_transfer_params, tagged for
     the connector; refuses a request with an unknown API key (401) or a malformed gateway
-    header (400), naming why. Bodies it does not place pass unchanged."""
+    header (400), naming why. Only POSTs under /v1/ are placed (the requests that run the
+    model); bodies it does not place pass unchanged."""
 
     def __init__(self, app: ASGIApp, identities: Identities | None = None) -> None:
         self.app = app
@@ -136,8 +137,12 @@ class NamespaceMiddleware:
         self.identities = identities
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http" or not str(scope.get("path", "")).startswith("/v1/"):
-            await self.app(scope, receive, send)
+        if (
+            scope.get("type") != "http"
+            or scope.get("method") != "POST"
+            or not str(scope.get("path", "")).startswith("/v1/")
+        ):
+            await self.app(scope, receive, send)  # no request to place (a GET of /v1/models, /metrics, ...)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         namespace, refusal = self.identities.namespace(headers)
@@ -145,7 +150,7 @@ class NamespaceMiddleware:
             status = 401 if self.identities.api_keys else 400
             await _refuse(send, status, refusal)
             return
-        if namespace is None or scope.get("method") != "POST":
+        if namespace is None:
             await self.app(scope, receive, send)
             return
         body = bytearray()
