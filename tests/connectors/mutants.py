@@ -1,0 +1,125 @@
+"""Connectors for the differential test (vLLM loads them by kv_connector_module_path
+"tests.connectors.mutants"): StrataConnector with a fault a test can ask for, and copies of it with
+one of the fixes that keep its KV exact turned off, to show that the differential test fails
+without each of them. The patches apply to the processes of the engine that loads the class only.
+
+    FaultyStrataConnector   every fix on; a request with kv_transfer_params strata_test_fault="save"
+                            cannot have its blocks saved (as when its namespace is removed mid-flight)
+    LoraKeyingOff           keys ignore the LoRA adapter
+    SaltKeyingOff           keys ignore the cache salt
+    ContentIdentityOff      the model's revision is its files' names, sizes and times, not their content
+    L3VerificationOff       remote blocks are checked against their own checksums only
+    StepIsolationOff        one request failing to plan its step drops the step's work for every request
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from worker.dataplane.connectors.vllm import connector as connector_module
+from worker.dataplane.connectors.vllm import scheduler_half
+from worker.dataplane.connectors.vllm.metadata import StrataMetadata
+from worker.dataplane.connectors.vllm.requests import scope_of
+from worker.dataplane.engine.models import WEIGHT_SUFFIXES
+from worker.vllm_connector import StrataConnector
+
+FAULT_PARAM = "strata_test_fault"
+
+
+def _fail_marked_saves(half: Any) -> None:
+    planned = half._fingerprints
+
+    def fingerprints(tracked: Any, blocks: int) -> Any:
+        params = tracked.request.kv_transfer_params or {}
+        if params.get(FAULT_PARAM) == "save":
+            raise ValueError("namespace: no namespace named 'removed-mid-flight'")
+        return planned(tracked, blocks)
+
+    half._fingerprints = fingerprints
+
+
+class FaultyStrataConnector(StrataConnector):
+    """StrataConnector with every fix on, and saves that fail for requests marked to fail."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.patch()
+        super().__init__(*args, **kwargs)
+        if self.scheduler is not None:
+            _fail_marked_saves(self.scheduler)
+
+    def patch(self) -> None:
+        """Turn a fix off (in this engine's processes) before the connector opens."""
+
+
+class LoraKeyingOff(FaultyStrataConnector):
+    def patch(self) -> None:
+        def without_adapter(request: Any, adapters: Any, *, wait: bool) -> Any:
+            scope = scope_of(request, adapters, wait=wait)
+            return None if scope is None else dataclasses.replace(scope, adapter="")
+
+        scheduler_half.scope_of = without_adapter  # type: ignore[attr-defined]
+
+
+class SaltKeyingOff(FaultyStrataConnector):
+    def patch(self) -> None:
+        def without_salt(request: Any, adapters: Any, *, wait: bool) -> Any:
+            scope = scope_of(request, adapters, wait=wait)
+            return None if scope is None else dataclasses.replace(scope, salt="")
+
+        scheduler_half.scope_of = without_salt  # type: ignore[attr-defined]
+
+
+def metadata_revision(path: Path) -> str:
+    """A checkpoint's identity from its config and its weight files' names, sizes and modification
+    times (what two checkpoints built reproducibly share whatever their weights)."""
+    digest = hashlib.blake2b(digest_size=16, person=b"strata-ckpt")
+    digest.update((path / "config.json").read_bytes())
+    for weights in sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
+        stat = weights.stat()
+        digest.update(f"\0{weights.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return f"local-{digest.hexdigest()}"
+
+
+class ContentIdentityOff(FaultyStrataConnector):
+    def patch(self) -> None:
+        profile_for = connector_module.profile_for
+
+        def by_metadata(vllm_config: Any, block_tokens: int) -> Any:
+            profile = profile_for(vllm_config, block_tokens)
+            return dataclasses.replace(profile, revision=metadata_revision(Path(vllm_config.model_config.model)))
+
+        connector_module.profile_for = by_metadata  # type: ignore[attr-defined]
+
+
+class StepIsolationOff(FaultyStrataConnector):
+    """A request's failure while its step is planned escapes, and the step goes with no work."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.scheduler is not None:
+            self.scheduler._step = functools.partial(_unguarded_step, self.scheduler)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        assert self.scheduler is not None
+        try:
+            return self.scheduler.build(scheduler_output)
+        except Exception:  # noqa: BLE001 - the step's loads dropped, as before the fix
+            return StrataMetadata()
+
+
+def _unguarded_step(half: Any, tracked: Any, computed: int, scheduled: int, meta: Any) -> None:
+    if not tracked.scheduled:
+        tracked.scheduled = True
+        tracked.cached_tokens = computed
+    if tracked.load_tokens > 0:
+        meta.loads.append(half._load(tracked, computed))
+        tracked.load_tokens = 0
+    half._saves(tracked, computed, scheduled, meta)
+    request = tracked.request
+    if not tracked.prefilled and min(computed + scheduled, request.num_tokens) >= request.num_prompt_tokens:
+        tracked.prefilled = True
+        meta.prefills_done.append(request.request_id)

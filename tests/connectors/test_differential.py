@@ -1,0 +1,529 @@
+"""vLLM with Strata answers as vLLM alone does: the same rounds of requests served by both, compared
+token by token and by top-5 logprobs at every position (tests/connectors/differential.py), with a
+tolerance measured from vLLM alone against itself, and every request's cached tokens held to what
+vLLM alone could have shared.
+
+The checkpoint is the multi-hop blend fixture (a trained 8-layer Llama whose answer is a value it
+must find through two passages: the answer depends on the context, unlike a random-weight
+model's), under two LoRA adapters; and a second checkpoint with the same directory name, file
+names, sizes and modification times but other weights. The rounds mix what operators run:
+concurrent requests of salted and unsalted tenants and of both adapters, hits sharing steps with
+cold prefills, floods that push every prompt out of vLLM's pages between rounds so hits come from
+host, then disk, then remote, forged remote values, a request whose blocks cannot be saved in the
+same step as hits, and decodes long enough to be preempted.
+
+Then each fix is turned off in turn (tests/connectors/mutants.py) and the same comparison must
+fail: LoRA keying, salt keying, content model identity, L3 verification, step isolation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.connectors.conftest import environment
+from tests.connectors.differential import (
+    Answer,
+    Ask,
+    Sharing,
+    compare,
+    deviation,
+    run_round,
+    tolerance,
+)
+from tests.support import RedisServer, free_port, node_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "blend-multihop"
+BLOCK = 64
+"""Strata's block in these engines: a 259-token question is 4 blocks."""
+PAGES = 64
+"""vLLM's KV space: 64 pages of 32 tokens (2048 tokens, eight questions)."""
+FAULT = (("strata_test_fault", "save"),)
+
+
+# -- what the engines serve --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    x: Path
+    y: Path
+    """Another checkpoint with x's directory name, file names, sizes and times, other weights."""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Checkpoints:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    x, y = root / "x" / "multihop", root / "y" / "multihop"
+    shutil.copytree(FIXTURE, x)
+    shutil.copytree(FIXTURE, y)
+    weights = load_file(x / "model.safetensors")
+    generator = torch.Generator().manual_seed(7)
+    changed = {}
+    for name, tensor in weights.items():
+        if "self_attn" in name or "mlp" in name:  # another fine-tune: every layer's weights moved
+            noise = torch.randn(tensor.shape, generator=generator) * float(tensor.float().std()) * 0.3
+            tensor = (tensor.float() + noise).to(tensor.dtype)
+        changed[name] = tensor
+    save_file(changed, y / "model.safetensors", metadata={"format": "pt"})
+    for path in sorted(x.iterdir()):
+        twin = y / path.name
+        assert twin.stat().st_size == path.stat().st_size, f"{path.name}: the twin must keep the size"
+        os.utime(twin, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns))
+    assert (x / "model.safetensors").read_bytes() != (y / "model.safetensors").read_bytes()
+    return Checkpoints(x=x, y=y)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, str]:
+    """Two LoRA adapters of the checkpoint (rank 8 on the attention projections, K and V included)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {}
+    for seed, name in ((1, "adapter-a"), (2, "adapter-b")):
+        generator = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for layer in range(8):
+            for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(8, 128, generator=generator) * 0.1
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(128, 8, generator=generator) * 0.1
+        path = root / name
+        path.mkdir()
+        save_file(tensors, path / "adapter_model.safetensors")
+        (path / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "peft_type": "LORA",
+                    "r": 8,
+                    "lora_alpha": 16,
+                    "lora_dropout": 0.0,
+                    "bias": "none",
+                    "task_type": "CAUSAL_LM",
+                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                }
+            )
+        )
+        paths[name] = str(path)
+    return paths
+
+
+def questions(count: int, seed: int) -> list[tuple[tuple[int, ...], int]]:
+    """Multi-hop questions (259 tokens: 8 passages, QUERY, a binding) and their answers."""
+    from benchmarks.blend_multihop import MAX_CORPUS, MAX_PASSAGES, draw_question, make_corpus
+
+    rng = random.Random(seed)
+    corpus = make_corpus(MAX_CORPUS, rng=rng)
+    drawn = [draw_question(rng, corpus, MAX_PASSAGES) for _ in range(count)]
+    return [(tuple(q.prompt), q.answer) for q in drawn]
+
+
+P = [prompt for prompt, _ in questions(10, seed=2026)]
+T0, S1, S2 = "", "tenant-1's secret", "c2VjcmV0IG9mIHRlbmFudCAy"  # a salt is any string: base64 too
+A, B = "adapter-a", "adapter-b"
+
+
+def ask(i: int, label: str, *, adapter: str = "", salt: str = "", model: str = "x", **extra: Any) -> Ask:
+    return Ask(prompt=P[i], label=label, adapter=adapter, salt=salt, model=model, **extra)
+
+
+STORE = [
+    ask(0, "p0"),
+    ask(1, "p1"),
+    ask(0, "p0 salt-1", salt=S1),
+    ask(2, "p2 salt-1", salt=S1),
+    ask(0, "p0 lora-a", adapter=A),
+    ask(3, "p3 lora-a", adapter=A),
+    ask(0, "p0 lora-b", adapter=B),
+    ask(1, "p1 lora-b", adapter=B),
+    ask(4, "p4 lora-a salt-1", adapter=A, salt=S1),
+]
+"""Round 1: every tenant and adapter stores its prompts (cold)."""
+
+
+def hits_with(*others: Ask) -> list[Ask]:
+    """The stored requests again (hits), interleaved with cold requests and probes in one round."""
+    mixed: list[Ask] = []
+    for index, stored in enumerate(STORE):
+        mixed.append(dataclasses.replace(stored, label=f"{stored.label} again"))
+        if index < len(others):
+            mixed.append(others[index])
+    return mixed + list(others[len(STORE) :])
+
+
+PROBES = [
+    ask(0, "p0 salt-2 (another tenant's prompt, not its salt)", salt=S2),
+    ask(3, "p3 lora-b (adapter a's prompt)", adapter=B),
+    ask(1, "p1 lora-a (adapter b's prompt)", adapter=A),
+    ask(4, "p4 lora-a (without the salt)", adapter=A),
+    ask(4, "p4 salt-1 (without the adapter)", salt=S1),
+    ask(2, "p2 (salt-1's prompt, unsalted)"),
+    ask(5, "p5 cold"),
+    ask(6, "p6 cold, its blocks cannot be saved", params=FAULT),
+]
+"""Requests of round 2 that must not share what round 1 stored (another salt, adapter or none)."""
+
+
+def flood(seed: int) -> list[Ask]:
+    """Ten fresh questions (2,630 tokens): every earlier prompt leaves vLLM's 64 pages."""
+    return [Ask(prompt=prompt, label=f"flood {seed}.{i}") for i, (prompt, _) in enumerate(questions(10, seed=seed))]
+
+
+ROUNDS: dict[str, list[Ask]] = {
+    "store": STORE,
+    "flood-1": flood(1),
+    "host": hits_with(*PROBES),
+    "flood-2": flood(2),
+    "disk": hits_with(ask(7, "p7 cold, its blocks cannot be saved", params=FAULT), ask(7, "p7 salt-2", salt=S2)),
+    "flood-3": flood(3),
+    "remote": hits_with(ask(8, "p8 cold, its blocks cannot be saved", params=FAULT), ask(8, "p8 lora-b", adapter=B)),
+    "flood-4": flood(4),
+    "preempt": [dataclasses.replace(a, max_tokens=160, label=f"{a.label} long") for a in STORE],
+}
+"""The rounds, in order; between `host`, `disk` and `remote` the stored blocks move down a tier."""
+
+MODEL_Y = [
+    ask(0, "p0 on y", model="y"),
+    ask(1, "p1 on y", model="y"),
+    ask(0, "p0 lora-a on y", model="y", adapter=A),
+]
+
+
+# -- the engines -------------------------------------------------------------------------------------
+def engine(checkpoint: Path, env: dict[str, str], adapters: dict[str, str], transfer: Any = None) -> Any:
+    from vllm import LLM
+
+    with environment(env):
+        return LLM(
+            model=str(checkpoint),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            enable_lora=True,
+            max_lora_rank=8,
+            max_loras=2,
+            max_model_len=1024,
+            block_size=32,
+            num_gpu_blocks_override=PAGES,
+            kv_transfer_config=transfer,
+            seed=0,
+        )
+
+
+def shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+@dataclasses.dataclass
+class StrataNode:
+    """A node of the test: its options (a private Redis as L3) and the engines opened on it."""
+
+    name: str
+    extra: dict[str, Any]
+    work: Path
+
+    def transfer(self, connector: str) -> Any:
+        from vllm.config import KVTransferConfig
+
+        return KVTransferConfig(
+            kv_connector=connector,
+            kv_connector_module_path="tests.connectors.mutants",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=self.extra,
+        )
+
+
+@contextlib.contextmanager
+def strata_node(remote: RedisServer) -> Iterator[StrataNode]:
+    from controlplane.directory.services import TierReport, node_heartbeat
+
+    name = f"diff-{uuid.uuid4().hex[:6]}"
+    work = Path(tempfile.mkdtemp(prefix="strata-diff-"))
+    node_heartbeat(
+        name=name,
+        host="test",
+        heartbeat_seconds=3600.0,
+        tiers=[TierReport(tier=t, capacity_bytes=1 << 30, used_bytes=0) for t in ("host", "disk")],
+    )
+    extra = {
+        "node_name": name,
+        "tiers": "host,disk,remote",
+        "block_tokens": BLOCK,
+        "host_pool_name": f"strata-test-{name}",
+        "host_bytes": "64MiB",
+        "disk_path": str(work / "disk"),
+        "disk_bytes": "128MiB",
+        "remote_url": remote.url,
+        "remote_prefix": f"strata-test-{name}",
+        "remote_bytes": "128MiB",
+        "status_port": free_port(),
+        "node_admin_key": f"admin-{name}",
+    }
+    try:
+        yield StrataNode(name=name, extra=extra, work=work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for pool in Path("/dev/shm").glob(f"strata-test-{name}*"):
+            pool.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def remote(directory_db) -> Iterator[RedisServer]:
+    work = Path(tempfile.mkdtemp(prefix="strata-diff-l3-"))
+    server = RedisServer(directory=work)
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def node(remote) -> Iterator[StrataNode]:
+    with strata_node(remote) as opened:
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoints, adapters, vllm_environment) -> Iterator[Any]:
+    llm = engine(checkpoints.x, vllm_environment, adapters)
+    yield llm
+    shutdown(llm)
+
+
+class Reference:
+    """vLLM alone's answers to each round, and how far vLLM alone strays from them when it serves
+    the rounds again (its own prefix cache, other batches): the tolerance of every comparison."""
+
+    def __init__(self, llm: Any, adapters: dict[str, str]) -> None:
+        self.llm = llm
+        self.adapters = adapters
+        self.answers: dict[str, list[Answer]] = {}
+        self.noise = 0.0
+
+    def of(self, name: str, asks: list[Ask]) -> list[Answer]:
+        if name not in self.answers:
+            self.answers[name] = run_round(self.llm, asks, self.adapters)
+        return self.answers[name]
+
+    def measure(self, rounds: dict[str, list[Ask]]) -> float:
+        """Serve every round once more, and a few of its requests twice in a row (the second time
+        from vLLM's own prefix cache: the rounds are larger than its pages, so they rarely hit
+        there), and keep the largest deviation from the first answers."""
+        for name, asks in rounds.items():
+            first = self.of(name, asks)
+            again = run_round(self.llm, asks, self.adapters)
+            self.noise = max(self.noise, *(deviation(a, b) for a, b in zip(first, again, strict=True)))
+            warm = asks[:3]
+            run_round(self.llm, warm, self.adapters)
+            cached = run_round(self.llm, warm, self.adapters)
+            assert any(answer.cached for answer in cached), "vLLM's own prefix cache was meant to serve these"
+            self.noise = max(self.noise, *(deviation(a, b) for a, b in zip(first, cached, strict=False)))
+        return tolerance(self.noise)
+
+
+@pytest.fixture(scope="module")
+def reference(plain, adapters) -> Reference:
+    ref = Reference(plain, adapters)
+    ref.measure(ROUNDS)
+    return ref
+
+
+# -- moving blocks down the tiers as movements do ----------------------------------------------------
+def profile_of(checkpoint: Path) -> Any:
+    from worker.dataplane.engine.models import checkpoint_profile
+
+    return checkpoint_profile(checkpoint, dtype="float32", block_tokens=BLOCK)
+
+
+def move_all(node: StrataNode, profile: Any, *, source: str, target: str) -> int:
+    """Every READY block of the model on `source` copied to `target` (verified), its new copy
+    registered and the old one forgotten, as a movement does; returns how many moved."""
+    from controlplane.directory.models import Placement
+    from controlplane.directory.services import blocks_register, placements_change
+    from worker.dataplane.directory import BlockRegistration, PlacementChange
+    from worker.dataplane.hashing import model_key
+    from worker.dataplane.layout import block_layout
+    from worker.dataplane.store import build_store
+
+    key = model_key(profile)
+    rows = Placement.objects.filter(tier=source, state="ready", block__model__model_key=key).select_related(
+        "block", "block__namespace"
+    )
+    rows = rows.filter(node__isnull=True) if source == "remote" else rows.filter(node__name=node.name)
+    from worker.dataplane.connectors.vllm.runtime import node_options
+
+    store = build_store(node_options(node.extra), profile=profile, environ={})
+    registrations, changes = [], []
+    try:
+        for row in rows:
+            block = row.block
+            copied = store.copy(block.prefix_key, source=source, target=target)
+            store.delete(block.prefix_key, tier=source)
+            common = dict(namespace=block.namespace.name, model_key=key, prefix_key=block.prefix_key)
+            registrations.append(
+                BlockRegistration(
+                    **common,
+                    content_key=block.content_key,
+                    position=block.position,
+                    tokens=BLOCK,
+                    tier=target,
+                    node=None if target == "remote" else node.name,
+                    nbytes=block_layout(profile).block_bytes,
+                    checksum=copied.checksum.hex,
+                )
+            )
+            changes.append(
+                PlacementChange(**common, tier=source, node=None if source == "remote" else node.name, action="delete")
+            )
+    finally:
+        store.close()
+    blocks_register(registrations=registrations)
+    placements_change(changes=changes)
+    return len(registrations)
+
+
+def forge_remote(node: StrataNode, profile: Any, count: int) -> list[uuid.UUID]:
+    """Overwrite `count` blocks in L3 with self-consistent values holding other blocks' bytes (what
+    any holder of the Redis URL can write); the directory still registers the genuine checksums."""
+    from controlplane.directory.models import Placement
+    from worker.dataplane.connectors.vllm.runtime import node_options
+    from worker.dataplane.hashing import model_key
+    from worker.dataplane.store import build_store
+
+    keys = list(
+        Placement.objects.filter(
+            tier="remote", state="ready", node__isnull=True, block__model__model_key=model_key(profile)
+        )
+        .order_by("block__position", "block__prefix_key")
+        .values_list("block__prefix_key", flat=True)
+    )
+    assert len(keys) > count, "the remote tier holds too few blocks to forge"
+    store = build_store(node_options(node.extra), profile=profile, environ={})
+    try:
+        remote = store.tier("remote")
+        forged = [key for key in keys if key != keys[-1]][-count:]
+        donor = store.get(keys[-1], tiers=["remote"]).data
+        for key in forged:
+            remote.put(key, donor)
+    finally:
+        store.close()
+    return forged
+
+
+# -- running the rounds ------------------------------------------------------------------------------
+Between = Callable[[str], None]
+
+
+def serve(
+    llm: Any,
+    rounds: dict[str, list[Ask]],
+    reference: Reference,
+    adapters: dict[str, str],
+    *,
+    between: Between | None = None,
+) -> list[str]:
+    """Serve the rounds in order (calling `between(name)` before each) and return every problem:
+    answers that differ from vLLM alone's, and cached tokens vLLM alone could not have shared."""
+    tol = tolerance(reference.noise)
+    sharing = Sharing()
+    problems: list[str] = []
+    for name, asks in rounds.items():
+        if between is not None:
+            between(name)
+        got = run_round(llm, asks, adapters)
+        problems += [f"[{name}] {p}" for p in compare(asks, reference.of(name, asks), got, tol)]
+        problems += [f"[{name}] {p}" for p in sharing.check(asks, got)]
+    return problems
+
+
+def tier_moves(node: StrataNode, profile: Any) -> Between:
+    def between(name: str) -> None:
+        if name == "flood-2":
+            assert move_all(node, profile, source="host", target="disk") > 0
+        elif name == "flood-3":
+            assert move_all(node, profile, source="disk", target="remote") > 0
+            forge_remote(node, profile, 2)
+
+    return between
+
+
+def hit_blocks(node: StrataNode) -> dict[str, float]:
+    """Blocks the node's connector served, by tier (its /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.extra['status_port']}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found: dict[str, float] = {"host": 0.0, "disk": 0.0, "remote": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "strata_hit_blocks_total":
+                found[sample.labels["tier"]] = found.get(sample.labels["tier"], 0.0) + sample.value
+    return found
+
+
+# -- the tests ---------------------------------------------------------------------------------------
+def test_the_checkpoint_s_answers_depend_on_their_context(reference):
+    """What the comparison rests on: the fixture answers its questions from their passages, and
+    the adapters change its answers (a random-weight model answers one token whatever it is asked)."""
+    store = reference.of("store", STORE)
+    answers = {a.label: b.tokens[0] for a, b in zip(STORE, store, strict=True)}
+    truth = dict(questions(10, seed=2026))
+    right = sum(answers[label] == truth[P[i]] for i, label in ((0, "p0"), (1, "p1")))
+    assert right == 2, "the fixture answers its questions from their passages"
+    assert len(set(answers.values())) >= 3
+    by_label = dict(zip((a.label for a in STORE), store, strict=True))
+    for one, other in (("p0", "p0 lora-a"), ("p0", "p0 lora-b"), ("p0 lora-a", "p0 lora-b"), ("p0", "p0 salt-1")):
+        moved = deviation(by_label[one], by_label[other])
+        # The adapters change the KV and the answers' logprobs far beyond the tolerance; a salt changes nothing.
+        assert (moved > 100 * tolerance(reference.noise)) == ("salt" not in other), (one, other, moved)
+    assert reference.noise < 1e-3, f"vLLM alone strays {reference.noise} from itself"
+
+
+def test_vllm_with_strata_answers_as_vllm_alone(checkpoints, adapters, node, reference, vllm_environment):
+    profile = profile_of(checkpoints.x)
+    llm = engine(checkpoints.x, node_env(vllm_environment, node.name), adapters, node.transfer("FaultyStrataConnector"))
+    try:
+        problems = serve(llm, ROUNDS, reference, adapters, between=tier_moves(node, profile))
+        hits = hit_blocks(node)
+    finally:
+        shutdown(llm)
+    assert not problems, "vLLM with Strata differs from vLLM alone:\n" + "\n".join(problems)
+    assert all(hits[tier] > 0 for tier in ("host", "disk", "remote")), f"hits by tier: {hits}"
+
+
+def test_a_model_with_another_s_names_sizes_and_times_never_gets_its_blocks(
+    checkpoints, adapters, node, vllm_environment
+):
+    """Runs after the X rounds: node's tiers hold x's blocks for the same prompts."""
+    assert profile_of(checkpoints.x).revision != profile_of(checkpoints.y).revision
+    plain_y = engine(checkpoints.y, vllm_environment, adapters)
+    try:
+        reference_y = Reference(plain_y, adapters)
+        reference_y.measure({"y": MODEL_Y})
+    finally:
+        shutdown(plain_y)
+    llm = engine(checkpoints.y, node_env(vllm_environment, node.name), adapters, node.transfer("FaultyStrataConnector"))
+    try:
+        problems = serve(llm, {"y": MODEL_Y}, reference_y, adapters)
+    finally:
+        shutdown(llm)
+    assert not problems, "\n".join(problems)
