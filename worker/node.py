@@ -72,7 +72,7 @@ class NodeRuntime:
         from worker.dataplane.store import build_store
         from worker.directory import PostgresDirectory
 
-        model = load_model(config.model, dtype=config.model_dtype or None)
+        model = load_model(config.model, dtype=config.model_dtype or None, cache_dir=config.cache_dir)
         profile = model.profile(config.block_tokens)
         modelprofile_ensure(profile=profile)
         namespace_ensure(name=config.default_namespace)
@@ -119,8 +119,11 @@ class NodeRuntime:
 
         config = self.config
         checkpoint = self.checkpoint()
-        dtype = config.model_dtype or checkpoint_profile(checkpoint, block_tokens=config.block_tokens).dtype
-        profile = checkpoint_profile(checkpoint, dtype=dtype, block_tokens=config.block_tokens)
+        kept = config.cache_dir
+        dtype = (
+            config.model_dtype or checkpoint_profile(checkpoint, block_tokens=config.block_tokens, cache_dir=kept).dtype
+        )
+        profile = checkpoint_profile(checkpoint, dtype=dtype, block_tokens=config.block_tokens, cache_dir=kept)
         modelprofile_ensure(profile=profile)
         namespace_ensure(name=config.default_namespace)
         for namespace in set(config.api_keys.values()):
@@ -139,18 +142,14 @@ class NodeRuntime:
             )
 
     def checkpoint(self) -> Path:
-        """The checkpoint directory vLLM loads: the model option's, or for a preset, the preset
-        saved once under {var}/checkpoints/<preset> (random weights and the byte tokenizer)."""
-        from worker.dataplane.engine.models import PRESETS, preset_checkpoint
+        """The checkpoint directory vLLM loads: the model option's (a directory, or a hub id's
+        snapshot in the local hub cache), or for a preset, the preset saved once under
+        {var}/checkpoints/<preset> (random weights and the byte tokenizer)."""
+        from worker.dataplane.engine.models import PRESETS, preset_checkpoint, resolve_checkpoint
 
         spec = self.config.model
         if spec not in PRESETS:
-            path = Path(spec)
-            if not (path / "config.json").is_file():
-                raise ValueError(
-                    f"model: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
-                )
-            return path.resolve()
+            return resolve_checkpoint(spec).path
         return preset_checkpoint(spec, Path(os.environ.get("STRATA_VAR_DIR") or "var") / "checkpoints")
 
     def _tier_environ(self) -> dict[str, str]:

@@ -67,7 +67,7 @@ def test_a_saved_checkpoint_serves_exact_hits_with_its_own_tokenizer(tmp_path, m
     model = load_model(str(tmp_path / "tiny-llama"), device="cpu")
     assert (model.name, model.layers, model.kv_heads, model.head_dim) == ("tiny-llama", 2, 2, 16)
     assert model.dtype == dtype and model.max_context == 1024  # the checkpoint's own dtype ("auto")
-    assert model.revision.startswith("local-")
+    assert model.revision.startswith("content-")
     # The checkpoint's tokenizer, not the byte tokenizer of the presets.
     assert not isinstance(model.tokenizer, ByteTokenizer)
     text = " ".join(SENTENCES * 4)

@@ -209,8 +209,16 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         parse_str,
         "",
-        "Model the node's engine serves: a preset (tiny, small, bench, ...) or a local checkpoint directory. Empty: no"
-        " engine.",
+        "Model the node's engine serves: a preset (tiny, small, bench, ...), a local checkpoint directory, or a "
+        "Hugging Face repository id (org/name) already in the local hub cache (HF_HUB_CACHE, HF_HOME; nothing is "
+        "downloaded). Empty: no engine.",
+    ),
+    Option(
+        "cache_dir",
+        parse_str,
+        "",
+        "Directory of the node's own cache: the content digest of a checkpoint whose directory is read-only (a "
+        "writable checkpoint keeps it beside its files). Empty: $XDG_CACHE_HOME/strata, else ~/.cache/strata.",
     ),
     Option(
         "engine",
@@ -432,6 +440,7 @@ class NodeConfig:
     remote_cluster: bool = False
     remote_timeout_seconds: float = 2.0
     model: str = ""
+    cache_dir: str = ""
     model_dtype: str = ""
     engine: str = "strata"
     vllm_args: tuple[str, ...] = ()

@@ -1,13 +1,13 @@
-"""Model presets with random weights (no download) and local checkpoints, loaded through transformers."""
+"""Model presets with random weights (no download) and checkpoints, local or in the hub cache, via transformers."""
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
-import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,13 @@ from transformers import (
 )
 
 from worker.dataplane.engine.attention import register as register_attention
+from worker.dataplane.engine.checkpoints import (
+    Checkpoint,
+    checkpoint_revision,
+    hub_checkpoint,
+    is_repo_id,
+    local_checkpoint,
+)
 from worker.dataplane.engine.tokenizer import BYTE_OFFSET, ByteTokenizer, byte_level_tokenizer
 from worker.dataplane.layout import ModelProfile, dtype_name, parse_dtype
 
@@ -47,9 +54,6 @@ TOKENIZER_FILES = (
     "spiece.model",
 )
 """Any one of these in a checkpoint directory means it ships its own tokenizer."""
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-"""Files of a checkpoint directory that hold weights (one file or shards)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,25 +144,58 @@ def _shape(config: PretrainedConfig) -> tuple[int, int, int]:
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
 
 
-def checkpoint_profile(path: str | Path, *, dtype: str | torch.dtype | None = None, block_tokens: int) -> ModelProfile:
-    """The model profile of a checkpoint directory without loading its weights: the one
-    `load_model(path).profile(block_tokens)` gives, so an engine that loads the weights itself
-    (vLLM) keys its blocks as Strata's own engine does. `dtype` is the dtype the engine runs in
-    (default: the checkpoint's)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model: {path} is not a checkpoint directory (no config.json)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+def resolve_checkpoint(
+    spec: str | Path, *, revision: str | None = None, environ: Mapping[str, str] | None = None
+) -> Checkpoint:
+    """The checkpoint a model option that is not a preset names: an existing local directory,
+    else a hub repository id (`org/name`, at `revision`: default main) resolved through the local
+    hub cache, offline. Every way in (our engine, vLLM's connector, the node) goes through here,
+    so each names one model alike. ValueError saying what is wrong otherwise."""
+    if Path(spec).is_dir():
+        return local_checkpoint(spec)
+    if is_repo_id(str(spec)):
+        return hub_checkpoint(str(spec), revision=revision, environ=environ)
+    raise ValueError(
+        f"model: {str(spec)!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local directory nor a "
+        f"hub repository id (org/name)"
+    )
+
+
+def _revision(checkpoint: Checkpoint, config: PretrainedConfig, cache_dir: str | Path) -> str:
+    """The hub commit hash where there is one (transformers finds it too, in a snapshot's path),
+    else the checkpoint's content digest."""
+    return (
+        checkpoint.commit
+        or getattr(config, "_commit_hash", None)
+        or checkpoint_revision(checkpoint.path, cache_dir=cache_dir)
+    )
+
+
+def checkpoint_profile(
+    spec: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    block_tokens: int,
+    revision: str | None = None,
+    cache_dir: str | Path = "",
+) -> ModelProfile:
+    """The model profile of a checkpoint (a directory or a hub id, `resolve_checkpoint`) without
+    loading its weights: the one `load_model(spec).profile(block_tokens)` gives, so an engine that
+    loads the weights itself (vLLM) keys its blocks as Strata's own engine does. `dtype` is the
+    dtype the engine runs in (default: the checkpoint's); `revision` the hub revision of a hub id;
+    `cache_dir` where a read-only checkpoint's content digest is kept (`checkpoint_revision`)."""
+    checkpoint = resolve_checkpoint(spec, revision=revision)
+    config = AutoConfig.from_pretrained(checkpoint.path, local_files_only=True)
     layers, kv_heads, head_dim = _shape(config)
     chosen = dtype if dtype is not None else (getattr(config, "dtype", None) or "float32")
     return ModelProfile(
-        model_id=path.resolve().name,
+        model_id=checkpoint.model_id,
         layers=layers,
         kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype_name(parse_dtype(chosen)),
         block_tokens=block_tokens,
-        revision=getattr(config, "_commit_hash", None) or checkpoint_revision(path),
+        revision=_revision(checkpoint, config, cache_dir),
         rope_theta=_rope_theta(config),
     )
 
@@ -272,29 +309,20 @@ def _checkpoint_tokenizer(path: Path, vocab_size: int) -> Any:
     return tokenizer
 
 
-def checkpoint_revision(path: Path) -> str:
-    """The identity of a local checkpoint without a commit hash: a digest of its config and of
-    the name, size and modification time of each weight file. It goes into the model key, so
-    weights replaced at the same path never meet the KV blocks of the old ones (the disk and
-    remote tiers outlive a restart), while nodes that read the same files (one shared mount, or
-    copies that keep their times) agree on it wherever the directory is mounted. File metadata
-    rather than contents: hashing a large checkpoint would add a second full read to every start."""
-    digest = hashlib.blake2b(digest_size=16, person=b"strata-ckpt")
-    digest.update((path / "config.json").read_bytes())
-    for weights in sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
-        stat = weights.stat()
-        digest.update(f"\0{weights.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
-    return f"local-{digest.hexdigest()}"
-
-
 def load_model(
-    spec: str, *, dtype: str | None = None, device: str | torch.device | None = None, seed: int = 0
+    spec: str,
+    *,
+    dtype: str | None = None,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    cache_dir: str | Path = "",
 ) -> LoadedModel:
-    """A preset name (random weights from `seed`, byte tokenizer) or a local checkpoint directory."""
+    """A preset name (random weights from `seed`, byte tokenizer), a local checkpoint directory or
+    a hub repository id in the local hub cache (`resolve_checkpoint`); `cache_dir` is where a
+    read-only checkpoint's content digest is kept (`checkpoint_revision`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
-    path = Path(spec)
     if spec in PRESETS:
         config = preset_config(spec, dtype=dtype)
         torch_dtype = DTYPES[dtype or PRESETS[spec].dtype]
@@ -306,9 +334,10 @@ def load_model(
             torch.random.set_rng_state(generator_state)
         tokenizer: Any = ByteTokenizer(config.vocab_size)
         revision = f"random-seed-{seed}"
-    elif path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"model: {spec} is a directory without config.json; not a checkpoint")
+        name = spec
+    else:
+        checkpoint = resolve_checkpoint(spec)
+        path = checkpoint.path
         # The tokenizer first: a checkpoint whose tokenizer cannot load fails before its weights are read.
         tokenizer = _checkpoint_tokenizer(path, AutoConfig.from_pretrained(path, local_files_only=True).vocab_size)
         model = AutoModelForCausalLM.from_pretrained(
@@ -317,12 +346,10 @@ def load_model(
             dtype=DTYPES[dtype] if dtype else "auto",
             attn_implementation=register_attention(),
         )
-        revision = getattr(model.config, "_commit_hash", None) or checkpoint_revision(path)
-    else:
-        raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local directory")
+        revision = _revision(checkpoint, model.config, cache_dir)
+        name = checkpoint.model_id
     model.to(device)
     model.eval()
-    name = spec if spec in PRESETS else path.resolve().name
     loaded = _describe(name, model, tokenizer, device, revision)
     log.info(
         "model %s loaded: %d layers, %d kv heads x %d, %s on %s",

@@ -58,7 +58,7 @@ class StrataConnectorBase(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_engine(vllm_config)
         config = node_options(self._kv_transfer_config.kv_connector_extra_config or {})
-        profile = profile_for(vllm_config, config.block_tokens)
+        profile = profile_for(vllm_config, config)
         self.runtime = self._open(config, profile, role)
         read = self.policies_source()
         self.policies = (

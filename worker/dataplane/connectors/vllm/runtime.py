@@ -127,15 +127,22 @@ class PolicyFollower:
             self._thread = None
 
 
-def profile_for(vllm_config: VllmConfig, block_tokens: int) -> ModelProfile:
-    """The profile of the model vLLM serves, as Strata's own engine would key the same checkpoint."""
+def profile_for(vllm_config: VllmConfig, config: NodeConfig) -> ModelProfile:
+    """The profile of the model vLLM serves (a checkpoint directory, or a hub id at vLLM's
+    revision, from the local hub cache), as Strata's own engine would key the same checkpoint."""
     model = vllm_config.model_config
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise ValueError(
             f"StrataConnector: kv cache dtype {vllm_config.cache_config.cache_dtype} is not stored; "
             f"run with --kv-cache-dtype auto"
         )
-    return checkpoint_profile(model.model, dtype=model.dtype, block_tokens=block_tokens)
+    return checkpoint_profile(
+        model.model,
+        dtype=model.dtype,
+        block_tokens=config.block_tokens,
+        revision=model.revision,
+        cache_dir=config.cache_dir,
+    )
 
 
 def check_engine(vllm_config: VllmConfig) -> None:
