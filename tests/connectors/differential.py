@@ -159,32 +159,35 @@ def first_difference(want: Answer, have: Answer, tol: float) -> str:
 class Sharing:
     """What vLLM alone could have shared: every prompt asked so far, by model, adapter and salt.
     A request's cached tokens may not exceed the longest prefix (in whole pages, below its last
-    token) it shares with an earlier request of the same scope."""
+    token) it shares with another request of the same scope asked before it or in its own round
+    (requests of one round are scheduled together, in an order vLLM chooses)."""
 
     def __init__(self) -> None:
         self.seen: dict[tuple[str, str, str], list[tuple[int, ...]]] = {}
 
-    def bound(self, ask: Ask) -> int:
+    @staticmethod
+    def _shared(ask: Ask, others: Iterable[tuple[int, ...]]) -> int:
         best = 0
-        for earlier in self.seen.get(ask.scope, []):
+        for other in others:
             common = 0
-            for a, b in zip(earlier, ask.prompt, strict=False):
+            for a, b in zip(other, ask.prompt, strict=False):
                 if a != b:
                     break
                 common += 1
             best = max(best, min(common, len(ask.prompt) - 1) // PAGE * PAGE)
         return best
 
-    def check(self, asks: Iterable[Ask], answers: Iterable[Answer]) -> list[str]:
-        """Problems of a round (in submission order: a request may share with one sent before it
-        in the same round); records the round's prompts."""
+    def check(self, asks: Sequence[Ask], answers: Sequence[Answer]) -> list[str]:
+        """Problems of a round; records the round's prompts."""
         problems = []
-        for ask, answer in zip(asks, answers, strict=True):
-            limit = self.bound(ask)
+        for index, (ask, answer) in enumerate(zip(asks, answers, strict=True)):
+            peers = [a.prompt for i, a in enumerate(asks) if i != index and a.scope == ask.scope]
+            limit = self._shared(ask, [*self.seen.get(ask.scope, []), *peers])
             if answer.cached > limit:
                 problems.append(
                     f"{ask.label}: {answer.cached} cached tokens, vLLM alone could share {limit} "
                     f"(model {ask.model}, adapter {ask.adapter or '-'}, salt {'yes' if ask.salt else 'no'})"
                 )
+        for ask in asks:
             self.seen.setdefault(ask.scope, []).append(ask.prompt)
         return problems

@@ -24,7 +24,7 @@ from worker.dataplane.connectors.vllm import connector as connector_module
 from worker.dataplane.connectors.vllm import scheduler_half
 from worker.dataplane.connectors.vllm.metadata import StrataMetadata
 from worker.dataplane.connectors.vllm.requests import scope_of
-from worker.dataplane.engine.models import WEIGHT_SUFFIXES
+from worker.dataplane.engine.checkpoints import WEIGHT_SUFFIXES
 from worker.vllm_connector import StrataConnector
 
 FAULT_PARAM = "strata_test_fault"
@@ -88,8 +88,8 @@ class ContentIdentityOff(FaultyStrataConnector):
     def patch(self) -> None:
         profile_for = connector_module.profile_for
 
-        def by_metadata(vllm_config: Any, block_tokens: int) -> Any:
-            profile = profile_for(vllm_config, block_tokens)
+        def by_metadata(vllm_config: Any, config: Any) -> Any:
+            profile = profile_for(vllm_config, config)
             return dataclasses.replace(profile, revision=metadata_revision(Path(vllm_config.model_config.model)))
 
         connector_module.profile_for = by_metadata  # type: ignore[attr-defined]

@@ -399,9 +399,11 @@ def move_all(node: StrataNode, profile: Any, *, source: str, target: str) -> int
     return len(registrations)
 
 
-def forge_remote(node: StrataNode, profile: Any, count: int) -> list[uuid.UUID]:
-    """Overwrite `count` blocks in L3 with self-consistent values holding other blocks' bytes (what
-    any holder of the Redis URL can write); the directory still registers the genuine checksums."""
+def forge_remote(node: StrataNode, profile: Any) -> list[uuid.UUID]:
+    """Overwrite the second block of every prompt in L3 with a self-consistent value holding
+    another prompt's second block (what any holder of the Redis URL can write: the value's own
+    checksums match its bytes); the directory still registers the genuine checksums. Returns the
+    forged keys."""
     from controlplane.directory.models import Placement
     from worker.dataplane.connectors.vllm.runtime import node_options
     from worker.dataplane.hashing import model_key
@@ -409,22 +411,25 @@ def forge_remote(node: StrataNode, profile: Any, count: int) -> list[uuid.UUID]:
 
     keys = list(
         Placement.objects.filter(
-            tier="remote", state="ready", node__isnull=True, block__model__model_key=model_key(profile)
+            tier="remote",
+            state="ready",
+            node__isnull=True,
+            block__model__model_key=model_key(profile),
+            block__position=BLOCK,
         )
-        .order_by("block__position", "block__prefix_key")
+        .order_by("block__prefix_key")
         .values_list("block__prefix_key", flat=True)
     )
-    assert len(keys) > count, "the remote tier holds too few blocks to forge"
+    assert len(keys) > 1, "the remote tier holds too few blocks to forge"
     store = build_store(node_options(node.extra), profile=profile, environ={})
     try:
         remote = store.tier("remote")
-        forged = [key for key in keys if key != keys[-1]][-count:]
-        donor = store.get(keys[-1], tiers=["remote"]).data
-        for key in forged:
+        donor = store.get(keys[0], tiers=["remote"]).data
+        for key in keys[1:]:
             remote.put(key, donor)
     finally:
         store.close()
-    return forged
+    return keys[1:]
 
 
 # -- running the rounds ------------------------------------------------------------------------------
@@ -459,7 +464,7 @@ def tier_moves(node: StrataNode, profile: Any) -> Between:
             assert move_all(node, profile, source="host", target="disk") > 0
         elif name == "flood-3":
             assert move_all(node, profile, source="disk", target="remote") > 0
-            forge_remote(node, profile, 2)
+            forge_remote(node, profile)
 
     return between
 
@@ -510,20 +515,83 @@ def test_vllm_with_strata_answers_as_vllm_alone(checkpoints, adapters, node, ref
     assert all(hits[tier] > 0 for tier in ("host", "disk", "remote")), f"hits by tier: {hits}"
 
 
-def test_a_model_with_another_s_names_sizes_and_times_never_gets_its_blocks(
-    checkpoints, adapters, node, vllm_environment
-):
-    """Runs after the X rounds: node's tiers hold x's blocks for the same prompts."""
-    assert profile_of(checkpoints.x).revision != profile_of(checkpoints.y).revision
+@pytest.fixture(scope="module")
+def reference_y(checkpoints, adapters, vllm_environment) -> Reference:
+    """vLLM alone's answers on y (its engine closed once they are measured)."""
     plain_y = engine(checkpoints.y, vllm_environment, adapters)
     try:
-        reference_y = Reference(plain_y, adapters)
-        reference_y.measure({"y": MODEL_Y})
+        measured = Reference(plain_y, adapters)
+        measured.measure({"y": MODEL_Y})
     finally:
         shutdown(plain_y)
+    return measured
+
+
+def test_a_model_with_another_s_names_sizes_and_times_never_gets_its_blocks(
+    checkpoints, adapters, node, reference_y, vllm_environment
+):
+    """Runs after the x rounds: the node's tiers hold x's blocks for the same prompts."""
+    assert profile_of(checkpoints.x).revision != profile_of(checkpoints.y).revision
     llm = engine(checkpoints.y, node_env(vllm_environment, node.name), adapters, node.transfer("FaultyStrataConnector"))
     try:
         problems = serve(llm, {"y": MODEL_Y}, reference_y, adapters)
     finally:
         shutdown(llm)
     assert not problems, "\n".join(problems)
+
+
+MUTANT_ROUNDS = {name: ROUNDS[name] for name in ("store", "flood-1", "host")}
+
+
+def l3_moves(node: StrataNode, profile: Any) -> Between:
+    def between(name: str) -> None:
+        if name == "flood-2":
+            assert move_all(node, profile, source="host", target="remote") > 0
+            forge_remote(node, profile)
+
+    return between
+
+
+@pytest.mark.parametrize(
+    ("mutant", "rounds", "expected"),
+    [
+        ("LoraKeyingOff", MUTANT_ROUNDS, "lora"),
+        ("SaltKeyingOff", MUTANT_ROUNDS, "salt"),
+        ("StepIsolationOff", MUTANT_ROUNDS, "[host]"),
+        ("L3VerificationOff", {name: ROUNDS[name] for name in ("store", "flood-2", "remote")}, "[remote]"),
+    ],
+)
+def test_the_comparison_fails_with_a_fix_turned_off(
+    mutant, rounds, expected, checkpoints, adapters, remote, reference, vllm_environment
+):
+    """Each fix guards against something the differential test sees: with it off (and nothing else
+    changed), the same rounds on a node of their own differ from vLLM alone."""
+    profile = profile_of(checkpoints.x)
+    with strata_node(remote) as fresh:
+        llm = engine(checkpoints.x, node_env(vllm_environment, fresh.name), adapters, fresh.transfer(mutant))
+        try:
+            between = l3_moves(fresh, profile) if mutant == "L3VerificationOff" else None
+            problems = serve(llm, rounds, reference, adapters, between=between)
+        finally:
+            shutdown(llm)
+    assert any(expected in problem for problem in problems), f"{mutant} went unseen: {problems}"
+
+
+def test_the_comparison_fails_without_content_model_identity(
+    checkpoints, adapters, remote, reference, reference_y, vllm_environment
+):
+    """Two nodes keying models by their files' names, sizes and times: y, served on the node after
+    x stored its blocks there, is served x's blocks."""
+    with strata_node(remote) as fresh:
+        transfer = fresh.transfer("ContentIdentityOff")
+        x = engine(checkpoints.x, node_env(vllm_environment, fresh.name), adapters, transfer)
+        try:
+            assert not serve(x, {"store": STORE}, reference, adapters)  # x is served right
+        finally:
+            shutdown(x)
+        y = engine(checkpoints.y, node_env(vllm_environment, fresh.name), adapters, transfer)
+        try:
+            problems = serve(y, {"y": MODEL_Y}, reference_y, adapters)
+        finally:
+            shutdown(y)
+    assert any("on y" in problem for problem in problems), f"content identity off went unseen: {problems}"
