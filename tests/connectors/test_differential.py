@@ -159,13 +159,9 @@ STORE = [
 
 
 def hits_with(*others: Ask) -> list[Ask]:
-    """The stored requests again (hits), interleaved with cold requests and probes in one round."""
-    mixed: list[Ask] = []
-    for index, stored in enumerate(STORE):
-        mixed.append(dataclasses.replace(stored, label=f"{stored.label} again"))
-        if index < len(others):
-            mixed.append(others[index])
-    return mixed + list(others[len(STORE) :])
+    """The stored requests again (hits), after cold requests and probes in the same round: the colds
+    take the first steps' token budget, so the hits are scheduled in steps where colds are running."""
+    return list(others) + [dataclasses.replace(stored, label=f"{stored.label} again") for stored in STORE]
 
 
 PROBES = [
@@ -221,6 +217,7 @@ def engine(checkpoint: Path, env: dict[str, str], adapters: dict[str, str], tran
             max_model_len=1024,
             block_size=32,
             num_gpu_blocks_override=PAGES,
+            max_num_batched_tokens=512,  # a step of two cold prefills: hits join steps where colds run
             kv_transfer_config=transfer,
             seed=0,
         )
