@@ -159,6 +159,7 @@ def node(directory_db, checkpoint) -> Iterator[Node]:
             "remote_bytes": "256MiB",
             "status_port": free_port(),
             "node_admin_key": f"admin-{name}",
+            "client_namespaces": True,  # the tests name tenants' namespaces in kv_transfer_params
         }
         yield Node(name=name, extra=extra, remote=remote, checkpoint=checkpoint)
     finally:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -27,14 +29,25 @@ def prompt_of(tokens: int, seed: int) -> list[int]:
     return [1] + [rng.randrange(3, 259) for _ in range(tokens - 1)]
 
 
-def generate(llm: Any, prompt: list[int], *, salt: str | None = None, max_tokens: int = 8) -> tuple[list[int], int]:
-    """Greedy tokens and the prompt tokens vLLM did not compute (its own cache plus Strata's)."""
+def generate(
+    llm: Any,
+    prompt: list[int],
+    *,
+    salt: str | None = None,
+    max_tokens: int = 8,
+    params: dict[str, Any] | None = None,
+) -> tuple[list[int], int]:
+    """Greedy tokens and the prompt tokens vLLM did not compute (its own cache plus Strata's);
+    `params` are the request's kv_transfer_params."""
     from vllm import SamplingParams
 
     request: dict[str, Any] = {"prompt_token_ids": prompt}
     if salt is not None:
         request["cache_salt"] = salt
-    out = llm.generate([request], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)[0]
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=0, extra_args={"kv_transfer_params": params} if params else None
+    )
+    out = llm.generate([request], sampling, use_tqdm=False)[0]
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
@@ -205,17 +218,52 @@ def test_a_corrupt_or_vanished_block_is_recomputed_counted_and_quarantined(plain
     assert metric(node, "strata_load_failures_total") == failures + 2
 
 
-def test_two_namespaces_never_share_blocks(plain, strata, node):
-    prompt = prompt_of(3 * BLOCK + 40, seed=4)
-    want, _ = generate(plain, prompt)
-    assert fresh(strata, prompt, salt="tenant-a") == (want, 0)
-    got, cached = fresh(strata, prompt, salt="tenant-b")
-    assert (got, cached) == (want, 0), "tenant-b must not hit tenant-a's blocks"
-    assert newest(node)["namespace"] == "tenant-b" and newest(node)["decision"] == "no-hit"
-    assert fresh(strata, prompt, salt="tenant-a") == (want, 3 * BLOCK)
-    # A namespace the directory does not know, or a name that is no namespace: served, uncached.
-    for salt in ("tenant-unknown", "not a namespace!"):
-        assert fresh(strata, prompt, salt=salt) == (want, 0)
+def claim(namespace: str) -> dict[str, Any]:
+    """kv_transfer_params naming a namespace (honoured: this node allows client namespaces)."""
+    return {"strata_namespace": namespace}
+
+
+def timed(llm: Any, prompt: list[int], **kwargs: Any) -> tuple[list[int], int, float]:
+    """`fresh` with max_tokens 1, and its wall time (the request's TTFT as its client sees it)."""
+    started = time.perf_counter()
+    tokens, cached = fresh(llm, prompt, max_tokens=1, **kwargs)
+    return tokens, cached, time.perf_counter() - started
+
+
+def test_a_tenant_without_the_salt_gets_nothing_and_a_probe_looks_cold(plain, strata, node):
+    """Tenant A names tenant B's namespace (the operator allowed client namespaces) but lacks B's
+    salt: it is served cold, no faster than a cold prompt, and B still hits."""
+    prompt = prompt_of(5 * BLOCK + 40, seed=4)
+    want, _ = generate(plain, prompt, max_tokens=1)
+    b_salt = "tenant b's secret, c2VjcmV0"
+    assert timed(strata, prompt, salt=b_salt, params=claim("tenant-b"))[:2] == (want, 0)
+    colds = [timed(strata, prompt_of(5 * BLOCK + 40, seed=400 + i), params=claim("tenant-b"))[2] for i in range(5)]
+    hits, probes = [], []
+    for attempt in range(3):
+        # Each probe is cold and stores its own blocks (under its own salt, or none): the next
+        # probe comes with another guess, as a prober's would.
+        salt = None if attempt == 0 else f"a guess at b's salt {attempt}"
+        tokens, cached, seconds = timed(strata, prompt, salt=salt, params=claim("tenant-b"))
+        assert (tokens, cached) == (want, 0), f"a tenant without the salt must not hit: {newest(node)}"
+        probes.append(seconds)
+        tokens, cached, seconds = timed(strata, prompt, salt=b_salt, params=claim("tenant-b"))
+        assert (tokens, cached) == (want, 5 * BLOCK), "tenant b, with its salt, still hits"
+        hits.append(seconds)
+    assert newest(node)["namespace"] == "tenant-b"
+    # The probe's TTFT is a cold prompt's, not a hit's: nothing to learn from it.
+    probe, hit = statistics.median(probes), statistics.median(hits)
+    assert 0.8 * min(colds) <= probe <= 1.25 * max(colds), (probes, colds)
+    assert probe > 1.5 * hit, (probes, hits)
+    # A salt is any string vLLM takes (base64 too), registered nowhere; a namespace claim that is no
+    # namespace name is served uncached and counted.
+    other = prompt_of(2 * BLOCK + 5, seed=44)
+    want, _ = generate(plain, other)
+    for salt in ("c2VjcmV0L3RlbmFudD0/Kys=", "not a namespace name!"):
+        assert fresh(strata, other, salt=salt) == (want, 0)
+        assert fresh(strata, other, salt=salt) == (want, 2 * BLOCK)
+    uncached = metric(node, "strata_uncached_requests_total", reason="namespace")
+    assert fresh(strata, other, params=claim("not a namespace!")) == (want, 0)
+    assert metric(node, "strata_uncached_requests_total", reason="namespace") == uncached + 1
 
 
 def test_a_prompt_vllm_holds_already_loads_nothing(plain, strata, node):
