@@ -295,6 +295,7 @@ class SchedulerHalf:
                 namespace=tracked.namespace,
                 keys=[h.key for h in hits],
                 tiers=[h.tier for h in hits],
+                checksums=[h.checksum for h in hits],
                 first_block=first,
                 start=start,
                 end=end,
