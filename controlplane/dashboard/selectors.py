@@ -322,9 +322,10 @@ def cache_stats(*, node: str | None = None) -> dict[str, Any]:
     """Cumulative cache counters of every serving node, read from its /metrics: tokens looked up,
     tokens served from cache and, split by the tier each hit block came from, hit tokens by tier;
     the blocks nodes evicted at write-back by reason (pressure, quota, ttl) and the write-backs
-    refused for want of an evictable block; and fragment reuse: reused tokens by kind, the
-    recompute ratio, quality samples, and the current r and fallback state of every (node, model,
-    namespace)."""
+    refused for want of an evictable block; the reads from the remote tier refused because the
+    copy's checksum was not the one the directory registered (`remote_unverified`); and fragment
+    reuse: reused tokens by kind, the recompute ratio, quality samples, and the current r and
+    fallback state of every (node, model, namespace)."""
 
     def fetch(n: Node) -> dict[str, Any]:
         try:
@@ -350,6 +351,7 @@ def cache_stats(*, node: str | None = None) -> dict[str, Any]:
             "hit_tokens_by_tier": by_tier,
             "evictions_by_reason": evictions,
             "write_backs_refused": total("strata_write_back_refused"),
+            "remote_unverified": total("strata_remote_unverified"),
             "fragment_reuse": _fragment_reuse(families),
         }
 
@@ -369,6 +371,7 @@ def cache_stats(*, node: str | None = None) -> dict[str, Any]:
         "hit_tokens_by_tier": fleet_by_tier,
         "evictions_by_reason": fleet_evictions,
         "write_backs_refused": sum(a.get("write_backs_refused", 0.0) for a in answers),
+        "remote_unverified": sum(a.get("remote_unverified", 0.0) for a in answers),
         "fragment_reuse": _fleet_fragment_reuse(answers),
     }
 

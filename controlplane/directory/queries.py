@@ -72,8 +72,17 @@ _TIER_RANK = " ".join(f"WHEN '{tier}' THEN {rank}" for rank, tier in enumerate(T
 # One branch per kind of key; each probes one index per key (prefix: the unique
 # (prefix_key, namespace, model) index; content: (content_key)), joins the block's few placements
 # and keeps the best READY one. A node sees its own local copies and the shared remote tier.
+# With the best copy comes the checksum of the block's READY copy in the remote tier, which a
+# node must find in any copy it reads from there: the best copy's own when that is the remote
+# one, else one more probe of the placements' unique index, made only for the keys whose best
+# copy is local (those of the asking node, which asks mostly for what its tiers lack).
 _LOOKUP_BRANCH = f"""
-    SELECT {{kind}} AS kind, k.ord, best.*
+    SELECT {{kind}} AS kind, k.ord, best.*,
+           CASE WHEN best.tier = '{TierLevel.REMOTE.value}' THEN best.checksum ELSE (
+               SELECT r.checksum FROM {PLACEMENT_TABLE} r
+               WHERE r.block_id = best.block_id AND r.tier = '{TierLevel.REMOTE.value}' AND r.node_id IS NULL
+                 AND r.state = '{PlacementState.READY.value}'
+           ) END AS remote_checksum
     FROM unnest(%({{param}})s::uuid[]) WITH ORDINALITY AS k(key, ord)
     CROSS JOIN LATERAL (
         SELECT b.id AS block_id, b.prefix_key, b.content_key, b.position, b.token_count,
@@ -101,7 +110,7 @@ WITH s AS (
 )
 SELECT s.namespace_id, s.model_id, s.node_id, h.kind, h.ord, h.block_id, h.prefix_key, h.content_key,
        h.position, h.token_count, h.placement_id, h.tier, n.name, h.locator, h."offset", h.size_bytes,
-       h.checksum, h.epoch
+       h.checksum, h.epoch, h.remote_checksum
 FROM s
 LEFT JOIN LATERAL (
     {_LOOKUP_BRANCH.format(kind=0, param="prefix_keys", column="prefix_key")}
@@ -116,7 +125,8 @@ LEFT JOIN {NODE_TABLE} n ON n.id = h.node_id
 class LookupAnswer:
     """What one lookup statement returns: the scope it resolved and the hits, as rows of
     (kind: 0 prefix / 1 content, 1-based index of the key asked, block id, prefix key, content key,
-    position, token count, placement id, tier, node name, locator, offset, size, checksum, epoch)."""
+    position, token count, placement id, tier, node name, locator, offset, size, checksum, epoch,
+    checksum of the READY remote copy or None)."""
 
     namespace_id: int | None
     model_id: int | None
@@ -548,6 +558,7 @@ def lookup_result(
         nbytes,
         checksum,
         epoch,
+        remote_checksum,
     ) in answer.rows:
         index = ordinal - 1
         found, asked = (prefix, prefix_keys) if kind == 0 else (content, content_keys)
@@ -566,6 +577,7 @@ def lookup_result(
             nbytes=nbytes,
             checksum=checksum,
             epoch=epoch,
+            remote_checksum=remote_checksum or "",
         )
     return LookupResult(prefix=tuple(prefix), content=tuple(content))
 

@@ -16,6 +16,7 @@ from worker.dataplane.connectors.pages import PagedKV
 from worker.dataplane.connectors.vllm.metadata import LoadSpec, SaveSpec, StrataMetadata
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
+from worker.dataplane.directory import PlacementChange
 from worker.dataplane.engine.loader import staged_hits
 from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.offload import Hit
@@ -126,6 +127,7 @@ def test_loads_scatter_every_layer_and_report_the_stalls(runtime):
                     namespace="default",
                     keys=keys,
                     tiers=["host", "host"],
+                    checksums=["", ""],
                     first_block=0,
                     start=8,
                     end=61,
@@ -162,6 +164,7 @@ def test_a_vanished_block_reports_every_page_of_the_load(runtime):
                     namespace="default",
                     keys=[uuid.uuid4(), uuid.uuid4()],
                     tiers=["host", "host"],
+                    checksums=["", ""],
                     first_block=0,
                     start=0,
                     end=64,
@@ -185,6 +188,7 @@ def test_a_refused_load_reads_nothing_and_reports_its_pages(runtime):
         namespace="default",
         keys=[],
         tiers=[],
+        checksums=[],
         first_block=1,
         start=40,
         end=64,
@@ -196,6 +200,75 @@ def test_a_refused_load_reads_nothing_and_reports_its_pages(runtime):
     assert reader.take_report().loads["q"].failure == "the step could not be planned"
     assert runtime.manager.counters.get("load_failures") == 1
     assert all(torch.equal(kv[name], before[name]) for name in kv)
+
+
+class _Quarantines:
+    """The one thing a load asks of a directory: marking a copy corrupt."""
+
+    def __init__(self) -> None:
+        self.changes: list[PlacementChange] = []
+
+    def change_placements(self, *, changes) -> None:
+        self.changes.extend(changes)
+
+
+def test_a_block_read_from_l3_must_carry_the_checksum_the_scheduler_sent(tmp_path: Path, shm_name: str):
+    """A block in L3 (here a shared mount) rewritten under its key with a header that is right for
+    its new bytes: the load names the registered checksum (`LoadSpec.checksums`), so that block's
+    pages are recomputed, its copy quarantined and counted; with the right copy the load is exact."""
+    with local_runtime(
+        tmp_path, shm_name, PROFILE, "pages", tiers="host,disk,remote", remote_url=str(tmp_path / "l3")
+    ) as runtime:
+        directory = _Quarantines()
+        runtime.manager.directory = directory  # type: ignore[assignment]
+        assert runtime.manager.verifies_remote
+        remote = runtime.store.tier("remote")
+        source = engine_pages(seed=3)
+        want = PagedKV(list(source.values()), kind="rows", layout=LAYOUT)
+        keys, sums = [uuid.uuid4(), uuid.uuid4()], []
+        for index, key in enumerate(keys):
+            block = LAYOUT.empty()
+            want.gather(block, index=index, pages=list(range(8)))
+            sums.append(remote.put(key, block).checksum.hex)
+        pages = list(range(8, 16))
+
+        target = engine_pages(seed=4)
+
+        def load(checksums: list[str]) -> WorkerHalf:
+            reader = worker_for(runtime, target)
+            spec = LoadSpec(
+                request_id="q",
+                namespace="default",
+                keys=keys,
+                tiers=["remote", "remote"],
+                checksums=checksums,
+                first_block=0,
+                start=0,
+                end=63,
+                pages=pages,
+            )
+            run_step(reader, StrataMetadata(loads=[spec]))
+            return reader
+
+        genuine = load(sums)
+        assert genuine.take_invalid() == set() and genuine.take_report().loads["q"].failure == ""
+        got = PagedKV(list(target.values()), kind="rows", layout=LAYOUT)
+        for layer in range(LAYOUT.layers):
+            for token in (0, 33, 62):
+                page_got, page_want = pages[token // PAGE], token // PAGE
+                assert torch.equal(got.k[layer][page_got, token % PAGE], want.k[layer][page_want, token % PAGE])
+                assert torch.equal(got.v[layer][page_got, token % PAGE], want.v[layer][page_want, token % PAGE])
+
+        other = LAYOUT.empty()
+        want.gather(other, index=0, pages=list(range(8)))
+        remote.put(keys[1], other)  # block 1 rewritten with block 0's bytes, a valid value for them
+        forged = load(sums)
+        assert forged.take_invalid() == set(pages) and forged.take_report().loads["q"].failure
+        assert runtime.manager.counters.get("load_failures") == 1
+        assert runtime.manager.counters.get("remote_unverified") == 1 and not remote.contains(keys[1])
+        assert [(c.prefix_key, c.tier, c.node, c.action) for c in directory.changes] == [
+            (keys[1], "remote", None, "corrupt")
+        ]
 
 
 class _Tier:

@@ -258,10 +258,14 @@ def test_the_nodes_evictions_by_reason_reach_the_dashboard(models, make_store, s
         client = openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0, timeout=60)
         for seed in range(3):  # three prompts of 4 blocks each into a pool of 4 blocks
             client.completions.create(model="tiny", prompt=[(seed * 97 + i) % 500 + 1 for i in range(64)], max_tokens=1)
+        engine.counters.add("remote_unverified", 2)  # two loads refused an unregistered L3 copy
         stats = _api("viewer", "viewer").get("/api/v1/dashboard/cache/?node=tight").json()
         assert stats["evictions_by_reason"]["pressure"] == engine.counters.get("eviction.host.pressure") > 0
         assert stats["write_backs_refused"] == 0
         assert stats["nodes"][0]["evictions_by_reason"] == stats["evictions_by_reason"]
+        assert stats["remote_unverified"] == stats["nodes"][0]["remote_unverified"] == 2
+        # The overview shows it beside the evictions (overview.js fills it from these counters).
+        assert b'id="remote-unverified"' in _client("viewer-u", "viewer").get("/").content
     finally:
         server.stop()
 

@@ -96,6 +96,42 @@ def test_only_ready_copies_are_served(registration, profile, state):
     ).prefix == (None,)
 
 
+def test_every_hit_names_the_checksum_registered_for_its_remote_copy(registration, profile, django_assert_num_queries):
+    """What a node must find in a copy it reads from L3 comes in the same round trip: the remote
+    copy's checksum, also when the best copy is the asking node's own (which its tiers may have
+    dropped since: the node then reads L3 and checks against it)."""
+    stale, remote_only, local_only, content = uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    blocks_register(
+        registrations=[
+            registration(prefix_key=stale, content_key=content, tier="host", checksum="a" * 32),
+            registration(prefix_key=stale, content_key=content, tier="remote", node=None, checksum="b" * 32),
+            registration(prefix_key=remote_only, tier="remote", node=None, checksum="c" * 32),
+            registration(prefix_key=local_only, tier="disk", checksum="d" * 32),
+        ]
+    )
+    ask = dict(namespace="tenant-a", model_key=profile.model_key)
+    with django_assert_num_queries(1):
+        result = blocks_lookup(
+            **ask, node="gpu-0", prefix_keys=[stale, remote_only, local_only, uuid.uuid4()], content_keys=[content]
+        )
+    assert [(loc.tier, loc.checksum, loc.remote_checksum) for loc in result.prefix if loc] == [
+        ("host", "a" * 32, "b" * 32),
+        ("remote", "c" * 32, "c" * 32),
+        ("disk", "d" * 32, ""),
+    ]
+    assert result.prefix[3] is None
+    fragment = result.content[0]
+    assert fragment is not None and (fragment.tier, fragment.remote_checksum) == ("host", "b" * 32)
+    # Another node's best copy is the remote one itself.
+    other = blocks_lookup(**ask, node="gpu-9", prefix_keys=[stale]).prefix[0]
+    assert other is not None and (other.tier, other.checksum, other.remote_checksum) == ("remote", "b" * 32, "b" * 32)
+    # A remote copy that is not READY (quarantined, being written or deleted) vouches for nothing.
+    for state in ("corrupt", "pending", "deleting"):
+        Placement.objects.filter(tier="remote", checksum="b" * 32).update(state=state)
+        again = blocks_lookup(**ask, node="gpu-0", prefix_keys=[stale]).prefix[0]
+        assert again is not None and (again.tier, again.remote_checksum) == ("host", "")
+
+
 def test_content_keys_find_a_fragment_anywhere(registration, profile):
     regs = _chain(registration, 3)
     asked = [uuid.uuid4(), regs[2].content_key]

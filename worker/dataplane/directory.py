@@ -42,6 +42,13 @@ Directory splits nothing. The control plane imports this limit (`directory.choic
 _HEX_CHECKSUM = re.compile(r"^[0-9a-f]{32}$")
 
 
+def check_checksum(value: object, *, what: str = "checksum") -> None:
+    """ValueError naming `what` unless `value` is a block checksum as the directory records it
+    (`BlockChecksum.hex`: 32 lower-case hex characters) or "" (none)."""
+    if not isinstance(value, str) or (value and not _HEX_CHECKSUM.match(value)):
+        raise ValueError(f"{what}: expected 32 lower-case hex characters (xxh3-128) or nothing, got {value!r}")
+
+
 class DirectoryUnavailable(DataplaneError):
     """The directory could not answer in time (database down or slow): treat every key as a miss."""
 
@@ -82,6 +89,10 @@ class BlockLocation:
     checksum: str
     epoch: int
     """Version of the placement; a change sent with it is refused if the placement moved on since."""
+    remote_checksum: str = ""
+    """The checksum of the block's READY copy in the shared remote tier ("" when it has none):
+    `checksum` when that copy is the best one, else the one a read from L3 must find when the
+    best copy turns out gone (a copy of the asking node that its tiers no longer hold)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,8 +262,9 @@ class Directory(Protocol):
         content_keys: Sequence[uuid.UUID] = (),
     ) -> LookupResult:
         """The best READY copy `node` can read of each key (its own device, host, disk, then the
-        shared remote tier), in one round trip. Only blocks of `namespace` (and of shared
-        namespaces) and of `model_key` match; None means any. Raises DirectoryUnavailable
+        shared remote tier), with the checksum of the block's READY copy in the remote tier
+        (`BlockLocation.remote_checksum`), in one round trip. Only blocks of `namespace` (and of
+        shared namespaces) and of `model_key` match; None means any. Raises DirectoryUnavailable
         quickly when the directory cannot answer, so the caller recomputes instead of waiting."""
         ...
 

@@ -43,6 +43,23 @@ class BlockCorrupt(DataplaneError):
         super().__init__(f"block {key} in tier {tier} is corrupt: {reason}")
 
 
+class BlockUnregistered(BlockCorrupt):
+    """A copy in the shared remote tier whose checksum is not the one the directory registered
+    for its key: bytes written under the key by someone who did not register them (every node
+    can write to L3, so a self-consistent value proves nothing by itself). Never served: the read
+    is a miss. Unlike other corrupt copies the tier keeps it until the failed load is quarantined,
+    which drops it (if it still holds those bytes) and marks its placement corrupt."""
+
+    def __init__(self, key: uuid.UUID, *, tier: str, stored: str, registered: str) -> None:
+        self.stored = stored
+        self.registered = registered
+        super().__init__(
+            key,
+            tier=tier,
+            reason=f"its checksum {stored or '(none)'} is not the one registered for the block, {registered}",
+        )
+
+
 class TierUnavailable(DataplaneError):
     """The tier's medium cannot be reached right now (e.g. Redis down); callers recompute."""
 

@@ -120,6 +120,14 @@ class EngineMetrics:
             events.update(self.store_events.snapshot())
         for name, value in sorted(events.items()):
             store.add_metric([self.node, name], value)
+        unverified = CounterMetricFamily(
+            "strata_remote_unverified",
+            "Loads that failed on a copy in the shared remote tier whose checksum is not the one the "
+            "directory registered for the block (bytes written under its key by someone who did not "
+            "register them): recomputed, the copy dropped and quarantined.",
+            labels=["node"],
+        )
+        unverified.add_metric([self.node], counts.get("remote_unverified", 0))
         used = GaugeMetricFamily(
             "strata_tier_used_bytes", "Bytes stored in each tier of this node.", labels=["node", "tier"]
         )
@@ -139,6 +147,7 @@ class EngineMetrics:
             lookup_failures,
             uncached,
             store,
+            unverified,
             used,
             capacity,
         )

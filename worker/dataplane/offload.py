@@ -33,8 +33,9 @@ from worker.dataplane.directory import (
     BlockTouch,
     Directory,
     PlacementChange,
+    check_checksum,
 )
-from worker.dataplane.errors import MISSES, BlockCorrupt, TierFull
+from worker.dataplane.errors import MISSES, BlockCorrupt, BlockUnregistered, TierFull
 from worker.dataplane.eviction.local import LocalEvictor, WriteRefused
 from worker.dataplane.eviction.rules import Rules, parse_rules
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, KeyScope, model_key
@@ -64,6 +65,14 @@ class Hit:
     tier: str
     namespace: str = ""
     """The shared namespace the block belongs to; "" for the request's own namespace."""
+    checksum: str = ""
+    """The checksum (hex, `BlockChecksum.hex`) the directory registered for the block's copy in
+    the shared remote tier: a read of the block from that tier is served only when the copy
+    carries it (`LayerLoader`, `verify_remote`). "" when the directory named none: a hit in the
+    node's own tiers, or any hit of a manager without a directory."""
+
+    def __post_init__(self) -> None:
+        check_checksum(self.checksum, what=f"checksum of hit {self.index} (block {self.key})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,9 +312,30 @@ class OffloadManager:
         """The fastest of this node's own tiers (memory and local files) holding each key."""
         return {key: names[0] for key, names in self.store.locate(keys, tiers=self.local_tiers).items() if names}
 
+    @property
+    def verifies_remote(self) -> bool:
+        """True when copies read from the shared remote tier must carry the checksum the directory
+        registered for their key (`Hit.checksum`): whenever there is a directory. Every node can
+        write to L3, so without this check any of them could plant bytes under another tenant's
+        key that every node would serve. Without a directory there is no registry to check
+        against; a copy's own header is all there is."""
+        return self.directory is not None
+
     def locate_remote(self, keys: Sequence[uuid.UUID], namespace: str) -> dict[uuid.UUID, str]:
-        """Which of `keys` the shared remote tier holds: one directory round trip (or, without a
-        directory, one batched ask of the remote tier itself). An outage of either is no hit."""
+        """Which of `keys` the shared remote tier holds, each with the checksum (hex) a copy read
+        from there must carry: one directory round trip (or, without a directory, one batched ask
+        of the remote tier itself). An outage of either is no hit.
+
+        With a directory, a key is an L3 hit when the directory has a READY copy of it there, and
+        the checksum is the one registered for that copy. A key whose best copy the directory
+        places in this node's own tiers (which no longer hold it: the caller asked only for what
+        they lack) is an L3 hit when the directory also registered a copy in L3 and L3 still holds
+        it, with that copy's checksum. Bytes in L3 that the directory registered no copy (with a
+        checksum) for are no hit: nothing vouches for them.
+
+        Without a directory the checksum is "": L3 holding the key is all there is to know, and
+        a read checks the copy against its own header only (every node that can write to L3
+        could have written it)."""
         if not keys or REMOTE not in self.store.names:
             return {}
         found: dict[uuid.UUID, str] = {}
@@ -314,16 +344,23 @@ class OffloadManager:
                 located = self.directory.lookup(
                     keys=keys, node=self.node, namespace=namespace, model_key=self.model_key
                 )
-                found = {key: tier for key, tier in located.items() if tier == REMOTE}
-                # A copy of this node's that the local tiers no longer hold hides any L3 copy
-                # behind it in the directory's answer: ask L3 itself for those.
-                stale = [key for key, tier in located.items() if tier != REMOTE]
+                stale: dict[uuid.UUID, str] = {}
+                for key in keys:
+                    location = located.location(key)
+                    if location is None or not location.remote_checksum:
+                        continue
+                    if location.tier == REMOTE:
+                        found[key] = location.remote_checksum
+                    else:
+                        stale[key] = location.remote_checksum
                 if stale:
-                    present = self.store.tier(REMOTE).contains_many(stale)
-                    found.update((key, REMOTE) for key, here in zip(stale, present, strict=True) if here)
+                    # The directory's best copy is this node's, which its tiers no longer hold:
+                    # the L3 copy behind it serves if L3 still holds it.
+                    present = self.store.tier(REMOTE).contains_many(list(stale))
+                    found.update((key, stale[key]) for key, here in zip(stale, present, strict=True) if here)
             else:
                 present = self.store.tier(REMOTE).contains_many(keys)
-                found = {key: REMOTE for key, here in zip(keys, present, strict=True) if here}
+                found = {key: "" for key, here in zip(keys, present, strict=True) if here}
         except Exception as exc:  # noqa: BLE001 - an outage of the directory or L3 means recompute
             log.warning("remote lookup failed, treating as a miss: %s", exc)
             self.counters.add("lookup_failures")
@@ -335,14 +372,20 @@ class OffloadManager:
         return next((i for i, fp in enumerate(fingerprints) if fp.prefix_key not in found), len(fingerprints))
 
     @staticmethod
-    def prefix_hits(fingerprints: Sequence[BlockFingerprint], found: dict[uuid.UUID, str]) -> list[Hit]:
-        """The leading run of blocks held somewhere, as hits."""
+    def prefix_hits(
+        fingerprints: Sequence[BlockFingerprint],
+        found: Mapping[uuid.UUID, str],
+        checksums: Mapping[uuid.UUID, str] | None = None,
+    ) -> list[Hit]:
+        """The leading run of blocks held somewhere (`found`: key -> tier), as hits; a remote
+        hit carries its checksum from `checksums` (`locate_remote`)."""
         hits = []
         for fp in fingerprints:
             tier = found.get(fp.prefix_key)
             if tier is None:
                 break
-            hits.append(Hit(index=fp.index, key=fp.prefix_key, tier=tier))
+            checksum = checksums.get(fp.prefix_key, "") if checksums is not None and tier == REMOTE else ""
+            hits.append(Hit(index=fp.index, key=fp.prefix_key, tier=tier, checksum=checksum))
         return hits
 
     def lookup(self, fingerprints: Sequence[BlockFingerprint], namespace: str) -> list[Hit]:
@@ -350,8 +393,10 @@ class OffloadManager:
         directory round trip (or the remote tier itself) for the blocks after the first local miss."""
         found = self.locate_local([fp.prefix_key for fp in fingerprints])
         rest = fingerprints[self.first_miss(fingerprints, found) :]
-        found.update(self.locate_remote([fp.prefix_key for fp in rest], namespace))
-        return self.prefix_hits(fingerprints, found)
+        remote = self.locate_remote([fp.prefix_key for fp in rest], namespace)
+        for key in remote:
+            found.setdefault(key, REMOTE)  # a block the node's own tiers hold is read from them
+        return self.prefix_hits(fingerprints, found, remote)
 
     def lookup_prompt(
         self, tokens: Sequence[int], namespace: str, scope: KeyScope | None = None
@@ -590,8 +635,15 @@ class OffloadManager:
     def quarantine(self, key: uuid.UUID, cause: BaseException, namespace: str) -> list[str]:
         """A block that could not be loaded. The copies that failed their checksum (the tier has
         already dropped the bytes) are marked corrupt in the directory at once, so no node is sent
-        to them again before the reconciler runs. Returns those tiers."""
+        to them again before the reconciler runs. Returns those tiers.
+
+        A copy in L3 whose checksum is not the registered one (BlockUnregistered: written there
+        by someone who did not register it) is dropped here, if L3 still holds those bytes, and
+        counted (``remote_unverified``, once per load it failed), besides being marked corrupt."""
         causes = getattr(cause, "causes", ()) or (cause,)
+        for exc in causes:
+            if isinstance(exc, BlockUnregistered):
+                self._drop_unregistered(exc)
         corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != "device"})
         for tier in corrupt:
             self.evictor.forget(tier, key)
@@ -611,6 +663,22 @@ class OffloadManager:
             )
             self.counters.add("quarantined", len(corrupt))
         return corrupt
+
+    def _drop_unregistered(self, error: BlockUnregistered) -> None:
+        self.counters.add("remote_unverified")
+        try:
+            dropped = self.store.drop_unregistered(error)
+        except Exception as exc:  # noqa: BLE001 - the copy stays refused by every reader that checks
+            log.warning("could not drop the unregistered copy of block %s from %s: %s", error.key, error.tier, exc)
+            return
+        log.warning(
+            "block %s in tier %s carries checksum %s, not the registered %s: refused%s; quarantined",
+            error.key,
+            error.tier,
+            error.stored or "(none)",
+            error.registered,
+            ", dropped" if dropped else "",
+        )
 
 
 def _estimate(seconds: float | None) -> str:

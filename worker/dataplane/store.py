@@ -21,8 +21,8 @@ import torch
 from worker.dataplane.checksum import BlockChecksum, Hasher
 from worker.dataplane.config import ConfigError, NodeConfig
 from worker.dataplane.counters import Counters
-from worker.dataplane.directory import TIER_ORDER
-from worker.dataplane.errors import MISSES, BlockMissing, TierUnavailable
+from worker.dataplane.directory import REMOTE, TIER_ORDER, check_checksum
+from worker.dataplane.errors import MISSES, BlockMissing, BlockUnregistered, TierUnavailable
 from worker.dataplane.hashing import model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.tiers.base import (
@@ -142,6 +142,7 @@ class TieredStore:
         layers: int | range | slice,
         outs: Sequence[torch.Tensor],
         tiers: Sequence[str] | None = None,
+        expected: Sequence[str] | None = None,
     ) -> list[Future[ReadResult]]:
         """Read the same run of layers of many blocks, block i into `outs[i]`; one future per
         block, resolving to the ReadResult of the tier that served it, or raising BlockMissing.
@@ -149,10 +150,23 @@ class TieredStore:
         Blocks are grouped by the fastest local tier holding them and read in one batched call
         per tier; the remote tier is asked (batched) for the rest. A block that fails in one tier
         is retried alone in the next tier that may hold it. This is the building block of
-        layer-wise loading: request layer 0 of every hit block, then layer 1, and so on."""
+        layer-wise loading: request layer 0 of every hit block, then layer 1, and so on.
+
+        `expected` holds, per block, the checksum (hex) the directory registered for its copy in
+        the shared remote tier. Every node can write to that tier, so a copy there that passes its
+        own header's checks proves nothing by itself: with `expected`, block i is served from it
+        only when the checksum in the copy's header is `expected[i]` (the layers read are verified
+        against that header, so its block checksum vouches for them); any other copy is refused as
+        a miss (BlockUnregistered among the causes, counted ``remote.unverified``) and left for
+        the quarantine of the failed load to drop (`drop_unregistered`). An empty entry (nothing
+        registered there for the block) keeps the remote tier out of that block's read
+        altogether. Without `expected` (no directory to ask) the header's own checks are all
+        there is."""
         selected = self.layout.layer_range(layers)
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
+        if expected is not None and len(expected) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(expected)} expected checksums")
         order = self._order(tiers)
         local = [tier for tier in order if tier.lookups_are_cheap]
         remote = [tier for tier in order if not tier.lookups_are_cheap]
@@ -162,6 +176,8 @@ class TieredStore:
         held = [tier.contains_many(keys) for tier in local]  # one pass per tier, not one call per key
         for i, key in enumerate(keys):
             found = [tier for tier, has in zip(local, held, strict=True) if has[i]] + remote
+            if expected is not None and not expected[i]:
+                found = [tier for tier in found if tier.name != REMOTE]
             candidates.append(found)
             if not found:
                 self.counters.add("store.misses")
@@ -172,13 +188,14 @@ class TieredStore:
             futures = self._tiers[name].get_layers([keys[i] for i in members], selected, [outs[i] for i in members])
             served = 0
             for i, future in zip(members, futures, strict=True):
-                if future.done() and future.exception() is None:
+                registered = expected[i] if expected is not None else ""
+                if future.done() and future.exception() is None and not (registered and name == REMOTE):
                     # Served already (a memory tier): the tier's own future is the answer.
                     results[i] = future
                     served += 1
                     continue
                 results[i] = Future()
-                self._chain(future, results[i], keys[i], selected, outs[i], candidates[i], 0, [])
+                self._chain(future, results[i], keys[i], selected, outs[i], candidates[i], 0, [], registered)
             if served:
                 self.counters.add(f"store.hits.{name}", served)
         return results
@@ -190,13 +207,15 @@ class TieredStore:
         layers: int | range | slice,
         out: torch.Tensor,
         tiers: Sequence[str] | None = None,
+        expected: Sequence[str] | None = None,
     ) -> list[Exception | None]:
         """`get_layers` waited for, into one buffer: block i's layers land in row i of `out`
         (contiguous uint8, len(keys) x len(layers) * layer_bytes, or that many bytes). Returns
         None for each block served and BlockMissing (each tier's error in `causes`) for each
         block no tier served. When one tier is the fastest holder of every block, it reads them
         all in one call (`Tier.read_layers_into`, a single gather in memory); a block it fails
-        falls through to the slower tiers as in `get_layers`."""
+        falls through to the slower tiers as in `get_layers`, which also says what `expected`
+        does (a remote tier that is the fastest holder is then read through it)."""
         selected = self.layout.layer_range(layers)
         nbytes = len(selected) * self.layout.layer_bytes
         if not out.is_contiguous() or out.dtype != torch.uint8 or out.numel() != len(keys) * nbytes:
@@ -207,9 +226,12 @@ class TieredStore:
         rows = out.view(len(keys), nbytes)
         order = self._order(tiers)
         local = [tier for tier in order if tier.lookups_are_cheap]
-        holds = local[0].contains_many(keys) if local and keys else []
+        checked = expected is not None and bool(local) and local[0].name == REMOTE
+        holds = local[0].contains_many(keys) if local and keys and not checked else []
         if not holds or not all(holds):
-            futures = self.get_layers(keys, layers=selected, outs=list(rows.unbind(0)) if keys else [], tiers=tiers)
+            futures = self.get_layers(
+                keys, layers=selected, outs=list(rows.unbind(0)) if keys else [], tiers=tiers, expected=expected
+            )
             # Tiers fail a read with an Exception (a miss), never a bare BaseException.
             return cast("list[Exception | None]", [future.exception() for future in futures])
         first = local[0]
@@ -222,7 +244,11 @@ class TieredStore:
             self.counters.add("store.fallbacks", len(retry))
             later = [tier.name for tier in order if tier is not first]
             futures = self.get_layers(
-                [keys[i] for i in retry], layers=selected, outs=[rows[i] for i in retry], tiers=later
+                [keys[i] for i in retry],
+                layers=selected,
+                outs=[rows[i] for i in retry],
+                tiers=later,
+                expected=None if expected is None else [expected[i] for i in retry],
             )
             for i, future in zip(retry, futures, strict=True):
                 error = future.exception()
@@ -244,13 +270,18 @@ class TieredStore:
         candidates: list[Tier],
         index: int,
         causes: list[Exception],
+        registered: str = "",
     ) -> None:
         def done(future: Future[ReadResult]) -> None:
             error = future.exception()
             if error is None:
-                self.counters.add(f"store.hits.{candidates[index].name}")
-                result.set_result(future.result())
-                return
+                tier = candidates[index]
+                if registered and tier.name == REMOTE:
+                    error = self._unregistered(tier, future.result(), registered)
+                if error is None:
+                    self.counters.add(f"store.hits.{tier.name}")
+                    result.set_result(future.result())
+                    return
             if not isinstance(error, MISSES):
                 result.set_exception(error)
                 return
@@ -265,12 +296,28 @@ class TieredStore:
                 retry = following.get_layers([key], layers, [out])[0]
             except Exception as exc:  # a tier that cannot even start the read
                 retry = failed(exc)
-            self._chain(retry, result, key, layers, out, candidates, index + 1, causes)
+            self._chain(retry, result, key, layers, out, candidates, index + 1, causes, registered)
 
         if attempt.done():  # a memory tier's reads are done on return: no callback to schedule
             done(attempt)
         else:
             attempt.add_done_callback(done)
+
+    def _unregistered(self, tier: Tier, read: ReadResult, registered: str) -> Exception | None:
+        """None when the copy `read` came from carries the `registered` checksum; else
+        BlockUnregistered, counted (``<tier>.unverified``, one per read refused). The copy stays
+        until the failed load is quarantined (`OffloadManager.quarantine`), so that the reads of
+        the block's other layers in flight meanwhile fail the same way, not as a plain miss. A
+        malformed `registered` is the caller's bug: ValueError."""
+        stored = read.stored.hex if read.stored is not None else ""
+        if stored == registered:
+            return None
+        try:
+            check_checksum(registered, what=f"expected checksum of block {read.key}")
+        except ValueError as exc:
+            return exc
+        self.counters.add(f"{tier.name}.unverified")
+        return BlockUnregistered(read.key, tier=tier.name, stored=stored, registered=registered)
 
     # -- lookup and removal ---------------------------------------------------------------
     def locate(
@@ -290,6 +337,23 @@ class TieredStore:
 
     def contains(self, key: uuid.UUID) -> tuple[str, ...]:
         return self.locate([key])[key]
+
+    def drop_unregistered(self, error: BlockUnregistered) -> bool:
+        """Remove the copy a read refused (`error`) if its tier still holds those bytes (the copy
+        still carries the checksum the read found): a copy written over it since, registered or
+        not, is left for its own readers to judge. True when removed; counted
+        (``<tier>.quarantined``)."""
+        tier = self.tier(error.tier)
+        try:
+            held = tier.checksum(error.key)
+        except MISSES:
+            return False  # gone already, or damaged (and dropped) now
+        if held is None or held.hex != error.stored:
+            return False
+        if not tier.delete(error.key):
+            return False
+        self.counters.add(f"{tier.name}.quarantined")
+        return True
 
     def delete(self, key: uuid.UUID, *, tier: str | None = None) -> tuple[str, ...]:
         """Remove a block from one tier or from all; returns the tiers it was removed from."""

@@ -212,6 +212,7 @@
       document.getElementById("evictions-detail").textContent =
         (Object.keys(reasons).sort().map((r) => r + " " + S.number(reasons[r])).join(", ") || "none yet") +
         "; " + S.number(stats.write_backs_refused || 0) + " write-back(s) refused";
+      document.getElementById("remote-unverified").textContent = S.number(stats.remote_unverified || 0);
       if (previousCache) {
         const looked = stats.lookup_tokens - previousCache.lookup_tokens;
         hits.push(S.TIERS.map((tier) => looked > 0

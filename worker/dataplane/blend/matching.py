@@ -32,6 +32,9 @@ class Fragment:
     source_position: int
     """Where its first token sat when its KV was computed (RoPE re-alignment shifts by the difference)."""
     tier: str
+    checksum: str = ""
+    """The checksum the directory registered for the block's copy in the remote tier ("" when it
+    named none), which a copy read from there must carry (`offload.Hit.checksum`)."""
 
     @property
     def end(self) -> int:

@@ -433,6 +433,9 @@ class Engine:
                     hits = hits[: failure.block_index]
                     # The blocks after a shared block that failed are stored as the request's own.
                     chain = dataclasses.replace(chain, lead=chain.lead[: failure.block_index])
+                elif failure.block_index - len(hits) < len(fragments):
+                    fragment = fragments[failure.block_index - len(hits)]
+                    self._forget(Hit(index=-1, key=fragment.key, tier=fragment.tier), failure.cause, namespace)
                 if fragments:
                     # A fragment (or the prefix under it) failed: serve this request with prefix reuse only.
                     fragments = []
@@ -480,7 +483,10 @@ class Engine:
         candidates: dict[int, Fragment] = {}
         known = {offset: self.content_index[key] for offset, key in keys.items() if key in self.content_index}
         if known:
-            located = self.store.locate(list({stored for stored, _ in known.values()}))
+            # Where a directory vouches for L3 copies, the node's own memory of a block cannot: a
+            # block only L3 still holds is matched through the directory below, with its checksum.
+            tiers = self.offload.local_tiers if self.offload.verifies_remote else None
+            located = self.store.locate(list({stored for stored, _ in known.values()}), tiers=tiers)
             for offset, (stored, position) in known.items():
                 if located.get(stored):
                     candidates[offset] = Fragment(
@@ -506,6 +512,7 @@ class Engine:
                                 key=location.prefix_key,
                                 source_position=location.position,
                                 tier=location.tier,
+                                checksum=location.remote_checksum,
                             )
             except Exception as exc:  # noqa: BLE001 - an outage of the directory means fewer fragments
                 log.warning("fragment lookup failed, matching this node's own blocks only: %s", exc)
@@ -518,9 +525,9 @@ class Engine:
         """Load the prefix and the fragments layer by layer and prefill with selective recompute."""
         size = self.layout.block_tokens
         prefix_len = len(hits) * size
-        loads = hits + [Hit(index=-1, key=f.key, tier=f.tier) for f in fragments]
+        loads = hits + [Hit(index=-1, key=f.key, tier=f.tier, checksum=f.checksum) for f in fragments]
         buffers = self._prefix_buffers(len(loads))
-        loader = LayerLoader(store=self.store, hits=loads, buffers=buffers, inline=self._inline_load(loads)).start()
+        loader = self._loader(loads, buffers)
         stalls = [0.0] * self.model.layers
         device = self.model.device
         count = len(hits)
@@ -580,7 +587,7 @@ class Engine:
         if prefix_len:
             hits = hits[: (prefix_len + self.layout.block_tokens - 1) // self.layout.block_tokens]
             buffers = self._prefix_buffers(len(hits))
-            loader = LayerLoader(store=self.store, hits=hits, buffers=buffers, inline=self._inline_load(hits)).start()
+            loader = self._loader(hits, buffers)
             cache = StrataCache(
                 layers=model.layers,
                 prefix_len=prefix_len,
@@ -633,6 +640,17 @@ class Engine:
         if not prefix_len:
             self.offload.observe_prefill(len(prompt), prefill_s)
         return cache, out.logits[0, -1]
+
+    def _loader(self, hits: Sequence[Hit], buffers: PrefixBuffers) -> LayerLoader:
+        """A started load of `hits` into `buffers`; a copy read from L3 must carry the checksum
+        the directory registered for it (`OffloadManager.verifies_remote`)."""
+        return LayerLoader(
+            store=self.store,
+            hits=hits,
+            buffers=buffers,
+            inline=self._inline_load(hits),
+            verify_remote=self.offload.verifies_remote,
+        ).start()
 
     def _prefix_buffers(self, blocks: int) -> PrefixBuffers:
         """The buffers a load fills, where the model computes: attention joins them with the new

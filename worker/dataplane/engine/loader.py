@@ -86,14 +86,29 @@ class LayerLoader:
     By default a thread of its own does the loading while the model computes. With `inline`,
     each layer is read in the thread that waits at its gate, right before that layer computes:
     for reads that are themselves CPU work (the device tier when it lives in CPU memory), a
-    second thread would only take a core from the model's own threads."""
+    second thread would only take a core from the model's own threads.
+
+    With `verify_remote` (a manager with a directory: `OffloadManager.verifies_remote`), a block
+    is read from the shared remote tier only when the copy there carries the checksum its hit
+    names (`Hit.checksum`), and not at all for a hit that names none: the store checks the
+    header read with each layer against it before any of the block's bytes count as loaded, and
+    a copy that differs fails its layer's gate like any miss (`TieredStore.get_layers`; the
+    caller's quarantine of the failed block drops it: `OffloadManager.quarantine`)."""
 
     def __init__(
-        self, *, store: TieredStore, hits: Sequence[Hit], buffers: PrefixBuffers, inline: bool = False
+        self,
+        *,
+        store: TieredStore,
+        hits: Sequence[Hit],
+        buffers: PrefixBuffers,
+        inline: bool = False,
+        verify_remote: bool = False,
     ) -> None:
         self.store = store
         self.hits = list(hits)
         self.keys = [hit.key for hit in self.hits]
+        self.expected = [hit.checksum for hit in self.hits] if verify_remote else None
+        """Per block, the checksum a copy read from the remote tier must carry (None: unchecked)."""
         self.buffers = buffers
         self.inline = inline
         self.device = buffers.device
@@ -171,7 +186,7 @@ class LayerLoader:
     def _request(self, layer: int) -> list[Future[ReadResult]]:
         # The store reads each block from the fastest tier holding it and falls through to a
         # slower one if that copy turns out missing or corrupt.
-        futures = self.store.get_layers(self.keys, layers=layer, outs=self._destinations(layer))
+        futures = self.store.get_layers(self.keys, layers=layer, outs=self._destinations(layer), expected=self.expected)
         for future in futures:
             future.add_done_callback(self._served)
         return futures
@@ -259,7 +274,9 @@ class LayerLoader:
                     started = time.perf_counter()
                     try:
                         # One batched read straight into the layer's buffer: no future per block.
-                        errors = self.store.read_layers(self.keys, layers=current, out=self.buffers.raw[current])
+                        errors = self.store.read_layers(
+                            self.keys, layers=current, out=self.buffers.raw[current], expected=self.expected
+                        )
                         self._settle(current, errors, started)
                     except Exception as exc:  # noqa: BLE001 - as in the thread: a loader bug fails the gates
                         log.exception("inline load crashed")

@@ -58,6 +58,11 @@ class ReadResult:
     checksum: BlockChecksum | None = None
     """The block's stored checksum, just verified, on whole-block reads (None on layer reads and
     from the device tier when none was handed in); pass it on when copying the block down."""
+    stored: BlockChecksum | None = None
+    """The checksum in the header the tier keeps with the block (disk, remote), which the layers
+    just read were verified against: on every read from such a tier, layer reads too (None from
+    the memory tiers). Whoever knows what the block's checksum must be (the directory's
+    registration) compares it with this one (`TieredStore.get_layers`, `expected`)."""
 
 
 def resolved(value: T) -> Future[T]:

@@ -16,12 +16,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 @dataclasses.dataclass
 class LoadSpec:
     """Load tokens [start, end) of a request into its pages: they lie in the blocks `keys`, which
-    are the request's blocks first_block, first_block + 1, ... (in `tiers`)."""
+    are the request's blocks first_block, first_block + 1, ... (in `tiers`; a copy of block i read
+    from the remote tier must carry `checksums[i]`, see `offload.Hit.checksum`)."""
 
     request_id: str
     namespace: str
     keys: list[uuid.UUID]
     tiers: list[str]
+    checksums: list[str]
     first_block: int
     start: int
     end: int

@@ -2,7 +2,8 @@
 
 start_load_kv: one layer-wise loader per request (layer 0 of every hit block, then layer 1,
 ...); wait_for_layer_load(layer) waits for that layer only, then scatters it into vLLM's
-pages (one copy); the wait is the layer's stall.
+pages (one copy); the wait is the layer's stall. A block read from L3 must carry the checksum
+the scheduler half's directory lookup registered for it (`LoadSpec.checksums`).
 wait_for_save: the new full blocks, gathered from the pages straight into the write-back tier
 (the host pool's slot: one copy, then hashed), registered in one batch behind the request
 path. A load that failed (a block corrupt or vanished) reports its pages
@@ -135,12 +136,17 @@ class WorkerHalf:
                 continue
             try:
                 hits = [
-                    Hit(index=spec.first_block + i, key=key, tier=tier)
-                    for i, (key, tier) in enumerate(zip(spec.keys, spec.tiers, strict=True))
+                    Hit(index=spec.first_block + i, key=key, tier=tier, checksum=checksum)
+                    for i, (key, tier, checksum) in enumerate(zip(spec.keys, spec.tiers, spec.checksums, strict=True))
                 ]
                 with torch.inference_mode(False):
                     buffers = PrefixBuffers(layout=self.layout, blocks=len(hits), device=paged.device)
-                loader = LayerLoader(store=self.manager.store, hits=hits, buffers=buffers).start()
+                loader = LayerLoader(
+                    store=self.manager.store,
+                    hits=hits,
+                    buffers=buffers,
+                    verify_remote=self.manager.verifies_remote,
+                ).start()
             except Exception as exc:  # noqa: BLE001 - a load that cannot start is recomputed
                 log.exception("request %s: load could not start, recomputing", spec.request_id)
                 self._invalidate(spec)

@@ -209,6 +209,7 @@ class DiskReads(BlockFiles):
             layers=layers,
             nbytes=nbytes,
             checksum=header.checksum if len(layers) == self.layout.layers else None,
+            stored=header.checksum,
         )
 
     def _read_hashing(

@@ -240,7 +240,9 @@ class RemoteTier(Tier):
         self._verify(key, layers, self.hasher.run(spans), checksum.layers)
         self.counters.add(f"{self.name}.hits")
         self.counters.add(f"{self.name}.bytes_read", layout.block_bytes)
-        return ReadResult(key=key, tier=self.name, layers=layers, nbytes=layout.block_bytes, checksum=checksum)
+        return ReadResult(
+            key=key, tier=self.name, layers=layers, nbytes=layout.block_bytes, checksum=checksum, stored=checksum
+        )
 
     def get_layers(
         self, keys: Sequence[uuid.UUID], layers: int | range | slice, outs: Sequence[torch.Tensor]
@@ -332,6 +334,7 @@ class RemoteTier(Tier):
                 layers=layers,
                 nbytes=nbytes,
                 checksum=checksums[i] if whole else None,
+                stored=checksums[i],
             )
         return cast(list[ReadResult | BaseException], results)
 
