@@ -25,6 +25,7 @@ from worker.dataplane.connectors.vllm import scheduler_half
 from worker.dataplane.connectors.vllm.metadata import StrataMetadata
 from worker.dataplane.connectors.vllm.requests import scope_of
 from worker.dataplane.engine.checkpoints import WEIGHT_SUFFIXES
+from worker.dataplane.offload import OffloadManager
 from worker.vllm_connector import StrataConnector
 
 FAULT_PARAM = "strata_test_fault"
@@ -93,6 +94,14 @@ class ContentIdentityOff(FaultyStrataConnector):
             return dataclasses.replace(profile, revision=metadata_revision(Path(vllm_config.model_config.model)))
 
         connector_module.profile_for = by_metadata  # type: ignore[attr-defined]
+
+
+class L3VerificationOff(FaultyStrataConnector):
+    """Blocks read from L3 are checked against the checksums their own values carry, not against
+    the directory's (the worker half's loads do not verify remote copies)."""
+
+    def patch(self) -> None:
+        OffloadManager.verifies_remote = property(lambda self: False)  # type: ignore[assignment,method-assign]
 
 
 class StepIsolationOff(FaultyStrataConnector):
