@@ -33,7 +33,8 @@ from benchmarks.harness import Context, Row
 from worker.dataplane.errors import TierFull
 from worker.dataplane.eviction.rules import ALGORITHMS, parse_rules
 from worker.dataplane.layout import ModelProfile, block_layout
-from worker.dataplane.offload import Hit, OffloadManager
+from worker.dataplane.offload import OffloadManager
+from worker.dataplane.offload_records import Hit
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.host import HostTier
 

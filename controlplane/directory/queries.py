@@ -15,12 +15,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from controlplane.directory.choices import TIER_ORDER, PlacementState, TierLevel
-from controlplane.directory.errors import (
-    DirectoryError,
-    UnknownModel,
-    UnknownNamespace,
-    UnknownNode,
-)
+from controlplane.directory.errors import DirectoryError, UnknownModel, UnknownNamespace, UnknownNode
 from worker.dataplane.directory import BlockLocation, BlockRegistration, LookupResult
 
 BLOCK_TABLE = "directory_block"

@@ -412,3 +412,14 @@ def test_a_shared_namespace_leads_the_prompt_and_the_saves_chain_on_from_it(half
     # A salted request keys its own chain only: a shared namespace's blocks are unsalted.
     directory.shared = {"library": b"library"}
     assert answer_of(scheduler, Request(uuid.uuid4().hex, tokens, cache_salt="s")) == 0
+
+
+def test_every_field_of_vllm_s_request_is_known():
+    """Each field of the installed vLLM's Request is keyed, makes a request uncached, or does not
+    change the KV: a new one (a newer vLLM) makes the requests that set it uncached until it is."""
+    from vllm.v1.request import Request as VllmRequest
+
+    from worker.dataplane.connectors.vllm.requests import request_fields, unknown_fields
+
+    assert "cache_salt" in request_fields(VllmRequest)
+    assert unknown_fields(VllmRequest) == []

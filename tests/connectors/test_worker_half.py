@@ -19,7 +19,7 @@ from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
 from worker.dataplane.directory import PlacementChange
 from worker.dataplane.engine.loader import staged_hits
 from worker.dataplane.layout import ModelProfile, block_layout
-from worker.dataplane.offload import Hit
+from worker.dataplane.offload_records import Hit
 
 PROFILE = ModelProfile(model_id="pages", layers=3, kv_heads=2, head_dim=8, dtype="float32", block_tokens=32)
 LAYOUT = block_layout(PROFILE)

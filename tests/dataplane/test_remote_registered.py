@@ -17,7 +17,7 @@ from dataplane_support import SMALL, key, layout_of
 from worker.dataplane.engine.cache import LoadFailed
 from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.errors import MISSES, BlockMissing, BlockUnregistered
-from worker.dataplane.offload import Hit
+from worker.dataplane.offload_records import Hit
 from worker.dataplane.store import TieredStore
 
 LAYOUT = layout_of(SMALL, "bfloat16")

@@ -14,7 +14,7 @@ import torch
 
 from tests.engine.conftest import BLOCK_TOKENS, engine_for
 from worker.dataplane.blend.options import BlendOptions
-from worker.dataplane.offload import Throughput
+from worker.dataplane.offload_records import Throughput
 
 TIERS = ["device", "host", "disk", "remote"]
 

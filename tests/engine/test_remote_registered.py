@@ -30,7 +30,8 @@ from worker.dataplane.errors import BlockUnregistered
 from worker.dataplane.hashing import BlockFingerprint
 from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.metrics import EngineMetrics
-from worker.dataplane.offload import Hit, OffloadManager
+from worker.dataplane.offload import OffloadManager
+from worker.dataplane.offload_records import Hit
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.host import HostTier
 from worker.dataplane.tiers.remote import RemoteTier

@@ -12,7 +12,7 @@ import pytest
 from tests.engine.conftest import engine_for
 from worker.dataplane.engine.server import NAMESPACE_HEADER, NodeServer
 from worker.dataplane.engine.timelines import RECENT
-from worker.dataplane.offload import RequestTrace
+from worker.dataplane.offload_records import RequestTrace
 
 
 @pytest.fixture

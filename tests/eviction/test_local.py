@@ -11,7 +11,8 @@ from tests.engine.conftest import BLOCK_TOKENS, layout_for
 from worker.dataplane.errors import TierFull
 from worker.dataplane.eviction.rules import Rules, TierRule, parse_rules
 from worker.dataplane.metrics import EngineMetrics
-from worker.dataplane.offload import Hit, OffloadManager
+from worker.dataplane.offload import OffloadManager
+from worker.dataplane.offload_records import Hit
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.disk.headers import block_file_bytes
 

@@ -11,7 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from worker.dataplane.blend.tuner import PREFIX_ONLY, BlendTuner
 from worker.dataplane.counters import Counters
-from worker.dataplane.offload import OffloadManager, RequestTrace
+from worker.dataplane.offload import OffloadManager
+from worker.dataplane.offload_records import RequestTrace
 
 
 class EngineMetrics:

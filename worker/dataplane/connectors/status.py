@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from worker.dataplane.engine import access, timelines
 from worker.dataplane.metrics import EngineMetrics
-from worker.dataplane.offload import RequestTrace
+from worker.dataplane.offload_records import RequestTrace
 
 log = logging.getLogger("strata.server")
 

@@ -45,7 +45,8 @@ from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
 from worker.dataplane.eviction.rules import Rules
 from worker.dataplane.hashing import Fingerprinter
 from worker.dataplane.layout import block_layout
-from worker.dataplane.offload import REPROBE_SECONDS, Chain, Hit, OffloadManager, RequestTrace, Throughput
+from worker.dataplane.offload import REPROBE_SECONDS, OffloadManager
+from worker.dataplane.offload_records import Chain, Hit, RequestTrace, Throughput
 from worker.dataplane.store import TieredStore
 from worker.dataplane.traffic import TrafficMeter
 

@@ -27,7 +27,7 @@ from worker.dataplane.buffers import aligned_empty, runs
 from worker.dataplane.engine.cache import LayerGate, LoadFailed
 from worker.dataplane.errors import MISSES
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.offload import Hit, TierLoad
+from worker.dataplane.offload_records import Hit, TierLoad
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.base import ReadResult
 

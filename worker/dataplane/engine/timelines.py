@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
-from worker.dataplane.offload import RequestTrace
+from worker.dataplane.offload_records import RequestTrace
 
 PATH = "/v1/strata/requests"
 RECENT = 50

@@ -27,7 +27,8 @@ from worker.dataplane.directory import REMOTE, BlockRegistration
 from worker.dataplane.engine.cache import StrataCache
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.offload import Chain, Hit, OffloadManager, RequestTrace
+from worker.dataplane.offload import OffloadManager
+from worker.dataplane.offload_records import Chain, Hit, RequestTrace
 from worker.dataplane.store import TieredStore
 
 

@@ -61,7 +61,7 @@ ADAPTER_FILES = ("adapter_config.json",)
 
 def request_fields(request_class: type) -> list[str]:
     """The fields vLLM's Request takes (the parameters of its constructor)."""
-    return [name for name in inspect.signature(request_class.__init__).parameters if name != "self"]
+    return [name for name in inspect.signature(request_class).parameters if name != "self"]
 
 
 def unknown_fields(request_class: type) -> list[str]:

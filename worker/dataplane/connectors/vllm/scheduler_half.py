@@ -51,7 +51,7 @@ from worker.dataplane.counters import Counters
 from worker.dataplane.directory import DirectoryUnavailable
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, KeyScope
 from worker.dataplane.metrics import EngineMetrics
-from worker.dataplane.offload import Decision, Hit, RequestTrace, TierLoad
+from worker.dataplane.offload_records import Decision, Hit, RequestTrace, TierLoad
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -38,7 +38,7 @@ from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.engine.cache import LoadFailed
 from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.layout import block_layout
-from worker.dataplane.offload import Hit
+from worker.dataplane.offload_records import Hit
 
 log = logging.getLogger("strata.vllm")
 
