@@ -349,9 +349,29 @@ def profile_of(checkpoint: Path) -> Any:
     return checkpoint_profile(checkpoint, dtype="float32", block_tokens=BLOCK)
 
 
+def registered(node: StrataNode, profile: Any) -> int:
+    """The model's READY placements of the node (and in L3), once the write-behind registrations
+    of the rounds served so far have landed (the count holds still for a second)."""
+    import time
+
+    from controlplane.directory.models import Placement
+    from worker.dataplane.hashing import model_key
+
+    rows = Placement.objects.filter(state="ready", block__model__model_key=model_key(profile))
+    count, deadline = -1, time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = rows.filter(node__name=node.name).count() + rows.filter(node__isnull=True).count()
+        if now == count:
+            return now
+        count = now
+        time.sleep(1.0)
+    raise AssertionError("the node's registrations did not settle within 30 s")
+
+
 def move_all(node: StrataNode, profile: Any, *, source: str, target: str) -> int:
     """Every READY block of the model on `source` copied to `target` (verified), its new copy
     registered and the old one forgotten, as a movement does; returns how many moved."""
+    registered(node, profile)
     from controlplane.directory.models import Placement
     from controlplane.directory.services import blocks_register, placements_change
     from worker.dataplane.directory import BlockRegistration, PlacementChange
@@ -396,37 +416,35 @@ def move_all(node: StrataNode, profile: Any, *, source: str, target: str) -> int
     return len(registrations)
 
 
+FORGED = (0,)
+"""The prompts (of P) whose second block is forged in L3 for the base model without a salt:
+"p0 again" of the remote round must recompute from it; the others load from L3."""
+DONOR = 1
+"""The prompt whose second block's bytes the forged values hold (p1, stored in the first round)."""
+
+
 def forge_remote(node: StrataNode, profile: Any) -> list[uuid.UUID]:
-    """Overwrite the second block of every prompt in L3 with a self-consistent value holding
-    another prompt's second block (what any holder of the Redis URL can write: the value's own
+    """Overwrite the second block of prompts FORGED in L3 with self-consistent values holding
+    another prompt's second block (what any holder of the Redis URL can write: each value's own
     checksums match its bytes); the directory still registers the genuine checksums. Returns the
     forged keys."""
-    from controlplane.directory.models import Placement
+    from controlplane.directory.models import Namespace
     from worker.dataplane.connectors.vllm.runtime import node_options
-    from worker.dataplane.hashing import model_key
+    from worker.dataplane.hashing import Fingerprinter
     from worker.dataplane.store import build_store
 
-    keys = list(
-        Placement.objects.filter(
-            tier="remote",
-            state="ready",
-            node__isnull=True,
-            block__model__model_key=model_key(profile),
-            block__position=BLOCK,
-        )
-        .order_by("block__prefix_key")
-        .values_list("block__prefix_key", flat=True)
-    )
-    assert len(keys) > 1, "the remote tier holds too few blocks to forge"
+    salt = Namespace.objects.get(name="default").salt_bytes
+    second = [Fingerprinter.for_profile(profile, ns_salt=salt).prefix_keys(P[i])[1] for i in (*FORGED, DONOR)]
     store = build_store(node_options(node.extra), profile=profile, environ={})
     try:
         remote = store.tier("remote")
-        donor = store.get(keys[0], tiers=["remote"]).data
-        for key in keys[1:]:
+        assert all(remote.contains_many(second)), "the blocks to forge and their donor are in L3"
+        donor = store.get(second[-1], tiers=["remote"]).data
+        for key in second[:-1]:
             remote.put(key, donor)
     finally:
         store.close()
-    return keys[1:]
+    return second[:-1]
 
 
 # -- running the rounds ------------------------------------------------------------------------------
@@ -555,7 +573,7 @@ def l3_moves(node: StrataNode, profile: Any) -> Between:
         ("LoraKeyingOff", MUTANT_ROUNDS, "lora"),
         ("SaltKeyingOff", MUTANT_ROUNDS, "salt"),
         ("StepIsolationOff", MUTANT_ROUNDS, "[host]"),
-        ("L3VerificationOff", {name: ROUNDS[name] for name in ("store", "flood-2", "remote")}, "[remote]"),
+        ("L3VerificationOff", {name: ROUNDS[name] for name in ("store", "flood-2", "remote")}, "p0 again"),
     ],
 )
 def test_the_comparison_fails_with_a_fix_turned_off(

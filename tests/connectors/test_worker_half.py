@@ -271,6 +271,36 @@ def test_a_block_read_from_l3_must_carry_the_checksum_the_scheduler_sent(tmp_pat
         ]
 
 
+def test_a_load_that_cannot_be_settled_reports_its_pages(runtime, monkeypatch):
+    kv = engine_pages()
+    writer = worker_for(runtime, kv)
+    pages = [3, 4, 5, 6, 10, 11, 12, 13]
+    keys = [uuid.uuid4(), uuid.uuid4()]
+    blocks = [(0, keys[0], uuid.uuid4()), (1, keys[1], uuid.uuid4())]
+    run_step(writer, StrataMetadata(saves=[SaveSpec(request_id="w", namespace="default", pages=pages, blocks=blocks)]))
+    reader = worker_for(runtime, engine_pages(seed=1))
+
+    def broken(load) -> None:  # noqa: ANN001 - a bug while the step's loads are settled
+        raise RuntimeError("the loader's thread could not be joined")
+
+    monkeypatch.setattr(reader, "_settle", broken)
+    spec = LoadSpec(
+        request_id="q",
+        namespace="default",
+        keys=keys,
+        tiers=["host", "host"],
+        checksums=["", ""],
+        first_block=0,
+        start=0,
+        end=64,
+        pages=[20, 21, 22, 23, 24, 25, 26, 27],
+    )
+    run_step(reader, StrataMetadata(loads=[spec]))
+    assert reader.take_invalid() == set(spec.pages)
+    assert reader.take_report().loads["q"].failure == "the loader's thread could not be joined"
+    assert reader.loads == []
+
+
 class _Tier:
     def __init__(self, direct: bool) -> None:
         self.reads_into_device = direct

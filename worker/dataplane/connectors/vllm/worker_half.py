@@ -252,9 +252,15 @@ class WorkerHalf:
         meta = self.meta
         if meta is None:
             return
-        for load in self.loads:
-            self._settle(load)
-        self.loads = []
+        loads, self.loads = self.loads, []
+        for load in loads:
+            try:
+                self._settle(load)
+            except Exception as exc:  # noqa: BLE001 - a load not known to be whole is recomputed
+                log.exception("request %s: its load could not be settled; vLLM recomputes it", load.spec.request_id)
+                self._invalidate(load.spec)
+                self.manager.counters.add("load_failures")
+                self.report.loads[load.spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=str(exc))
         if self.layerwise_saves:
             self._commit_layerwise()
         elif meta.saves and self.paged is not None:
