@@ -458,18 +458,26 @@ def serve(
     adapters: dict[str, str],
     *,
     between: Between | None = None,
+    measured: dict[str, float] | None = None,
 ) -> list[str]:
     """Serve the rounds in order (calling `between(name)` before each) and return every problem:
-    answers that differ from vLLM alone's, and cached tokens vLLM alone could not have shared."""
+    answers that differ from vLLM alone's, and cached tokens vLLM alone could not have shared.
+    `measured` receives the largest deviation from vLLM alone and the cached tokens."""
     tol = tolerance(reference.noise)
     sharing = Sharing()
     problems: list[str] = []
+    worst, cached = 0.0, 0
     for name, asks in rounds.items():
         if between is not None:
             between(name)
         got = run_round(llm, asks, adapters)
-        problems += [f"[{name}] {p}" for p in compare(asks, reference.of(name, asks), got, tol)]
+        want = reference.of(name, asks)
+        problems += [f"[{name}] {p}" for p in compare(asks, want, got, tol)]
         problems += [f"[{name}] {p}" for p in sharing.check(asks, got)]
+        worst = max(worst, *(deviation(a, b) for a, b in zip(want, got, strict=True)))
+        cached += sum(answer.cached for answer in got)
+    if measured is not None:
+        measured.update(deviation=worst, cached_tokens=cached, noise=reference.noise, tolerance=tol)
     return problems
 
 
@@ -518,14 +526,19 @@ def test_the_checkpoint_s_answers_depend_on_their_context(reference):
     assert reference.noise < 1e-3, f"vLLM alone strays {reference.noise} from itself"
 
 
-def test_vllm_with_strata_answers_as_vllm_alone(checkpoints, adapters, node, reference, vllm_environment):
+def test_vllm_with_strata_answers_as_vllm_alone(
+    checkpoints, adapters, node, reference, vllm_environment, record_property
+):
     profile = profile_of(checkpoints.x)
     llm = engine(checkpoints.x, node_env(vllm_environment, node.name), adapters, node.transfer("FaultyStrataConnector"))
+    measured: dict[str, float] = {}
     try:
-        problems = serve(llm, ROUNDS, reference, adapters, between=tier_moves(node, profile))
+        problems = serve(llm, ROUNDS, reference, adapters, between=tier_moves(node, profile), measured=measured)
         hits = hit_blocks(node)
     finally:
         shutdown(llm)
+    for name, value in {**measured, **{f"hit_blocks.{tier}": count for tier, count in hits.items()}}.items():
+        record_property(name, value)  # in the JUnit report (--junitxml): the figures of the run
     assert not problems, "vLLM with Strata differs from vLLM alone:\n" + "\n".join(problems)
     assert all(hits[tier] > 0 for tier in ("host", "disk", "remote")), f"hits by tier: {hits}"
 
@@ -577,7 +590,7 @@ def l3_moves(node: StrataNode, profile: Any) -> Between:
     ],
 )
 def test_the_comparison_fails_with_a_fix_turned_off(
-    mutant, rounds, expected, checkpoints, adapters, remote, reference, vllm_environment
+    mutant, rounds, expected, checkpoints, adapters, remote, reference, vllm_environment, record_property
 ):
     """Each fix guards against something the differential test sees: with it off (and nothing else
     changed), the same rounds on a node of their own differ from vLLM alone."""
@@ -586,14 +599,18 @@ def test_the_comparison_fails_with_a_fix_turned_off(
         llm = engine(checkpoints.x, node_env(vllm_environment, fresh.name), adapters, fresh.transfer(mutant))
         try:
             between = l3_moves(fresh, profile) if mutant == "L3VerificationOff" else None
-            problems = serve(llm, rounds, reference, adapters, between=between)
+            measured: dict[str, float] = {}
+            problems = serve(llm, rounds, reference, adapters, between=between, measured=measured)
         finally:
             shutdown(llm)
+    record_property("deviation", measured["deviation"])
+    record_property("problems", len(problems))
+    record_property("first_problems", problems[:3])
     assert any(expected in problem for problem in problems), f"{mutant} went unseen: {problems}"
 
 
 def test_the_comparison_fails_without_content_model_identity(
-    checkpoints, adapters, remote, reference, reference_y, vllm_environment
+    checkpoints, adapters, remote, reference, reference_y, vllm_environment, record_property
 ):
     """Two nodes keying models by their files' names, sizes and times: y, served on the node after
     x stored its blocks there, is served x's blocks."""
@@ -606,7 +623,11 @@ def test_the_comparison_fails_without_content_model_identity(
             shutdown(x)
         y = engine(checkpoints.y, node_env(vllm_environment, fresh.name), adapters, transfer)
         try:
-            problems = serve(y, {"y": MODEL_Y}, reference_y, adapters)
+            measured: dict[str, float] = {}
+            problems = serve(y, {"y": MODEL_Y}, reference_y, adapters, measured=measured)
         finally:
             shutdown(y)
+    record_property("deviation", measured["deviation"])
+    record_property("problems", len(problems))
+    record_property("first_problems", problems[:3])
     assert any("on y" in problem for problem in problems), f"content identity off went unseen: {problems}"

@@ -230,7 +230,7 @@ def timed(llm: Any, prompt: list[int], **kwargs: Any) -> tuple[list[int], int, f
     return tokens, cached, time.perf_counter() - started
 
 
-def test_a_tenant_without_the_salt_gets_nothing_and_a_probe_looks_cold(plain, strata, node):
+def test_a_tenant_without_the_salt_gets_nothing_and_a_probe_looks_cold(plain, strata, node, record_property):
     """Tenant A names tenant B's namespace (the operator allowed client namespaces) but lacks B's
     salt: it is served cold, no faster than a cold prompt, and B still hits."""
     prompt = prompt_of(5 * BLOCK + 40, seed=4)
@@ -252,6 +252,8 @@ def test_a_tenant_without_the_salt_gets_nothing_and_a_probe_looks_cold(plain, st
     assert newest(node)["namespace"] == "tenant-b"
     # The probe's TTFT is a cold prompt's, not a hit's: nothing to learn from it.
     probe, hit = statistics.median(probes), statistics.median(hits)
+    for name, values in (("cold_ttft_s", colds), ("probe_ttft_s", probes), ("hit_ttft_s", hits)):
+        record_property(name, [round(v, 4) for v in values])
     assert 0.8 * min(colds) <= probe <= 1.25 * max(colds), (probes, colds)
     assert probe > 1.5 * hit, (probes, hits)
     # A salt is any string vLLM takes (base64 too), registered nowhere; a namespace claim that is no
