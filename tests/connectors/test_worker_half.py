@@ -97,6 +97,41 @@ def test_a_layerwise_save_missing_a_layer_is_not_stored(runtime):
     assert runtime.manager.counters.get("write_back.incomplete") == 1
 
 
+def test_a_step_whose_layers_were_never_handed_over_counts_its_blocks(runtime, caplog):
+    """A step replayed as a full CUDA graph runs no layer hook: its blocks are counted, not lost silently."""
+    half = worker_for(runtime, engine_pages(), layerwise_saves=True)
+    keys = [uuid.uuid4(), uuid.uuid4()]
+    for _ in range(2):
+        half.bind(
+            StrataMetadata(
+                saves=[
+                    SaveSpec(
+                        request_id="r",
+                        namespace="default",
+                        pages=list(range(8)),
+                        blocks=[(index, key, uuid.uuid4()) for index, key in enumerate(keys)],
+                    )
+                ]
+            )
+        )
+        half.finish_step()
+    assert not any(runtime.store.tier("host").contains(key) for key in keys)
+    assert runtime.manager.counters.get("write_back.incomplete") == 4
+    assert sum("no layer was handed over" in record.message for record in caplog.records) == 1
+
+
+def test_vllm_runs_the_connector_under_piecewise_cuda_graphs():
+    """What vLLM asks of a connector class before it picks full or piecewise CUDA graphs."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    transfer = KVTransferConfig(
+        kv_connector="StrataConnector", kv_connector_module_path="worker.vllm_connector", kv_role="kv_both"
+    )
+    connector = KVConnectorFactory.get_connector_class(transfer)
+    assert connector.requires_piecewise_for_cudagraph(transfer.kv_connector_extra_config) is True
+
+
 def test_loads_scatter_every_layer_and_report_the_stalls(runtime):
     source = engine_pages(seed=1)
     writer = worker_for(runtime, source)

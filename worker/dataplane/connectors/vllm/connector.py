@@ -54,6 +54,14 @@ class StrataConnectorBase(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always: loads wait layer by layer (`wait_for_layer_load`) and a GPU's saves copy each
+        layer as its attention writes it (`save_kv_layer`). A full CUDA graph replays a step
+        without these hooks (a decode-shaped step: decodes, or a hit with one token left to
+        compute), so vLLM runs piecewise graphs, between whose pieces the hooks run."""
+        return True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_engine(vllm_config)

@@ -78,6 +78,7 @@ class WorkerHalf:
     def __init__(self, runtime: Runtime, *, layerwise_saves: bool | None = None) -> None:
         self.runtime = runtime
         self.layerwise_saves = layerwise_saves
+        self._warned_no_layers = False
         """None: decided when the KV caches register (layer-wise where they live on a GPU)."""
         self.pending: list[PendingSave] | None = None
         self._stream: Any = None
@@ -262,7 +263,7 @@ class WorkerHalf:
                 self.manager.counters.add("load_failures")
                 self.report.loads[load.spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=str(exc))
         if self.layerwise_saves:
-            self._commit_layerwise()
+            self._commit_layerwise(meta.saves)
         elif meta.saves and self.paged is not None:
             self._save(meta.saves)
         forward_s = time.perf_counter() - self.step_started
@@ -322,9 +323,20 @@ class WorkerHalf:
                 self.report.saved[spec.request_id] = self.report.saved.get(spec.request_id, 0) + written
         manager.register(registrations)
 
-    def _commit_layerwise(self) -> None:
-        """Store the blocks gathered layer by layer in this step (once their copies are done)."""
-        pending, self.pending = self.pending or [], None
+    def _commit_layerwise(self, saves: Sequence[SaveSpec]) -> None:
+        """Store the blocks gathered layer by layer in this step (once their copies are done). A
+        block missing a layer is not stored, and counted (`write_back.incomplete`): so is every
+        block of a step in which no layer was handed over (a step the engine replayed as one CUDA
+        graph, which runs no hooks), never silently dropped."""
+        pending, self.pending = self.pending, None
+        if pending is None and saves:
+            pending = self._pending(saves)  # the blocks this step was to save, none gathered
+            if pending and not self._warned_no_layers:
+                self._warned_no_layers = True
+                log.warning(
+                    "a step's blocks were not saved: no layer was handed over (the connector needs piecewise "
+                    "CUDA graphs, not full ones); such blocks are counted as write_back.incomplete"
+                )
         if not pending:
             return
         if self._stream is not None:
