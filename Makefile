@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup chromium native-deps demo test test-soak bench bench-scale lint stop clean
+.PHONY: setup chromium native-deps demo test test-soak bench bench-smoke bench-scale lint stop clean
 
 $(STAMP): pyproject.toml $(wildcard worker/dataplane/native/*.c) | native-deps
 	@command -v $(PYTHON_BIN) >/dev/null || { echo "Strata needs Python 3.11 ($(PYTHON_BIN) not found)"; exit 1; }
@@ -64,6 +64,11 @@ test-soak: setup
 bench: setup
 	$(PY) -m controlplane.runtime.embedded start
 	$(PY) -m benchmarks
+
+# Every suite once at the least size: fails when a suite or one of its configurations yields no rows.
+bench-smoke: setup
+	$(PY) -m controlplane.runtime.embedded start
+	$(PY) -m benchmarks --smoke --results var/bench-smoke
 
 bench-scale: setup  # the directory and the movement planner at 10M blocks (the full-size run is 1M)
 	$(PY) -m controlplane.runtime.embedded start

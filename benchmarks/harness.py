@@ -4,9 +4,16 @@
     python -m benchmarks tiers           # some suites
     python -m benchmarks tiers --scale 0.1 --repeats 3
     STRATA_BENCH_SCALE=0.05 python -m benchmarks tiers
+    python -m benchmarks --smoke         # every suite at the least size, once (make bench-smoke)
 
 Each suite writes ``benchmarks/results/<suite>.json``: its rows (name, value, unit, and for a
 ratio the name of the baseline row it divides by), parameters and a description of the machine.
+
+A suite declares the rows every run of it must produce, as shell-style patterns (`EXPECTED_ROWS`,
+or `expected_rows(ctx)` where they depend on the run's options), one or more per configuration
+it measures. A run fails (exit 1) when a suite raises, yields no rows, reports configurations that
+failed (`failed` in its params) or leaves a pattern unmatched: a suite whose configuration stopped
+working is a failure, not a shorter table.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import fnmatch
 import importlib
 import json
 import os
@@ -43,6 +51,8 @@ from rich.table import Table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SUITES_PACKAGE = "benchmarks.suites"
+SMOKE_SCALE = 0.01
+"""`--smoke`: the scale every suite runs at (each suite keeps its own least sizes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +182,32 @@ def load(name: str) -> ModuleType:
     module = importlib.import_module(f"{SUITES_PACKAGE}.{name}")
     if not callable(getattr(module, "run", None)):
         raise TypeError(f"suite {name} has no run(ctx) function")
+    if not callable(getattr(module, "expected_rows", None)) and not getattr(module, "EXPECTED_ROWS", None):
+        raise TypeError(f"suite {name} declares no EXPECTED_ROWS (the rows every run of it must produce)")
     return module
+
+
+def expected_rows(module: ModuleType, ctx: Context) -> list[str]:
+    """The row-name patterns a run of the suite must match, each at least once."""
+    declared = module.expected_rows(ctx) if callable(getattr(module, "expected_rows", None)) else module.EXPECTED_ROWS
+    return list(declared)
+
+
+def missing(module: ModuleType, ctx: Context, rows: Sequence[Row]) -> list[str]:
+    """What the run lacks: no rows at all, configurations the suite reports failed, and every
+    expected pattern no row matches (empty when the run is whole)."""
+    if not rows:
+        return ["it produced no rows"]
+    problems = []
+    failed = ctx.params.get("failed") or {}
+    problems += [f"configuration {config} failed: {why}" for config, why in sorted(dict(failed).items())]
+    names = [row.name for row in rows]
+    problems += [
+        f"no row matches {pattern}"
+        for pattern in expected_rows(module, ctx)
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names)
+    ]
+    return problems
 
 
 def _machine() -> dict[str, Any]:
@@ -229,7 +264,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where <suite>.json files go")
     parser.add_argument("--list", action="store_true", help="list the suites and exit")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"every suite at scale {SMOKE_SCALE:g}, once: does each still produce all its rows (a few minutes)",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.scale, args.repeats = SMOKE_SCALE, 1
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 150))  # log files: do not truncate row names
@@ -304,7 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            progress.update(task, description="done")
+            lacking = missing(module, context, rows)
+            if lacking:
+                failures += 1
+                progress.console.print(f"[red]suite {name} is incomplete: {'; '.join(lacking)}")
+            progress.update(task, description="done" if not lacking else "incomplete")
             result = {
                 "suite": name,
                 "description": getattr(module, "DESCRIPTION", ""),
@@ -313,12 +359,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "params": {"scale": args.scale, "repeats": args.repeats, **context.params},
                 "machine": {**_machine(), "loadavg_at_start": load_at_start},
                 "rows": [row.as_json() for row in rows],
+                "incomplete": lacking,
             }
             (args.results / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
             for row in rows:
                 table.add_row(name, row.name, _format(row.value, row.unit), row.unit, row.baseline or "")
     console.print(table)
     console.print(f"results in {args.results}/")
+    if failures:
+        console.print(f"[red]{failures} suite(s) failed or incomplete (see above)")
     return 1 if failures else 0
 
 

@@ -40,6 +40,8 @@ from benchmarks import blend_model as task
 from benchmarks.harness import Context, Row
 
 DESCRIPTION = "Fragment reuse: reused tokens vs prefix-only, TTFT vs full prefill, accuracy delta (trained model)"
+EXPECTED_ROWS = ("blend.rag.*", "blend.contract.*", "blend.multihop.*", "blend.long_small.*", "blend.long_small_deep.*")
+"""The RAG and contract workloads, the multi-hop task's quality, long prompts on both presets."""
 MODEL_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "blend-model"
 
 

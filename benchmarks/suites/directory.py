@@ -52,6 +52,14 @@ from pathlib import Path
 from typing import Any
 
 DESCRIPTION = "directory hit detection (service, node client, REST) and registration at 1M blocks (--scale 10: 10M)"
+EXPECTED_ROWS = (
+    "directory.lookup64_p50_ms",
+    "directory.node_lookup64_p50_ms",
+    "directory.rest_lookup64_p99_ms",
+    "directory.register_blocks_per_s",
+    "directory.writebehind_blocks_per_s",
+)
+"""Lookups through the service, a node's client and REST; registration, direct and write-behind."""
 
 FULL_BLOCKS = 1_000_000
 CHAIN = 64

@@ -26,6 +26,18 @@ from benchmarks.harness import Context, Row
 from controlplane.runtime.environment import load_environment
 
 DESCRIPTION = "TTFT per tier vs cold and vs the floor; multi-turn chat and long-doc QA vs no cache"
+EXPECTED_ROWS = (
+    *(f"engine.ttft_hit_{tier}_vs_cold" for tier in ("device", "host", "disk", "remote")),
+    "engine.balanced_layerwise_vs_upfront",
+    *(
+        f"{workload}.{config}.ttft_vs_no_cache"
+        for workload in ("multiturn.c4", "multiturn.c8", "longdoc")
+        for config in ("device_only", "strata_host", "strata_disk")
+    ),
+)
+"""A hit from each tier against a cold prefill, layer-wise loading against load-then-compute, and
+each cache configuration against no cache on each workload (the throttled case needs a kernel
+throttle the machine may lack, and is not required)."""
 
 
 def run(ctx: Context) -> list[Row]:

@@ -39,6 +39,13 @@ from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.host import HostTier
 
 DESCRIPTION = "share of a 3x burst a full host tier keeps, and reuse hits per eviction policy, vs. dropping"
+EXPECTED_ROWS = (
+    "eviction.burst_3x.kept_share",
+    "eviction.burst_3x.kept_share.old_drop",
+    *(f"eviction.mixed.{algorithm}.hit_share" for algorithm in ALGORITHMS),
+    "eviction.mixed.old_drop.hit_share",
+)
+"""The burst and the mixed workload, under each eviction algorithm and dropping the new block."""
 PROFILE = ModelProfile(model_id="bench-eviction", layers=2, kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
 POOL_BLOCKS = 64
 REQUESTS = 400

@@ -54,6 +54,11 @@ from worker.dataplane.tiers.remote import RemoteTier
 DESCRIPTION = "Cross-node reuse through L3: two nodes, round-robin turns, vs one node and vs no sharing"
 SETUPS = ("one_node", "two_nodes.round_robin.sharing", "two_nodes.round_robin.no_sharing")
 PREFIX = "fleet"
+EXPECTED_ROWS = (
+    *(f"{PREFIX}.{setup}.ttft_mean_s" for setup in SETUPS),
+    f"{PREFIX}.two_nodes.round_robin.computed_tokens_vs_no_sharing",
+)
+"""Each setup's TTFT, and what sharing through L3 saves."""
 CLIENTS = 4
 USER_TOKENS = 96
 ANSWER_TOKENS = int(os.environ.get("STRATA_BENCH_FLEET_ANSWER", "16"))

@@ -50,6 +50,8 @@ MOVE_REPEATS = 9
 the median of 9 paired repetitions varies far less from run to run than that of 5 (figures in
 benchmarks/README.md)."""
 ROUTES = (("host", "disk"), ("disk", "remote"), ("remote", "host"))
+EXPECTED_ROWS = (*(f"movements.move_gbps_{src}_{dst}_vs_raw" for src, dst in ROUTES), "movements.plan_ms")
+"""Each route's moves against the slower medium, and the planner's time."""
 
 
 def run(ctx: Any) -> list[Any]:

@@ -49,6 +49,13 @@ from worker.dataplane.tiers.host import HostTier
 from worker.dataplane.tiers.remote import RemoteTier, redis_client
 
 DESCRIPTION = "put/get GB/s of the device, host, disk and remote tiers vs. memcpy, O_DIRECT and redis-py"
+EXPECTED_ROWS = tuple(
+    f"tiers.{tier}.{op}_vs_raw{size}"
+    for tier in ("device", "host", "disk", "remote")
+    for op in ("put", "get")
+    for size in ("", ".small")
+)
+"""Each tier's put and get against its medium's raw limit, large and small blocks."""
 
 LAYOUTS = {
     "llama3-8b": BlockLayout(layers=32, kv_heads=8, head_dim=128, block_tokens=256, dtype="bfloat16"),

@@ -50,13 +50,8 @@ ORDER = ("vllm", "strata_host", "example", "strata_disk", "floor")
 """The configurations in the order they run (alternating with and without Strata)."""
 
 
-def run(ctx: Context) -> list[Row]:
-    import subprocess
-    import sys
-
-    from controlplane.runtime.environment import REPO_ROOT, load_environment
-    from worker.dataplane.engine.models import preset_checkpoint
-
+def chosen_configs() -> list[str]:
+    """The configurations this run serves (STRATA_BENCH_VLLM_CONFIGS, default all), in ORDER."""
     assert set(ORDER) == set(CONFIGS)
     chosen = [c.strip() for c in os.environ.get("STRATA_BENCH_VLLM_CONFIGS", ",".join(ORDER)).split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CONFIGS))
@@ -65,6 +60,35 @@ def run(ctx: Context) -> list[Row]:
             f"STRATA_BENCH_VLLM_CONFIGS: unknown configuration(s) {', '.join(unknown)}; "
             f"expected some of {', '.join(ORDER)}"
         )
+    return [c for c in ORDER if c in chosen]
+
+
+def expected_rows(ctx: Context) -> list[str]:
+    """Every chosen configuration's own numbers on each workload it serves, and each ratio whose
+    two configurations both ran."""
+    chosen = chosen_configs()
+    patterns = [f"vllm.multiturn.c{clients}.{config}.ttft_mean_s" for config in chosen for clients in (4, 8)]
+    patterns += [f"vllm.longdoc.{config}.ttft_mean_s" for config in chosen if "longdoc" not in SKIPPED.get(config, {})]
+    patterns += [f"vllm.nohit.{config}.ttft_mean_s" for config in chosen]
+    if "vllm" in chosen:
+        for config in ("strata_host", "strata_disk", "floor"):
+            if config in chosen:
+                patterns += [f"vllm.multiturn.c4.{config}.ttft_vs_vllm", f"vllm.longdoc.{config}.ttft_vs_vllm"]
+        if "strata_host" in chosen:
+            patterns.append("vllm.nohit.strata.ttft_vs_vllm")
+    if {"example", "strata_host"} <= set(chosen):
+        patterns.append("vllm.multiturn.c4.strata_host.ttft_vs_example")
+    return patterns
+
+
+def run(ctx: Context) -> list[Row]:
+    import subprocess
+    import sys
+
+    from controlplane.runtime.environment import REPO_ROOT, load_environment
+    from worker.dataplane.engine.models import preset_checkpoint
+
+    chosen = chosen_configs()
     shape = Shape.at(ctx.scale)
     environment = load_environment()
     checkpoint = preset_checkpoint("bench", environment.var_dir / "checkpoints")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -386,6 +387,58 @@ def test_a_load_that_cannot_be_planned_is_refused_never_dropped(half):
         0,
         3 * 32,
     )
+
+
+def running(request: Request, *, added: list[int] | None, computed: int, scheduled: int, resumed: Any = None) -> Any:
+    """A SchedulerOutput stand-in of one running request. `resumed` None: vLLM 0.34's shape, which
+    has no resumed_req_ids (it sends a resumed request among the new ones); a set: 0.32-0.33's."""
+    cached = {
+        "req_ids": [request.request_id],
+        "new_block_ids": [(added,) if added is not None else None],
+        "num_computed_tokens": [computed],
+    }
+    if resumed is not None:
+        cached["resumed_req_ids"] = resumed
+    return SimpleNamespace(
+        total_num_scheduled_tokens=scheduled,
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={request.request_id: scheduled},
+        scheduled_cached_reqs=SimpleNamespace(**cached),
+    )
+
+
+def test_running_and_resumed_requests_in_each_supported_vllm_s_scheduler_output(half):
+    scheduler, directory = half
+    directory.release.set()
+    request = Request(uuid.uuid4().hex, prompt(2 * 32 + 5))
+    assert answer_of(scheduler, request) == 0
+    scheduler.allocated(request, 0)  # type: ignore[arg-type]
+    meta = scheduler.build(output_of((request, [0, 1, 2], 0, 2 * 32 + 5)))
+    assert [(save.pages, len(save.blocks)) for save in meta.saves] == [([0, 1, 2], 2)]
+    tracked = scheduler.requests[request.request_id]
+    # Decoding, a page added: the same in every version (0.34 without resumed_req_ids).
+    for page, shape in ((3, None), (4, set())):
+        scheduler.build(running(request, added=[page], computed=2 * 32 + 5, scheduled=1, resumed=shape))
+    assert tracked.pages == [0, 1, 2, 3, 4]
+    # 0.32-0.33: resumed after a preemption among the running requests, with its pages anew.
+    scheduler.build(running(request, added=[7, 8, 9], computed=0, scheduled=2 * 32 + 5, resumed={request.request_id}))
+    assert tracked.pages == [7, 8, 9]
+    # 0.34: resumed among the new requests, with its whole page table.
+    scheduler.build(output_of((request, [4, 5, 6], 0, 2 * 32 + 5)))
+    assert tracked.pages == [4, 5, 6]
+    assert scheduler.manager.counters.get("write_back.unplanned") == 0
+
+
+def test_the_vllm_versions_the_connector_supports_are_checked_at_start():
+    from worker.dataplane.connectors.vllm.runtime import check_vllm_version
+
+    for version in ("0.32.0", "0.32.0+cpu", "0.33.1", "0.34.0rc1.dev12+g1234abc"):
+        check_vllm_version(version)
+    for version in ("0.31.2", "0.35.0", "1.0.0"):
+        with pytest.raises(ValueError, match=rf"supports vLLM 0\.32 to 0\.34; this is vLLM {re.escape(version)}"):
+            check_vllm_version(version)
+    with pytest.raises(ValueError, match="cannot read vLLM's version 'unknown'"):
+        check_vllm_version("unknown")
 
 
 def test_a_shared_namespace_leads_the_prompt_and_the_saves_chain_on_from_it(half):

@@ -55,3 +55,65 @@ def test_tiers_suite_writes_rows_with_baselines(tmp_path) -> None:
 def test_unknown_suite_is_an_error() -> None:
     failed = _run("no-such-suite")
     assert failed.returncode != 0 and "unknown suite" in failed.stderr
+
+
+# -- a run that lacks rows fails -------------------------------------------------------------------
+def _suite(rows: list, *, expected: tuple[str, ...] = ("fake.*",), failed: dict | None = None):
+    """A suite module of the unit tests: yields `rows`, reports `failed` configurations."""
+    import types
+
+    def run(ctx):
+        if failed is not None:
+            ctx.params["failed"] = failed
+        return rows
+
+    return types.SimpleNamespace(run=run, EXPECTED_ROWS=expected, DESCRIPTION="fake")
+
+
+def _main_with(monkeypatch, tmp_path, module) -> int:
+    from benchmarks import harness
+
+    monkeypatch.setattr(harness, "discover", lambda: ["fake"])
+    monkeypatch.setattr(harness, "load", lambda name: module)
+    return harness.main(["--smoke", "--results", str(tmp_path), "--scratch", str(tmp_path)])
+
+
+def test_a_whole_run_passes(monkeypatch, tmp_path) -> None:
+    from benchmarks.harness import Row
+
+    rows = [Row("fake.host.put_gbps", 1.0, "GB/s"), Row("fake.disk.put_gbps", 2.0, "GB/s")]
+    module = _suite(rows, expected=("fake.host.*", "fake.disk.*"))
+    assert _main_with(monkeypatch, tmp_path, module) == 0
+    result = json.loads((tmp_path / "fake.json").read_text())
+    assert result["incomplete"] == [] and result["params"]["scale"] == 0.01 and result["params"]["repeats"] == 1
+
+
+def test_a_suite_without_rows_fails_the_run(monkeypatch, tmp_path, capsys) -> None:
+    assert _main_with(monkeypatch, tmp_path, _suite([])) == 1
+    assert "suite fake is incomplete: it produced no rows" in capsys.readouterr().out
+    assert json.loads((tmp_path / "fake.json").read_text())["incomplete"] == ["it produced no rows"]
+
+
+def test_a_configuration_without_rows_fails_the_run(monkeypatch, tmp_path, capsys) -> None:
+    from benchmarks.harness import Row
+
+    module = _suite([Row("fake.host.put_gbps", 1.0, "GB/s")], expected=("fake.host.*", "fake.disk.*"))
+    assert _main_with(monkeypatch, tmp_path, module) == 1
+    assert "no row matches fake.disk.*" in capsys.readouterr().out
+
+
+def test_a_configuration_reported_failed_fails_the_run(monkeypatch, tmp_path, capsys) -> None:
+    from benchmarks.harness import Row
+
+    module = _suite([Row("fake.host.put_gbps", 1.0, "GB/s")], failed={"disk": "RuntimeError: no space"})
+    assert _main_with(monkeypatch, tmp_path, module) == 1
+    assert "configuration disk failed: RuntimeError: no space" in capsys.readouterr().out
+
+
+def test_every_suite_declares_the_rows_it_must_produce() -> None:
+    from benchmarks import harness
+
+    for name in harness.discover():
+        module = harness.load(name)  # raises when a suite declares none
+        context = harness.Context(scale=harness.SMOKE_SCALE, repeats=1, scratch=Path("."))
+        assert harness.expected_rows(module, context), name

@@ -48,6 +48,7 @@ NEUTRAL_FIELDS = frozenset(
         "reasoning_parser_kwargs",
         "abort_immediately",
         "kv_hints",
+        "block_hashes",  # vLLM's own page hashes (0.34): derived from the keyed fields
     }
 )
 """Fields of vLLM's Request that do not change the KV of its tokens."""

@@ -145,8 +145,37 @@ def profile_for(vllm_config: VllmConfig, config: NodeConfig) -> ModelProfile:
     )
 
 
+SUPPORTED_VLLM = ((0, 32), (0, 34))
+"""The vLLM releases the connector is written against, oldest and newest (major, minor): its
+scheduler and worker halves meet each one's connector API (0.34 resumes a preempted request among
+the new ones, and its Request carries block_hashes)."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM the connector was not written against (its scheduler output or Request may
+    have changed in ways that would go unnoticed), naming the versions it supports."""
+    from packaging.version import InvalidVersion, Version
+
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VLLM
+    supported = f"{low_major}.{low_minor} to {high_major}.{high_minor}"
+    try:
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        raise ValueError(
+            f"StrataConnector: cannot read vLLM's version {version!r}; it supports vLLM {supported}"
+        ) from None
+    if not SUPPORTED_VLLM[0] <= release <= SUPPORTED_VLLM[1]:
+        raise ValueError(
+            f"StrataConnector supports vLLM {supported}; this is vLLM {version} (install a supported vLLM, "
+            "or a Strata release written for this one)"
+        )
+
+
 def check_engine(vllm_config: VllmConfig) -> None:
     """Refuse, by setting, an engine the connector cannot serve correctly."""
+    import vllm
+
+    check_vllm_version(vllm.__version__)
     transfer = vllm_config.kv_transfer_config
     if transfer is not None and transfer.kv_load_failure_policy != "recompute":
         raise ValueError(

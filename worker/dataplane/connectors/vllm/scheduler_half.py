@@ -296,12 +296,15 @@ class SchedulerHalf:
                 tracked.pages = list(new.block_ids[0])
                 self._step(tracked, new.num_computed_tokens, output.num_scheduled_tokens[new.req_id], meta)
         cached = output.scheduled_cached_reqs
+        # vLLM 0.32-0.33 resume a preempted request among the cached ones (its pages anew); 0.34
+        # sends it with the new requests, whole page table included, and has no resumed_req_ids.
+        resumed = getattr(cached, "resumed_req_ids", ())
         for i, req_id in enumerate(cached.req_ids):
             tracked = self.requests.get(req_id)
             if tracked is None:
                 continue
             added = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 tracked.pages = list(added[0]) if added is not None else []
             elif added is not None:
                 tracked.pages.extend(added[0])
