@@ -9,20 +9,17 @@ without each of them. The patches apply to the processes of the engine that load
     SaltKeyingOff           keys ignore the cache salt
     ContentIdentityOff      the model's revision is its files' names, sizes and times, not their content
     L3VerificationOff       remote blocks are checked against their own checksums only
-    StepIsolationOff        one request failing to plan its step drops the step's work for every request
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from pathlib import Path
 from typing import Any
 
 from worker.dataplane.connectors.vllm import connector as connector_module
 from worker.dataplane.connectors.vllm import scheduler_half
-from worker.dataplane.connectors.vllm.metadata import StrataMetadata
 from worker.dataplane.connectors.vllm.requests import scope_of
 from worker.dataplane.engine.checkpoints import WEIGHT_SUFFIXES
 from worker.dataplane.offload import OffloadManager
@@ -102,33 +99,3 @@ class L3VerificationOff(FaultyStrataConnector):
 
     def patch(self) -> None:
         OffloadManager.verifies_remote = property(lambda self: False)  # type: ignore[assignment,method-assign]
-
-
-class StepIsolationOff(FaultyStrataConnector):
-    """A request's failure while its step is planned escapes, and the step goes with no work."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.scheduler is not None:
-            self.scheduler._step = functools.partial(_unguarded_step, self.scheduler)
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        assert self.scheduler is not None
-        try:
-            return self.scheduler.build(scheduler_output)
-        except Exception:  # noqa: BLE001 - the step's loads dropped, as before the fix
-            return StrataMetadata()
-
-
-def _unguarded_step(half: Any, tracked: Any, computed: int, scheduled: int, meta: Any) -> None:
-    if not tracked.scheduled:
-        tracked.scheduled = True
-        tracked.cached_tokens = computed
-    if tracked.load_tokens > 0:
-        meta.loads.append(half._load(tracked, computed))
-        tracked.load_tokens = 0
-    half._saves(tracked, computed, scheduled, meta)
-    request = tracked.request
-    if not tracked.prefilled and min(computed + scheduled, request.num_tokens) >= request.num_prompt_tokens:
-        tracked.prefilled = True
-        meta.prefills_done.append(request.request_id)

@@ -13,7 +13,10 @@ host, then disk, then remote, forged remote values, a request whose blocks canno
 same step as hits, and decodes long enough to be preempted.
 
 Then each fix is turned off in turn (tests/connectors/mutants.py) and the same comparison must
-fail: LoRA keying, salt keying, content model identity, L3 verification, step isolation.
+fail: LoRA keying, salt keying, content model identity, L3 verification. (Step isolation, the fix
+of a step whose planning failed for one request and dropped every request's loads, is held by the
+scheduler half's unit test: whether such a request shares a step with loads here depends on when
+each lookup comes back, so its mutant was not seen every run.)
 """
 
 from __future__ import annotations
@@ -629,7 +632,6 @@ def mutant_moves(node: StrataNode, profile: Any, mutant: str) -> Between:
     [
         ("LoraKeyingOff", MUTANT_ROUNDS, ("lora", ": position")),
         ("SaltKeyingOff", MUTANT_ROUNDS, ("[host] p0 salt-2 (another tenant's prompt", "cached tokens, vLLM alone")),
-        ("StepIsolationOff", MUTANT_ROUNDS, (f"[host] {LONGER.label}: position",)),
         ("L3VerificationOff", {name: ROUNDS[name] for name in ("store", "flood-2", "remote")}, ("[remote] p0 again",)),
     ],
 )
@@ -640,7 +642,7 @@ def test_the_comparison_fails_with_a_fix_turned_off(
     changed), the same rounds on a node of their own differ from vLLM alone, in the way the fix
     is about (`expected`: the parts of one problem's line). A LoRA or model mix-up moves logprobs;
     a salt does not change the KV, so sharing across salts shows as cached tokens vLLM alone could
-    not have had; a dropped step serves the hit whose saves failed garbage."""
+    not have had."""
     profile = profile_of(checkpoints.x)
     with strata_node(remote) as fresh:
         llm = engine(checkpoints.x, node_env(vllm_environment, fresh.name), adapters, fresh.transfer(mutant))

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,12 +93,32 @@ def _why_down(demo: subprocess.Popen, log) -> str:
     return f"the demo's exit code: {demo.poll()}; its log says:\n" + "\n".join(telling[-40:] or lines[-40:])
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def node_ports(taken: tuple[int, ...]) -> int:
+    """The demo's first node port: both nodes' serve ports (it and the next) and their status
+    ports (each + 1000) free, and none of them one of `taken`."""
+    for _ in range(200):
+        first = free_port()
+        ports = (first, first + 1, first + 1000, first + 1001)
+        if ports[-1] < 65536 and not set(ports) & set(taken) and all(_bindable(p) for p in ports[1:]):
+            return first
+    raise AssertionError("no four free ports for the demo's nodes")
+
+
 def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
     port = free_port()
-    node_port = free_port()
     api_port = free_port()
-    while node_port + 1 in (port, api_port) or api_port in (port, node_port):
-        node_port, api_port = free_port(), free_port()
+    while api_port == port:
+        api_port = free_port()
+    node_port = node_ports((port, api_port))
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
     pools = "strata-" + hashlib.sha256(str(var_dir.resolve()).encode()).hexdigest()[:8]
     env.update(
