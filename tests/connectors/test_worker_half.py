@@ -44,6 +44,12 @@ def worker_for(runtime: Runtime, kv: dict[str, torch.Tensor], **options) -> Work
     return half
 
 
+def saving(request_id: str, keys: list[uuid.UUID], *, pages: list[int]) -> StrataMetadata:
+    """A step that saves `keys` as blocks 0, 1, ... of one request on `pages`."""
+    blocks = [(index, key, uuid.uuid4()) for index, key in enumerate(keys)]
+    return StrataMetadata(saves=[SaveSpec(request_id=request_id, namespace="default", pages=pages, blocks=blocks)])
+
+
 def run_step(half: WorkerHalf, meta: StrataMetadata) -> None:
     """One engine step as vLLM drives the worker half: bind, load, every layer, save."""
     half.bind(meta)
@@ -102,18 +108,7 @@ def test_a_step_whose_layers_were_never_handed_over_counts_its_blocks(runtime, c
     half = worker_for(runtime, engine_pages(), layerwise_saves=True)
     keys = [uuid.uuid4(), uuid.uuid4()]
     for _ in range(2):
-        half.bind(
-            StrataMetadata(
-                saves=[
-                    SaveSpec(
-                        request_id="r",
-                        namespace="default",
-                        pages=list(range(8)),
-                        blocks=[(index, key, uuid.uuid4()) for index, key in enumerate(keys)],
-                    )
-                ]
-            )
-        )
+        half.bind(saving("r", keys, pages=list(range(8))))
         half.finish_step()
     assert not any(runtime.store.tier("host").contains(key) for key in keys)
     assert runtime.manager.counters.get("write_back.incomplete") == 4
@@ -138,16 +133,7 @@ def test_loads_scatter_every_layer_and_report_the_stalls(runtime):
     keys = [uuid.uuid4(), uuid.uuid4()]
     run_step(
         writer,
-        StrataMetadata(
-            saves=[
-                SaveSpec(
-                    request_id="w",
-                    namespace="default",
-                    pages=list(range(8)),
-                    blocks=[(0, keys[0], uuid.uuid4()), (1, keys[1], uuid.uuid4())],
-                )
-            ]
-        ),
+        saving("w", keys, pages=list(range(8))),
     )
     target = engine_pages(seed=2)
     reader = worker_for(runtime, target)
