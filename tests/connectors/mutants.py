@@ -9,19 +9,27 @@ without each of them. The patches apply to the processes of the engine that load
     SaltKeyingOff           keys ignore the cache salt
     ContentIdentityOff      the model's revision is its files' names, sizes and times, not their content
     L3VerificationOff       remote blocks are checked against their own checksums only
+    OneRankFails            every fix on; under tensor parallel, the last rank's reads of the blocks
+                            named in STRATA_TEST_FAIL_KEYS fail as a corrupt copy does (the other
+                            ranks read them whole)
+    ShardingOff             under tensor parallel, every rank loads and saves the first rank's heads
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import uuid
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from worker.dataplane.connectors.vllm import connector as connector_module
-from worker.dataplane.connectors.vllm import scheduler_half
+from worker.dataplane.connectors.vllm import scheduler_half, sharding
 from worker.dataplane.connectors.vllm.requests import scope_of
 from worker.dataplane.engine.checkpoints import WEIGHT_SUFFIXES
+from worker.dataplane.errors import BlockCorrupt
 from worker.dataplane.offload import OffloadManager
 from worker.vllm_connector import StrataConnector
 
@@ -99,3 +107,34 @@ class L3VerificationOff(FaultyStrataConnector):
 
     def patch(self) -> None:
         OffloadManager.verifies_remote = property(lambda self: False)  # type: ignore[assignment,method-assign]
+
+
+FAIL_KEYS = "STRATA_TEST_FAIL_KEYS"
+
+
+class OneRankFails(FaultyStrataConnector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        worker = self.worker
+        if worker is None or worker.shard.rank != worker.shard.ranks - 1 or worker.shard.whole:
+            return
+        failing = {uuid.UUID(key) for key in os.environ.get(FAIL_KEYS, "").split(",") if key}
+        store = self.runtime.store
+        read = store.get_layers
+
+        def get_layers(keys: Any, **kwargs: Any) -> list[Future[Any]]:
+            futures = read(keys, **kwargs)
+            for i, key in enumerate(keys):
+                if key in failing:
+                    futures[i].exception()  # the read lands, then its copy does not verify
+                    failed: Future[Any] = Future()
+                    failed.set_exception(BlockCorrupt(f"block {key}: checksum mismatch on this rank"))
+                    futures[i] = failed
+            return futures
+
+        store.get_layers = get_layers  # type: ignore[method-assign]
+
+
+class ShardingOff(FaultyStrataConnector):
+    def patch(self) -> None:
+        sharding.Shard.first = property(lambda self: 0)  # type: ignore[assignment,method-assign]

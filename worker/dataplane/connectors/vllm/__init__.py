@@ -11,6 +11,8 @@ directory). vLLM runs the connector twice, in two processes, and each module hol
                         timelines
     worker_half.py      the worker's half: layer-wise loads into vLLM's pages, saves from them
                         into the write-back tier, load errors, the step's measurements
+    sharding.py         tensor parallel: a rank's kv heads of a block, the gather of the
+                        ranks' shares to the first rank, which stores the block
     metadata.py         what the halves send each other every step (pickled)
     runtime.py          what a half opens (options, profile, tiers, directory, manager) and the
                         checks of vLLM's settings
@@ -18,7 +20,8 @@ directory). vLLM runs the connector twice, in two processes, and each module hol
 Every hook is guarded: an error inside Strata (database or Redis down, a bug) becomes a miss and
 a log line, never an exception in vLLM's engine loop. The engine must run with
 kv_load_failure_policy "recompute" (a failed load is recomputed, never served, never fatal) and
-one tensor-parallel rank (a block holds every kv head of a layer).
+one pipeline-parallel stage; tensor-parallel ranks each move their own kv heads of the model's
+blocks (`sharding`).
 
 The options are the node's (`dataplane.config`): STRATA_* variables, STRATA_CONFIG_FILE, and the
 connector's kv_connector_extra_config, whose keys are option names and take precedence. The

@@ -29,6 +29,7 @@ from worker.dataplane.connectors.vllm.runtime import (
     profile_for,
 )
 from worker.dataplane.connectors.vllm.scheduler_half import SchedulerHalf
+from worker.dataplane.connectors.vllm.sharding import tensor_parallel_shard
 from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
 from worker.dataplane.directory import Directory
 from worker.dataplane.layout import ModelProfile
@@ -78,7 +79,8 @@ class StrataConnectorBase(KVConnectorBase_V1):
             self.scheduler = SchedulerHalf(self.runtime, page_tokens=vllm_config.cache_config.block_size)
             self.scheduler.serve_status()
         else:
-            self.worker = WorkerHalf(self.runtime)
+            shard, gather = tensor_parallel_shard(profile.kv_heads)
+            self.worker = WorkerHalf(self.runtime, shard=shard, gather=gather)
         log.info(
             "StrataConnector (%s) for %s on node %s: tiers %s, write-back to %s, directory %s",
             role.name.lower(),

@@ -81,14 +81,24 @@ class StrataWorkerMeta(KVConnectorWorkerMetadata):
     """Its store's tier events since its last report (corrupt, unavailable, ...)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Fold another rank's report of the same step into this one. The ranks of a tensor-parallel
+        group load the same blocks, so a load failed when it failed on any rank (vLLM recomputes
+        its pages on every rank), its stalls are the slowest rank's, and a counter is the largest
+        any rank counted (summing would count each hit once per rank); only the first rank
+        stores blocks (`saved`)."""
         if not isinstance(other, StrataWorkerMeta):
             return self
-        self.loads.update(other.loads)
+        for request_id, theirs in other.loads.items():
+            mine = self.loads.get(request_id)
+            if mine is None or (theirs.failure and not mine.failure):
+                self.loads[request_id] = theirs
+            elif not mine.failure and not theirs.failure:
+                mine.stalls = [max(a, b) for a, b in zip(mine.stalls, theirs.stalls, strict=False)] or theirs.stalls
         for name, count in other.saved.items():
             self.saved[name] = self.saved.get(name, 0) + count
         self.prefills_done.extend(r for r in other.prefills_done if r not in self.prefills_done)
         self.prefill = self.prefill or other.prefill
-        for mine, theirs in ((self.counts, other.counts), (self.store_events, other.store_events)):
-            for name, count in theirs.items():
-                mine[name] = mine.get(name, 0) + count
+        for mine_counts, theirs_counts in ((self.counts, other.counts), (self.store_events, other.store_events)):
+            for name, count in theirs_counts.items():
+                mine_counts[name] = max(mine_counts.get(name, 0), count)
         return self

@@ -184,11 +184,11 @@ def check_engine(vllm_config: VllmConfig) -> None:
             f'"{transfer.kv_load_failure_policy}"'
         )
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ValueError(
-            "StrataConnector: one tensor- and pipeline-parallel rank only (a Strata block holds every "
-            f"kv head of every layer); got tp {parallel.tensor_parallel_size}, "
-            f"pp {parallel.pipeline_parallel_size}"
+            "StrataConnector: --pipeline-parallel-size must be 1 (a stage would save and load only its own "
+            f"layers of a block, which it does not yet); got {parallel.pipeline_parallel_size}. Tensor "
+            "parallel (--tensor-parallel-size) is served"
         )
 
 

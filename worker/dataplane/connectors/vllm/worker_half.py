@@ -35,6 +35,7 @@ from worker.dataplane.connectors.vllm.metadata import (
     StrataWorkerMeta,
 )
 from worker.dataplane.connectors.vllm.runtime import Runtime
+from worker.dataplane.connectors.vllm.sharding import Gather, Shard
 from worker.dataplane.engine.cache import LoadFailed
 from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.layout import block_layout
@@ -75,16 +76,29 @@ class WorkerHalf:
     the copies overlap the layers still computing; once the step is done the blocks are
     verified into the write-back tier."""
 
-    def __init__(self, runtime: Runtime, *, layerwise_saves: bool | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        layerwise_saves: bool | None = None,
+        shard: Shard | None = None,
+        gather: Gather | None = None,
+    ) -> None:
         self.runtime = runtime
         self.layerwise_saves = layerwise_saves
-        self._warned_no_layers = False
         """None: decided when the KV caches register (layer-wise where they live on a GPU)."""
+        self._warned_no_layers = False
+        self.layout = block_layout(runtime.profile)
+        self.shard = shard or Shard(rank=0, ranks=1, kv_heads=self.layout.kv_heads)
+        if not self.shard.whole and gather is None:
+            raise ValueError("a tensor-parallel worker half needs the gather over its ranks")
+        self.gather = gather
+        self.share_layout = self.shard.layout(self.layout)
+        """What this rank's pages hold of a block: its kv heads of every layer."""
         self.pending: list[PendingSave] | None = None
         self._stream: Any = None
         self._free_buffers: list[torch.Tensor] = []
         self.manager = runtime.manager
-        self.layout = block_layout(runtime.profile)
         self.paged: PagedKV | None = None
         self.layer_of: dict[str, int] = {}
         self.meta: StrataMetadata | None = None
@@ -104,19 +118,23 @@ class WorkerHalf:
             raise ValueError(
                 f"StrataConnector: the layers use different attention backends ({sorted(set(backends.values()))})"
             )
-        self.paged = PagedKV([kv_caches[name] for name in names], kind=kinds.pop(), layout=self.layout)
+        self.paged = PagedKV([kv_caches[name] for name in names], kind=kinds.pop(), layout=self.share_layout)
         self.layer_of = {name: i for i, name in enumerate(names)}
         if self.layerwise_saves is None:
             self.layerwise_saves = self.paged.device.type == "cuda"
         if self.paged.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.paged.device)
         log.info(
-            "StrataConnector: %d layers of %d-token pages (%s layout, %s) as %s blocks",
+            "StrataConnector: %d layers of %d-token pages (%s layout, %s) as %s blocks%s",
             len(names),
             self.paged.page_tokens,
             self.paged.kind,
             self.paged.device,
             self.layout.describe(),
+            ""
+            if self.shard.whole
+            else f"; tensor-parallel rank {self.shard.rank} of {self.shard.ranks} holds kv heads "
+            f"{self.shard.first}..{self.shard.first + self.shard.heads - 1}",
         )
 
     def bind(self, meta: StrataMetadata) -> None:
@@ -169,7 +187,7 @@ class WorkerHalf:
                 load.stalls[layer] = load.loader.gates[layer].wait()
                 self.paged.scatter(
                     layer,
-                    load.buffers.typed[layer],
+                    self.shard.share(load.buffers.typed[layer]),
                     first_block=spec.first_block,
                     start=spec.start,
                     end=spec.end,
@@ -202,13 +220,22 @@ class WorkerHalf:
             stream.wait_event(written)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for save in self.pending:
-                k_dst, v_dst = self.layout.kv_views(save.buffer)[layer]
+                k_dst, v_dst = self.share_layout.kv_views(save.buffer)[layer]
                 paged.gather_layer(
                     layer, k_dst, v_dst, index=save.index, pages=save.spec.pages, non_blocking=stream is not None
                 )
                 save.layers.add(layer)
 
     def _pending(self, saves: Sequence[SaveSpec]) -> list[PendingSave]:
+        """The blocks to gather: those the write-back tier lacks. Ranks of a tensor-parallel group
+        gather every block the step saves (the same list on each, as the gather needs); the first
+        rank skips those its tier holds when it stores them."""
+        if not self.shard.whole:
+            return [
+                PendingSave(spec, index, key, content_key, self._buffer())
+                for spec in saves
+                for index, key, content_key in spec.blocks
+            ]
         pending = []
         for spec in saves:
             try:
@@ -225,7 +252,7 @@ class WorkerHalf:
         if self._free_buffers:
             return self._free_buffers.pop()
         with torch.inference_mode(False):
-            return self.layout.empty(pin=self._stream is not None)
+            return self.share_layout.empty(pin=self._stream is not None)
 
     def _fail(self, load: ActiveLoad, failure: LoadFailed) -> None:
         load.failure = failure
@@ -262,7 +289,9 @@ class WorkerHalf:
                 self._invalidate(load.spec)
                 self.manager.counters.add("load_failures")
                 self.report.loads[load.spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=str(exc))
-        if self.layerwise_saves:
+        if not self.shard.whole:
+            self._save_shares(meta.saves)
+        elif self.layerwise_saves:
             self._commit_layerwise(meta.saves)
         elif meta.saves and self.paged is not None:
             self._save(meta.saves)
@@ -358,6 +387,78 @@ class WorkerHalf:
                 self.manager.counters.add("write_back.incomplete")
             self._free_buffers.append(save.buffer)
         self.manager.register(registrations)
+
+    def _save_shares(self, saves: Sequence[SaveSpec]) -> None:
+        """Tensor parallel: every rank hands its share of each block the step saves to the first
+        rank, which stores the whole blocks. Every rank calls the gather once for a step with
+        saves, whatever failed on it: a rank that skipped it would stall the others. A block
+        whose share some rank could not copy is not stored, and counted (`write_back.incomplete`)."""
+        planned = [(spec, index, key, content_key) for spec in saves for index, key, content_key in spec.blocks]
+        if not planned:
+            return
+        pending, self.pending = self.pending, None
+        share_bytes = self.share_layout.block_bytes
+        rows = torch.zeros(len(planned) + 1, share_bytes, dtype=torch.uint8)  # the last row: each share's flag
+        if pending is None and self.layerwise_saves and not self._warned_no_layers:
+            self._warned_no_layers = True
+            log.warning(
+                "a step's blocks were not saved: no layer was handed over (the connector needs piecewise "
+                "CUDA graphs, not full ones); such blocks are counted as write_back.incomplete"
+            )
+        try:
+            if self.layerwise_saves:
+                if self._stream is not None:
+                    self._stream.synchronize()
+                for row, save in enumerate(pending or ()):
+                    if len(save.layers) == self.layout.layers:
+                        rows[row].copy_(save.buffer)
+                        rows[-1, row] = 1
+                    self._free_buffers.append(save.buffer)
+            else:
+                assert self.paged is not None
+                for row, (spec, index, _, _) in enumerate(planned):
+                    self.paged.gather(rows[row], index=index, pages=spec.pages)
+                    rows[-1, row] = 1
+        except Exception:  # noqa: BLE001 - the shares not copied are not stored; the gather still runs
+            log.exception("this rank's share of the step's blocks could not be copied")
+        shares = self.gather(rows) if self.gather is not None else None
+        if shares is None:  # not the first rank: it stores nothing
+            return
+        whole = [all(bool(share[-1, row]) for share in shares) for row in range(len(planned))]
+        missing = whole.count(False)
+        if missing:
+            self.manager.counters.add("write_back.incomplete", missing)
+        try:
+            held = self.manager.holds([key for _, _, key, _ in planned])
+        except Exception as exc:  # noqa: BLE001 - a tier that cannot answer takes no write either
+            log.warning("this step's blocks were not saved: %s", exc)
+            return
+        registrations = []
+        for row, ((spec, index, key, content_key), have) in enumerate(zip(planned, held, strict=True)):
+            if have or not whole[row]:
+                continue
+            registration = self.manager.store_block(
+                key=key,
+                content_key=content_key,
+                position=index * self.layout.block_tokens,
+                namespace=spec.namespace,
+                fill=self._assembler(key, [share[row] for share in shares]),
+            )
+            if registration is not None:
+                registrations.append(registration)
+                self.report.saved[spec.request_id] = self.report.saved.get(spec.request_id, 0) + 1
+        self.manager.register(registrations)
+
+    def _assembler(self, key: uuid.UUID, shares: list[torch.Tensor]) -> Callable[[torch.Tensor], BlockChecksum]:
+        layout, hasher = self.layout, self.manager.target.hasher
+
+        def fill(block: torch.Tensor) -> BlockChecksum:
+            self.shard.assemble(layout, block, shares)
+            checksum = hasher.checksum(key, block, layout)
+            assert isinstance(checksum, BlockChecksum)  # a whole block
+            return checksum
+
+        return fill
 
     def _filler(self, key: uuid.UUID, index: int, pages: list[int]) -> Callable[[torch.Tensor], BlockChecksum]:
         paged, layout = self.paged, self.layout
