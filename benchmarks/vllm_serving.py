@@ -9,6 +9,9 @@ Configurations, each a fresh server on the same checkpoint and KV space:
     strata_disk   vLLM + StrataConnector writing back to the disk tier
     floor         vLLM alone with a KV space that holds every session (nothing is evicted, no
                   request waits for room): a bound no KV offload reaches on the same workloads
+    vllm_tp2, strata_host_tp2
+                  vLLM alone and vLLM + StrataConnector (host) at tensor parallel 2, one core per
+                  rank (the other configurations compute on both cores in one rank)
 
 Workloads (every prompt unique to its workload, so one server runs them all in turn):
 
@@ -43,7 +46,9 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
-CONFIGS = ("vllm", "example", "strata_host", "strata_disk", "floor")
+CONFIGS = ("vllm", "example", "strata_host", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2")
+TWO_RANKS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+"""vLLM's CPU backend at tensor parallel 2 on this machine kind: one core for each rank."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,13 +129,19 @@ class Server:
         env: dict[str, str],
         status_port: int,
         logs: Path,
+        label: str = "",
+        after: Server | None = None,
     ) -> None:
+        """`after`: a stopped Strata server whose node (name, host pool, disk) this one serves as,
+        to read what it stored; `label` names the run in logs and results (default: config)."""
         self.config = config
+        self.label = label or config
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         logs.mkdir(parents=True, exist_ok=True)
-        self.log_path = logs / f"{config}.log"
+        self.log_path = logs / f"{self.label}.log"
         pages = shape.floor_pages if config == "floor" else shape.pages
+        self.ranks = 2 if config.endswith("_tp2") else 1
         vllm_args = [
             "--max-model-len",
             str(shape.max_model_len),
@@ -138,12 +149,15 @@ class Server:
             str(pages),
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
+            *(["--tensor-parallel-size", str(self.ranks)] if self.ranks > 1 else []),
         ]
         # vLLM's CPU backend keeps cores out of its compute for its scheduler process: one alone,
         # two with a KV connector, and where the machine has no more than that, none. Left to
         # itself on 2 cores, vLLM alone would compute on one core and every connector on two;
         # every configuration computes on every core here, as a GPU's compute is the same for all.
         self.env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        if self.ranks > 1:
+            self.env.update(TWO_RANKS)
         self.shm_before: set[Path] = set()
         self.node: str | None = None
         """The node a Strata configuration serves as (it runs on that node's own database credential)."""
@@ -153,8 +167,8 @@ class Server:
         """The node's host pool in /dev/shm (Strata configurations): a node keeps it for its next
         start, a benchmark server has none, so it is removed with the server."""
         if config.startswith("strata_"):
-            tier = config.removeprefix("strata_")
-            name = f"bench-{config.replace('_', '-')}"
+            tier = config.removeprefix("strata_").removesuffix("_tp2")
+            name = after.node if after is not None and after.node else f"bench-{config.replace('_', '-')}"
             self.command = [
                 sys.executable,
                 "manage.py",
@@ -181,7 +195,7 @@ class Server:
                 "5",
             ]
             self.node = name
-            self.pool = f"strata-{name}-{os.getpid()}"
+            self.pool = after.pool if after is not None and after.pool else f"strata-{name}-{os.getpid()}"
             self.admin_key = secrets.token_urlsafe(24)
             self.env.update(
                 STRATA_VLLM_ARGS=" ".join(vllm_args),
@@ -258,7 +272,7 @@ class Server:
             self.status + "/v1/strata/requests?limit=1000", headers={"Authorization": f"Bearer {self.admin_key}"}
         )
         with urllib.request.urlopen(request, timeout=30) as answer:
-            path = self.logs / f"{self.config}-requests.json"
+            path = self.logs / f"{self.label}-requests.json"
             path.write_bytes(answer.read())
         return path
 
@@ -275,6 +289,10 @@ class Server:
             for path in set(SHM.glob("psm_*")) - self.shm_before:
                 if path.name not in mapped:
                     path.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """Stop the server's processes, keeping its node's host pool for a server started after it."""
+        self._stop()
 
     def _stop(self) -> None:
         process = self.process
@@ -480,39 +498,46 @@ SKIPPED = {
 """Workloads a configuration cannot serve, and why."""
 
 
-def run_config(server: Server, shape: Shape, progress: Callable[[str], None]) -> dict[str, dict[str, float]]:
+def run_config(
+    server: Server, shape: Shape, progress: Callable[[str], None], *, replay: bool = False
+) -> dict[str, dict[str, float]]:
     """Every workload against one server; per workload, its summary. A fresh server compiles its
     kernels for the shapes it meets first: a few untimed requests of the workloads' sizes (prompts
-    no workload shares) go first."""
-    progress(f"vllm: {server.config}: warming up")
+    no workload shares) go first. With `replay`, only the 4-client multi-turn sessions, which a
+    server of the same node served before (`Server(after=...)`)."""
+    progress(f"vllm: {server.label}: warming up")
     warm = [
         [lambda _h, n=n, i=i: ([1, *tokens(n, seed=900 + i)], 8)]
         for i, n in enumerate((shape.context_tokens, shape.nohit_tokens, 300, shape.document_tokens // 2))
     ]
     drive(server.base, server.model, warm, clients=2)
     results: dict[str, dict[str, float]] = {}
+    if replay:
+        progress(f"vllm: {server.label}: multi-turn, 4 clients, the sessions its node stored before, again")
+        results["multiturn.c4"] = summary(*drive(server.base, server.model, multiturn_sessions(shape, seed=14), 4))
+        return results
     for clients in (4, 8):
         sessions = multiturn_sessions(shape, seed=10 + clients)
         progress(
-            f"vllm: {server.config}: multi-turn, {clients} clients, {shape.conversations} conversations x "
+            f"vllm: {server.label}: multi-turn, {clients} clients, {shape.conversations} conversations x "
             f"{shape.turns} turns"
         )
         results[f"multiturn.c{clients}"] = summary(*drive(server.base, server.model, sessions, clients))
     skipped = SKIPPED.get(server.config, {})
     if "longdoc" in skipped:
-        progress(f"vllm: {server.config}: long documents not run: {skipped['longdoc']}")
+        progress(f"vllm: {server.label}: long documents not run: {skipped['longdoc']}")
     else:
         progress(
-            f"vllm: {server.config}: long documents ({shape.documents} x {shape.document_tokens} tokens), "
+            f"vllm: {server.label}: long documents ({shape.documents} x {shape.document_tokens} tokens), "
             "asked once, then again"
         )
         drive(server.base, server.model, longdoc_sessions(shape, seed=30, ask=0), clients=1)
         results["longdoc"] = summary(
             *drive(server.base, server.model, longdoc_sessions(shape, seed=30, ask=1), clients=1)
         )
-    progress(f"vllm: {server.config}: {shape.nohit_requests} prompts with nothing to reuse")
+    progress(f"vllm: {server.label}: {shape.nohit_requests} prompts with nothing to reuse")
     results["nohit"] = summary(*drive(server.base, server.model, nohit_sessions(shape, seed=40), clients=4))
     kept = server.keep_traces()
     if kept is not None:
-        progress(f"vllm: {server.config}: the connector's request timelines are in {kept}")
+        progress(f"vllm: {server.label}: the connector's request timelines are in {kept}")
     return results

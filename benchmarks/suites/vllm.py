@@ -19,8 +19,12 @@ any KV offload can reach on these workloads, and `...ttft_vs_floor` is how far S
 
 ExampleConnector does not run the long documents (benchmarks.vllm_serving.SKIPPED says why). A
 configuration that fails is reported (params.failed) and the others' rows are kept.
-STRATA_BENCH_VLLM_CONFIGS (default: all) runs some of vllm, strata_host, example, strata_disk, floor;
-the ratios of configurations left out are not reported.
+`vllm_tp2` and `strata_host_tp2` serve at tensor parallel 2 (one core per rank), compared with
+each other; then a one-rank server of strata_host_tp2's node serves its 4-client multi-turn
+sessions again (`strata_host_from_tp2`): every hit is a block two ranks wrote.
+
+STRATA_BENCH_VLLM_CONFIGS (default: all) runs some of vllm, strata_host, example, strata_disk, floor,
+vllm_tp2, strata_host_tp2; the ratios of configurations left out are not reported.
 
 Sizes at scale 1: multi-turn with 4 and with 8 clients, 10 conversations x 6 turns (60 requests),
 each a 1536-token private context, 160-token user turns and 32-token answers; long documents: 3 of
@@ -31,6 +35,7 @@ no reuse: 48 unique 1024-token prompts with 4 clients.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from benchmarks.harness import Context, Row, bench_database
 from benchmarks.vllm_serving import CONFIGS, SKIPPED, Server, Shape, free_port, run_config
@@ -42,12 +47,18 @@ TARGETS = {
     "tpot_vs_vllm": "target <= 0.7",
     "throughput_vs_vllm.strata_host": "target >= 2.08",
     "throughput_vs_vllm.strata_disk": "target >= 1.68",
+    "throughput_vs_vllm.strata_host_tp2": "target >= 2.08",
     "ttft_vs_example": "target <= 0.5",
     "nohit": "target <= 1.05",
     "floor": "vLLM alone with every session in its KV space: a bound no KV offload reaches (see the docstring)",
 }
-ORDER = ("vllm", "strata_host", "example", "strata_disk", "floor")
+ORDER = ("vllm", "strata_host", "example", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2")
 """The configurations in the order they run (alternating with and without Strata)."""
+FROM_TP2 = "strata_host_from_tp2"
+"""After strata_host_tp2: a one-rank server of the same node serves its 4-client multi-turn
+sessions again, from the blocks the two ranks stored."""
+PEERS = {"strata_host": "vllm", "strata_disk": "vllm", "strata_host_tp2": "vllm_tp2"}
+"""Each Strata configuration and the vLLM alone it is compared with (the same tensor parallel)."""
 
 
 def chosen_configs() -> list[str]:
@@ -76,6 +87,16 @@ def expected_rows(ctx: Context) -> list[str]:
                 patterns += [f"vllm.multiturn.c4.{config}.ttft_vs_vllm", f"vllm.longdoc.{config}.ttft_vs_vllm"]
         if "strata_host" in chosen:
             patterns.append("vllm.nohit.strata.ttft_vs_vllm")
+        if "strata_host_tp2" in chosen:
+            patterns.append(f"vllm.multiturn.c4.{FROM_TP2}.ttft_vs_vllm")
+    if "strata_host_tp2" in chosen:
+        patterns.append(f"vllm.multiturn.c4.{FROM_TP2}.cached_share")
+    if {"vllm_tp2", "strata_host_tp2"} <= set(chosen):
+        patterns += [
+            "vllm.multiturn.c4.strata_host_tp2.ttft_vs_vllm_tp2",
+            "vllm.multiturn.c8.strata_host_tp2.ttft_vs_vllm_tp2",
+            "vllm.nohit.strata_tp2.ttft_vs_vllm_tp2",
+        ]
     if {"example", "strata_host"} <= set(chosen):
         patterns.append("vllm.multiturn.c4.strata_host.ttft_vs_example")
     return patterns
@@ -148,6 +169,13 @@ def run(ctx: Context) -> list[Row]:
                     logs=logs,
                 ) as served:
                     results[config] = run_config(served, shape, ctx.log)
+                    if config == "strata_host_tp2":
+                        served.stop()
+                        try:
+                            results[FROM_TP2] = from_tp2(served, checkpoint, shape, ctx, env, logs)
+                        except Exception as exc:  # noqa: BLE001 - reported as its own failure
+                            failures[FROM_TP2] = f"{type(exc).__name__}: {exc}"
+                            ctx.log(f"[red]vllm: {FROM_TP2} failed ({failures[FROM_TP2]})")
             except Exception as exc:  # noqa: BLE001 - reported below and in the results' params
                 failures[config] = f"{type(exc).__name__}: {exc}"
                 ctx.log(f"[red]vllm: {config} failed ({failures[config]}); its log: {logs / (config + '.log')}")
@@ -156,6 +184,26 @@ def run(ctx: Context) -> list[Row]:
     if not results:
         raise RuntimeError(f"every configuration failed: {failures}")
     return rows_of(results)
+
+
+def from_tp2(
+    before: Server, checkpoint: Path, shape: Shape, ctx: Context, env: dict[str, str], logs: Path
+) -> dict[str, dict[str, float]]:
+    """A one-rank server of `before`'s node (stopped: its pool and disk kept) serves the 4-client
+    multi-turn sessions again, from the blocks the two ranks stored."""
+    with Server(
+        "strata_host",
+        label=FROM_TP2,
+        after=before,
+        checkpoint=checkpoint,
+        port=free_port(),
+        shape=shape,
+        scratch=ctx.scratch,
+        env=env,
+        status_port=free_port(),
+        logs=logs,
+    ) as served:
+        return run_config(served, shape, ctx.log, replay=True)
 
 
 def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
@@ -202,45 +250,70 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
             )
         )
 
-    for config in ("strata_host", "strata_disk"):
+    for config, peer in PEERS.items():
         for clients in (4, 8):
             workload = f"multiturn.c{clients}"
             ratio(
                 workload,
                 config,
                 "ttft_mean_s",
-                "vllm",
-                f"vllm.{workload}.{config}.ttft_vs_vllm",
+                peer,
+                f"vllm.{workload}.{config}.ttft_vs_{peer}",
                 TARGETS["ttft_vs_vllm"],
             )
             ratio(
-                workload, config, "tpot_ms", "vllm", f"vllm.{workload}.{config}.tpot_vs_vllm", TARGETS["tpot_vs_vllm"]
+                workload, config, "tpot_ms", peer, f"vllm.{workload}.{config}.tpot_vs_{peer}", TARGETS["tpot_vs_vllm"]
             )
             ratio(
                 workload,
                 config,
                 "ttft_later_mean_s",
-                "vllm",
-                f"vllm.{workload}.{config}.ttft_later_turns_vs_vllm",
+                peer,
+                f"vllm.{workload}.{config}.ttft_later_turns_vs_{peer}",
                 "turns 2-6 only: the requests a cache can serve (every first turn is cold)",
             )
             ratio(
                 workload,
                 config,
                 "throughput_tok_s",
-                "vllm",
-                f"vllm.{workload}.{config}.throughput_vs_vllm",
+                peer,
+                f"vllm.{workload}.{config}.throughput_vs_{peer}",
                 TARGETS[f"throughput_vs_vllm.{config}"],
             )
         ratio(
             "longdoc",
             config,
             "ttft_mean_s",
-            "vllm",
-            f"vllm.longdoc.{config}.ttft_vs_vllm",
+            peer,
+            f"vllm.longdoc.{config}.ttft_vs_{peer}",
             "documents asked again after they left vLLM's KV space",
         )
-        ratio("longdoc", config, "throughput_tok_s", "vllm", f"vllm.longdoc.{config}.throughput_vs_vllm", "")
+        ratio("longdoc", config, "throughput_tok_s", peer, f"vllm.longdoc.{config}.throughput_vs_{peer}", "")
+    ratio(
+        "nohit",
+        "strata_host_tp2",
+        "ttft_mean_s",
+        "vllm_tp2",
+        "vllm.nohit.strata_tp2.ttft_vs_vllm_tp2",
+        TARGETS["nohit"],
+    )
+    if "multiturn.c4" in results.get(FROM_TP2, {}):
+        rows.append(
+            Row(
+                f"vllm.multiturn.c4.{FROM_TP2}.cached_share",
+                results[FROM_TP2]["multiturn.c4"]["cached_share"],
+                "x",
+                note="prompt tokens not computed by a one-rank server, of sessions two ranks stored",
+            )
+        )
+    ratio(
+        "multiturn.c4",
+        FROM_TP2,
+        "ttft_mean_s",
+        "vllm",
+        f"vllm.multiturn.c4.{FROM_TP2}.ttft_vs_vllm",
+        "the same sessions, vLLM alone at one rank meeting them first",
+    )
     ratio(
         "multiturn.c4",
         "strata_host",
