@@ -39,6 +39,7 @@ def engine_pages(pages: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def worker_for(runtime: Runtime, kv: dict[str, torch.Tensor], **options) -> WorkerHalf:
+    """A worker half on `kv` as vLLM registers it (CPU_ATTN pages)."""
     half = WorkerHalf(runtime, **options)
     half.register(kv, dict.fromkeys(kv, "CPU_ATTN"), lambda name: int(name.split(".")[2]))
     return half
@@ -301,7 +302,7 @@ def test_a_load_that_cannot_be_settled_reports_its_pages(runtime, monkeypatch):
     run_step(writer, StrataMetadata(saves=[SaveSpec(request_id="w", namespace="default", pages=pages, blocks=blocks)]))
     reader = worker_for(runtime, engine_pages(seed=1))
 
-    def broken(load) -> None:  # noqa: ANN001 - a bug while the step's loads are settled
+    def broken(*args, **kwargs) -> None:  # noqa: ANN002, ANN003 - a bug while the step's loads are settled
         raise RuntimeError("the loader's thread could not be joined")
 
     monkeypatch.setattr(reader, "_settle", broken)
@@ -345,3 +346,53 @@ def test_a_gpu_load_stages_only_what_cannot_read_into_device_memory():
     # The disk with GPUDirect Storage reads into the GPU; host and remote land in host memory.
     assert staged_hits(_Store(host=False, disk=True, remote=False, device=True), hits) == [0, 2]
     assert staged_hits(_Store(host=False, disk=False, remote=False, device=True), hits) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("budget", "per_slot", "slots"),
+    [
+        (64 << 20, 3, 3),  # every layer of the load read ahead, one slot per layer (as without a budget)
+        (2 * LAYOUT.layer_bytes, 1, 2),  # one block of one layer per slot, two slots
+        (LAYOUT.layer_bytes, 1, 1),  # the least budget: one slot, every piece in turn
+    ],
+)
+def test_a_load_larger_than_the_staging_budget_goes_in_pieces(tmp_path: Path, shm_name: str, budget, per_slot, slots):
+    with local_runtime(tmp_path, shm_name, PROFILE, "pages", load_staging_bytes=str(budget)) as runtime:
+        source = engine_pages(seed=1)
+        keys = [uuid.uuid4(), uuid.uuid4(), uuid.uuid4()]
+        run_step(worker_for(runtime, source), saving("w", keys, pages=list(range(12))))
+        target = engine_pages(seed=2)
+        reader = worker_for(runtime, target)
+        pages = [20, 21, 22, 23, 12, 13, 14, 15, 4, 5, 6, 7]
+        spec = LoadSpec("q", "default", keys, ["host"] * 3, [""] * 3, first_block=0, start=8, end=96, pages=pages)
+        reader.bind(StrataMetadata(loads=[spec]))
+        reader.start_loads()
+        staged = reader.staged
+        assert staged is not None
+        assert (staged.per_slot, len(staged.ring)) == (per_slot, slots)
+        assert staged.staged_bytes <= budget
+        for name in NAMES:
+            reader.wait_layer(name)
+        reader.finish_step()
+        assert reader.take_invalid() == set()
+        assert reader.take_report().loads["q"].failure == ""
+        got = PagedKV(list(target.values()), kind="rows", layout=LAYOUT)
+        want = PagedKV(list(source.values()), kind="rows", layout=LAYOUT)
+        for layer in range(LAYOUT.layers):
+            assert torch.equal(got.k[layer][pages[1:]], want.k[layer][1:12])
+            assert torch.equal(got.v[layer][pages[1:]], want.v[layer][1:12])
+        assert torch.equal(
+            got.k[0][20], PagedKV(list(engine_pages(seed=2).values()), kind="rows", layout=LAYOUT).k[0][20]
+        )
+
+
+def test_a_staging_budget_below_one_layer_of_a_block_is_refused(tmp_path: Path, shm_name: str):
+    with local_runtime(tmp_path, shm_name, PROFILE, "pages", load_staging_bytes=str(LAYOUT.layer_bytes - 1)) as runtime:
+        reader = worker_for(runtime, engine_pages())
+        spec = LoadSpec(
+            "q", "default", [uuid.uuid4()], ["host"], [""], first_block=0, start=0, end=32, pages=[0, 1, 2, 3]
+        )
+        run_step(reader, StrataMetadata(loads=[spec]))
+        assert reader.take_invalid() == {0, 1, 2, 3}
+        failure = reader.take_report().loads["q"].failure
+        assert "load_staging_bytes" in failure and f"({LAYOUT.layer_bytes} bytes)" in failure

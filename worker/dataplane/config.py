@@ -242,6 +242,14 @@ OPTIONS: tuple[Option, ...] = (
         "with the connector serves, and the node runs its worker beside it.",
     ),
     Option(
+        "load_staging_bytes",
+        parse_size,
+        512 * 1024**2,
+        "vLLM connector: memory a step's loads are staged in on their way into vLLM's pages (pinned host memory on "
+        "a GPU, outside vLLM's own budget); a load larger than it goes in pieces. At least one layer of one block.",
+        check_positive,
+    ),
+    Option(
         "status_port",
         parse_int,
         0,
@@ -445,6 +453,7 @@ class NodeConfig:
     engine: str = "strata"
     vllm_args: tuple[str, ...] = ()
     vllm_launch: bool = True
+    load_staging_bytes: int = 512 * 1024**2
     status_port: int = 0
     block_tokens: int = 256
     serve_host: str = "127.0.0.1"

@@ -1,9 +1,11 @@
 """The connector's worker half: moves the bytes between vLLM's pages and Strata's tiers.
 
-start_load_kv: one layer-wise loader per request (layer 0 of every hit block, then layer 1,
-...); wait_for_layer_load(layer) waits for that layer only, then scatters it into vLLM's
-pages (one copy); the wait is the layer's stall. A block read from L3 must carry the checksum
-the scheduler half's directory lookup registered for it (`LoadSpec.checksums`).
+start_load_kv: the step's loads are read layer by layer (layer 0 of every hit block, then layer
+1, ...) into staging memory bounded by `load_staging_bytes` (`connectors.staging`: a load larger
+than it goes in pieces); wait_for_layer_load(layer) waits for that layer's pieces only and
+scatters each into vLLM's pages (one copy); the wait is the layer's stall. A block read from L3
+must carry the checksum the scheduler half's directory lookup registered for it
+(`LoadSpec.checksums`).
 wait_for_save: the new full blocks, gathered from the pages straight into the write-back tier
 (the host pool's slot: one copy, then hashed), registered in one batch behind the request
 path. A load that failed (a block corrupt or vanished) reports its pages
@@ -27,6 +29,7 @@ import torch
 
 from worker.dataplane.checksum import BlockChecksum
 from worker.dataplane.connectors.pages import PagedKV, layout_of
+from worker.dataplane.connectors.staging import LoadKeys, StagedLoads
 from worker.dataplane.connectors.vllm.metadata import (
     LoadReport,
     LoadSpec,
@@ -37,9 +40,7 @@ from worker.dataplane.connectors.vllm.metadata import (
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.sharding import Gather, Shard
 from worker.dataplane.engine.cache import LoadFailed
-from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.layout import block_layout
-from worker.dataplane.offload_records import Hit
 
 log = logging.getLogger("strata.vllm")
 
@@ -59,8 +60,8 @@ class PendingSave:
 @dataclasses.dataclass
 class ActiveLoad:
     spec: LoadSpec
-    loader: LayerLoader
-    buffers: PrefixBuffers
+    index: int
+    """The load's place among the step's staged loads."""
     stalls: list[float]
     failure: LoadFailed | None = None
     scattered: int = 0
@@ -103,6 +104,7 @@ class WorkerHalf:
         self.layer_of: dict[str, int] = {}
         self.meta: StrataMetadata | None = None
         self.loads: list[ActiveLoad] = []
+        self.staged: StagedLoads | None = None
         self.invalid: set[int] = set()
         self.report = StrataWorkerMeta()
         self.step_started = 0.0
@@ -146,59 +148,74 @@ class WorkerHalf:
         meta, paged = self.meta, self.paged
         if meta is None or paged is None:
             return
+        loads: list[LoadSpec] = []
         for spec in meta.loads:
             if spec.refused:
                 log.warning("request %s: load refused (%s); vLLM recomputes its pages", spec.request_id, spec.refused)
                 self._invalidate(spec)
                 self.manager.counters.add("load_failures")
                 self.report.loads[spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=spec.refused)
-                continue
-            try:
-                hits = [
-                    Hit(index=spec.first_block + i, key=key, tier=tier, checksum=checksum)
-                    for i, (key, tier, checksum) in enumerate(zip(spec.keys, spec.tiers, spec.checksums, strict=True))
-                ]
-                with torch.inference_mode(False):
-                    buffers = PrefixBuffers(layout=self.layout, blocks=len(hits), device=paged.device)
-                loader = LayerLoader(
-                    store=self.manager.store,
-                    hits=hits,
-                    buffers=buffers,
-                    verify_remote=self.manager.verifies_remote,
-                ).start()
-            except Exception as exc:  # noqa: BLE001 - a load that cannot start is recomputed
-                log.exception("request %s: load could not start, recomputing", spec.request_id)
+            else:
+                loads.append(spec)
+        if not loads:
+            return
+        verify = self.manager.verifies_remote
+        try:
+            self.staged = StagedLoads(
+                store=self.manager.store,
+                layout=self.layout,
+                loads=[LoadKeys(list(spec.keys), list(spec.checksums) if verify else None) for spec in loads],
+                budget=self.runtime.config.load_staging_bytes,
+                pin=paged.device.type == "cuda",
+            ).start()
+        except Exception as exc:  # noqa: BLE001 - loads that cannot start are recomputed
+            log.exception("this step's loads could not start, recomputing them")
+            for spec in loads:
                 self._invalidate(spec)
                 self.report.loads[spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=str(exc))
-                continue
-            self.loads.append(ActiveLoad(spec, loader, buffers, [0.0] * self.layout.layers))
+            return
+        self.loads = [ActiveLoad(spec, index, [0.0] * self.layout.layers) for index, spec in enumerate(loads)]
 
     def wait_layer(self, layer_name: str) -> None:
-        if not self.loads or self.paged is None:
+        """Scatter this layer of every load into the pages, piece by piece as the staging ring
+        hands them over; the wait for each piece is the layer's stall."""
+        staged, paged = self.staged, self.paged
+        if staged is None or paged is None or not self.loads:
             return
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return
-        for load in self.loads:
-            if load.failure is not None:
-                continue
+        size = self.layout.block_tokens
+        for piece in staged.layer_pieces(layer):
+            info = staged.pieces[piece]
+            load = self.loads[info.load]
             spec = load.spec
             try:
-                load.stalls[layer] = load.loader.gates[layer].wait()
-                self.paged.scatter(
-                    layer,
-                    self.shard.share(load.buffers.typed[layer]),
-                    first_block=spec.first_block,
-                    start=spec.start,
-                    end=spec.end,
-                    pages=spec.pages,
-                )
-                load.scattered += 1
+                waited = time.perf_counter()
+                data, failure = staged.take(piece)
+                load.stalls[layer] += time.perf_counter() - waited
+                if load.failure is not None:
+                    continue
+                if failure is not None or data is None:
+                    self._fail(load, failure or LoadFailed(layer, info.first, RuntimeError("piece not read")))
+                    continue
+                typed = data.view(self.layout.dtype).view(info.count, 2, *self.layout.kv_shape)
+                first_block = spec.first_block + info.first
+                start = max(spec.start, first_block * size)
+                end = min(spec.end, (first_block + info.count) * size)
+                if start < end:
+                    paged.scatter(
+                        layer, self.shard.share(typed), first_block=first_block, start=start, end=end, pages=spec.pages
+                    )
+                if info.first + info.count == len(spec.keys):
+                    load.scattered += 1  # the layer's last piece of this load
             except LoadFailed as failure:
                 self._fail(load, failure)
             except Exception as exc:  # noqa: BLE001 - never an engine error: the pages are recomputed
                 log.exception("request %s: load failed at layer %d", spec.request_id, layer)
-                self._fail(load, LoadFailed(layer, 0, exc))
+                self._fail(load, LoadFailed(layer, info.first, exc))
+            finally:
+                staged.release(piece)
 
     def save_layer(self, layer_name: str) -> None:
         """Layer-wise saves: copy this layer of every block the step completes, now that its
@@ -256,7 +273,8 @@ class WorkerHalf:
 
     def _fail(self, load: ActiveLoad, failure: LoadFailed) -> None:
         load.failure = failure
-        load.loader.cancel()
+        if self.staged is not None:
+            self.staged.fail(load.index, failure)  # its later pieces are not read
         spec = load.spec
         self._invalidate(spec)
         self.manager.counters.add("load_failures")
@@ -281,9 +299,13 @@ class WorkerHalf:
         if meta is None:
             return
         loads, self.loads = self.loads, []
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged.join()
         for load in loads:
             try:
-                self._settle(load)
+                assert staged is not None
+                self._settle(load, staged, first=load is loads[0])
             except Exception as exc:  # noqa: BLE001 - a load not known to be whole is recomputed
                 log.exception("request %s: its load could not be settled; vLLM recomputes it", load.spec.request_id)
                 self._invalidate(load.spec)
@@ -300,18 +322,22 @@ class WorkerHalf:
             self.report.prefill = (meta.scheduled_tokens, forward_s)
         self.report.prefills_done.extend(meta.prefills_done)
 
-    def _settle(self, load: ActiveLoad) -> None:
-        loader, spec = load.loader, load.spec
-        loader.join()
+    def _settle(self, load: ActiveLoad, staged: StagedLoads, *, first: bool) -> None:
+        spec = load.spec
         if load.failure is None and load.scattered < self.layout.layers:
             # A layer the model never asked for (a step without attention metadata): not loaded.
             self._fail(load, LoadFailed(load.scattered, 0, RuntimeError("layers were not loaded in this step")))
         blocks = dict(collections.Counter(spec.tiers))
         report = LoadReport(
             stalls=load.stalls,
-            loaded_at=[t.finished - loader.started_at for t in loader.timings],
-            load_s=max(0.0, loader.finished_at - loader.started_at),
-            tier_loads=[(t.tier, t.bytes, t.seconds) for t in loader.tier_loads()],
+            loaded_at=list(staged.layer_loaded),
+            load_s=max(0.0, staged.finished_at - staged.started_at),
+            # What each tier served this step, for learning its speed: once, with the step's first load.
+            tier_loads=[
+                (tier, nbytes, staged.served_until[tier] - staged.started_at) for tier, nbytes in staged.served.items()
+            ]
+            if first
+            else [],
             blocks_by_tier=blocks,
             failure="" if load.failure is None else str(load.failure),
         )
