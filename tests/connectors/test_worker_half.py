@@ -388,11 +388,7 @@ def test_a_load_larger_than_the_staging_budget_goes_in_pieces(tmp_path: Path, sh
 
 def test_a_staging_budget_below_one_layer_of_a_block_is_refused(tmp_path: Path, shm_name: str):
     with local_runtime(tmp_path, shm_name, PROFILE, "pages", load_staging_bytes=str(LAYOUT.layer_bytes - 1)) as runtime:
-        reader = worker_for(runtime, engine_pages())
-        spec = LoadSpec(
-            "q", "default", [uuid.uuid4()], ["host"], [""], first_block=0, start=0, end=32, pages=[0, 1, 2, 3]
-        )
-        run_step(reader, StrataMetadata(loads=[spec]))
-        assert reader.take_invalid() == {0, 1, 2, 3}
-        failure = reader.take_report().loads["q"].failure
-        assert "load_staging_bytes" in failure and f"({LAYOUT.layer_bytes} bytes)" in failure
+        with pytest.raises(
+            ValueError, match=rf"load_staging_bytes: .* one layer of one block \({LAYOUT.layer_bytes} bytes\)"
+        ):
+            WorkerHalf(runtime)

@@ -29,7 +29,7 @@ import torch
 
 from worker.dataplane.checksum import BlockChecksum
 from worker.dataplane.connectors.pages import PagedKV, layout_of
-from worker.dataplane.connectors.staging import LoadKeys, StagedLoads
+from worker.dataplane.connectors.staging import LoadKeys, StagedLoads, slot_blocks
 from worker.dataplane.connectors.vllm.metadata import (
     LoadReport,
     LoadSpec,
@@ -96,6 +96,7 @@ class WorkerHalf:
         self.gather = gather
         self.share_layout = self.shard.layout(self.layout)
         """What this rank's pages hold of a block: its kv heads of every layer."""
+        slot_blocks(self.layout, runtime.config.load_staging_bytes, 1)  # refuses a budget too small to load
         self.pending: list[PendingSave] | None = None
         self._stream: Any = None
         self._free_buffers: list[torch.Tensor] = []
