@@ -32,9 +32,10 @@ and again after the others pushed them out of the KV space, the second asks meas
 
 Budget: a configuration starts only while the time left covers the longest one so far (a guess
 before the first); the rest are skipped, saying so. A configuration still running when the budget
-ends is stopped and its row says so. Servers run eager (no torch.compile, no CUDA graphs) to keep
-their start near half a minute: TPOT is then eager-mode for every row alike (--cuda-graphs to
-compile, when the budget allows).
+ends is stopped and its row says so. On one GPU the servers run eager (no torch.compile, no CUDA
+graphs) to keep their start near half a minute: TPOT is then eager-mode for every row alike
+(--cuda-graphs to compile, when the budget allows). Where the machine has two GPUs every server
+runs at tensor parallel 2 with CUDA graphs on (--tensor-parallel, --no-cuda-graphs to change).
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def server_spec(
     cpu_bytes: int,
     eager: bool,
     pool_name: str,
+    tensor_parallel: int = 1,
 ) -> ServerSpec:
     command = [
         python,
@@ -207,6 +209,8 @@ def server_spec(
     ]
     if eager:
         command.append("--enforce-eager")
+    if tensor_parallel > 1:
+        command += ["--tensor-parallel-size", str(tensor_parallel)]
     env = dict(COMMON_ENV)
     transfer: dict[str, Any] | None = None
     leftovers: tuple[str, ...] = ()
@@ -249,6 +253,15 @@ def server_spec(
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
     return ServerSpec(config=config, command=command, env=env, shm_leftovers=leftovers)
+
+
+def gpu_count() -> int:
+    """The GPUs `nvidia-smi -L` lists (0 without one)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.splitlines())
 
 
 def positive(value: str) -> float:
@@ -497,7 +510,15 @@ def gpu_name(log: Log) -> str:
 
 
 def run_one(
-    config: str, *, checkpoint: Path, scratch: Path, cpu_bytes: int, eager: bool, deadline: float, log: Log
+    config: str,
+    *,
+    checkpoint: Path,
+    scratch: Path,
+    cpu_bytes: int,
+    eager: bool,
+    tensor_parallel: int,
+    deadline: float,
+    log: Log,
 ) -> dict[str, Any]:
     port = free_port()
     spec = server_spec(
@@ -509,6 +530,7 @@ def run_one(
         cpu_bytes=cpu_bytes,
         eager=eager,
         pool_name=f"strata-gpu-bench-{os.getpid()}",
+        tensor_parallel=tensor_parallel,
     )
     log.say(f"== {config}: {DESCRIPTIONS[config]}")
     server = Server(spec, scratch / f"{config}.log", port)
@@ -653,6 +675,7 @@ def run(args: argparse.Namespace) -> int:
             scratch=scratch,
             cpu_bytes=cpu_bytes,
             eager=not args.cuda_graphs,
+            tensor_parallel=args.tensor_parallel,
             deadline=deadline,
             log=log,
         )
@@ -686,6 +709,7 @@ def plan(args: argparse.Namespace) -> int:
             cpu_bytes=cpu_bytes,
             eager=not args.cuda_graphs,
             pool_name="strata-gpu-bench-<pid>",
+            tensor_parallel=args.tensor_parallel,
         )
         print(f"\n== {config}: {DESCRIPTIONS[config]}")
         print("env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items()))
@@ -784,10 +808,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             default=8.0,
             help="CPU capacity of each offloading configuration, GiB (default 8)",
         )
+        two = gpu_count() >= 2
+        sub.add_argument(
+            "--tensor-parallel",
+            type=int,
+            default=2 if two else 1,
+            help="tensor-parallel size of every server (default: 2 where the machine has 2 GPUs, else 1)",
+        )
         sub.add_argument(
             "--cuda-graphs",
-            action="store_true",
-            help="compile and capture CUDA graphs (slower starts) instead of --enforce-eager",
+            action=argparse.BooleanOptionalAction,
+            default=two,
+            help="compile and capture CUDA graphs (slower starts) instead of --enforce-eager (default: on where "
+            "the machine has 2 GPUs)",
         )
         sub.add_argument(
             "--scratch",

@@ -34,7 +34,9 @@ no reuse: 48 unique 1024-token prompts with 4 clients.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.harness import Context, Row, bench_database
@@ -102,26 +104,18 @@ def expected_rows(ctx: Context) -> list[str]:
     return patterns
 
 
-def run(ctx: Context) -> list[Row]:
+@contextlib.contextmanager
+def scratch_control_plane(ctx: Context) -> Iterator[tuple[dict[str, str], Path, Path]]:
+    """A scratch control-plane database (migrated, the default namespace made) for the servers of a
+    run: yields their environment, the `bench` checkpoint and the servers' log directory."""
     import subprocess
     import sys
 
     from controlplane.runtime.environment import REPO_ROOT, load_environment
     from worker.dataplane.engine.models import preset_checkpoint
 
-    chosen = chosen_configs()
-    shape = Shape.at(ctx.scale)
     environment = load_environment()
     checkpoint = preset_checkpoint("bench", environment.var_dir / "checkpoints")
-    ctx.params.update(
-        checkpoint=str(checkpoint),
-        pages=shape.pages,
-        conversations=shape.conversations,
-        turns=shape.turns,
-        context_tokens=shape.context_tokens,
-        documents=shape.documents,
-        document_tokens=shape.document_tokens,
-    )
     database = environment.database
     server = {
         "host": database.host or None,
@@ -131,8 +125,6 @@ def run(ctx: Context) -> list[Row]:
         **database.options,
     }
     server = {k: v for k, v in server.items() if v is not None}
-    ctx.plan(len(chosen) + 1)
-    results: dict[str, dict[str, dict[str, float]]] = {}
     logs = environment.var_dir / "bench-logs" / "vllm"
     with bench_database(server, f"strata_bench_vllm_{os.getpid()}") as url:
         env = {
@@ -153,6 +145,24 @@ def run(ctx: Context) -> list[Row]:
             check=True,
             capture_output=True,
         )
+        yield env, checkpoint, logs
+
+
+def run(ctx: Context) -> list[Row]:
+    chosen = chosen_configs()
+    shape = Shape.at(ctx.scale)
+    ctx.params.update(
+        pages=shape.pages,
+        conversations=shape.conversations,
+        turns=shape.turns,
+        context_tokens=shape.context_tokens,
+        documents=shape.documents,
+        document_tokens=shape.document_tokens,
+    )
+    ctx.plan(len(chosen) + 1)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    with scratch_control_plane(ctx) as (env, checkpoint, logs):
+        ctx.params.update(checkpoint=str(checkpoint))
         ctx.step("scratch database migrated")
         failures: dict[str, str] = {}
         for config in [c for c in ORDER if c in chosen]:

@@ -84,6 +84,14 @@ def test_every_configuration_is_planned_on_the_same_server_arguments(plan):
     assert plan["vllm"]["transfer"] is None
 
 
+def test_two_gpus_serve_every_configuration_at_tensor_parallel_two_under_cuda_graphs():
+    """What `run` starts where the machine has two GPUs (its defaults there; asked for here)."""
+    for config, server in planned("--tensor-parallel", "2", "--cuda-graphs").items():
+        argv = server["argv"]
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2", config
+        assert "--enforce-eager" not in argv, config
+
+
 def test_offloading_connector_gets_its_cpu_space(plan):
     transfer = plan["offloading"]["transfer"]
     assert transfer["kv_connector"] == "OffloadingConnector"
