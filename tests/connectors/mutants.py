@@ -128,7 +128,7 @@ class OneRankFails(FaultyStrataConnector):
                 if key in failing:
                     futures[i].exception()  # the read lands, then its copy does not verify
                     failed: Future[Any] = Future()
-                    failed.set_exception(BlockCorrupt(f"block {key}: checksum mismatch on this rank"))
+                    failed.set_exception(BlockCorrupt(key, tier="host", reason="checksum mismatch on this rank"))
                     futures[i] = failed
             return futures
 

@@ -476,3 +476,68 @@ def test_every_field_of_vllm_s_request_is_known():
 
     assert "cache_salt" in request_fields(VllmRequest)
     assert unknown_fields(VllmRequest) == []
+
+
+@pytest.fixture
+def async_half(tmp_path: Path, shm_name: str):
+    """A scheduler half whose host hits load outside the engine step (async_load_tiers host)."""
+    scheduler, directory, store = make_half(tmp_path, shm_name, async_load_tiers="host")
+    directory.release.set()
+    yield scheduler
+    scheduler.close()
+    store.close()
+
+
+def test_a_hit_in_an_asynchronous_tier_is_handed_over_in_the_next_step_and_never_loaded_twice(async_half):
+    scheduler = async_half
+    hit = Request(uuid.uuid4().hex, prompt(3 * 32 + 5))
+    stored(scheduler, hit, 2)
+    assert answer_of(scheduler, hit) == 2 * 32 and scheduler.asynchronous(hit)
+    scheduler.allocated(hit, 2 * 32, [9, 8, 7, 6, 5, 4, 3])  # type: ignore[arg-type]
+    # The next step hands the load over although the request is not scheduled in it (it waits).
+    (load,) = scheduler.build(output_of()).loads
+    assert (load.asynchronous, load.start, load.end, load.pages, load.refused) == (
+        True,
+        0,
+        2 * 32,
+        [9, 8, 7, 6, 5, 4, 3],
+        "",
+    )
+    # Loaded, it is scheduled with its tokens computed: nothing is loaded again, the rest is saved.
+    meta = scheduler.build(output_of((hit, [9, 8, 7, 6, 5, 4, 3], 2 * 32, 32 + 5)))
+    assert meta.loads == []
+    assert [[index for index, _, _ in save.blocks] for save in meta.saves] == [[2]]
+
+
+def test_a_step_that_fails_as_a_whole_still_ends_the_asynchronous_loads_it_owed(async_half):
+    scheduler = async_half
+    hit = Request(uuid.uuid4().hex, prompt(2 * 32 + 5))
+    stored(scheduler, hit, 2)
+    assert answer_of(scheduler, hit) == 2 * 32
+    scheduler.allocated(hit, 2 * 32, [1, 2, 3, 4, 5])  # type: ignore[arg-type]
+    (load,) = scheduler.refused(output_of(), "the step could not be planned").loads
+    assert (load.asynchronous, load.refused, load.pages) == (True, "the step could not be planned", [1, 2, 3, 4, 5])
+    assert scheduler.build(output_of()).loads == []
+
+
+def test_a_hit_in_no_asynchronous_tier_loads_inside_the_step(half):
+    scheduler, _ = half
+    hit = Request(uuid.uuid4().hex, prompt(2 * 32 + 5))
+    stored(scheduler, hit, 2)
+    assert answer_of(scheduler, hit) == 2 * 32 and not scheduler.asynchronous(hit)  # host: not asynchronous by default
+
+
+def test_a_request_whose_load_failed_is_offered_nothing_more(async_half):
+    """vLLM asks again for a request whose asynchronous load failed (its pages freed): offering the
+    same hit would fail the same way, for ever."""
+    from worker.dataplane.connectors.vllm.metadata import LoadReport, StrataWorkerMeta
+
+    scheduler = async_half
+    hit = Request(uuid.uuid4().hex, prompt(2 * 32 + 5))
+    stored(scheduler, hit, 2)
+    assert answer_of(scheduler, hit) == 2 * 32
+    scheduler.allocated(hit, 2 * 32, [1, 2, 3, 4, 5])  # type: ignore[arg-type]
+    scheduler.build(output_of())
+    failed = LoadReport([], [], 0.1, [], {"host": 2}, failure="layer 0: block 1 could not be loaded")
+    scheduler.update(SimpleNamespace(kv_connector_worker_meta=StrataWorkerMeta(loads={hit.request_id: failed})))
+    assert scheduler.matched_tokens(hit, 0) == 0 and not scheduler.asynchronous(hit)

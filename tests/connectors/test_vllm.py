@@ -170,7 +170,11 @@ def test_hits_from_host_disk_and_remote_give_vllm_s_own_tokens(plain, strata, no
         assert cached == 5 * BLOCK
         trace = newest(node)
         assert trace["hit_blocks_by_tier"] == {tier: 5} and trace["prefix_tokens"] == 5 * BLOCK
-        assert trace["load_failures"] == 0 and len(trace["layer_stall_s"]) == profile.layers
+        assert trace["load_failures"] == 0
+        if tier == "host":  # loaded layer by layer inside the step: a stall per layer
+            assert len(trace["layer_stall_s"]) == profile.layers
+        else:  # loaded outside the step (async_load_tiers: disk, remote), the request waiting meanwhile
+            assert trace["layer_stall_s"] == [] and trace["load_s"] > 0
         assert trace["ttft_s"] > 0 and trace["decision"] == "load"
     assert metric(node, "strata_hit_blocks_total", tier="remote") >= 5
 

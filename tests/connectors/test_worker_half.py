@@ -5,6 +5,8 @@ reported as pages to recompute."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -392,3 +394,91 @@ def test_a_staging_budget_below_one_layer_of_a_block_is_refused(tmp_path: Path, 
             ValueError, match=rf"load_staging_bytes: .* one layer of one block \({LAYOUT.layer_bytes} bytes\)"
         ):
             WorkerHalf(runtime)
+
+
+def stalled(runtime: Runtime, monkeypatch) -> threading.Event:  # noqa: ANN001
+    """The store's layer reads wait until the returned event is set (a stalled tier)."""
+    answer = threading.Event()
+    read = runtime.store.get_layers
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        answer.wait(30)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.store, "get_layers", slow)
+    return answer
+
+
+def ended(half: WorkerHalf, request_id: str, timeout: float = 30.0) -> float:
+    """Poll the half as vLLM does each step until the request's load ended; seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if request_id in half.take_finished():
+            return time.monotonic() - started
+        time.sleep(0.01)
+    raise AssertionError(f"the load of {request_id} never ended")
+
+
+def stored(runtime: Runtime, source: dict[str, torch.Tensor], count: int) -> list[uuid.UUID]:
+    keys = [uuid.uuid4() for _ in range(count)]
+    run_step(worker_for(runtime, source), saving("w", keys, pages=list(range(4 * count))))
+    return keys
+
+
+def test_an_asynchronous_load_fills_the_pages_beside_the_steps(runtime):
+    source = engine_pages(seed=1)
+    keys = stored(runtime, source, 2)
+    target = engine_pages(seed=2)
+    reader = worker_for(runtime, target)
+    pages = [20, 21, 22, 23, 12, 13, 14, 15]
+    spec = LoadSpec("q", "default", keys, ["host"] * 2, [""] * 2, 0, 0, 64, pages, asynchronous=True)
+    run_step(reader, StrataMetadata(loads=[spec]))  # the step it was handed over in does not wait for it
+    ended(reader, "q")
+    assert reader.take_invalid() == set()
+    assert reader.take_report().loads["q"].failure == ""
+    got = PagedKV(list(target.values()), kind="rows", layout=LAYOUT)
+    want = PagedKV(list(source.values()), kind="rows", layout=LAYOUT)
+    for layer in range(LAYOUT.layers):
+        assert torch.equal(got.k[layer][pages], want.k[layer][:8])
+        assert torch.equal(got.v[layer][pages], want.v[layer][:8])
+    assert runtime.manager.counters.get("hit_tokens") == 64
+
+
+def test_an_asynchronous_load_past_its_deadline_is_given_up_and_writes_nothing_after(
+    tmp_path: Path, shm_name: str, monkeypatch
+):
+    with local_runtime(tmp_path, shm_name, PROFILE, "pages", load_deadline_seconds="0.3") as runtime:
+        keys = stored(runtime, engine_pages(seed=1), 2)
+        target = engine_pages(seed=2)
+        reader = worker_for(runtime, target)
+        answer = stalled(runtime, monkeypatch)
+        pages = [20, 21, 22, 23, 12, 13, 14, 15]
+        spec = LoadSpec("q", "default", keys, ["disk"] * 2, [""] * 2, 0, 0, 64, pages, asynchronous=True)
+        run_step(reader, StrataMetadata(loads=[spec]))
+        took = ended(reader, "q")
+        assert 0.2 < took < 10
+        assert reader.take_invalid() == set(pages)
+        assert "load_deadline_seconds (0.3 s)" in reader.take_report().loads["q"].failure
+        assert runtime.manager.counters.get("load_deadlines") == 1
+        answer.set()  # the tier answers after all: its bytes must not reach pages vLLM has handed on
+        time.sleep(0.5)
+        untouched = engine_pages(seed=2)
+        for name in NAMES:
+            assert torch.equal(target[name], untouched[name])
+        assert all(runtime.store.tier("host").contains(key) for key in keys)  # slow, not corrupt: kept
+
+
+def test_a_layer_wait_past_the_deadline_recomputes_the_load(tmp_path: Path, shm_name: str, monkeypatch):
+    with local_runtime(tmp_path, shm_name, PROFILE, "pages", load_deadline_seconds="0.3") as runtime:
+        keys = stored(runtime, engine_pages(seed=1), 2)
+        reader = worker_for(runtime, engine_pages(seed=2))
+        answer = stalled(runtime, monkeypatch)
+        pages = [20, 21, 22, 23, 12, 13, 14, 15]
+        spec = LoadSpec("q", "default", keys, ["host"] * 2, [""] * 2, 0, 0, 64, pages)
+        started = time.monotonic()
+        run_step(reader, StrataMetadata(loads=[spec]))
+        assert time.monotonic() - started < 10
+        assert reader.take_invalid() == set(pages)
+        assert runtime.manager.counters.get("load_deadlines") == 1
+        answer.set()
+        time.sleep(0.5)  # the stalled read lands before the tiers close

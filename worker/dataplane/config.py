@@ -250,6 +250,21 @@ OPTIONS: tuple[Option, ...] = (
         check_positive,
     ),
     Option(
+        "async_load_tiers",
+        parse_tiers,
+        TierList(("disk", "remote")),
+        "vLLM connector: tiers whose hits load outside vLLM's engine step (the request waits for its KV while the "
+        "others compute); a hit held in none of them loads layer by layer inside the step. Empty: every hit inside.",
+    ),
+    Option(
+        "load_deadline_seconds",
+        parse_float,
+        30.0,
+        "vLLM connector: the longest a load may take (an asynchronous one in all, a layer's wait inside the step); "
+        "past it the load is given up and vLLM recomputes its tokens.",
+        check_positive,
+    ),
+    Option(
         "status_port",
         parse_int,
         0,
@@ -454,6 +469,8 @@ class NodeConfig:
     vllm_args: tuple[str, ...] = ()
     vllm_launch: bool = True
     load_staging_bytes: int = 512 * 1024**2
+    async_load_tiers: TierList = TierList(("disk", "remote"))
+    load_deadline_seconds: float = 30.0
     status_port: int = 0
     block_tokens: int = 256
     serve_host: str = "127.0.0.1"

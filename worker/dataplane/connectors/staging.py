@@ -130,15 +130,19 @@ class StagedLoads:
         per_layer = len(self.pieces) // self.layout.layers
         return list(range(layer * per_layer, (layer + 1) * per_layer))
 
-    def take(self, piece: int) -> tuple[torch.Tensor | None, LoadFailed | None]:
+    def take(self, piece: int, timeout: float | None = None) -> tuple[torch.Tensor | None, LoadFailed | None]:
         """Wait for a piece: the bytes of its layer of its blocks (block by block), or the failure
-        of its load (None, failure)."""
-        self._done[piece].wait()
+        of its load (None, failure); past `timeout` seconds, a failure saying so (its load is
+        given up: its later pieces are not read)."""
+        info = self.pieces[piece]
+        if not self._done[piece].wait(timeout):
+            failure = LoadFailed(info.layer, info.first, TimeoutError(f"not read within {timeout:.1f} s"))
+            self.fail(info.load, failure)
+            return None, failure
         staged = self._staged[piece]
         assert staged is not None
         if staged.failure is not None:
             return None, staged.failure
-        info = self.pieces[piece]
         return self.ring[staged.slot][: info.count * self.layout.layer_bytes], None
 
     def release(self, piece: int) -> None:
@@ -152,9 +156,15 @@ class StagedLoads:
         """A consumer found load `load` failed: its pieces not read yet are not read."""
         self.failed.setdefault(load, failure)
 
-    def join(self) -> None:
+    def stop(self) -> None:
+        """Read no more pieces (a read under way lands in its slot, which nothing scatters)."""
         self._stop.set()
-        self._thread.join()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Stop reading and wait for the reader (at most `timeout` seconds): whether it is done."""
+        self._stop.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _slot(self) -> int | None:
         while not self._stop.is_set():

@@ -77,7 +77,7 @@ class StrataConnectorBase(KVConnectorBase_V1):
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerHalf(self.runtime, page_tokens=vllm_config.cache_config.block_size)
-            self.scheduler.serve_status()
+            self.scheduler.serve_status(data_parallel_rank=vllm_config.parallel_config.data_parallel_rank)
         else:
             shard, gather = tensor_parallel_shard(profile.kv_heads)
             self.worker = WorkerHalf(self.runtime, shard=shard, gather=gather)
@@ -126,14 +126,16 @@ class StrataConnectorBase(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         try:
-            return self.scheduler.matched_tokens(request, num_computed_tokens), False
+            matched = self.scheduler.matched_tokens(request, num_computed_tokens)
+            return matched, bool(matched) and self.scheduler.asynchronous(request)
         except Exception:  # noqa: BLE001 - a failing lookup is a miss, never an engine error
             log.exception("request %s: lookup failed, recomputing", request.request_id)
             return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        self.scheduler.allocated(request, num_external_tokens)
+        pages = blocks.get_block_ids()[0] if num_external_tokens and self.scheduler.asynchronous(request) else ()
+        self.scheduler.allocated(request, num_external_tokens, pages)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self.scheduler is not None
@@ -188,11 +190,19 @@ class StrataConnectorBase(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
-        self.worker.start_loads()
+        try:
+            self.worker.start_loads()
+        except Exception:  # noqa: BLE001 - never an engine error: the step's loads are recomputed
+            log.exception("this step's loads could not start; vLLM recomputes them")
+            self.worker.abandon_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self.worker is not None
-        self.worker.wait_layer(layer_name)
+        try:
+            self.worker.wait_layer(layer_name)
+        except Exception:  # noqa: BLE001 - never an engine error (a rank that raised would stall the others)
+            log.exception("layer %s of this step's loads failed; vLLM recomputes them", layer_name)
+            self.worker.abandon_loads()
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -213,6 +223,17 @@ class StrataConnectorBase(KVConnectorBase_V1):
             log.exception("this step's blocks were not saved")
         finally:
             self.worker.meta = None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose asynchronous load ended (loaded, failed or given up: the failures'
+        pages are in get_block_ids_with_load_errors, which vLLM reads next)."""
+        assert self.worker is not None
+        try:
+            ended = self.worker.take_finished()
+        except Exception:  # noqa: BLE001 - never an engine error
+            log.exception("the asynchronous loads' ends could not be read")
+            return None, None
+        return None, ended or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None

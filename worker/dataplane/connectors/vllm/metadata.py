@@ -31,6 +31,9 @@ class LoadSpec:
     refused: str = ""
     """Why the scheduler could not plan this load ("" for a load to make): the worker reads
     nothing and reports the pages [start, end) as failed, so vLLM recomputes them."""
+    asynchronous: bool = False
+    """Loaded outside the engine step (the request waits in vLLM until the worker reports it
+    finished), not layer by layer inside it."""
 
 
 @dataclasses.dataclass

@@ -97,6 +97,12 @@ class Tracked:
     scheduled: bool = False
     first_step_at: float = 0.0
     prefilled: bool = False
+    hit_end: int = 0
+    """Where the tokens Strata can load end (the last lookup's answer)."""
+    asynchronous: bool = False
+    """Its load runs outside the engine step (a hit in an `async_load_tiers` tier)."""
+    recompute: bool = False
+    """A load of it failed: it loads nothing more (vLLM recomputes it)."""
 
 
 class SchedulerHalf:
@@ -136,15 +142,20 @@ class SchedulerHalf:
         )
         self.metrics.registry.register(_Followed(self))
         self.server: StatusServer | None = None
+        self.async_tiers = frozenset(runtime.config.async_load_tiers)
+        self.async_ready: list[Tracked] = []
+        """Requests whose asynchronous load vLLM has made room for: handed to the worker in the next step."""
 
-    def serve_status(self) -> None:
+    def serve_status(self, *, data_parallel_rank: int = 0) -> None:
+        """Serve the status endpoints: on the node's status port, plus the data-parallel rank (each
+        rank of a data-parallel server runs a scheduler of its own, beside the others)."""
         config = self.runtime.config
         self.server = StatusServer(
             metrics=self.metrics,
             traces=lambda: list(self.traces),
             node=config.node_name,
             host=config.serve_host,
-            port=config.node_status_port,
+            port=config.node_status_port + data_parallel_rank,
             admin_key=config.node_admin_key,
         ).start()
 
@@ -188,7 +199,8 @@ class SchedulerHalf:
         """Tokens beyond `computed` (vLLM's own prefix cache) that Strata can load; None while the
         lookup is still running."""
         tracked = self._track(request)
-        if tracked.namespace is None:
+        if tracked.namespace is None or tracked.recompute:
+            tracked.asynchronous = False
             return 0
         if tracked.scheduled:
             # Preempted and back: its pages are gone and its tokens grew; look it up anew.
@@ -203,7 +215,16 @@ class SchedulerHalf:
             if tracked.namespace is None:  # found unkeyable on the way (an adapter it cannot read)
                 return 0
         hit_tokens = min(len(tracked.plan.hits) * self.block_tokens, request.num_tokens - 1)
-        return max(0, hit_tokens - computed)
+        external = max(0, hit_tokens - computed)
+        tracked.hit_end = hit_tokens
+        loaded = tracked.plan.hits[computed // self.block_tokens : -(-hit_tokens // self.block_tokens)]
+        tracked.asynchronous = external > 0 and any(hit.tier in self.async_tiers for hit in loaded)
+        return external
+
+    def asynchronous(self, request: Request) -> bool:
+        """Whether the load `matched_tokens` just offered runs outside the engine step."""
+        tracked = self.requests.get(request.request_id)
+        return tracked is not None and tracked.asynchronous
 
     def _start_lookup(self, tracked: Tracked) -> Future[Plan]:
         """The lookup, here if it needs no round trip (the namespace's salt and the adapter's
@@ -269,10 +290,16 @@ class SchedulerHalf:
         tracked.trace.lookup_s = plan.lookup_s
         self.manager.counters.add("lookup_tokens", tracked.request.num_tokens)
 
-    def allocated(self, request: Request, external: int) -> None:
+    def allocated(self, request: Request, external: int, pages: Sequence[int] = ()) -> None:
+        """vLLM made room for the request's load: in its next step (`_step`), or, for an
+        asynchronous load, at once in the pages `pages` (the request waits meanwhile)."""
         tracked = self.requests.get(request.request_id)
-        if tracked is not None:
-            tracked.load_tokens = external
+        if tracked is None:
+            return
+        tracked.load_tokens = external
+        if tracked.asynchronous and external > 0:
+            tracked.pages = list(pages)
+            self.async_ready.append(tracked)
 
     def hit_sources(self, request: Request, external: int) -> dict[CacheHitSource, int]:
         tracked = self.requests.get(request.request_id)
@@ -290,6 +317,18 @@ class SchedulerHalf:
     # -- each step -------------------------------------------------------------------------------
     def build(self, output: SchedulerOutput) -> StrataMetadata:
         meta = StrataMetadata(scheduled_tokens=output.total_num_scheduled_tokens)
+        ready, self.async_ready = self.async_ready, []
+        for waiting in ready:
+            try:
+                spec = self._load(waiting, waiting.hit_end)
+            except Exception as exc:  # noqa: BLE001 - the request waits for its load: always hand one over
+                log.exception(
+                    "request %s: its load could not be planned; vLLM recomputes it", waiting.request.request_id
+                )
+                spec = self._refused_load(waiting, waiting.hit_end, f"load not planned: {exc}")
+            spec.asynchronous = True
+            meta.loads.append(spec)
+            waiting.load_tokens = 0
         for new in output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is not None:
@@ -315,6 +354,12 @@ class SchedulerHalf:
         """The step's work when building it failed as a whole: every load promised to a request
         scheduled in it, refused, so that the worker reports their pages and vLLM recomputes them."""
         meta = StrataMetadata(scheduled_tokens=output.total_num_scheduled_tokens)
+        ready, self.async_ready = self.async_ready, []
+        for waiting in ready:  # waiting for their loads: refused, so that the worker reports them ended
+            spec = self._refused_load(waiting, waiting.hit_end, reason)
+            spec.asynchronous = True
+            meta.loads.append(spec)
+            waiting.load_tokens = 0
         scheduled = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
         cached = output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -451,6 +496,10 @@ class SchedulerHalf:
                 continue
             trace.layer_stall_s, trace.layer_loaded_at_s, trace.load_s = report.stalls, report.loaded_at, report.load_s
             if report.failure:
+                if tracked is not None:
+                    # Whatever failed (a bad copy, a tier past its deadline), the request recomputes:
+                    # vLLM asks again for a request whose asynchronous load failed, and is told 0.
+                    tracked.recompute = True
                 if tracked is not None and tracked.load is not None:
                     # vLLM recomputes the loaded range: its blocks are saved again as they complete.
                     tracked.stored = min(tracked.stored, tracked.load.first_block)

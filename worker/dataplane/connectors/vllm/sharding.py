@@ -9,6 +9,7 @@ Loads: every rank reads the hit blocks' layers and scatters its own heads' share
 pages. Saves: every rank copies its share of each block the step completes into one buffer,
 and one gather over vLLM's tensor-parallel group brings every rank's share to the first rank,
 which stores and registers the whole block (one writer, one registration, as at one rank).
+(The gather is an all-gather on vLLM's CPU group: see `tensor_parallel_shard`.)
 The scheduler's lookup stays one per request: it runs in the engine's process, above the ranks.
 """
 
@@ -106,13 +107,14 @@ def tensor_parallel_shard(kv_heads: int) -> tuple[Shard, Gather | None]:
     def gather(tensor: torch.Tensor) -> list[torch.Tensor] | None:
         first = group.rank_in_group == 0
         if tensor.device == group.device:
-            # The CPU group's shared-memory gather moves floating-point tensors only: the bytes go
-            # as 4- or 2-byte words (a copy, never arithmetic) and come back as they were.
+            # vLLM's CPU group: its shared-memory all-gather, the collective vLLM itself runs every
+            # step (the logits), on which every rank waits for all (its one-sided gather lets a
+            # rank run ahead into the next collective while the first still reads, and both
+            # stall). It moves floating-point tensors only: the bytes go as 4- or 2-byte words
+            # (a copy, never arithmetic) and come back as they were.
             words = tensor.view(torch.float32 if tensor.shape[-1] % 4 == 0 else torch.bfloat16)
-            joined = group.gather(words.unsqueeze(0), dst=0, dim=0)
-            if not first or joined is None:
-                return None
-            return [part.view(tensor.dtype) for part in joined.unbind(0)]
+            joined = group.all_gather(words.unsqueeze(0), dim=0)
+            return [part.view(tensor.dtype) for part in joined.unbind(0)] if first else None
         parts = [torch.empty_like(tensor) for _ in range(group.world_size)] if first else None
         torch.distributed.gather(tensor, parts, dst=group.ranks[0], group=group.cpu_group)
         return parts

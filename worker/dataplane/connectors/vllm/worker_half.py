@@ -30,6 +30,7 @@ import torch
 from worker.dataplane.checksum import BlockChecksum
 from worker.dataplane.connectors.pages import PagedKV, layout_of
 from worker.dataplane.connectors.staging import LoadKeys, StagedLoads, slot_blocks
+from worker.dataplane.connectors.vllm.async_loads import AsyncLoads
 from worker.dataplane.connectors.vllm.metadata import (
     LoadReport,
     LoadSpec,
@@ -106,6 +107,18 @@ class WorkerHalf:
         self.meta: StrataMetadata | None = None
         self.loads: list[ActiveLoad] = []
         self.staged: StagedLoads | None = None
+        self.deadline = 0.0
+        """When this step's loads must be in (perf_counter)."""
+        self.async_loads = AsyncLoads(
+            store=self.manager.store,
+            layout=self.layout,
+            shard=self.shard,
+            budget=runtime.config.load_staging_bytes,
+            deadline_s=runtime.config.load_deadline_seconds,
+            verify_remote=lambda: self.manager.verifies_remote,
+        )
+        self.refused_async: set[str] = set()
+        """Asynchronous loads refused by the scheduler: finished (failed) at once."""
         self.invalid: set[int] = set()
         self.report = StrataWorkerMeta()
         self.step_started = 0.0
@@ -156,10 +169,15 @@ class WorkerHalf:
                 self._invalidate(spec)
                 self.manager.counters.add("load_failures")
                 self.report.loads[spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=spec.refused)
+                if spec.asynchronous:
+                    self.refused_async.add(spec.request_id)
+            elif spec.asynchronous:
+                self.async_loads.start(spec, paged)
             else:
                 loads.append(spec)
         if not loads:
             return
+        self.deadline = time.perf_counter() + self.runtime.config.load_deadline_seconds
         verify = self.manager.verifies_remote
         try:
             self.staged = StagedLoads(
@@ -193,7 +211,7 @@ class WorkerHalf:
             spec = load.spec
             try:
                 waited = time.perf_counter()
-                data, failure = staged.take(piece)
+                data, failure = staged.take(piece, timeout=max(0.0, self.deadline - waited))
                 load.stalls[layer] += time.perf_counter() - waited
                 if load.failure is not None:
                     continue
@@ -279,7 +297,9 @@ class WorkerHalf:
         spec = load.spec
         self._invalidate(spec)
         self.manager.counters.add("load_failures")
-        if failure.block_index < len(spec.keys):
+        if isinstance(failure.cause, TimeoutError):  # a slow tier, not a bad block
+            self.manager.counters.add("load_deadlines")
+        elif failure.block_index < len(spec.keys):
             self.manager.quarantine(spec.keys[failure.block_index], failure.cause, spec.namespace)
         log.warning(
             "request %s: load failed (%s); vLLM recomputes its %d tokens",
@@ -294,15 +314,40 @@ class WorkerHalf:
         n = self.paged.page_tokens
         self.invalid.update(spec.pages[spec.start // n : -(-spec.end // n)])
 
+    def abandon_loads(self) -> None:
+        """Give up every load of this step (their pages are recomputed), after an error the loads'
+        own handling did not catch."""
+        for load in self.loads:
+            if load.failure is None:
+                load.failure = LoadFailed(0, 0, RuntimeError("the step's loads were given up"))
+                self._invalidate(load.spec)
+                self.manager.counters.add("load_failures")
+
     def finish_step(self) -> None:
-        """After the forward pass: settle the loads, then save the step's new full blocks."""
+        """After the forward pass: settle the loads, then save the step's new full blocks. Under
+        tensor parallel the saves run whatever the loads did (every rank must reach the gather)."""
         meta = self.meta
         if meta is None:
             return
+        try:
+            self._settle_step()
+        finally:
+            if not self.shard.whole:
+                self._save_shares(meta.saves)
+        if self.shard.whole and self.layerwise_saves:
+            self._commit_layerwise(meta.saves)
+        elif self.shard.whole and meta.saves and self.paged is not None:
+            self._save(meta.saves)
+        forward_s = time.perf_counter() - self.step_started
+        if not meta.loads and meta.scheduled_tokens >= self.layout.block_tokens:
+            self.report.prefill = (meta.scheduled_tokens, forward_s)
+        self.report.prefills_done.extend(meta.prefills_done)
+
+    def _settle_step(self) -> None:
         loads, self.loads = self.loads, []
         staged, self.staged = self.staged, None
-        if staged is not None:
-            staged.join()
+        if staged is not None and not staged.join(timeout=max(0.0, self.deadline - time.perf_counter())):
+            log.warning("a tier has not answered this step's loads by their deadline; their pages are recomputed")
         for load in loads:
             try:
                 assert staged is not None
@@ -312,16 +357,6 @@ class WorkerHalf:
                 self._invalidate(load.spec)
                 self.manager.counters.add("load_failures")
                 self.report.loads[load.spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=str(exc))
-        if not self.shard.whole:
-            self._save_shares(meta.saves)
-        elif self.layerwise_saves:
-            self._commit_layerwise(meta.saves)
-        elif meta.saves and self.paged is not None:
-            self._save(meta.saves)
-        forward_s = time.perf_counter() - self.step_started
-        if not meta.loads and meta.scheduled_tokens >= self.layout.block_tokens:
-            self.report.prefill = (meta.scheduled_tokens, forward_s)
-        self.report.prefills_done.extend(meta.prefills_done)
 
     def _settle(self, load: ActiveLoad, staged: StagedLoads, *, first: bool) -> None:
         spec = load.spec
@@ -499,6 +534,16 @@ class WorkerHalf:
             return checksum
 
         return fill
+
+    def take_finished(self) -> set[str]:
+        """The requests whose asynchronous load ended since the last call: loaded, failed, or given
+        up at its deadline. The pages of a load that did not complete are recomputed (reported by
+        `take_invalid` in the same step, which vLLM reads after this)."""
+        ended, self.refused_async = self.refused_async, set()
+        for spec, report in self.async_loads.settle(self.manager, invalidate=self._invalidate):
+            ended.add(spec.request_id)
+            self.report.loads[spec.request_id] = report
+        return ended
 
     def take_invalid(self) -> set[int]:
         invalid, self.invalid = self.invalid, set()
