@@ -207,3 +207,27 @@ def test_a_load_that_failed_on_one_rank_failed_for_the_step():
     assert merged.loads["q"].failure == "block 1: checksum mismatch"
     assert merged.counts == {"hit_tokens": 64, "load_failures": 1}
     assert merged.saved == {"w": 1}
+
+
+@pytest.mark.parametrize(
+    ("setting", "flag"),
+    [("pipeline_parallel_size", "--pipeline-parallel-size"), ("data_parallel_size", "--data-parallel-size")],
+)
+def test_pipeline_and_data_parallel_are_refused_at_start_naming_the_setting(setting, flag):
+    from types import SimpleNamespace
+
+    from worker.dataplane.connectors.vllm.runtime import check_engine
+
+    parallel = {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "data_parallel_size": 1, setting: 2}
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
+        parallel_config=SimpleNamespace(**parallel),
+    )
+    with pytest.raises(ValueError, match=f"{flag} must be 1"):
+        check_engine(config)
+    check_engine(
+        SimpleNamespace(
+            kv_transfer_config=config.kv_transfer_config,
+            parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1),
+        )
+    )  # tensor parallel is served

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.connectors.conftest import environment
-from tests.connectors.differential import Ask, Sharing
+from tests.connectors.differential import Ask, Sharing, run_round
 from tests.connectors.mutants import FAIL_KEYS
 from tests.connectors.test_differential import (
     BLOCK,
@@ -136,6 +136,17 @@ def between(node: StrataNode, profile: Any):  # noqa: ANN201
     return move
 
 
+def warm_up(llm: Any, node: StrataNode, profile: Any) -> None:
+    """A cold prompt no round asks, until its blocks are registered: the engine's first connection
+    to the directory can time out while two ranks start on two cores, and a round served then
+    runs uncached (a miss, as it must), which would leave the later rounds nothing to hit."""
+    for attempt in range(3):
+        run_round(llm, [ask(9, f"warm-up {attempt}")], {})
+        if registered(node, profile) > 0:
+            return
+    raise AssertionError("the engine's connector never registered a block in the directory")
+
+
 def load_failures(node: StrataNode) -> float:
     import urllib.request
 
@@ -165,6 +176,7 @@ def test_two_ranks_answer_as_vllm_alone_and_their_blocks_serve_one(
     measured: dict[str, float] = {}
     llm = engine(checkpoints.x, env, 2, node.transfer("OneRankFails"))
     try:
+        warm_up(llm, node, profile)
         problems = serve(
             llm, ROUNDS, reference_two, {}, between=between(node, profile), measured=measured, sharing=sharing
         )
@@ -199,7 +211,10 @@ def test_the_comparison_fails_when_the_ranks_heads_are_mixed_up(checkpoints, nod
     rounds = {name: ROUNDS[name] for name in ("store", "flood-1", "host")}
     llm = engine(checkpoints.x, node_env(vllm_environment, node.name), 2, node.transfer("ShardingOff"))
     try:
+        warm_up(llm, node, profile)
         problems = serve(llm, rounds, reference_two, {}, between=between(node, profile))
+        hits = hit_blocks(node)
     finally:
         shutdown(llm)
+    assert hits["host"] > 0, f"the host round was meant to hit: {hits}"
     assert any("again" in problem for problem in problems), problems

@@ -184,6 +184,12 @@ def check_engine(vllm_config: VllmConfig) -> None:
             f'"{transfer.kv_load_failure_policy}"'
         )
     parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size != 1:
+        raise ValueError(
+            "StrataConnector: --data-parallel-size must be 1 (data-parallel ranks, each with its own scheduler "
+            f"and status port, are not yet served); got {parallel.data_parallel_size}. Run one server per rank "
+            "instead, each with its own status_port"
+        )
     if parallel.pipeline_parallel_size != 1:
         raise ValueError(
             "StrataConnector: --pipeline-parallel-size must be 1 (a stage would save and load only its own "
