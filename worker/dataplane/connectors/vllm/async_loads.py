@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from worker.dataplane.connectors.pages import PagedKV
-from worker.dataplane.connectors.staging import LoadKeys, StagedLoads
+from worker.dataplane.connectors.staging import LoadKeys, Piece, StagedLoads
 from worker.dataplane.connectors.vllm.metadata import LoadReport, LoadSpec
 from worker.dataplane.connectors.vllm.sharding import Shard
 from worker.dataplane.engine.cache import LoadFailed
@@ -58,6 +58,20 @@ class AsyncLoad:
             self.staged.stop()
 
 
+def scatter_piece(
+    paged: PagedKV, shard: Shard, layout: BlockLayout, spec: LoadSpec, piece: Piece, data: torch.Tensor
+) -> None:
+    """Write a staged piece (one layer of hit blocks [first, first + count) of `spec`) into the
+    request's pages: this rank's heads, only the tokens the load covers."""
+    size = layout.block_tokens
+    typed = data.view(layout.dtype).view(piece.count, 2, *layout.kv_shape)
+    first_block = spec.first_block + piece.first
+    start = max(spec.start, first_block * size)
+    end = min(spec.end, (first_block + piece.count) * size)
+    if start < end:
+        paged.scatter(piece.layer, shard.share(typed), first_block=first_block, start=start, end=end, pages=spec.pages)
+
+
 class AsyncLoads:
     """The loads running beside the engine, and the ones finished since the engine last asked."""
 
@@ -86,7 +100,7 @@ class AsyncLoads:
         thread.start()
 
     def _run(self, load: AsyncLoad, paged: PagedKV) -> None:
-        spec, layout, size = load.spec, self.layout, self.layout.block_tokens
+        spec, layout = load.spec, self.layout
         stream: Any = torch.cuda.Stream(paged.device) if paged.device.type == "cuda" else None
         try:
             checksums = list(spec.checksums) if self.verify_remote() else None
@@ -109,23 +123,12 @@ class AsyncLoads:
                         if failure is not None or data is None:
                             load.failure = load.failure or failure
                             return
-                        typed = data.view(layout.dtype).view(info.count, 2, *layout.kv_shape)
-                        first_block = spec.first_block + info.first
-                        start = max(spec.start, first_block * size)
-                        end = min(spec.end, (first_block + info.count) * size)
                         with load.lock:
                             if load.given_up:
                                 return
                             on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
                             with on_stream:
-                                paged.scatter(
-                                    layer,
-                                    self.shard.share(typed),
-                                    first_block=first_block,
-                                    start=start,
-                                    end=end,
-                                    pages=spec.pages,
-                                )
+                                scatter_piece(paged, self.shard, layout, spec, info, data)
                             if stream is not None:
                                 stream.synchronize()  # the slot is handed back: its bytes are copied
                     finally:

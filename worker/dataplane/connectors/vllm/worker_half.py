@@ -30,7 +30,7 @@ import torch
 from worker.dataplane.checksum import BlockChecksum
 from worker.dataplane.connectors.pages import PagedKV, layout_of
 from worker.dataplane.connectors.staging import LoadKeys, StagedLoads, slot_blocks
-from worker.dataplane.connectors.vllm.async_loads import AsyncLoads
+from worker.dataplane.connectors.vllm.async_loads import AsyncLoads, scatter_piece
 from worker.dataplane.connectors.vllm.metadata import (
     LoadReport,
     LoadSpec,
@@ -204,7 +204,6 @@ class WorkerHalf:
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return
-        size = self.layout.block_tokens
         for piece in staged.layer_pieces(layer):
             info = staged.pieces[piece]
             load = self.loads[info.load]
@@ -218,14 +217,7 @@ class WorkerHalf:
                 if failure is not None or data is None:
                     self._fail(load, failure or LoadFailed(layer, info.first, RuntimeError("piece not read")))
                     continue
-                typed = data.view(self.layout.dtype).view(info.count, 2, *self.layout.kv_shape)
-                first_block = spec.first_block + info.first
-                start = max(spec.start, first_block * size)
-                end = min(spec.end, (first_block + info.count) * size)
-                if start < end:
-                    paged.scatter(
-                        layer, self.shard.share(typed), first_block=first_block, start=start, end=end, pages=spec.pages
-                    )
+                scatter_piece(paged, self.shard, self.layout, spec, info, data)
                 if info.first + info.count == len(spec.keys):
                     load.scattered += 1  # the layer's last piece of this load
             except LoadFailed as failure:
