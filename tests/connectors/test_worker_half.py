@@ -61,6 +61,7 @@ def run_step(half: WorkerHalf, meta: StrataMetadata) -> None:
         half.wait_layer(name)
         half.save_layer(name)
     half.finish_step()
+    assert half.flush_saves(timeout=30)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -102,6 +103,7 @@ def test_a_layerwise_save_missing_a_layer_is_not_stored(runtime):
     for name in NAMES[:-1]:
         half.save_layer(name)
     half.finish_step()
+    assert half.flush_saves(timeout=30)
     assert not runtime.store.tier("host").contains(key)
     assert runtime.manager.counters.get("write_back.incomplete") == 1
 
@@ -113,6 +115,7 @@ def test_a_step_whose_layers_were_never_handed_over_counts_its_blocks(runtime, c
     for _ in range(2):
         half.bind(saving("r", keys, pages=list(range(8))))
         half.finish_step()
+    assert half.flush_saves(timeout=30)
     assert not any(runtime.store.tier("host").contains(key) for key in keys)
     assert runtime.manager.counters.get("write_back.incomplete") == 4
     assert sum("no layer was handed over" in record.message for record in caplog.records) == 1
@@ -482,3 +485,85 @@ def test_a_layer_wait_past_the_deadline_recomputes_the_load(tmp_path: Path, shm_
         assert runtime.manager.counters.get("load_deadlines") == 1
         answer.set()
         time.sleep(0.5)  # the stalled read lands before the tiers close
+
+
+def held_puts(monkeypatch, runtime: Runtime) -> tuple[threading.Event, threading.Event]:
+    """Hold the host tier's `put` (the save queue's store) until the returned gate is set; the
+    other event is set once a put is waiting."""
+    host = runtime.store.tier("host")
+    gate, entered = threading.Event(), threading.Event()
+    put = host.put
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert gate.wait(30)
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(host, "put", held)
+    return gate, entered
+
+
+def test_saved_blocks_are_stored_outside_the_step_from_the_copy_taken_in_it(runtime, monkeypatch):
+    host = runtime.store.tier("host")
+    gate, entered = held_puts(monkeypatch, runtime)
+    kv = engine_pages()
+    want = PagedKV([page.clone() for page in kv.values()], kind="rows", layout=LAYOUT)
+    half = worker_for(runtime, kv)
+    keys = [uuid.uuid4(), uuid.uuid4()]
+    half.bind(saving("r", keys, pages=list(range(8))))
+    half.finish_step()  # returns while the store is held
+    assert entered.wait(30)
+    assert not any(host.contains(key) for key in keys)
+    for page in kv.values():  # the pages go to another request once the step is over
+        page.normal_()
+    gate.set()
+    assert half.flush_saves(timeout=30)
+    assert half.take_report().saved == {"r": 2}
+    for index, key in enumerate(keys):
+        expected, got = LAYOUT.empty(), LAYOUT.empty()
+        want.gather(expected, index=index, pages=list(range(8)))
+        runtime.store.get(key, out=got, tiers=["host"])
+        assert torch.equal(got, expected)
+    assert runtime.manager.counters.get("write_back.inline") == 0
+
+
+def test_blocks_past_the_save_budget_are_stored_inside_the_step(tmp_path: Path, shm_name: str, monkeypatch):
+    overrides = {"save_staging_bytes": str(LAYOUT.block_bytes)}  # room for one block's copy
+    with local_runtime(tmp_path, shm_name, PROFILE, "pages", **overrides) as runtime:
+        host = runtime.store.tier("host")
+        gate, entered = held_puts(monkeypatch, runtime)
+        half = worker_for(runtime, engine_pages())
+        keys = [uuid.uuid4(), uuid.uuid4(), uuid.uuid4()]
+        half.bind(saving("r", keys, pages=list(range(12))))
+        half.finish_step()
+        assert entered.wait(30)
+        assert [host.contains(key) for key in keys] == [False, True, True]
+        assert runtime.manager.counters.get("write_back.inline") == 2
+        gate.set()
+        assert half.flush_saves(timeout=30)
+        assert all(host.contains(key) for key in keys)
+        assert half.take_report().saved == {"r": 3}
+        half.close()
+
+
+def test_a_save_budget_of_nothing_stores_every_block_inside_the_step(tmp_path: Path, shm_name: str):
+    with local_runtime(tmp_path, shm_name, PROFILE, "pages", save_staging_bytes="0") as runtime:
+        half = worker_for(runtime, engine_pages())
+        keys = [uuid.uuid4(), uuid.uuid4()]
+        half.bind(saving("r", keys, pages=list(range(8))))
+        half.finish_step()
+        assert all(runtime.store.tier("host").contains(key) for key in keys)
+        assert half.saves.pending == 0
+        assert runtime.manager.counters.get("write_back.inline") == 2
+
+
+def test_closing_the_worker_stores_what_its_save_queue_holds(runtime, monkeypatch):
+    gate, entered = held_puts(monkeypatch, runtime)
+    half = worker_for(runtime, engine_pages())
+    keys = [uuid.uuid4()]
+    half.bind(saving("r", keys, pages=list(range(4))))
+    half.finish_step()
+    assert entered.wait(30)
+    threading.Timer(0.1, gate.set).start()
+    half.close(timeout=30)
+    assert runtime.store.tier("host").contains(keys[0])

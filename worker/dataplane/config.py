@@ -250,6 +250,15 @@ OPTIONS: tuple[Option, ...] = (
         check_positive,
     ),
     Option(
+        "save_staging_bytes",
+        parse_size,
+        256 * 1024**2,
+        "vLLM connector: memory the blocks a step saves wait in, copied out of vLLM's pages inside the step, while "
+        "a thread stores and registers them outside it; when it is full, blocks are stored inside the step. "
+        "0: every save inside the step.",
+        check_non_negative,
+    ),
+    Option(
         "async_load_tiers",
         parse_tiers,
         TierList(("disk", "remote")),
@@ -469,6 +478,7 @@ class NodeConfig:
     vllm_args: tuple[str, ...] = ()
     vllm_launch: bool = True
     load_staging_bytes: int = 512 * 1024**2
+    save_staging_bytes: int = 256 * 1024**2
     async_load_tiers: TierList = TierList(("disk", "remote"))
     load_deadline_seconds: float = 30.0
     status_port: int = 0

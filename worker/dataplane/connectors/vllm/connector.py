@@ -208,7 +208,7 @@ class StrataConnectorBase(KVConnectorBase_V1):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
         """Layer-wise saves copy the layer now (on a GPU); otherwise the step's full blocks are
-        gathered once the forward pass is done (wait_for_save), straight into the write-back tier."""
+        copied out of the pages once the forward pass is done (wait_for_save)."""
         assert self.worker is not None
         try:
             self.worker.save_layer(layer_name)
@@ -248,6 +248,8 @@ class StrataConnectorBase(KVConnectorBase_V1):
             return None
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()  # the blocks its save queue still holds are stored first
         if self.policies is not None:
             self.policies.close()
         if self.scheduler is not None:

@@ -6,9 +6,12 @@ than it goes in pieces); wait_for_layer_load(layer) waits for that layer's piece
 scatters each into vLLM's pages (one copy); the wait is the layer's stall. A block read from L3
 must carry the checksum the scheduler half's directory lookup registered for it
 (`LoadSpec.checksums`).
-wait_for_save: the new full blocks, gathered from the pages straight into the write-back tier
-(the host pool's slot: one copy, then hashed), registered in one batch behind the request
-path. A load that failed (a block corrupt or vanished) reports its pages
+wait_for_save: the new full blocks are copied out of the pages inside the step, into buffers
+bounded by `save_staging_bytes`; a thread stores them in the write-back tier (the copy into the
+host pool's slot, hashed on the way) and registers them in one batch, outside the step
+(`connectors.saves`). Past the budget a block is stored inside the step, gathered from the pages
+straight into the pool's slot (counted `write_back.inline`).
+A load that failed (a block corrupt or vanished) reports its pages
 (get_block_ids_with_load_errors): vLLM recomputes them.
 build_connector_worker_meta: what the step measured (stalls, tier speeds, prefill speed,
 counters), back to the scheduler half.
@@ -20,6 +23,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +33,7 @@ import torch
 
 from worker.dataplane.checksum import BlockChecksum
 from worker.dataplane.connectors.pages import PagedKV, layout_of
+from worker.dataplane.connectors.saves import SaveQueue
 from worker.dataplane.connectors.staging import LoadKeys, StagedLoads, slot_blocks
 from worker.dataplane.connectors.vllm.async_loads import AsyncLoads, scatter_piece
 from worker.dataplane.connectors.vllm.metadata import (
@@ -58,6 +63,21 @@ class PendingSave:
     layers: set[int] = dataclasses.field(default_factory=set)
 
 
+Source = torch.Tensor | Callable[[torch.Tensor], BlockChecksum]
+"""A block's bytes for the write-back tier: a whole block, or a fill writing it (`store_block`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Saving:
+    """One block to store: where it lies in its request and where its bytes come from."""
+
+    spec: SaveSpec
+    index: int
+    key: uuid.UUID
+    content_key: uuid.UUID
+    source: Source
+
+
 @dataclasses.dataclass
 class ActiveLoad:
     spec: LoadSpec
@@ -71,12 +91,13 @@ class ActiveLoad:
 class WorkerHalf:
     """Moves the bytes: loads into vLLM's pages layer by layer, saves full blocks from them.
 
-    Saves take one of two paths. On the CPU each new block is gathered from the pages straight
-    into its slot of the host pool once the forward pass is done (one copy, then hashed). On a GPU
-    (`layerwise_saves`) each layer is copied as soon as its attention has written it, on a stream
-    of its own that waits for that layer only (an event per layer), into pinned host memory, so
-    the copies overlap the layers still computing; once the step is done the blocks are
-    verified into the write-back tier."""
+    Saves copy each new block out of the pages inside the step, one of two ways. On the CPU the
+    blocks are gathered once the forward pass is done. On a GPU (`layerwise_saves`) each layer is
+    copied as soon as its attention has written it, on a stream of its own that waits for that
+    layer only (an event per layer), into pinned host memory, so the copies overlap the layers
+    still computing. The copies are then stored (hashed into the write-back tier) and registered
+    by the save queue's thread, outside the step; a block the queue has no room for is stored
+    inside the step."""
 
     def __init__(
         self,
@@ -101,6 +122,12 @@ class WorkerHalf:
         self.pending: list[PendingSave] | None = None
         self._stream: Any = None
         self._free_buffers: list[torch.Tensor] = []
+        """Copies of blocks to reuse (handed back by the save queue's thread, taken by the step)."""
+        self.saves = SaveQueue(runtime.config.save_staging_bytes)
+        self._writes = threading.Lock()
+        """One batch of stores and its registration at a time (the step's or the save queue's)."""
+        self._saved: collections.Counter[str] = collections.Counter()
+        self._saved_lock = threading.Lock()
         self.manager = runtime.manager
         self.paged: PagedKV | None = None
         self.layer_of: dict[str, int] = {}
@@ -277,7 +304,7 @@ class WorkerHalf:
         return pending
 
     def _buffer(self) -> torch.Tensor:
-        if self._free_buffers:
+        with contextlib.suppress(IndexError):  # the save queue's thread hands buffers back meanwhile
             return self._free_buffers.pop()
         with torch.inference_mode(False):
             return self.share_layout.empty(pin=self._stream is not None)
@@ -378,39 +405,92 @@ class WorkerHalf:
                 self.manager.counters.add(f"hit_blocks.{tier}", count)
 
     def _save(self, saves: Sequence[SaveSpec]) -> None:
-        manager, paged = self.manager, self.paged
+        """The CPU path: copy each new block out of the pages into a buffer the save queue has
+        room for, and hand them over; a block past its budget is gathered straight into the
+        write-back tier's slot inside the step."""
+        paged = self.paged
         assert paged is not None
-        registrations = []
+        queued: list[Saving] = []
+        inline: list[Saving] = []
+        nbytes = self.layout.block_bytes
         for spec in saves:
-            keys = [key for _, key, _ in spec.blocks]
             try:
-                held = manager.holds(keys)
+                held = self.manager.holds([key for _, key, _ in spec.blocks])
             except Exception as exc:  # noqa: BLE001 - a tier that cannot answer takes no write either
                 log.warning("request %s: blocks not saved: %s", spec.request_id, exc)
                 continue
-            written = 0
             for (index, key, content_key), have in zip(spec.blocks, held, strict=True):
                 if have:
                     continue
+                if self.saves.reserve(nbytes):
+                    buffer = self._buffer()
+                    try:
+                        paged.gather(buffer, index=index, pages=spec.pages)
+                    except BaseException:
+                        self.saves.cancel(nbytes)
+                        self._free_buffers.append(buffer)
+                        raise
+                    queued.append(Saving(spec, index, key, content_key, buffer))
+                else:
+                    inline.append(Saving(spec, index, key, content_key, self._filler(key, index, spec.pages)))
+        self._hand_over(queued, nbytes)
+        if inline:
+            self.manager.counters.add("write_back.inline", len(inline))
+            self._store(inline)
+
+    def _hand_over(self, queued: list[Saving], nbytes: int, *, copied: Any = None) -> None:
+        """Give copies (reserved, `nbytes` each) to the save queue's thread to store; it reads them
+        once `copied` (a CUDA event after the copies, or None) is done."""
+        if not queued:
+            return
+
+        def store() -> None:
+            try:
+                if copied is not None:
+                    copied.synchronize()
+                self._store(queued)
+            finally:
+                self._free_buffers.extend(s.source for s in queued if isinstance(s.source, torch.Tensor))
+
+        self.saves.submit(store, nbytes * len(queued))
+
+    def _store(self, blocks: Sequence[Saving]) -> None:
+        """Store blocks in the write-back tier (those it does not hold yet: another step may have
+        stored one since it was copied) and register them in one batch."""
+        manager = self.manager
+        with self._writes:
+            try:
+                held = manager.holds([block.key for block in blocks])
+            except Exception as exc:  # noqa: BLE001 - a tier that cannot answer takes no write either
+                log.warning("%d blocks not saved: %s", len(blocks), exc)
+                return
+            registrations = []
+            saved: collections.Counter[str] = collections.Counter()
+            for block, have in zip(blocks, held, strict=True):
+                if have:
+                    continue
+                source = block.source
                 registration = manager.store_block(
-                    key=key,
-                    content_key=content_key,
-                    position=index * self.layout.block_tokens,
-                    namespace=spec.namespace,
-                    fill=self._filler(key, index, spec.pages),
+                    key=block.key,
+                    content_key=block.content_key,
+                    position=block.index * self.layout.block_tokens,
+                    namespace=block.spec.namespace,
+                    data=source if isinstance(source, torch.Tensor) else None,
+                    fill=None if isinstance(source, torch.Tensor) else source,
                 )
                 if registration is not None:
                     registrations.append(registration)
-                    written += 1
-            if written:
-                self.report.saved[spec.request_id] = self.report.saved.get(spec.request_id, 0) + written
-        manager.register(registrations)
+                    saved[block.spec.request_id] += 1
+            manager.register(registrations)
+        with self._saved_lock:
+            self._saved.update(saved)
 
     def _commit_layerwise(self, saves: Sequence[SaveSpec]) -> None:
-        """Store the blocks gathered layer by layer in this step (once their copies are done). A
-        block missing a layer is not stored, and counted (`write_back.incomplete`): so is every
-        block of a step in which no layer was handed over (a step the engine replayed as one CUDA
-        graph, which runs no hooks), never silently dropped."""
+        """Store the blocks gathered layer by layer in this step, once their copies are done: on
+        the save queue's thread (it waits for the copies) as far as its budget goes, the rest
+        here. A block missing a layer is not stored, and counted (`write_back.incomplete`): so is
+        every block of a step in which no layer was handed over (a step the engine replayed as
+        one CUDA graph, which runs no hooks), never silently dropped."""
         pending, self.pending = self.pending, None
         if pending is None and saves:
             pending = self._pending(saves)  # the blocks this step was to save, none gathered
@@ -422,25 +502,31 @@ class WorkerHalf:
                 )
         if not pending:
             return
-        if self._stream is not None:
-            self._stream.synchronize()
-        registrations = []
+        whole: list[Saving] = []
         for save in pending:
             if len(save.layers) == self.layout.layers:
-                registration = self.manager.store_block(
-                    key=save.key,
-                    content_key=save.content_key,
-                    position=save.index * self.layout.block_tokens,
-                    namespace=save.spec.namespace,
-                    data=save.buffer,
-                )
-                if registration is not None:
-                    registrations.append(registration)
-                    self.report.saved[save.spec.request_id] = self.report.saved.get(save.spec.request_id, 0) + 1
+                whole.append(Saving(save.spec, save.index, save.key, save.content_key, save.buffer))
             else:  # a layer the model never handed over (a step without attention metadata)
                 self.manager.counters.add("write_back.incomplete")
-            self._free_buffers.append(save.buffer)
-        self.manager.register(registrations)
+                self._free_buffers.append(save.buffer)
+        copied = None
+        if self._stream is not None:
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        nbytes = self.share_layout.block_bytes
+        queued: list[Saving] = []
+        inline: list[Saving] = []
+        for block in whole:
+            (queued if self.saves.reserve(nbytes) else inline).append(block)
+        self._hand_over(queued, nbytes, copied=copied)
+        if inline:
+            if copied is not None:
+                copied.synchronize()
+            self.manager.counters.add("write_back.inline", len(inline))
+            try:
+                self._store(inline)
+            finally:
+                self._free_buffers.extend(block.source for block in inline if isinstance(block.source, torch.Tensor))
 
     def _save_shares(self, saves: Sequence[SaveSpec]) -> None:
         """Tensor parallel: every rank hands its share of each block the step saves to the first
@@ -482,26 +568,17 @@ class WorkerHalf:
         missing = whole.count(False)
         if missing:
             self.manager.counters.add("write_back.incomplete", missing)
-        try:
-            held = self.manager.holds([key for _, _, key, _ in planned])
-        except Exception as exc:  # noqa: BLE001 - a tier that cannot answer takes no write either
-            log.warning("this step's blocks were not saved: %s", exc)
-            return
-        registrations = []
-        for row, ((spec, index, key, content_key), have) in enumerate(zip(planned, held, strict=True)):
-            if have or not whole[row]:
-                continue
-            registration = self.manager.store_block(
-                key=key,
-                content_key=content_key,
-                position=index * self.layout.block_tokens,
-                namespace=spec.namespace,
-                fill=self._assembler(key, [share[row] for share in shares]),
-            )
-            if registration is not None:
-                registrations.append(registration)
-                self.report.saved[spec.request_id] = self.report.saved.get(spec.request_id, 0) + 1
-        self.manager.register(registrations)
+        nbytes = self.layout.block_bytes  # every rank's share of a block, held until it is stored
+        queued: list[Saving] = []
+        inline: list[Saving] = []
+        for row, (spec, index, key, content_key) in enumerate(planned):
+            if whole[row]:
+                block = Saving(spec, index, key, content_key, self._assembler(key, [share[row] for share in shares]))
+                (queued if self.saves.reserve(nbytes) else inline).append(block)
+        self._hand_over(queued, nbytes)
+        if inline:
+            self.manager.counters.add("write_back.inline", len(inline))
+            self._store(inline)
 
     def _assembler(self, key: uuid.UUID, shares: list[torch.Tensor]) -> Callable[[torch.Tensor], BlockChecksum]:
         layout, hasher = self.layout, self.manager.target.hasher
@@ -541,8 +618,20 @@ class WorkerHalf:
         invalid, self.invalid = self.invalid, set()
         return invalid
 
+    def flush_saves(self, timeout: float | None = None) -> bool:
+        """Wait until every block handed to the save queue is stored (False: not by `timeout`)."""
+        return self.saves.drain(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Store what the save queue still holds (up to `timeout`), then stop its thread."""
+        self.saves.close(timeout)
+
     def take_report(self) -> StrataWorkerMeta | None:
         report, self.report = self.report, StrataWorkerMeta()
+        with self._saved_lock:
+            saved, self._saved = self._saved, collections.Counter()
+        for request_id, count in saved.items():  # stored since the last report, by either path
+            report.saved[request_id] = report.saved.get(request_id, 0) + count
         report.counts = _delta(self.manager.counters.snapshot(), self._shipped_counts)
         report.store_events = _delta(self.manager.store.stats(), self._shipped_events)
         if not (
