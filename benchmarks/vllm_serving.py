@@ -123,19 +123,22 @@ class Server:
         config: str,
         *,
         checkpoint: Path,
-        port: int,
         shape: Shape,
         scratch: Path,
         env: dict[str, str],
-        status_port: int,
         logs: Path,
         label: str = "",
         after: Server | None = None,
+        port: int = 0,
+        status_port: int = 0,
     ) -> None:
         """`after`: a stopped Strata server whose node (name, host pool, disk) this one serves as,
-        to read what it stored; `label` names the run in logs and results (default: config)."""
+        to read what it stored; `label` names the run in logs and results (default: config);
+        `port` and `status_port` (the connector's endpoints): 0 for a free one each."""
         self.config = config
         self.label = label or config
+        port = port or free_port()
+        status_port = status_port or free_port()
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         logs.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.harness import Context, Row, bench_database
-from benchmarks.vllm_serving import CONFIGS, SKIPPED, Server, Shape, free_port, run_config
+from benchmarks.vllm_serving import CONFIGS, SKIPPED, Server, Shape, run_config
 
 DESCRIPTION = "vLLM + Strata (host, disk) vs vLLM alone and vs ExampleConnector: multi-turn, long docs, no reuse"
 
@@ -171,11 +171,9 @@ def run(ctx: Context) -> list[Row]:
                 with Server(
                     config,
                     checkpoint=checkpoint,
-                    port=free_port(),
                     shape=shape,
                     scratch=ctx.scratch,
                     env=env,
-                    status_port=free_port(),
                     logs=logs,
                 ) as served:
                     results[config] = run_config(served, shape, ctx.log)
@@ -206,11 +204,9 @@ def from_tp2(
         label=FROM_TP2,
         after=before,
         checkpoint=checkpoint,
-        port=free_port(),
         shape=shape,
         scratch=ctx.scratch,
         env=env,
-        status_port=free_port(),
         logs=logs,
     ) as served:
         return run_config(served, shape, ctx.log, replay=True)

@@ -23,7 +23,7 @@ from typing import Any
 from benchmarks.harness import Context, Row
 from benchmarks.suites.vllm import scratch_control_plane
 from benchmarks.throttle import throttled_reads
-from benchmarks.vllm_serving import Server, Shape, free_port, tokens
+from benchmarks.vllm_serving import Server, Shape, tokens
 
 DESCRIPTION = "vLLM + Strata: decoding clients' TPOT while a long document loads from a throttled disk"
 
@@ -144,11 +144,9 @@ def run(ctx: Context) -> list[Row]:
                     "strata_disk",
                     label=f"stall_{mode}",
                     checkpoint=checkpoint,
-                    port=free_port(),
                     shape=shape,
                     scratch=ctx.scratch / mode,
                     env={**env, "STRATA_ASYNC_LOAD_TIERS": tiers},
-                    status_port=free_port(),
                     logs=logs,
                 ) as served:
                     results[mode] = run_mode(served, shape, ctx.log)
