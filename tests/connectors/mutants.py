@@ -13,6 +13,8 @@ without each of them. The patches apply to the processes of the engine that load
                             named in STRATA_TEST_FAIL_KEYS fail as a corrupt copy does (the other
                             ranks read them whole)
     ShardingOff             under tensor parallel, every rank loads and saves the first rank's heads
+    StagesOff               under pipeline parallel, every stage loads the first stage's layers of a
+                            block into its own
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from worker.dataplane.connectors import staging
 from worker.dataplane.connectors.vllm import connector as connector_module
 from worker.dataplane.connectors.vllm import scheduler_half, sharding
 from worker.dataplane.connectors.vllm.requests import scope_of
@@ -138,3 +141,13 @@ class OneRankFails(FaultyStrataConnector):
 class ShardingOff(FaultyStrataConnector):
     def patch(self) -> None:
         sharding.Shard.first = property(lambda self: 0)  # type: ignore[assignment,method-assign]
+
+
+class StagesOff(FaultyStrataConnector):
+    def patch(self) -> None:
+        read = staging.StagedLoads._read
+
+        def first_stage_s(self: staging.StagedLoads, piece: staging.Piece, slot: int) -> Any:
+            return read(self, dataclasses.replace(piece, layer=piece.layer - self.layers[0]), slot)
+
+        staging.StagedLoads._read = first_stage_s  # type: ignore[method-assign]

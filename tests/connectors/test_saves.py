@@ -94,3 +94,22 @@ def test_closing_past_its_timeout_says_so(caplog):
         assert not queue.close(timeout=0.1)
     assert any("stuck-saves: 1 saves still running at shutdown were abandoned" in r.message for r in caplog.records)
     gate.set()
+
+
+def test_holding_waits_for_room_and_is_never_refused(caplog):
+    queue = SaveQueue(budget=30, name="held-saves")
+    gate = threading.Event()
+    queue.hold(20)
+    queue.submit(lambda: gate.wait(30), 20)
+    threading.Timer(0.1, gate.set).start()
+    queue.hold(20)  # waits until the first work frees its 20 bytes
+    assert queue.held == 20
+    queue.cancel(20)
+    queue.hold(100)  # larger than the whole budget: taken when nothing else is held
+    assert queue.held == 100
+    with caplog.at_level(logging.WARNING, logger="strata.vllm"):
+        queue.hold(10, timeout=0.05)  # no room by the timeout: held all the same, and said
+    assert queue.held == 110
+    assert any("held-saves: 110 bytes over its budget of 30 bytes" in r.message for r in caplog.records)
+    queue.cancel(110)
+    queue.close(timeout=30)

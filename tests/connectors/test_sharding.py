@@ -1,6 +1,7 @@
-"""Tensor parallel in the worker half, on CPU pages and a real host tier: ranks run in threads of
-one process and meet in a gather as vLLM's tensor-parallel group would. Blocks saved at two ranks
-hold the whole model's KV (the bytes one rank would save), and serve one, two and four ranks."""
+"""Tensor and pipeline parallel in the worker half, on CPU pages and a real host tier: ranks run in
+threads of one process and meet in a gather as the connector's group of the model's ranks would.
+Blocks saved at two ranks, or at two stages of two ranks, hold the whole model's KV (the bytes one
+rank would save), and serve one, two and four ranks, and two stages."""
 
 from __future__ import annotations
 
@@ -39,12 +40,17 @@ def model_pages(pages: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def rank_pages(kv: dict[str, torch.Tensor], shard: Shard) -> dict[str, torch.Tensor]:
-    """A rank's pages: its heads of every layer (vLLM's CPU_ATTN tensor per rank)."""
-    return {name: tensor[:, shard.first : shard.first + shard.heads].contiguous() for name, tensor in kv.items()}
+    """A rank's pages: its heads of its stage's layers (vLLM's CPU_ATTN tensor per rank)."""
+    layers = shard.layers(LAYOUT)
+    return {
+        name: tensor[:, shard.first : shard.first + shard.heads].contiguous()
+        for name, tensor in kv.items()
+        if int(name.split(".")[2]) in layers
+    }
 
 
 class Group:
-    """A tensor-parallel group of threads: the gather every rank calls once per step with saves."""
+    """The model's ranks as threads: the gather every rank's save queue calls once per step with saves."""
 
     def __init__(self, ranks: int) -> None:
         self.ranks = ranks
@@ -62,12 +68,21 @@ class Group:
         return gather
 
 
-def halves(runtime: Runtime, kv: dict[str, torch.Tensor], ranks: int) -> list[WorkerHalf]:
-    group = Group(ranks)
+STAGES = ((0, 1), (1, 2))
+"""Two pipeline stages of the two-layer model: a layer each."""
+
+
+def halves(runtime: Runtime, kv: dict[str, torch.Tensor], ranks: int, stages: int = 1) -> list[WorkerHalf]:
+    """The model's worker halves: `ranks` tensor-parallel ranks in each of `stages` stages, in the
+    gather's order (the ranks of stage 0, then of stage 1)."""
+    group = Group(ranks * stages)
     result = []
-    for rank in range(ranks):
-        shard = Shard(rank=rank, ranks=ranks, kv_heads=LAYOUT.kv_heads)
-        half = WorkerHalf(runtime, shard=shard, gather=group.gather_for(rank) if ranks > 1 else None)
+    for index in range(ranks * stages):
+        stage, rank = divmod(index, ranks)
+        shard = Shard(
+            rank=rank, ranks=ranks, kv_heads=LAYOUT.kv_heads, stage=stage, stages=STAGES if stages > 1 else ()
+        )
+        half = WorkerHalf(runtime, shard=shard, gather=None if shard.whole else group.gather_for(index))
         own = rank_pages(kv, shard)
         half.register(own, dict.fromkeys(own, "CPU_ATTN"), lambda name: int(name.split(".")[2]))
         result.append(half)
@@ -84,6 +99,7 @@ def step(halves: list[WorkerHalf], meta: StrataMetadata) -> None:
             half.wait_layer(name)
             half.save_layer(name)
         half.finish_step()
+        assert half.flush_saves(timeout=30)
 
     threads = [threading.Thread(target=run, args=(half,)) for half in halves]
     for thread in threads:
@@ -209,25 +225,80 @@ def test_a_load_that_failed_on_one_rank_failed_for_the_step():
     assert merged.saved == {"w": 1}
 
 
-@pytest.mark.parametrize(
-    ("setting", "flag"),
-    [("pipeline_parallel_size", "--pipeline-parallel-size"), ("data_parallel_size", "--data-parallel-size")],
-)
-def test_pipeline_and_data_parallel_are_refused_at_start_naming_the_setting(setting, flag):
+def test_data_parallel_is_served_one_worker_per_rank_and_refused_past_that_naming_the_setting():
     from types import SimpleNamespace
 
     from worker.dataplane.connectors.vllm.runtime import check_engine
 
-    parallel = {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "data_parallel_size": 1, setting: 2}
-    config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
-        parallel_config=SimpleNamespace(**parallel),
-    )
-    with pytest.raises(ValueError, match=f"{flag} must be 1"):
-        check_engine(config)
-    check_engine(
-        SimpleNamespace(
-            kv_transfer_config=config.kv_transfer_config,
-            parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1),
+    def config(tensor: int, pipeline: int, data: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=tensor, pipeline_parallel_size=pipeline, data_parallel_size=data
+            ),
         )
-    )  # tensor parallel is served
+
+    for served in ((2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)):
+        check_engine(config(*served))
+    for refused in ((2, 1, 2), (1, 2, 2)):
+        with pytest.raises(ValueError, match="mixture-of-experts model, each data-parallel rank must be one worker"):
+            check_engine(config(*refused))
+
+
+def test_stages_hold_their_own_layers():
+    stages = [Shard(rank=0, ranks=2, kv_heads=4, stage=stage, stages=STAGES) for stage in range(2)]
+    assert [shard.layers(LAYOUT) for shard in stages] == [range(0, 1), range(1, 2)]
+    assert [shard.local(1, LAYOUT) for shard in stages[1:]] == [0]
+    assert stages[0].layout(LAYOUT).block_bytes == LAYOUT.block_bytes // 4  # half the heads of half the layers
+    assert stages[0].world == 4 and not stages[0].whole
+    assert Shard(rank=0, ranks=1, kv_heads=4).whole
+    with pytest.raises(ValueError, match="the stages end at 3"):
+        Shard(rank=0, ranks=1, kv_heads=4, stages=((0, 1), (1, 3))).layout(LAYOUT)
+    with pytest.raises(ValueError, match="pipeline stage 2 is outside 0..1"):
+        Shard(rank=0, ranks=1, kv_heads=4, stage=2, stages=STAGES)
+
+
+@pytest.mark.parametrize(("ranks", "layerwise"), [(1, False), (2, False), (2, True)])
+def test_blocks_saved_at_two_stages_hold_the_whole_model_s_kv(runtime, ranks, layerwise):
+    kv = model_pages(seed=3)
+    pages = list(range(4, 12))
+    keys = [uuid.uuid4(), uuid.uuid4()]
+    model = halves(runtime, kv, ranks, stages=2)
+    for half in model:
+        half.layerwise_saves = layerwise
+    step(model, saving(keys, pages))
+    assert model[0].take_report().saved == {"w": 2}
+    for key, want in zip(keys, whole_blocks(kv, keys, pages), strict=True):
+        got = LAYOUT.empty()
+        runtime.store.get(key, out=got, tiers=["host"])
+        assert torch.equal(got, want)
+
+
+def test_blocks_written_at_one_rank_serve_two_stages_of_two_ranks(runtime):
+    source = model_pages(seed=4)
+    keys = [uuid.uuid4(), uuid.uuid4()]
+    step(halves(runtime, source, 1), saving(keys, list(range(8))))
+    target = model_pages(seed=5)
+    pages = [9, 10, 11, 12, 13, 14, 15, 3]
+    model = halves(runtime, target, 2, stages=2)
+    step(model, loading(keys, pages, end=2 * LAYOUT.block_tokens))
+    for half in model:
+        assert half.take_invalid() == set()
+        assert half.take_report().loads["q"].failure == ""
+        paged = half.paged
+        assert paged is not None
+        theirs = PagedKV(list(rank_pages(source, half.shard).values()), kind="rows", layout=half.share_layout)
+        assert len(paged.k) == 1  # the stage's one layer
+        assert torch.equal(paged.k[0][pages], theirs.k[0][:8])
+        assert torch.equal(paged.v[0][pages], theirs.v[0][:8])
+
+
+def test_a_rank_s_kv_caches_must_be_its_stage_s_layers(runtime):
+    half = WorkerHalf(
+        runtime,
+        shard=Shard(rank=0, ranks=1, kv_heads=4, stage=1, stages=STAGES),
+        gather=Group(2).gather_for(1),
+    )
+    wrong = rank_pages(model_pages(), Shard(rank=0, ranks=1, kv_heads=4, stage=0, stages=STAGES))
+    with pytest.raises(ValueError, match=r"KV caches are of layers \[0\], its pipeline stage holds layers 1..1"):
+        half.register(wrong, dict.fromkeys(wrong, "CPU_ATTN"), lambda name: int(name.split(".")[2]))

@@ -69,10 +69,11 @@ FAILING = (1, 1)
 """(prompt, block): the block whose copy fails on the second rank only."""
 
 
-def engine(checkpoint: Path, env: dict[str, str], ranks: int, transfer: Any = None) -> Any:
+def engine(checkpoint: Path, env: dict[str, str], ranks: int, transfer: Any = None, *, stages: int = 1) -> Any:
+    """vLLM at `ranks` tensor-parallel ranks in each of `stages` pipeline stages."""
     from vllm import LLM
 
-    with environment({**env, **(TWO_RANKS if ranks == 2 else {})}):
+    with environment({**env, **(TWO_RANKS if ranks * stages == 2 else {})}):
         return LLM(
             model=str(checkpoint),
             dtype="float32",
@@ -82,15 +83,19 @@ def engine(checkpoint: Path, env: dict[str, str], ranks: int, transfer: Any = No
             num_gpu_blocks_override=PAGES,
             max_num_batched_tokens=512,
             tensor_parallel_size=ranks,
+            pipeline_parallel_size=stages,
             kv_transfer_config=transfer,
             disable_log_stats=False,
             seed=0,
         )
 
 
-def measured_reference(checkpoint: Path, env: dict[str, str], ranks: int, rounds: dict[str, list[Ask]]) -> Reference:
-    """vLLM alone's answers at `ranks` ranks and its noise (its engine closed once measured)."""
-    llm = engine(checkpoint, env, ranks)
+def measured_reference(
+    checkpoint: Path, env: dict[str, str], ranks: int, rounds: dict[str, list[Ask]], *, stages: int = 1
+) -> Reference:
+    """vLLM alone's answers at `ranks` ranks (in each of `stages` stages) and its noise (its engine
+    closed once measured)."""
+    llm = engine(checkpoint, env, ranks, stages=stages)
     try:
         reference = Reference(llm, {})
         reference.measure(rounds)

@@ -47,6 +47,20 @@ class SaveQueue:
             self.held += nbytes
             return True
 
+    def hold(self, nbytes: int, *, timeout: float | None = None) -> None:
+        """Reserve `nbytes`, waiting for the thread to free room (up to `timeout`; then, or when
+        the queue holds nothing, reserved all the same): for work that must be handed over
+        whatever the budget, whose waiting holds the caller back instead."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self.held and self.held + nbytes > self.budget:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    log.warning("%s: %d bytes over its budget of %d bytes", self.name, self.held + nbytes, self.budget)
+                    break
+                self._cv.wait(left)
+            self.held += nbytes
+
     def cancel(self, nbytes: int) -> None:
         """Give back reserved bytes that were not submitted (a copy that failed)."""
         with self._cv:

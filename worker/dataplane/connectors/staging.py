@@ -86,15 +86,19 @@ class StagedLoads:
         loads: Sequence[LoadKeys],
         budget: int,
         pin: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> None:
         self.store = store
         self.layout = layout
         self.loads = list(loads)
+        self.layers = list(range(layout.layers) if layers is None else layers)
+        """The layers read (a pipeline stage reads its own), in order."""
+        self._layer_at = {layer: at for at, layer in enumerate(self.layers)}
         largest = max((len(load.keys) for load in self.loads), default=1)
         self.per_slot = slot_blocks(layout, budget, largest)
         self.pieces: list[Piece] = [
             Piece(index, layer, first, min(self.per_slot, len(load.keys) - first))
-            for layer in range(layout.layers)
+            for layer in self.layers
             for index, load in enumerate(self.loads)
             for first in range(0, len(load.keys), self.per_slot)
         ]
@@ -127,8 +131,9 @@ class StagedLoads:
 
     def layer_pieces(self, layer: int) -> list[int]:
         """The pieces of `layer`, in the order they are read."""
-        per_layer = len(self.pieces) // self.layout.layers
-        return list(range(layer * per_layer, (layer + 1) * per_layer))
+        per_layer = len(self.pieces) // len(self.layers)
+        at = self._layer_at[layer]
+        return list(range(at * per_layer, (at + 1) * per_layer))
 
     def take(self, piece: int, timeout: float | None = None) -> tuple[torch.Tensor | None, LoadFailed | None]:
         """Wait for a piece: the bytes of its layer of its blocks (block by block), or the failure

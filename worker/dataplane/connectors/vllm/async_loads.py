@@ -69,7 +69,14 @@ def scatter_piece(
     start = max(spec.start, first_block * size)
     end = min(spec.end, (first_block + piece.count) * size)
     if start < end:
-        paged.scatter(piece.layer, shard.share(typed), first_block=first_block, start=start, end=end, pages=spec.pages)
+        paged.scatter(
+            shard.local(piece.layer, layout),
+            shard.share(typed),
+            first_block=first_block,
+            start=start,
+            end=end,
+            pages=spec.pages,
+        )
 
 
 class AsyncLoads:
@@ -110,12 +117,13 @@ class AsyncLoads:
                 loads=[LoadKeys(list(spec.keys), checksums)],
                 budget=self.budget,
                 pin=stream is not None,
+                layers=self.shard.layers(layout),
             )
             load.staged = staged
             if load.given_up:
                 return
             staged.start()
-            for layer in range(layout.layers):
+            for layer in staged.layers:
                 for piece in staged.layer_pieces(layer):
                     info = staged.pieces[piece]
                     data, failure = staged.take(piece)
@@ -179,7 +187,7 @@ class AsyncLoads:
 
     def _settle(self, load: AsyncLoad, manager: OffloadManager, invalidate: Callable[[LoadSpec], None]) -> LoadReport:
         spec, staged = load.spec, load.staged
-        if load.failure is None and load.scattered_layers < self.layout.layers:
+        if load.failure is None and load.scattered_layers < len(self.shard.layers(self.layout)):
             load.failure = LoadFailed(load.scattered_layers, 0, RuntimeError("the load ended early"))
         failure = load.failure
         started = staged.started_at if staged is not None else load.started

@@ -29,7 +29,7 @@ from worker.dataplane.connectors.vllm.runtime import (
     profile_for,
 )
 from worker.dataplane.connectors.vllm.scheduler_half import SchedulerHalf
-from worker.dataplane.connectors.vllm.sharding import tensor_parallel_shard
+from worker.dataplane.connectors.vllm.sharding import model_shard
 from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
 from worker.dataplane.directory import Directory
 from worker.dataplane.layout import ModelProfile
@@ -77,9 +77,14 @@ class StrataConnectorBase(KVConnectorBase_V1):
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerHalf(self.runtime, page_tokens=vllm_config.cache_config.block_size)
-            self.scheduler.serve_status(data_parallel_rank=vllm_config.parallel_config.data_parallel_rank)
+            # data_parallel_index: the rank, also where vLLM runs a dense model's ranks as independent
+            # engines (there data_parallel_rank is 0 on every one).
+            parallel = vllm_config.parallel_config
+            self.scheduler.serve_status(
+                data_parallel_rank=getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+            )
         else:
-            shard, gather = tensor_parallel_shard(profile.kv_heads)
+            shard, gather = model_shard(profile.kv_heads, profile.layers)
             self.worker = WorkerHalf(self.runtime, shard=shard, gather=gather)
         log.info(
             "StrataConnector (%s) for %s on node %s: tiers %s, write-back to %s, directory %s",

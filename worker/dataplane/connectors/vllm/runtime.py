@@ -184,17 +184,15 @@ def check_engine(vllm_config: VllmConfig) -> None:
             f'"{transfer.kv_load_failure_policy}"'
         )
     parallel = vllm_config.parallel_config
-    if parallel.data_parallel_size != 1:
+    # A dense model's data-parallel ranks reach the connector as independent engines of one rank
+    # each (vLLM sets data_parallel_size to 1 in each); a mixture of experts keeps its ranks in one
+    # process group, across which the gather of a block's shares is not set up.
+    if parallel.data_parallel_size != 1 and parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
         raise ValueError(
-            "StrataConnector: --data-parallel-size must be 1 (data-parallel ranks, each with its own scheduler "
-            f"and status port, are not yet served); got {parallel.data_parallel_size}. Run one server per rank "
-            "instead, each with its own status_port"
-        )
-    if parallel.pipeline_parallel_size != 1:
-        raise ValueError(
-            "StrataConnector: --pipeline-parallel-size must be 1 (a stage would save and load only its own "
-            f"layers of a block, which it does not yet); got {parallel.pipeline_parallel_size}. Tensor "
-            "parallel (--tensor-parallel-size) is served"
+            "StrataConnector: with --data-parallel-size above 1 on a mixture-of-experts model, each data-parallel "
+            "rank must be one worker (--tensor-parallel-size and --pipeline-parallel-size 1: the gather of a "
+            f"block's shares spans one rank's workers only); got data {parallel.data_parallel_size}, tensor "
+            f"{parallel.tensor_parallel_size}, pipeline {parallel.pipeline_parallel_size}"
         )
 
 

@@ -117,7 +117,9 @@ class WorkerHalf:
             raise ValueError("a tensor-parallel worker half needs the gather over its ranks")
         self.gather = gather
         self.share_layout = self.shard.layout(self.layout)
-        """What this rank's pages hold of a block: its kv heads of every layer."""
+        """What this rank's pages hold of a block: its kv heads of its stage's layers."""
+        self.layers = self.shard.layers(self.layout)
+        """The layers this rank's pages hold (a pipeline stage's own), by their index in the model."""
         slot_blocks(self.layout, runtime.config.load_staging_bytes, 1)  # refuses a budget too small to load
         self.pending: list[PendingSave] | None = None
         self._stream: Any = None
@@ -156,13 +158,18 @@ class WorkerHalf:
         self, kv_caches: Mapping[str, torch.Tensor], backends: Mapping[str, str], layer_index: Callable[[str], int]
     ) -> None:
         names = sorted(kv_caches, key=layer_index)
+        if [layer_index(name) for name in names] != list(self.layers):
+            raise ValueError(
+                f"StrataConnector: this rank's KV caches are of layers {[layer_index(name) for name in names]}, "
+                f"its pipeline stage holds layers {self.layers.start}..{self.layers.stop - 1}"
+            )
         kinds = {layout_of(backends[name]) for name in names}
         if len(kinds) != 1:
             raise ValueError(
                 f"StrataConnector: the layers use different attention backends ({sorted(set(backends.values()))})"
             )
         self.paged = PagedKV([kv_caches[name] for name in names], kind=kinds.pop(), layout=self.share_layout)
-        self.layer_of = {name: i for i, name in enumerate(names)}
+        self.layer_of = {name: layer_index(name) for name in names}
         if self.layerwise_saves is None:
             self.layerwise_saves = self.paged.device.type == "cuda"
         if self.paged.device.type == "cuda":
@@ -177,7 +184,8 @@ class WorkerHalf:
             ""
             if self.shard.whole
             else f"; tensor-parallel rank {self.shard.rank} of {self.shard.ranks} holds kv heads "
-            f"{self.shard.first}..{self.shard.first + self.shard.heads - 1}",
+            f"{self.shard.first}..{self.shard.first + self.shard.heads - 1} of layers "
+            f"{self.layers.start}..{self.layers.stop - 1}",
         )
 
     def bind(self, meta: StrataMetadata) -> None:
@@ -213,6 +221,7 @@ class WorkerHalf:
                 loads=[LoadKeys(list(spec.keys), list(spec.checksums) if verify else None) for spec in loads],
                 budget=self.runtime.config.load_staging_bytes,
                 pin=paged.device.type == "cuda",
+                layers=self.layers,
             ).start()
         except Exception as exc:  # noqa: BLE001 - loads that cannot start are recomputed
             log.exception("this step's loads could not start, recomputing them")
@@ -273,11 +282,12 @@ class WorkerHalf:
             written = torch.cuda.Event()
             written.record()  # on the compute stream, after this layer's attention
             stream.wait_event(written)
+        local = self.shard.local(layer, self.layout)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for save in self.pending:
-                k_dst, v_dst = self.share_layout.kv_views(save.buffer)[layer]
+                k_dst, v_dst = self.share_layout.kv_views(save.buffer)[local]
                 paged.gather_layer(
-                    layer, k_dst, v_dst, index=save.index, pages=save.spec.pages, non_blocking=stream is not None
+                    local, k_dst, v_dst, index=save.index, pages=save.spec.pages, non_blocking=stream is not None
                 )
                 save.layers.add(layer)
 
@@ -379,7 +389,7 @@ class WorkerHalf:
 
     def _settle(self, load: ActiveLoad, staged: StagedLoads, *, first: bool) -> None:
         spec = load.spec
-        if load.failure is None and load.scattered < self.layout.layers:
+        if load.failure is None and load.scattered < len(self.layers):
             # A layer the model never asked for (a step without attention metadata): not loaded.
             self._fail(load, LoadFailed(load.scattered, 0, RuntimeError("layers were not loaded in this step")))
         blocks = dict(collections.Counter(spec.tiers))
@@ -458,6 +468,8 @@ class WorkerHalf:
         """Store blocks in the write-back tier (those it does not hold yet: another step may have
         stored one since it was copied) and register them in one batch."""
         manager = self.manager
+        if not blocks:
+            return
         with self._writes:
             try:
                 held = manager.holds([block.key for block in blocks])
@@ -504,7 +516,7 @@ class WorkerHalf:
             return
         whole: list[Saving] = []
         for save in pending:
-            if len(save.layers) == self.layout.layers:
+            if len(save.layers) == len(self.layers):
                 whole.append(Saving(save.spec, save.index, save.key, save.content_key, save.buffer))
             else:  # a layer the model never handed over (a step without attention metadata)
                 self.manager.counters.add("write_back.incomplete")
@@ -529,16 +541,21 @@ class WorkerHalf:
                 self._free_buffers.extend(block.source for block in inline if isinstance(block.source, torch.Tensor))
 
     def _save_shares(self, saves: Sequence[SaveSpec]) -> None:
-        """Tensor parallel: every rank hands its share of each block the step saves to the first
-        rank, which stores the whole blocks. Every rank calls the gather once for a step with
-        saves, whatever failed on it: a rank that skipped it would stall the others. A block
-        whose share some rank could not copy is not stored, and counted (`write_back.incomplete`)."""
+        """Tensor or pipeline parallel: every rank copies its share of each block the step saves
+        now, and hands the save queue a gather of the copies to the first rank, which stores the
+        whole blocks on its queue's thread (`sharding`). Every rank hands one gather over for a
+        step with saves, whatever failed on it: a rank that skipped it would stall the others. A
+        block whose share some rank could not copy is not stored, and counted
+        (`write_back.incomplete`)."""
         planned = [(spec, index, key, content_key) for spec in saves for index, key, content_key in spec.blocks]
         if not planned:
             return
         pending, self.pending = self.pending, None
-        share_bytes = self.share_layout.block_bytes
-        rows = torch.zeros(len(planned) + 1, share_bytes, dtype=torch.uint8)  # the last row: each share's flag
+        mine = self.share_layout.block_bytes
+        nbytes = (len(planned) + 1) * self.shard.share_bytes(self.layout)
+        self.saves.hold(nbytes, timeout=self.runtime.config.load_deadline_seconds)
+        rows = torch.zeros(len(planned) + 1, nbytes // (len(planned) + 1), dtype=torch.uint8)
+        # The last row: whether each share was copied.
         if pending is None and self.layerwise_saves and not self._warned_no_layers:
             self._warned_no_layers = True
             log.warning(
@@ -550,35 +567,37 @@ class WorkerHalf:
                 if self._stream is not None:
                     self._stream.synchronize()
                 for row, save in enumerate(pending or ()):
-                    if len(save.layers) == self.layout.layers:
-                        rows[row].copy_(save.buffer)
+                    if len(save.layers) == len(self.layers):
+                        rows[row, :mine].copy_(save.buffer)
                         rows[-1, row] = 1
                     self._free_buffers.append(save.buffer)
             else:
                 assert self.paged is not None
                 for row, (spec, index, _, _) in enumerate(planned):
-                    self.paged.gather(rows[row], index=index, pages=spec.pages)
+                    self.paged.gather(rows[row, :mine], index=index, pages=spec.pages)
                     rows[-1, row] = 1
         except Exception:  # noqa: BLE001 - the shares not copied are not stored; the gather still runs
             log.exception("this rank's share of the step's blocks could not be copied")
-        shares = self.gather(rows) if self.gather is not None else None
-        if shares is None:  # not the first rank: it stores nothing
-            return
-        whole = [all(bool(share[-1, row]) for share in shares) for row in range(len(planned))]
-        missing = whole.count(False)
-        if missing:
-            self.manager.counters.add("write_back.incomplete", missing)
-        nbytes = self.layout.block_bytes  # every rank's share of a block, held until it is stored
-        queued: list[Saving] = []
-        inline: list[Saving] = []
-        for row, (spec, index, key, content_key) in enumerate(planned):
-            if whole[row]:
-                block = Saving(spec, index, key, content_key, self._assembler(key, [share[row] for share in shares]))
-                (queued if self.saves.reserve(nbytes) else inline).append(block)
-        self._hand_over(queued, nbytes)
-        if inline:
-            self.manager.counters.add("write_back.inline", len(inline))
-            self._store(inline)
+        gather = self.gather
+        assert gather is not None
+
+        def travel() -> None:
+            shares = gather(rows)
+            if shares is None:  # not the first rank: it stores nothing
+                return
+            whole = [all(bool(share[-1, row]) for share in shares) for row in range(len(planned))]
+            missing = whole.count(False)
+            if missing:
+                self.manager.counters.add("write_back.incomplete", missing)
+            self._store(
+                [
+                    Saving(spec, index, key, content_key, self._assembler(key, [share[row] for share in shares]))
+                    for row, (spec, index, key, content_key) in enumerate(planned)
+                    if whole[row]
+                ]
+            )
+
+        self.saves.submit(travel, nbytes)
 
     def _assembler(self, key: uuid.UUID, shares: list[torch.Tensor]) -> Callable[[torch.Tensor], BlockChecksum]:
         layout, hasher = self.layout, self.manager.target.hasher
