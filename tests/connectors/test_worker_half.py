@@ -553,7 +553,7 @@ def test_a_save_budget_of_nothing_stores_every_block_inside_the_step(tmp_path: P
         half.bind(saving("r", keys, pages=list(range(8))))
         half.finish_step()
         assert all(runtime.store.tier("host").contains(key) for key in keys)
-        assert half.saves.pending == 0
+        assert half.saves.queue.pending == 0
         assert runtime.manager.counters.get("write_back.inline") == 2
 
 
