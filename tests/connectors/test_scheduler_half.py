@@ -7,6 +7,7 @@ are served uncached and counted, and a promised load is never dropped from a ste
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import threading
@@ -200,6 +201,27 @@ def test_an_outage_of_the_directory_is_a_miss_and_counted(half):
         answer = scheduler.matched_tokens(request, 0)
     assert answer == 0
     assert scheduler.manager.counters.get("lookup_failures") == 1
+
+
+def test_a_lookup_past_its_deadline_is_a_miss_and_counted(tmp_path: Path, shm_name: str, caplog):
+    """A directory that never answers delays the request by lookup_deadline_seconds, no more."""
+    scheduler, directory, store = make_half(tmp_path, shm_name, lookup_deadline_seconds="0.2")
+    try:
+        request = Request(uuid.uuid4().hex, prompt(4 * 32 + 5))
+        stored(scheduler, request, 2)  # blocks 2 and 3 must be asked of the directory, which hangs
+        assert scheduler.matched_tokens(request, 0) is None
+        threading.Event().wait(0.3)
+        with caplog.at_level(logging.WARNING, logger="strata.vllm"):
+            assert scheduler.matched_tokens(request, 0) == 0
+        assert scheduler.manager.counters.get("lookup_deadlines") == 1
+        assert scheduler.requests[request.request_id].trace.decision == "no-hit"
+        assert any("no lookup answer within lookup_deadline_seconds (0.2 s)" in r.message for r in caplog.records)
+        directory.release.set()  # the late answer changes nothing
+        assert scheduler.matched_tokens(request, 0) == 0
+    finally:
+        directory.release.set()
+        scheduler.close()
+        store.close()
 
 
 def test_a_salt_is_any_string_and_a_secret_mixed_into_the_keys(half):

@@ -274,6 +274,14 @@ OPTIONS: tuple[Option, ...] = (
         check_positive,
     ),
     Option(
+        "lookup_deadline_seconds",
+        parse_float,
+        5.0,
+        "vLLM connector: the longest a request waits for its lookup (the directory's round trip); past it the "
+        "request is served without the cache (counted lookup_deadlines).",
+        check_positive,
+    ),
+    Option(
         "status_port",
         parse_int,
         0,
@@ -481,6 +489,7 @@ class NodeConfig:
     save_staging_bytes: int = 256 * 1024**2
     async_load_tiers: TierList = TierList(("disk", "remote"))
     load_deadline_seconds: float = 30.0
+    lookup_deadline_seconds: float = 5.0
     status_port: int = 0
     block_tokens: int = 256
     serve_host: str = "127.0.0.1"

@@ -89,6 +89,8 @@ class Tracked:
     fingerprints: list[BlockFingerprint] = dataclasses.field(default_factory=list)
     plan: Plan | None = None
     pending: Future[Plan] | None = None
+    pending_since: float = 0.0
+    """When its lookup started (perf_counter): past `lookup_deadline_seconds` it is given up."""
     load_tokens: int = 0
     load: LoadSpec | None = None
     stored: int = 0
@@ -143,6 +145,7 @@ class SchedulerHalf:
         self.metrics.registry.register(_Followed(self))
         self.server: StatusServer | None = None
         self.async_tiers = frozenset(runtime.config.async_load_tiers)
+        self.lookup_deadline_s = runtime.config.lookup_deadline_seconds
         self.async_ready: list[Tracked] = []
         """Requests whose asynchronous load vLLM has made room for: handed to the worker in the next step."""
 
@@ -207,9 +210,24 @@ class SchedulerHalf:
             tracked.plan, tracked.scheduled, tracked.load, tracked.load_tokens = None, False, None, 0
         if tracked.plan is None:
             if tracked.pending is None:
+                tracked.pending_since = time.perf_counter()
                 tracked.pending = self._start_lookup(tracked)
             if not tracked.pending.done():
-                return None
+                waited = time.perf_counter() - tracked.pending_since
+                if waited < self.lookup_deadline_s:
+                    return None
+                # The directory has not answered in time: the request recomputes, as when it is
+                # down; the lookup's late answer is dropped.
+                log.warning(
+                    "request %s: no lookup answer within lookup_deadline_seconds (%g s); served without the cache",
+                    request.request_id,
+                    self.lookup_deadline_s,
+                )
+                self.manager.counters.add("lookup_deadlines")
+                tracked.pending = None
+                tracked.plan = Plan([], 0, [], Decision("no-hit"), waited)
+                self._record_plan(tracked)
+                return 0
             tracked.plan, tracked.pending = tracked.pending.result(), None
             self._record_plan(tracked)
             if tracked.namespace is None:  # found unkeyable on the way (an adapter it cannot read)
