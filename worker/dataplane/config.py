@@ -1,4 +1,8 @@
-"""The node's typed option table: STRATA_* variables over an optional YAML file over defaults."""
+"""The node's typed option table: STRATA_* variables over an optional YAML file over defaults.
+
+Why one module: the table is the one place an operator reads every option (its name, default and
+help, in the order `strata_node --help` prints them), and `NodeConfig`, whose fields mirror it one
+for one, is built from it here (`load_config`); the parsers and checks live in `config_values`."""
 
 from __future__ import annotations
 

@@ -216,13 +216,10 @@ class SchedulerHalf:
                 waited = time.perf_counter() - tracked.pending_since
                 if waited < self.lookup_deadline_s:
                     return None
-                # The directory has not answered in time: the request recomputes, as when it is
-                # down; the lookup's late answer is dropped.
+                # No answer in time: the request recomputes, as when the directory is down.
                 log.warning(
-                    "request %s: no lookup answer within lookup_deadline_seconds (%g s); served without the cache",
-                    request.request_id,
-                    self.lookup_deadline_s,
-                )
+                    "request %s: no lookup answer within lookup_deadline_seconds (%g s); served without the "
+                    "cache", request.request_id, self.lookup_deadline_s)  # fmt: skip
                 self.manager.counters.add("lookup_deadlines")
                 tracked.pending = None
                 tracked.plan = Plan([], 0, [], Decision("no-hit"), waited)
