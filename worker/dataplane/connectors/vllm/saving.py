@@ -368,23 +368,20 @@ class BlockSaves:
         self.queue.submit(travel, nbytes)
 
     def _assembler(self, key: uuid.UUID, shares: list[torch.Tensor]) -> Callable[[torch.Tensor], BlockChecksum]:
+        return self._fill(key, lambda block: self.shard.assemble(self.layout, block, shares))
+
+    def _filler(self, key: uuid.UUID, index: int, pages: list[int]) -> Callable[[torch.Tensor], BlockChecksum]:
+        paged = self.paged
+        assert paged is not None
+        return self._fill(key, lambda block: paged.gather(block, index=index, pages=pages))
+
+    def _fill(self, key: uuid.UUID, write: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], BlockChecksum]:
+        """A fill for `store_block`: `write` puts the block's bytes into the tier's memory, which is
+        then hashed with the write-back tier's hasher."""
         layout, hasher = self.layout, self.manager.target.hasher
 
         def fill(block: torch.Tensor) -> BlockChecksum:
-            self.shard.assemble(layout, block, shares)
-            checksum = hasher.checksum(key, block, layout)
-            assert isinstance(checksum, BlockChecksum)  # a whole block
-            return checksum
-
-        return fill
-
-    def _filler(self, key: uuid.UUID, index: int, pages: list[int]) -> Callable[[torch.Tensor], BlockChecksum]:
-        paged, layout = self.paged, self.layout
-        assert paged is not None
-        hasher = self.manager.target.hasher  # the write-back tier's hasher
-
-        def fill(block: torch.Tensor) -> BlockChecksum:
-            paged.gather(block, index=index, pages=pages)
+            write(block)
             checksum = hasher.checksum(key, block, layout)
             assert isinstance(checksum, BlockChecksum)  # a whole block
             return checksum
