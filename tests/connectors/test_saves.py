@@ -4,6 +4,7 @@ error in one piece of work is logged and the next still runs, and closing finish
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 import pytest
@@ -113,3 +114,17 @@ def test_holding_waits_for_room_and_is_never_refused(caplog):
     assert any("held-saves: 110 bytes over its budget of 30 bytes" in r.message for r in caplog.records)
     queue.cancel(110)
     queue.close(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("save_staging_bytes", "-1", "--save-staging-bytes: expected a size such as 512MiB or 2GB, got '-1'"),
+        ("lookup_deadline_seconds", "0", "--lookup-deadline-seconds: must be greater than zero, got '0'"),
+    ],
+)
+def test_a_bad_save_budget_or_lookup_deadline_is_refused_by_name(option, value, message):
+    from worker.dataplane.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides={option: value}, environ={})
