@@ -9,9 +9,9 @@ Configurations, each a fresh server on the same checkpoint and KV space:
     strata_disk   vLLM + StrataConnector writing back to the disk tier
     floor         vLLM alone with a KV space that holds every session (nothing is evicted, no
                   request waits for room): a bound no KV offload reaches on the same workloads
-    vllm_tp2, strata_host_tp2
-                  vLLM alone and vLLM + StrataConnector (host) at tensor parallel 2, one core per
-                  rank (the other configurations compute on both cores in one rank)
+    vllm_tp2, strata_host_tp2, floor_tp2
+                  vLLM alone, vLLM + StrataConnector (host) and the floor at tensor parallel 2, one
+                  core per rank (the other configurations compute on both cores in one rank)
 
 Workloads (every prompt unique to its workload, so one server runs them all in turn):
 
@@ -46,7 +46,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
-CONFIGS = ("vllm", "example", "strata_host", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2")
+CONFIGS = ("vllm", "example", "strata_host", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2", "floor_tp2")
 TWO_RANKS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 """vLLM's CPU backend at tensor parallel 2 on this machine kind: one core for each rank."""
 
@@ -143,7 +143,7 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{self.label}.log"
-        pages = shape.floor_pages if config == "floor" else shape.pages
+        pages = shape.floor_pages if config.startswith("floor") else shape.pages
         self.ranks = 2 if config.endswith("_tp2") else 1
         vllm_args = [
             "--max-model-len",

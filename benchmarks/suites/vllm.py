@@ -21,10 +21,11 @@ ExampleConnector does not run the long documents (benchmarks.vllm_serving.SKIPPE
 configuration that fails is reported (params.failed) and the others' rows are kept.
 `vllm_tp2` and `strata_host_tp2` serve at tensor parallel 2 (one core per rank), compared with
 each other; then a one-rank server of strata_host_tp2's node serves its 4-client multi-turn
-sessions again (`strata_host_from_tp2`): every hit is a block two ranks wrote.
+sessions again (`strata_host_from_tp2`): every hit is a block two ranks wrote. `floor_tp2` is
+the floor at two ranks, the bound of `strata_host_tp2`'s ratios.
 
 STRATA_BENCH_VLLM_CONFIGS (default: all) runs some of vllm, strata_host, example, strata_disk, floor,
-vllm_tp2, strata_host_tp2; the ratios of configurations left out are not reported.
+vllm_tp2, strata_host_tp2, floor_tp2; the ratios of configurations left out are not reported.
 
 Sizes at scale 1: multi-turn with 4 and with 8 clients, 10 conversations x 6 turns (60 requests),
 each a 1536-token private context, 160-token user turns and 32-token answers; long documents: 3 of
@@ -54,7 +55,7 @@ TARGETS = {
     "nohit": "target <= 1.05",
     "floor": "vLLM alone with every session in its KV space: a bound no KV offload reaches (see the docstring)",
 }
-ORDER = ("vllm", "strata_host", "example", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2")
+ORDER = ("vllm", "strata_host", "example", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2", "floor_tp2")
 """The configurations in the order they run (alternating with and without Strata)."""
 FROM_TP2 = "strata_host_from_tp2"
 """After strata_host_tp2: a one-rank server of the same node serves its 4-client multi-turn
@@ -99,6 +100,10 @@ def expected_rows(ctx: Context) -> list[str]:
             "vllm.multiturn.c8.strata_host_tp2.ttft_vs_vllm_tp2",
             "vllm.nohit.strata_tp2.ttft_vs_vllm_tp2",
         ]
+    if {"vllm_tp2", "floor_tp2"} <= set(chosen):
+        patterns.append("vllm.multiturn.c4.floor_tp2.ttft_vs_vllm_tp2")
+    if {"strata_host_tp2", "floor_tp2"} <= set(chosen):
+        patterns.append("vllm.multiturn.c4.strata_host_tp2.ttft_vs_floor_tp2")
     if {"example", "strata_host"} <= set(chosen):
         patterns.append("vllm.multiturn.c4.strata_host.ttft_vs_example")
     return patterns
@@ -340,4 +345,20 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
                 f"vllm.{workload}.{config}.ttft_vs_floor",
                 "1.0 = as fast as if vLLM's KV space held every session",
             )
+        ratio(
+            workload,
+            "floor_tp2",
+            "ttft_mean_s",
+            "vllm_tp2",
+            f"vllm.{workload}.floor_tp2.ttft_vs_vllm_tp2",
+            TARGETS["floor"],
+        )
+        ratio(
+            workload,
+            "strata_host_tp2",
+            "ttft_mean_s",
+            "floor_tp2",
+            f"vllm.{workload}.strata_host_tp2.ttft_vs_floor_tp2",
+            "1.0 = as fast as if vLLM's KV space held every session, at two ranks",
+        )
     return rows
