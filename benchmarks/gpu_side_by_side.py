@@ -86,8 +86,8 @@ LMCACHE_VERSION = "0.5.6"
 """The LMCache release installed: its vLLM adapter's imports all exist in vLLM 0.32 (checked by
 reading them; `install` imports it and says so if it does not load)."""
 RUNTIME_DEPS = ("xxhash", "psutil", "PyYAML", "prometheus-client", "numpy", "rich", "openai", "redis")
-"""What the connector and this driver import beyond vLLM's own dependencies (torch, transformers);
-the repository itself goes in with --no-deps, since its pins are the CPU build's."""
+"""What this driver imports beyond vLLM's and Strata's own dependencies; the repository itself goes
+in with its dependencies' ranges, held to the torch and vLLM that vLLM brought (the constraints)."""
 DEFAULT_VENV = Path("/tmp/strata-gpu-venv")
 DEFAULT_SCRATCH = Path("/tmp/strata-gpu-bench")
 
@@ -751,9 +751,7 @@ def install(args: argparse.Namespace) -> int:
     log.say(f"constraints {constraints}: torch=={torch}, vllm=={VLLM_VERSION}")
     lmcache = step([*pip, "install", *quiet, "-c", str(constraints), f"lmcache=={LMCACHE_VERSION}"], required=False)
     step([*pip, "install", *quiet, "-c", str(constraints), *RUNTIME_DEPS])
-    step(
-        [*pip, "install", *quiet, "-c", str(constraints), "--no-deps", "--ignore-requires-python", "-e", str(REPO_ROOT)]
-    )
+    step([*pip, "install", *quiet, "-c", str(constraints), "-e", str(REPO_ROOT)])
     step([str(python), "-c", "import worker.dataplane.connectors.vllm as c; print('strata connector', c.__file__)"])
     if lmcache:
         lmcache = step(

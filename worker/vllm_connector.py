@@ -1,8 +1,9 @@
-"""The StrataConnector vLLM loads (kv_connector_module_path "worker.vllm_connector"): the data
-plane's connector with the fleet's directory (the control plane's PostgreSQL) and its L3 Redis.
+"""The StrataConnector vLLM loads (by name, registered by worker.vllm_plugin; or with
+kv_connector_module_path "worker.vllm_connector"): the data plane's connector with the fleet's
+directory (the control plane's PostgreSQL) and its L3 Redis.
 
     python -m vllm.entrypoints.openai.api_server --model DIR --kv-transfer-config \\
-      '{"kv_connector": "StrataConnector", "kv_connector_module_path": "worker.vllm_connector",
+      '{"kv_connector": "StrataConnector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"node_name": "gpu-0"}}'
 

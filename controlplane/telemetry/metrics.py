@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest, multi
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from controlplane import __version__
 from controlplane.directory.choices import NodeState
 from controlplane.directory.selectors import nodes_list
 from controlplane.movements.metrics import MovementsCollector
@@ -80,6 +81,15 @@ class PolicyCollector(Collector):
         yield mode
 
 
+class BuildCollector(Collector):
+    """`strata_build_info{version}`: which Strata a scrape came from (1, the version as a label)."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        info = GaugeMetricFamily("strata_build_info", "The running Strata version (always 1).", labels=["version"])
+        info.add_metric([__version__], 1.0)
+        yield info
+
+
 def render_metrics() -> bytes:
     """The exposition text: multiprocess counters when PROMETHEUS_MULTIPROC_DIR is set, plus the directory."""
     registry = CollectorRegistry()
@@ -93,4 +103,5 @@ def render_metrics() -> bytes:
     registry.register(DirectoryCollector())
     registry.register(PolicyCollector())
     registry.register(MovementsCollector())
+    registry.register(BuildCollector())
     return generate_latest(registry)

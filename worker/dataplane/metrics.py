@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator, Mapping
+from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -13,6 +14,14 @@ from worker.dataplane.blend.tuner import PREFIX_ONLY, BlendTuner
 from worker.dataplane.counters import Counters
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.offload_records import RequestTrace
+
+
+def installed_version() -> str:
+    """The installed strata-kv's version (`unknown` for a tree run without installing it)."""
+    try:
+        return version("strata-kv")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class EngineMetrics:
@@ -67,6 +76,9 @@ class EngineMetrics:
             self.load.labels(node=self.node).observe(trace.load_s)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        build = GaugeMetricFamily("strata_build_info", "The running Strata version (always 1).", labels=["version"])
+        build.add_metric([installed_version()], 1.0)
+        yield build
         counts = self.offload.counters.snapshot()
         lookup = CounterMetricFamily("strata_lookup_tokens", "Prompt tokens looked up in the cache.", labels=["node"])
         lookup.add_metric([self.node], counts.get("lookup_tokens", 0))
