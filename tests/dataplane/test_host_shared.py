@@ -289,3 +289,20 @@ def test_a_key_index_left_half_built_by_a_dead_process_is_rebuilt_on_open(open_t
     assert torch.equal(out, pattern(2))
     other.delete(key(1))
     assert not tier.contains(key(1)) and tier.contains(key(2))
+
+
+def test_a_pool_larger_than_its_shared_memory_is_refused_naming_both_sizes(tmp_path, shm_name) -> None:
+    import os
+
+    from worker.dataplane.tiers.host import HostTier
+
+    room = os.statvfs(tmp_path)
+    free = room.f_bavail * room.f_frsize
+    asked = free + 2**30
+    with pytest.raises(ValueError, match=f"does not fit in {tmp_path}") as info:
+        HostTier(layout=LAYOUT, capacity_bytes=asked, pool_name=shm_name, shm_dir=tmp_path)
+    message = str(info.value)
+    assert f"for host_bytes {asked / 2**30:.2f} GiB" in message, message
+    assert f"has {free / 2**30:.2f} GiB" in message or "GiB free of" in message, message
+    assert "shm_size" in message and "sizeLimit" in message
+    assert all(p.stat().st_size == 0 for p in tmp_path.iterdir())  # refused before allocating a byte

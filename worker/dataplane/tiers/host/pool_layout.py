@@ -84,6 +84,10 @@ def index_buckets(slots: int) -> int:
     return 1 << max(4, (2 * slots - 1).bit_length())
 
 
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB ({size} bytes)"
+
+
 class PoolFile(Tier):
     """The mapped pool file of the host tier and its lock (`HostTier` opens it)."""
 
@@ -111,6 +115,17 @@ class PoolFile(Tier):
             raise ValueError(f"host capacity {capacity_bytes} bytes holds no {slot_bytes}-byte slot")
         stride, meta_offset, free_offset, index_offset, data_offset = self._geometry(slots)
         total = data_offset + slots * slot_bytes
+        room = os.statvfs(self.path.parent)
+        available = room.f_bavail * room.f_frsize + os.fstat(self._fd).st_size
+        if total > available:
+            # Refused before allocating: the numbers an operator sizes /dev/shm with, not ENOSPC.
+            raise ValueError(
+                f"the host pool does not fit in {self.path.parent}: it needs {_gib(total)} "
+                f"({_gib(slots * slot_bytes)} of slots for host_bytes {_gib(capacity_bytes)}, plus "
+                f"{_gib(data_offset)} of header, slot metadata and key index) and {self.path.parent} "
+                f"has {_gib(available)} free of {_gib(room.f_blocks * room.f_frsize)}: give it more room "
+                "(a container's shm_size, an emptyDir's sizeLimit) or lower host_bytes"
+            )
         try:
             # Allocate every page now: a pool that does not fit in /dev/shm fails here, loudly,
             # instead of with SIGBUS on some later write.

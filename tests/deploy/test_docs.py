@@ -1,0 +1,58 @@
+"""The operator docs (docs/) name only options, files and commands that exist."""
+
+import re
+
+import pytest
+
+from tests.deploy.metric_names import REPO_ROOT, exported_series
+
+DOCS = sorted((REPO_ROOT / "docs").glob("*.md"))
+
+
+def _source_text() -> str:
+    files = [*(REPO_ROOT / "controlplane").rglob("*.py"), *(REPO_ROOT / "worker").rglob("*.py")]
+    return "\n".join(path.read_text() for path in files)
+
+
+@pytest.fixture(scope="module")
+def source() -> str:
+    return _source_text()
+
+
+def test_the_docs_are_there():
+    assert {path.name for path in DOCS} >= {"gpu-node.md", "fleet.md", "upgrading.md"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: path.name)
+def test_every_strata_variable_a_doc_names_is_read_by_the_code(doc, source):
+    from worker.dataplane.config import describe_options
+
+    options = {row["variable"] for row in describe_options()}
+    for variable in set(re.findall(r"\bSTRATA_[A-Z0-9_]+\b", doc.read_text())):
+        assert variable in options or f'"{variable}"' in source, f"{doc.name} names {variable}, which nothing reads"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: path.name)
+def test_every_path_a_doc_names_exists(doc):
+    text = doc.read_text()
+    paths = set(re.findall(r"`((?:controlplane|worker|deploy|tests|docs)/[\w./-]+)`", text))
+    paths |= set(re.findall(r"\]\(([\w-]+\.md)(?:#[\w-]+)?\)", text))
+    assert paths or doc.name == "fleet.md"
+    for path in paths:
+        target = REPO_ROOT / path if "/" in path else doc.parent / path
+        assert target.exists(), f"{doc.name} names {path}, which does not exist"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: path.name)
+def test_every_metric_a_doc_names_is_exported(doc):
+    exported = exported_series()
+    for name in set(re.findall(r"\bstrata_[a-z0-9_]+_(?:total|bytes|seconds)\b", doc.read_text())):
+        assert name in exported, f"{doc.name} names {name}, which no code exports"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: path.name)
+def test_every_strata_command_a_doc_names_exists(doc):
+    from controlplane.cli import COMMANDS
+
+    for command in set(re.findall(r"`strata ([a-z-]+)", doc.read_text())):
+        assert command in COMMANDS, f"{doc.name} names `strata {command}`"
