@@ -9,6 +9,7 @@ block goes after write-back is the control plane's business (movements).
     [engine computes] -> store_block (write-back tier; a full host or disk tier evicts by its
         policy, `eviction.local`) ... -> register (one batch, then the evictions) + touch
     a failed load -> quarantine (the directory marks the copy corrupt at once)
+    each copy stored, evicted or quarantined -> `copies` (a KV event publisher), where one listens
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -53,6 +54,16 @@ working set's; the shared remote tier is the planner's)."""
 REPROBE_SECONDS = 30.0
 """How old a tier's speed estimate may grow before a request it would send to recompute loads
 instead, to measure the tier again."""
+
+
+class CopyWatcher(Protocol):
+    """Told of the copies a manager adds to its node's tiers or drops from them (vLLM's KV events)."""
+
+    def stored(self, tier: str, keys: Sequence[uuid.UUID]) -> None:
+        """`keys` are now held by `tier` (write-back, or a write-through to L3)."""
+
+    def removed(self, tier: str, key: uuid.UUID) -> None:
+        """`key` left `tier` (evicted, or dropped as corrupt)."""
 
 
 class OffloadManager:
@@ -104,7 +115,11 @@ class OffloadManager:
         self._reprobed_at: dict[str, float] = {}
         self.prefill_speed = Throughput()
         self._fingerprinters: dict[str, Fingerprinter] = {}
-        self.evictor = LocalEvictor(model_key=self.model_key, node=node, counters=self.counters, clock=clock)
+        self.copies: CopyWatcher | None = None
+        """Told of each copy this manager stores, evicts or quarantines (None: nobody listens)."""
+        self.evictor = LocalEvictor(
+            model_key=self.model_key, node=node, counters=self.counters, clock=clock, on_evict=self._removed
+        )
         self._expired_at = 0.0
 
     def apply_rules(self, rules: Rules) -> None:
@@ -432,6 +447,9 @@ class OffloadManager:
             self.counters.add(f"write_back.{target.name}.failed")
             log.warning("write-back failed: %s", exc)
             return None
+        self.counters.add(f"write_back.{target.name}.stored")
+        if self.copies is not None:
+            self.copies.stored(target.name, [key])
         return BlockRegistration(
             namespace=namespace,
             model_key=self.model_key,
@@ -462,8 +480,14 @@ class OffloadManager:
         return future
 
     def _register_remote(self, registrations: Sequence[BlockRegistration]) -> None:
+        if self.copies is not None:
+            self.copies.stored(REMOTE, [r.prefix_key for r in registrations])
         if self.directory is not None:
             self.directory.register(blocks=registrations)
+
+    def _removed(self, tier: str, key: uuid.UUID) -> None:
+        if self.copies is not None:
+            self.copies.removed(tier, key)
 
     def _expire(self) -> None:
         """Evict blocks idle past their tier's TTL (at most once a second, with a batch)."""
@@ -515,6 +539,7 @@ class OffloadManager:
         corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != "device"})
         for tier in corrupt:
             self.evictor.forget(tier, key)
+            self._removed(tier, key)
         if corrupt and self.directory is not None:
             self.directory.change_placements(
                 changes=[

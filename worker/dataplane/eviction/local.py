@@ -69,8 +69,11 @@ class LocalEvictor:
         counters: Counters | None = None,
         rules: Rules | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[str, uuid.UUID], None] | None = None,
     ) -> None:
         self.model_key = model_key
+        self.on_evict = on_evict
+        """Told of each copy evicted (tier, key), after the tier dropped it."""
         self.node = node
         self.counters = counters if counters is not None else Counters()
         self.rules = rules if rules is not None else Rules()
@@ -207,6 +210,8 @@ class LocalEvictor:
             return  # gone by another path already: not an eviction
         self.evicted[(tier.name, reason)] += 1
         self.counters.add(f"eviction.{tier.name}.{reason}")
+        if self.on_evict is not None:
+            self.on_evict(tier.name, stat.key)
         log.debug("evicted %s from %s (%s, %s)", stat.key, tier.name, reason, stat.namespace or "namespace unknown")
         if stat.namespace:
             self._pending.append(

@@ -1,12 +1,13 @@
 """StrataConnectorBase, the KV connector class vLLM loads: each of vLLM's hooks, guarded so that an
 error inside Strata is a miss and a log line, never an exception in vLLM's engine loop, handed
-to the half of the role it runs in (`scheduler_half`, `worker_half`)."""
+to the half of the role it runs in (`scheduler_half`, `worker_half`). What it counted goes to
+vLLM's own /metrics (`stats`), the blocks it stores and drops to vLLM's KV events (`kv_events`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from worker.dataplane.config import NodeConfig
+from worker.dataplane.connectors.vllm.kv_events import BlockEvents, TierChanges
 from worker.dataplane.connectors.vllm.metadata import StrataMetadata
 from worker.dataplane.connectors.vllm.runtime import (
     PolicyFollower,
@@ -30,6 +32,7 @@ from worker.dataplane.connectors.vllm.runtime import (
 )
 from worker.dataplane.connectors.vllm.scheduler_half import SchedulerHalf
 from worker.dataplane.connectors.vllm.sharding import model_shard
+from worker.dataplane.connectors.vllm.stats import StrataConnectorStats, StrataPromMetrics
 from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
 from worker.dataplane.directory import Directory
 from worker.dataplane.layout import ModelProfile
@@ -38,9 +41,16 @@ from worker.dataplane.store import build_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -75,8 +85,15 @@ class StrataConnectorBase(KVConnectorBase_V1):
         )
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
+        events = vllm_config.kv_events_config
+        publishes = events is not None and events.enable_kv_cache_events  # vLLM publishes KV events
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerHalf(self.runtime, page_tokens=vllm_config.cache_config.block_size)
+            page_tokens = vllm_config.cache_config.block_size
+            self.scheduler = SchedulerHalf(
+                self.runtime,
+                page_tokens=page_tokens,
+                events=BlockEvents(block_tokens=profile.block_tokens, page_tokens=page_tokens) if publishes else None,
+            )
             # data_parallel_index: the rank, also where vLLM runs a dense model's ranks as independent
             # engines (there data_parallel_rank is 0 on every one).
             parallel = vllm_config.parallel_config
@@ -85,7 +102,9 @@ class StrataConnectorBase(KVConnectorBase_V1):
             )
         else:
             shard, gather = model_shard(profile.kv_heads, profile.layers)
-            self.worker = WorkerHalf(self.runtime, shard=shard, gather=gather)
+            self.worker = WorkerHalf(
+                self.runtime, shard=shard, gather=gather, changes=TierChanges() if publishes else None
+            )
         log.info(
             "StrataConnector (%s) for %s on node %s: tiers %s, write-back to %s, directory %s",
             role.name.lower(),
@@ -126,6 +145,42 @@ class StrataConnectorBase(KVConnectorBase_V1):
     def policies_source(self) -> PolicyRead | None:
         """Where the policies in force are read (None: the defaults, none followed)."""
         return None
+
+    # -- vLLM's metrics and KV events --------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return StrataConnectorStats.build(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return StrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The scheduler's (the worker's counters reach it with each step's report); None in a worker."""
+        if self.scheduler is None:
+            return None
+        try:
+            return self.scheduler.stats.take()
+        except Exception:  # noqa: BLE001 - statistics only
+            log.exception("the connector's stats could not be read")
+            return None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self.scheduler is None or self.scheduler.events is None:
+            return ()
+        return self.scheduler.events.take()
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None and self.scheduler.events is not None:
+            # The block size vLLM hashes requests by (its pages' unless a model mixes page sizes).
+            self.scheduler.events.hash_block_tokens = kv_cache_manager.block_pool.hash_block_size
 
     # -- scheduler -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

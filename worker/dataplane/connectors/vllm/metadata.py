@@ -82,13 +82,16 @@ class StrataWorkerMeta(KVConnectorWorkerMetadata):
     """The worker's counters since its last report (loads, hits, write-back, quarantines)."""
     store_events: dict[str, int] = dataclasses.field(default_factory=dict)
     """Its store's tier events since its last report (corrupt, unavailable, ...)."""
+    tier_changes: list[tuple[str, str, uuid.UUID]] = dataclasses.field(default_factory=list)
+    """The copies it stored or dropped since its last report, in order: (stored or removed, tier,
+    key); only where vLLM publishes KV events (`kv_events`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Fold another rank's report of the same step into this one. The ranks of a tensor-parallel
         group load the same blocks, so a load failed when it failed on any rank (vLLM recomputes
         its pages on every rank), its stalls are the slowest rank's, and a counter is the largest
         any rank counted (summing would count each hit once per rank); only the first rank
-        stores blocks (`saved`)."""
+        stores blocks (`saved`, `tier_changes`; a block quarantined on several ranks counts once)."""
         if not isinstance(other, StrataWorkerMeta):
             return self
         for request_id, theirs in other.loads.items():
@@ -101,6 +104,7 @@ class StrataWorkerMeta(KVConnectorWorkerMetadata):
             self.saved[name] = self.saved.get(name, 0) + count
         self.prefills_done.extend(r for r in other.prefills_done if r not in self.prefills_done)
         self.prefill = self.prefill or other.prefill
+        self.tier_changes.extend(change for change in other.tier_changes if change not in self.tier_changes)
         for mine_counts, theirs_counts in ((self.counts, other.counts), (self.store_events, other.store_events)):
             for name, count in theirs_counts.items():
                 mine_counts[name] = max(mine_counts.get(name, 0), count)

@@ -13,7 +13,9 @@ its own: a request whose part fails loses its own saves, and a load vLLM was pro
 always handed over, if need be as a refused one, so that the worker reports its pages and
 vLLM recomputes them (pages promised and never filled would be served as they are).
 update_connector_output: the worker's step report folds into the request timelines and the
-speed estimates; the timelines and the metrics are served by `connectors.status`.
+speed estimates; the timelines and the metrics are served by `connectors.status`, the counters
+also on vLLM's /metrics (`stats`), the copies the worker stored and dropped as vLLM's KV events
+(`kv_events`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import GaugeMetricFamily
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request as VllmRequest
 
 from worker.dataplane.connectors.status import StatusServer
+from worker.dataplane.connectors.vllm.kv_events import BlockEvents
 from worker.dataplane.connectors.vllm.metadata import (
     LoadSpec,
     SaveSpec,
@@ -46,6 +48,7 @@ from worker.dataplane.connectors.vllm.requests import (
     unknown_fields,
 )
 from worker.dataplane.connectors.vllm.runtime import Runtime
+from worker.dataplane.connectors.vllm.stats import FollowedGauges, StatsTap, merged
 from worker.dataplane.connectors.vllm.tenancy import NamespacePolicy
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import DirectoryUnavailable
@@ -110,7 +113,7 @@ class Tracked:
 class SchedulerHalf:
     """Decides, per request, what vLLM can load from Strata and what to save."""
 
-    def __init__(self, runtime: Runtime, *, page_tokens: int) -> None:
+    def __init__(self, runtime: Runtime, *, page_tokens: int, events: BlockEvents | None = None) -> None:
         self.runtime = runtime
         self.manager = runtime.manager
         self.block_tokens = runtime.profile.block_tokens
@@ -142,7 +145,14 @@ class SchedulerHalf:
             model=runtime.profile.model_id,
             store_events=self.worker_store_events,
         )
-        self.metrics.registry.register(_Followed(self))
+        self.metrics.registry.register(FollowedGauges(runtime.config.node_name, self._followed))
+        self.stats = StatsTap(
+            merged(self.manager.counters.snapshot, self.manager.store.stats, self.worker_store_events.snapshot),
+            block_tokens=self.block_tokens,
+        )
+        """What vLLM's /metrics shows of the counters (vLLM takes it after each step)."""
+        self.events = events
+        """The blocks' payloads and the KV events of the worker's copies (None: vLLM publishes none)."""
         self.server: StatusServer | None = None
         self.async_tiers = frozenset(runtime.config.async_load_tiers)
         self.lookup_deadline_s = runtime.config.lookup_deadline_seconds
@@ -161,6 +171,11 @@ class SchedulerHalf:
             port=config.node_status_port + data_parallel_rank,
             admin_key=config.node_admin_key,
         ).start()
+
+    def _followed(self) -> tuple[int, int, int]:
+        """(requests followed, lookups in flight, policy version in force), for the status gauges."""
+        tracked = list(self.requests.values())
+        return len(tracked), sum(1 for t in tracked if t.pending is not None), self.runtime.policy_version
 
     def close(self) -> None:
         if self.server is not None:
@@ -464,14 +479,17 @@ class SchedulerHalf:
         fingerprints = self._fingerprints(tracked, full)
         if fingerprints is None:
             return
+        blocks = fingerprints[tracked.stored : full]
         meta.saves.append(
             SaveSpec(
                 request_id=request.request_id,
                 namespace=tracked.namespace,
                 pages=list(tracked.pages),
-                blocks=[(fp.index, fp.prefix_key, fp.content_key) for fp in fingerprints[tracked.stored : full]],
+                blocks=[(fp.index, fp.prefix_key, fp.content_key) for fp in blocks],
             )
         )
+        if self.events is not None:
+            self.events.planned(request, blocks)
         tracked.stored = full
 
     def _fingerprints(self, tracked: Tracked, blocks: int) -> list[BlockFingerprint] | None:
@@ -503,8 +521,12 @@ class SchedulerHalf:
             self.worker_store_events.add(name, count)
         if meta.prefill is not None:
             manager.observe_prefill(*meta.prefill)
+        if self.events is not None:
+            self.events.reported(meta.tier_changes)
         for request_id, report in meta.loads.items():
             manager.observe_load(TierLoad(tier, nbytes, seconds) for tier, nbytes, seconds in report.tier_loads)
+            if not report.failure:
+                self.stats.loaded(report.load_s, report.stalls)
             tracked = self.requests.get(request_id)
             trace = tracked.trace if tracked is not None else self._finished_trace(request_id)
             if trace is None:
@@ -558,36 +580,6 @@ class SchedulerHalf:
         if trace.ttft_s:
             trace.decode_s = max(0.0, time.time() - trace.started_at - trace.ttft_s)
         self.traces.append(trace)
-
-
-class _Followed:
-    """Gauges of the scheduler half's own state: what it follows now (nothing once vLLM is idle)."""
-
-    def __init__(self, half: SchedulerHalf) -> None:
-        self.half = half
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        node = self.half.runtime.config.node_name
-        tracked = list(self.half.requests.values())
-        followed = GaugeMetricFamily(
-            "strata_connector_requests",
-            "Requests the vLLM connector follows (from their first lookup to their end).",
-            labels=["node"],
-        )
-        followed.add_metric([node], len(tracked))
-        pending = GaugeMetricFamily(
-            "strata_connector_lookups_in_flight",
-            "Lookups of the vLLM connector waiting on the directory or the remote tier.",
-            labels=["node"],
-        )
-        pending.add_metric([node], sum(1 for t in tracked if t.pending is not None))
-        version = GaugeMetricFamily(
-            "strata_connector_policy_version",
-            "The policy version the vLLM connector enforces at write-back (0: none read yet).",
-            labels=["node"],
-        )
-        version.add_metric([node], self.half.runtime.policy_version)
-        yield from (followed, pending, version)
 
 
 def _continue(

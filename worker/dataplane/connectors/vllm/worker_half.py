@@ -11,7 +11,8 @@ and stored and registered outside it (`saving.BlockSaves`).
 A load that failed (a block corrupt or vanished) reports its pages
 (get_block_ids_with_load_errors): vLLM recomputes them.
 build_connector_worker_meta: what the step measured (stalls, tier speeds, prefill speed,
-counters), back to the scheduler half.
+counters) and, where vLLM publishes KV events, the copies stored and dropped since (`kv_events`),
+back to the scheduler half.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from worker.dataplane.connectors.pages import PagedKV, layout_of
 from worker.dataplane.connectors.staging import LoadKeys, StagedLoads, slot_blocks
 from worker.dataplane.connectors.vllm.async_loads import AsyncLoads, scatter_piece
+from worker.dataplane.connectors.vllm.kv_events import TierChanges
 from worker.dataplane.connectors.vllm.metadata import (
     LoadReport,
     LoadSpec,
@@ -64,6 +66,7 @@ class WorkerHalf:
         layerwise_saves: bool | None = None,
         shard: Shard | None = None,
         gather: Gather | None = None,
+        changes: TierChanges | None = None,
     ) -> None:
         self.runtime = runtime
         self.layout = block_layout(runtime.profile)
@@ -76,6 +79,10 @@ class WorkerHalf:
         """The layers this rank's pages hold (a pipeline stage's own), by their index in the model."""
         slot_blocks(self.layout, runtime.config.load_staging_bytes, 1)  # refuses a budget too small to load
         self.manager = runtime.manager
+        self.changes = changes
+        """The copies the manager stores and drops, for vLLM's KV events (None: not published)."""
+        if changes is not None:
+            self.manager.copies = changes
         self.saves = BlockSaves(
             self.manager,
             layout=self.layout,
@@ -348,6 +355,8 @@ class WorkerHalf:
             report.saved[request_id] = report.saved.get(request_id, 0) + count
         report.counts = _delta(self.manager.counters.snapshot(), self._shipped_counts)
         report.store_events = _delta(self.manager.store.stats(), self._shipped_events)
+        if self.changes is not None:
+            report.tier_changes = self.changes.take()
         if not (
             report.loads
             or report.saved
@@ -355,6 +364,7 @@ class WorkerHalf:
             or report.prefill
             or report.counts
             or report.store_events
+            or report.tier_changes
         ):
             return None
         return report
