@@ -13,11 +13,7 @@ import contextlib
 import json
 import os
 import random
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.connectors.differential import TOLERANCE_FLOOR
+from tests.connectors.vllm_servers import openai_server, strata_transfer
 from tests.support import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,75 +38,15 @@ TOP = 5
 def server(checkpoint: Path, *, pool: str = "", status: int = 0) -> Iterator[str]:
     """vLLM's OpenAI server at data parallel 2; with Strata's connector (host tier `pool`, status
     endpoints from `status`) when a pool is named."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "STRATA_BLOCK_TOKENS": str(BLOCK),
-        "STRATA_STATUS_PORT": str(status),
-        "PYTHONUNBUFFERED": "1",
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(checkpoint),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--block-size",
-        "32",
-        "--num-gpu-blocks-override",
-        "64",
-        "--data-parallel-size",
-        "2",
-        "--enable-prompt-tokens-details",
-        "--seed",
-        "0",
-    ]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env |= {"STRATA_BLOCK_TOKENS": str(BLOCK), "STRATA_STATUS_PORT": str(status)}
+    args = ["--block-size", "32", "--num-gpu-blocks-override", "64", "--data-parallel-size", "2"]
+    args += ["--enable-prompt-tokens-details", "--seed", "0"]
     if pool:
         extra = {"node_name": "data-parallel", "tiers": "host", "host_pool_name": pool, "host_bytes": "64MiB"}
-        transfer = {
-            "kv_connector": "StrataConnectorBase",
-            "kv_connector_module_path": "worker.dataplane.connectors.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
-        }
-        command += ["--kv-transfer-config", json.dumps(transfer)]
-    log = tempfile.NamedTemporaryFile(prefix="vllm-dp-", suffix=".log", delete=False)
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 420
-        while True:
-            if process.poll() is not None:
-                text = Path(log.name).read_text()
-                causes = "\n".join(line for line in text.splitlines() if "Error" in line)[-3000:]
-                raise AssertionError(f"vLLM exited at start: {causes}\n...\n{text[-2000:]}")
-            try:
-                with urllib.request.urlopen(base + "/v1/models", timeout=5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
-        yield base
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        for path in Path("/dev/shm").glob(f"{pool}*") if pool else ():
-            path.unlink(missing_ok=True)
-        os.unlink(log.name)
+        args += ["--kv-transfer-config", strata_transfer(extra)]
+    with openai_server(checkpoint, args, env=env, pools=[pool] if pool else [], label="vllm-dp") as served:
+        yield served["base"]
 
 
 def complete(base: str, checkpoint: Path, prompt: list[int], rank: int) -> dict[str, Any]:

@@ -13,18 +13,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.connectors.vllm_servers import openai_server, strata_transfer
 from tests.support import free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -45,7 +41,7 @@ def server(tmp_path_factory) -> Iterator[dict[str, Any]]:
     from worker.dataplane.engine.models import save_preset
 
     checkpoint = save_preset("small", tmp_path_factory.mktemp("checkpoint") / "small")
-    port, status, events = free_port(), free_port(), free_port()
+    status, events = free_port(), free_port()
     pool = f"strata-test-observability-{os.getpid()}"
     block_bytes = 4 * 2 * BLOCK * 2 * 32 * 4  # the small preset: 4 layers, K and V, 2 kv heads of 32, float32
     extra = {
@@ -55,73 +51,16 @@ def server(tmp_path_factory) -> Iterator[dict[str, Any]]:
         "host_bytes": HOST_BLOCKS * block_bytes,
     }
     env = {
-        **os.environ,
         "STRATA_BLOCK_TOKENS": str(BLOCK),
         "STRATA_STATUS_PORT": str(status),
         "STRATA_NODE_ADMIN_KEY": ADMIN,
         "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    transfer = {
-        "kv_connector": "StrataConnectorBase",
-        "kv_connector_module_path": "worker.dataplane.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
     }
     publisher = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}", "topic": TOPIC}
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(checkpoint),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--block-size",
-        str(PAGE),
-        "--num-gpu-blocks-override",
-        "64",
-        "--seed",
-        "0",
-        "--kv-transfer-config",
-        json.dumps(transfer),
-        "--kv-events-config",
-        json.dumps(publisher),
-    ]
-    log = tempfile.NamedTemporaryFile(prefix="vllm-observability-", suffix=".log", delete=False)
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                text = Path(log.name).read_text()
-                causes = "\n".join(line for line in text.splitlines() if "Error" in line)[-3000:]
-                raise AssertionError(f"vLLM exited at start: {causes}\n...\n{text[-2000:]}")
-            try:
-                with urllib.request.urlopen(base + "/v1/models", timeout=5) as answer:
-                    model = json.loads(answer.read())["data"][0]["id"]
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
-        yield {"base": base, "model": model, "status": f"http://127.0.0.1:{status}", "events": events}
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        for path in Path("/dev/shm").glob(f"{pool}*"):
-            path.unlink(missing_ok=True)
-        os.unlink(log.name)
+    args = ["--block-size", str(PAGE), "--num-gpu-blocks-override", "64", "--seed", "0"]
+    args += ["--kv-transfer-config", strata_transfer(extra), "--kv-events-config", json.dumps(publisher)]
+    with openai_server(checkpoint, args, env=env, pools=[pool], label="vllm-observability") as served:
+        yield {**served, "status": f"http://127.0.0.1:{status}", "events": events}
 
 
 def complete(server: dict[str, Any], tokens: list[int], max_tokens: int = 2) -> None:

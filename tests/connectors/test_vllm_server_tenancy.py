@@ -7,19 +7,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.connectors.vllm_servers import openai_server, strata_transfer
 from tests.support import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -34,72 +29,20 @@ def server(tmp_path_factory) -> Iterator[dict[str, Any]]:
     from worker.vllm_server import NAMESPACE_MIDDLEWARE
 
     checkpoint = save_preset("small", tmp_path_factory.mktemp("checkpoint") / "small")
-    port, status = free_port(), free_port()
+    status = free_port()
     pool = f"strata-test-tenancy-{os.getpid()}"
     extra = {"node_name": "tenancy", "tiers": "host", "host_pool_name": pool, "host_bytes": "32MiB"}
     env = {
-        **os.environ,
         "STRATA_API_KEYS": ",".join(f"{key}={namespace}" for key, namespace in KEYS.items()),
         "STRATA_NAMESPACE_SECRET": secrets.token_urlsafe(32),
         "STRATA_NODE_ADMIN_KEY": ADMIN,
         "STRATA_STATUS_PORT": str(status),
         "STRATA_BLOCK_TOKENS": "128",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONUNBUFFERED": "1",
     }
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(checkpoint),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--num-gpu-blocks-override",
-        "32",
-        "--middleware",
-        NAMESPACE_MIDDLEWARE,
-        "--kv-transfer-config",
-        json.dumps(
-            {
-                "kv_connector": "StrataConnectorBase",
-                "kv_connector_module_path": "worker.dataplane.connectors.vllm",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": extra,
-            }
-        ),
-    ]
-    log = tempfile.NamedTemporaryFile(prefix="vllm-tenancy-", suffix=".log", delete=False)
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"vLLM exited at start: {Path(log.name).read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(base + "/v1/models", timeout=5) as answer:  # no key needed
-                    model = json.loads(answer.read())["data"][0]["id"]
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
-        yield {"base": base, "model": model, "status": f"http://127.0.0.1:{status}"}
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        for path in Path("/dev/shm").glob(f"{pool}*"):
-            path.unlink(missing_ok=True)
-        os.unlink(log.name)
+    args = ["--num-gpu-blocks-override", "32", "--middleware", NAMESPACE_MIDDLEWARE]
+    args += ["--kv-transfer-config", strata_transfer(extra)]
+    with openai_server(checkpoint, args, env=env, pools=[pool], label="vllm-tenancy", start_timeout=300) as served:
+        yield {**served, "status": f"http://127.0.0.1:{status}"}
 
 
 def complete(server: dict[str, Any], key: str | None, **body: Any) -> tuple[int, dict[str, Any]]:
