@@ -414,9 +414,10 @@ class OffloadManager:
         fill: Callable[[torch.Tensor], BlockChecksum] | None = None,
     ) -> BlockRegistration | None:
         """Keep one block in the write-back tier and return its registration (None when the
-        tier refused it: full or failing, counted and logged). The bytes come as `data` (a whole
-        block), or from `fill`, which writes them into the memory `Tier.put_from` hands it (the host
-        pool's slot itself: the bytes land once)."""
+        tier refused it: full or failing, counted and logged, so the caller still registers the
+        rest of its batch). The bytes come as `data` (a whole block), or from `fill`, which writes
+        them into the memory `Tier.put_from` hands it (the host pool's slot itself: the bytes land
+        once)."""
         target = self.target
         if (data is None) == (fill is None):
             raise ValueError("store_block: give the block's bytes (data) or a fill, not both or neither")
@@ -446,6 +447,10 @@ class OffloadManager:
         except MISSES as exc:
             self.counters.add(f"write_back.{target.name}.failed")
             log.warning("write-back failed: %s", exc)
+            return None
+        except OSError as exc:  # a medium's error no tier translated (an eviction's delete): this block only
+            self.counters.add(f"write_back.{target.name}.failed")
+            log.warning("write-back failed: tier %s: %r", target.name, exc)
             return None
         self.counters.add(f"write_back.{target.name}.stored")
         if self.copies is not None:

@@ -95,7 +95,7 @@ class DiskWrites(BlockFiles):
                     for _, entry in ready:
                         with contextlib.suppress(OSError):
                             os.unlink(entry.tmp)
-                    results = [exc] * len(ready)
+                    results = [self._io_error(exc, entry.tmp, "committing") for _, entry in ready]
                 outcome: dict[int, PutResult | BaseException] = dict(zip([j for j, _ in ready], results, strict=True))
                 for j, staged_entry in enumerate(staged):
                     result = outcome.get(j, staged_entry)
@@ -170,9 +170,10 @@ class DiskWrites(BlockFiles):
                 if layout.block_bytes != self.file_bytes - self.header_bytes:
                     os.ftruncate(fd, self.file_bytes)  # pad, so O_DIRECT reads of the tail stay aligned
         except BaseException as exc:
-            os.close(fd)
+            with contextlib.suppress(OSError):  # the write's own error is the one to report
+                os.close(fd)
             self._abandon(tmp)
-            raise self._full_or(exc, tmp, wait_for_freed=wait_for_freed) from exc
+            raise self._io_error(exc, tmp, "writing", wait_for_freed=wait_for_freed) from exc
         return _Staged(
             key=key,
             tmp=tmp,
@@ -186,15 +187,6 @@ class DiskWrites(BlockFiles):
         view[: len(packed)] = packed
         view[len(packed) :] = bytes(self.header_bytes - len(packed))
 
-    def _full_or(
-        self, exc: BaseException, tmp: Path, doing: str = "writing", *, wait_for_freed: bool = False
-    ) -> BaseException:
-        """TierFull for a full filesystem or quota (counted), or _NoRoomYet when `wait_for_freed`;
-        any other error as it is."""
-        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
-            return self._no_room(wait_for_freed, detail=f"{exc.strerror} {doing} {tmp.name}")
-        return exc
-
     def _no_room(self, wait_for_freed: bool, *, free: int | None = None, detail: str = "") -> Exception:
         """The error for a block that does not fit: _NoRoomYet while waiting for freed bytes is
         still worth it (`_stage` retries), else TierFull, counted."""
@@ -203,16 +195,17 @@ class DiskWrites(BlockFiles):
         self.counters.add(f"{self.name}.full")
         return TierFull(self.name, needed=self.file_bytes, free=free, detail=detail)
 
-    def _commit_error(self, exc: BaseException, path: Path, doing: str) -> BaseException:
-        """What a put reports for `exc` raised while committing (`doing` `path`): TierFull for a
-        full filesystem or quota, TierUnavailable for any other I/O error (a failing disk, a
-        shared mount gone stale: the caller keeps the block elsewhere or recomputes), anything
-        else as it was raised."""
+    def _io_error(self, exc: BaseException, path: Path, doing: str, *, wait_for_freed: bool = False) -> BaseException:
+        """What a put reports for `exc` raised while `doing` `path`: TierFull for a full
+        filesystem or quota (_NoRoomYet instead when `wait_for_freed`), TierUnavailable for any
+        other I/O error (a failing disk, a shared mount gone stale: the caller keeps the block
+        elsewhere or recomputes), both counted; anything else as it was raised. Every OSError of
+        the write path goes through here: none leaves a put bare."""
         if not isinstance(exc, OSError):
             return exc
         error: BaseException
         if exc.errno in _FULL_ERRNOS:
-            error = self._full_or(exc, path, doing)
+            error = self._no_room(wait_for_freed, detail=f"{exc.strerror} {doing} {path.name}")
         else:
             self.counters.add(f"{self.name}.unavailable")
             code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "OSError"
@@ -231,16 +224,18 @@ class DiskWrites(BlockFiles):
         synced: list[tuple[int, _Staged, Stamp]] = []
         for i, entry in enumerate(staged):
             try:
-                os.fdatasync(entry.fd)
-                if entry.io == "buffered":
-                    os.posix_fadvise(entry.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                st = os.fstat(entry.fd)
+                try:
+                    os.fdatasync(entry.fd)
+                    if entry.io == "buffered":
+                        os.posix_fadvise(entry.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    st = os.fstat(entry.fd)
+                finally:
+                    # A network filesystem may report a lost write only here: it fails the block.
+                    os.close(entry.fd)
             except BaseException as exc:
-                os.close(entry.fd)
                 self._abandon(entry.tmp)
-                results[i] = self._commit_error(exc, entry.tmp, "syncing")
+                results[i] = self._io_error(exc, entry.tmp, "syncing")
                 continue
-            os.close(entry.fd)
             synced.append((i, entry, Stamp(inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns)))
         try:
             placed = self._rename_into_place(synced, results)
@@ -253,7 +248,7 @@ class DiskWrites(BlockFiles):
                 if results[i] is None:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.tmp)
-                    results[i] = self._commit_error(exc, self._ledger.path, "updating the ledger")
+                    results[i] = self._io_error(exc, self._ledger.path, "updating the ledger")
             placed = []
         if placed:
             self._syncer.add({self.path_of(entry.key).parent for _, entry, _stamp in placed})
@@ -288,7 +283,7 @@ class DiskWrites(BlockFiles):
                         old = None
                     os.replace(entry.tmp, final)
                 except OSError as exc:
-                    results[i] = self._commit_error(exc, entry.tmp, "renaming into place")
+                    results[i] = self._io_error(exc, entry.tmp, "renaming into place")
                     try:
                         os.unlink(entry.tmp)
                     except FileNotFoundError:
@@ -309,31 +304,39 @@ class DiskWrites(BlockFiles):
         """Reserve a block's room in the ledger and create its temporary file `tmp`, or take a
         kept file of a deleted block instead (REUSE_DELETED_S; it keeps its own temporary name):
         returns the open file and its name. TierFull when there is no room (_NoRoomYet instead
-        when `wait_for_freed`)."""
-        with self._ledger.locked() as state:
-            try:
+        when `wait_for_freed`), TierUnavailable when the disk fails (the ledger, the fan-out
+        directory or the file)."""
+        created: int | None = None
+        try:
+            with self._ledger.locked() as state:
                 if tmp.parent not in self._dirs:
                     self._make_fanout(tmp.parent)
                     self._dirs.add(tmp.parent)
                 reused = self._reuse_deleted(direct=direct)
                 if reused is not None:
-                    return reused
+                    created, tmp = reused
+                    return created, tmp
                 used = state[0] + state[1]
                 if used + self.file_bytes > self.capacity_bytes:
                     raise self._no_room(wait_for_freed, free=max(0, self.capacity_bytes - used))
                 # Created under the ledger lock, so a reconcile never misses a live reservation.
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
                 try:
-                    fd = os.open(tmp, flags, 0o644)
+                    created = os.open(tmp, flags, 0o644)
                 except FileNotFoundError:  # someone removed the fan-out directory meanwhile
                     self._make_fanout(tmp.parent)
-                    fd = os.open(tmp, flags, 0o644)
-            except OSError as exc:
-                if exc.errno in _FULL_ERRNOS:
-                    raise self._no_room(wait_for_freed, detail=exc.strerror or "") from exc
-                raise
-            state[1] += self.file_bytes
-            return fd, tmp
+                    created = os.open(tmp, flags, 0o644)
+                state[1] += self.file_bytes
+                return created, tmp
+        except OSError as exc:
+            # The ledger could not record a file already open: it goes too (a reconcile, the
+            # tier's next opening, recounts what the ledger missed).
+            if created is not None:
+                with contextlib.suppress(OSError):
+                    os.close(created)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise self._io_error(exc, tmp, "creating", wait_for_freed=wait_for_freed) from exc
 
     def _reuse_deleted(self, *, direct: bool) -> tuple[int, Path] | None:
         """A kept file of a deleted block (REUSE_DELETED_S), opened for writing a block over it,
@@ -361,15 +364,28 @@ class DiskWrites(BlockFiles):
     def _make_fanout(self, directory: Path) -> None:
         """Create a fan-out directory if missing. A new one is synced into the root: a crash
         that lost its entry would lose every block later renamed into it (at most 256 syncs in
-        a tier's life)."""
+        a tier's life). Should that sync fail, the put fails and the root is left to the
+        background syncer (a later put finds the directory there and does not sync it)."""
         try:
             directory.mkdir()
         except FileExistsError:
             return
-        sync_directory(self.root)
+        try:
+            sync_directory(self.root)
+        except OSError:
+            self._syncer.add([self.root])
+            raise
 
     def _abandon(self, tmp: Path) -> None:
-        with self._ledger.locked() as state:
-            with contextlib.suppress(FileNotFoundError):
+        """Remove a failed write's temporary file and its reservation. Called while reporting
+        that failure, so it raises nothing: where the ledger fails too, the file still goes, its
+        reservation stays counted until a reconcile (the tier's next opening) recounts it."""
+        try:
+            with self._ledger.locked() as state:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                state[1] -= self.file_bytes
+        except OSError as exc:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            state[1] -= self.file_bytes
+            log.warning("%s tier: releasing the reservation of %s failed: %s", self.name, tmp.name, exc)
