@@ -70,6 +70,12 @@ def _django(usage: tuple[str, str], name: str, argv: Sequence[str]) -> int:
     return 0
 
 
+def _proxy() -> list[str]:
+    """Behind a proxy the operator declared (STRATA_PROXY_SSL_HEADER), daphne takes the client's
+    address from X-Forwarded-For (the login throttle counts by it); otherwise it trusts no header."""
+    return ["--proxy-headers"] if os.environ.get("STRATA_PROXY_SSL_HEADER", "").strip() else []
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata",
@@ -110,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runners: dict[str, Callable[[], int | None]] = {
         "migrate": lambda: _django(("strata", "migrate"), "migrate", ["--noinput", *(["--plan"] if args.plan else [])]),
-        "web": lambda: _exec(["-m", "daphne", "-b", args.host, "-p", str(args.port), "controlplane.asgi:application"]),
+        "web": lambda: _exec(
+            ["-m", "daphne", "-b", args.host, "-p", str(args.port), *_proxy(), "controlplane.asgi:application"]
+        ),
         "api": lambda: _exec(
             [
                 "-m",

@@ -5,6 +5,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 
+from controlplane.accounts.throttle import login_throttled
 from controlplane.dashboard import views as dashboard_views
 from controlplane.docs import RedocView, SwaggerView
 from controlplane.telemetry import views as telemetry_views
@@ -23,8 +24,14 @@ urlpatterns = [
     path("requests/", dashboard_views.requests, name="dashboard-requests-page"),
     path("policies/", dashboard_views.policies, name="dashboard-policies"),
     path("movements/", dashboard_views.movements, name="dashboard-movements"),
-    path("accounts/login/", auth_views.LoginView.as_view(template_name="registration/login.html"), name="login"),
+    path(
+        "accounts/login/",
+        login_throttled(auth_views.LoginView.as_view(template_name="registration/login.html")),
+        name="login",
+    ),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    # Before the admin's own routes: its login form, throttled as the dashboard's is.
+    path("admin/login/", login_throttled(admin.site.login)),
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -153,7 +153,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     async def decode_json(cls, text_data: str) -> Any:
         try:
             return json.loads(text_data)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # 4096 bytes of `[` nest past Python's stack
             return None
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:

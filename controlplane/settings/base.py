@@ -7,9 +7,11 @@ from controlplane.runtime.environment import REPO_ROOT, ConfigurationError, fron
 from controlplane.settings import celery as celery_settings
 from controlplane.settings import channels as channels_settings
 from controlplane.settings import drf as drf_settings
+from controlplane.settings import security as security_settings
 
 try:
     ENV = load_environment()
+    _SECURITY = security_settings.settings(os.environ)
 except ConfigurationError as exc:
     # One line naming the variable, then stop: a half-configured control plane is worse than none.
     raise SystemExit(f"strata: {exc}") from None
@@ -48,6 +50,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "controlplane.middleware.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -115,6 +118,11 @@ STORAGES = {
 # Seconds between node heartbeats that the control plane expects by default; a node reports its own.
 STRATA_HEARTBEAT_SECONDS = float(os.environ.get("STRATA_HEARTBEAT_SECONDS", "5"))
 STRATA_STALE_AFTER_MISSED = 3
+# The heartbeat intervals a node may declare: a longer one would keep a dead node `up` for longer
+# (3 intervals, on the database's clock). An hour is the longest: a test registers a node that
+# never beats again with it.
+STRATA_HEARTBEAT_MIN_SECONDS = 0.1
+STRATA_HEARTBEAT_MAX_SECONDS = 3600.0
 # The key the control plane reads nodes' request timelines with (each node's STRATA_NODE_ADMIN_KEY).
 STRATA_NODE_ADMIN_KEY = os.environ.get("STRATA_NODE_ADMIN_KEY", "")
 
@@ -133,3 +141,4 @@ LOGGING = {
 globals().update(celery_settings.settings(ENV))
 globals().update(channels_settings.settings(ENV))
 globals().update(drf_settings.settings())
+globals().update(_SECURITY)

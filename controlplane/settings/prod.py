@@ -2,7 +2,8 @@
 
 import os
 
-from controlplane.settings import base
+from controlplane.runtime.environment import ConfigurationError
+from controlplane.settings import base, security
 from controlplane.settings.inherit import settings_of
 
 globals().update(settings_of(base))
@@ -12,7 +13,13 @@ if len(base.SECRET_KEY) < 50:
     raise SystemExit("strata: STRATA_SECRET_KEY: production needs a random secret of at least 50 characters")
 SECRET_KEY = base.SECRET_KEY
 
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Which requests came in over TLS, by a header the TLS-terminating proxy sets: only when the operator
+# names it (STRATA_PROXY_SSL_HEADER=X-Forwarded-Proto). Trusted unasked, any client reaching the
+# server directly could send it and pass for HTTPS.
+try:
+    SECURE_PROXY_SSL_HEADER = security.proxy_ssl_header(os.environ)
+except ConfigurationError as exc:
+    raise SystemExit(f"strata: {exc}") from None
 SECURE_SSL_REDIRECT = os.environ.get("STRATA_SSL_REDIRECT", "true").lower() != "false"
 SECURE_HSTS_SECONDS = 31536000
 SECURE_HSTS_INCLUDE_SUBDOMAINS = True

@@ -32,7 +32,8 @@ def test_precedence_flag_over_env_over_yaml_over_default(tmp_path):
     ("environ", "message"),
     [
         ({"STRATA_HOST_BYTES": "lots"}, "STRATA_HOST_BYTES: expected a size"),
-        ({"STRATA_HEARTBEAT_SECONDS": "0"}, "STRATA_HEARTBEAT_SECONDS: must be greater than zero"),
+        ({"STRATA_HEARTBEAT_SECONDS": "0"}, "STRATA_HEARTBEAT_SECONDS: must be 0.1 to 3600 seconds"),
+        ({"STRATA_HEARTBEAT_SECONDS": "7200"}, "STRATA_HEARTBEAT_SECONDS: must be 0.1 to 3600 seconds"),
         ({"STRATA_NODE_NAME": "GPU 0"}, "STRATA_NODE_NAME: expected 1-63 lowercase"),
         ({"STRATA_WORKER_CONCURRENCY": "x"}, "STRATA_WORKER_CONCURRENCY: invalid literal"),
         ({"STRATA_DISK_IO_THREADS": "0"}, "STRATA_DISK_IO_THREADS: must be greater than zero"),

@@ -24,6 +24,7 @@ from worker.dataplane.config_values import (
     TierList,
     check_at_least_one,
     check_fraction,
+    check_heartbeat,
     check_non_negative,
     check_percent,
     check_positive,
@@ -82,8 +83,8 @@ OPTIONS: tuple[Option, ...] = (
         "heartbeat_seconds",
         parse_float,
         5.0,
-        "Seconds between node heartbeats; 3 missed make the node stale.",
-        check_positive,
+        "Seconds between node heartbeats (0.1 to 3600); 3 missed make the node stale.",
+        check_heartbeat,
     ),
     Option(
         "device_bytes",

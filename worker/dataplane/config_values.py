@@ -167,6 +167,12 @@ def check_positive(value: Any) -> str | None:
     return None if value > 0 else "must be greater than zero"
 
 
+def check_heartbeat(value: Any) -> str | None:
+    """The control plane accepts heartbeat intervals of 0.1 to 3600 s (a node may not declare
+    itself alive for longer): refused at start rather than at every heartbeat."""
+    return None if 0.1 <= value <= 3600 else "must be 0.1 to 3600 seconds (the control plane refuses others)"
+
+
 def check_non_negative(value: Any) -> str | None:
     return None if value >= 0 else "cannot be negative"
 

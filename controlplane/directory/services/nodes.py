@@ -7,8 +7,10 @@ import re
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
-from django.utils import timezone
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Q
+from django.db.models.expressions import Combinable
+from django.db.models.functions import Now
 
 from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory.choices import NodeState, TierLevel
@@ -73,17 +75,24 @@ def node_heartbeat(
     node's group for tier policies) is kept as it was when not given; a new node starts in "default".
     `engine` names what serves the model (strata or vllm) and `engine_address` that engine's own
     server where it is not Strata's. `traffic` (the node's recent requests) replaces the one stored
-    before; a node that sends none keeps no traffic row, so load-following leaves it out."""
-    if heartbeat_seconds <= 0:
-        raise ValueError("heartbeat_seconds: must be greater than zero")
+    before; a node that sends none keeps no traffic row, so load-following leaves it out.
+
+    The heartbeat is stamped with the database's clock, never the caller's: this runs in the node's
+    process, and a node whose clock runs an hour ahead must not stay `up` an hour after it died.
+    `now` is for tests and the control plane's own callers; a node never passes it."""
+    low, high = settings.STRATA_HEARTBEAT_MIN_SECONDS, settings.STRATA_HEARTBEAT_MAX_SECONDS
+    if not low <= heartbeat_seconds <= high:  # NaN and infinity fail this too
+        raise ValueError(f"heartbeat_seconds: expected {low:g} to {high:g} seconds, got {heartbeat_seconds!r}")
     if group is not None and not re.fullmatch(r"[-a-zA-Z0-9_]{1,63}", group):
         raise ValueError(f"group: expected 1-63 letters, digits, '-' or '_', got {group!r}")
     if engine not in ENGINES:
         raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
-    now = now or timezone.now()
-    stale_after = now + timedelta(seconds=heartbeat_seconds * settings.STRATA_STALE_AFTER_MISSED)
-    node = Node.objects.select_for_update().filter(name=name).first()
+    # The row and the database's clock in one query; a new node asks the clock on its own.
+    row = Node.objects.select_for_update().filter(name=name).annotate(received_at=Now()).first()
+    now = now or (row.received_at if row is not None else _database_now())
+    node: Node | None = row
     previous = node.state if node else None
+    stale_after = now + timedelta(seconds=heartbeat_seconds * settings.STRATA_STALE_AFTER_MISSED)
     if node is None:
         # Two processes of a new node may report at the same moment: one inserts, the other
         # waits for that insert and then updates the row.
@@ -151,13 +160,26 @@ def node_heartbeat(
     return node
 
 
+def _database_now() -> datetime:
+    """The database's clock: the one every heartbeat is stamped with and judged by."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement_timestamp()")
+        return cursor.fetchone()[0]
+
+
 @transaction.atomic
 def nodes_mark_stale(*, now: datetime | None = None) -> list[str]:
-    """Mark `stale` every up node whose heartbeats stopped (3 missed); returns their names."""
-    now = now or timezone.now()
+    """Mark `stale` every up node whose heartbeats stopped (3 missed); returns their names.
+
+    Judged on the database's clock (`now` is for tests), the one the heartbeats were stamped with.
+    A node whose `stale_after` lies further ahead than the longest interval a heartbeat may declare
+    was not written by a heartbeat on that clock (an older node's own clock, or a hand-made row):
+    it counts as stale too, and its next heartbeat brings it back up."""
+    at: datetime | Combinable = now or Now()
+    longest = timedelta(seconds=settings.STRATA_HEARTBEAT_MAX_SECONDS * settings.STRATA_STALE_AFTER_MISSED)
     stale = list(
         Node.objects.select_for_update(skip_locked=True)
-        .filter(state=NodeState.UP, stale_after__lt=now)
+        .filter(Q(stale_after__lt=at) | Q(stale_after__gt=at + longest), state=NodeState.UP)
         .values_list("name", flat=True)
     )
     if stale:

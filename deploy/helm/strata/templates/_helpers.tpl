@@ -106,6 +106,10 @@ app.kubernetes.io/component: {{ index . 1 }}
   value: {{ join "," (concat $hosts .Values.allowedHosts) | quote }}
 - name: STRATA_SSL_REDIRECT
   value: {{ .Values.sslRedirect | quote }}
+{{- if .Values.proxySslHeader }}
+- name: STRATA_PROXY_SSL_HEADER
+  value: {{ .Values.proxySslHeader | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* A control-plane container's hardening and its writable /tmp (the root filesystem is read-only). */}}
