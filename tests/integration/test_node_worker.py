@@ -103,7 +103,7 @@ def test_bad_node_option_stops_with_a_message(subprocess_env, python):
         timeout=60,
     )
     assert result.returncode == 2
-    assert "STRATA_HEARTBEAT_SECONDS: must be greater than zero" in result.stderr
+    assert "STRATA_HEARTBEAT_SECONDS: must be 0.1 to 3600 seconds" in result.stderr
     result = subprocess.run(
         [python, "manage.py", "strata_node", "--name", "gpu-0", "--model", "no-such-model"],
         cwd=REPO_ROOT,
