@@ -302,9 +302,20 @@ def screenshots() -> Path:
     return SCREENSHOTS
 
 
+def wait_until(page: Any, expression: str, timeout: float = 15000) -> None:
+    """Poll the JavaScript `expression` in the page until it is truthy, failing after `timeout` ms.
+    page.evaluate runs outside the page's Content-Security-Policy; Playwright's wait_for_function
+    evaluates a string predicate with eval, which the dashboard's policy (no 'unsafe-eval') refuses."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} ms waiting for {expression}")
+        page.wait_for_timeout(25)
+
+
 def live(page: Any, timeout: float = 10000) -> None:
     """Wait until the page's stream has loaded its snapshot and is applying events."""
-    page.wait_for_function("document.body.dataset.streamState === 'live'", timeout=timeout)
+    wait_until(page, "document.body.dataset.streamState === 'live'", timeout=timeout)
 
 
 def now() -> float:

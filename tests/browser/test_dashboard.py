@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser.conftest import BLEND_NAMESPACE, NODE, Api, System, live, now
+from tests.browser.conftest import BLEND_NAMESPACE, NODE, Api, System, live, now, wait_until
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -89,7 +89,8 @@ def test_a_change_shows_on_the_overview_within_two_seconds(system, apis, login, 
 
     after = wait_for(changed, timeout=30, every=0.05, what="the node's heartbeat reporting new host use")
     seen_at = now()
-    page.wait_for_function(
+    wait_until(
+        page,
         f"""document.querySelector('#nodes tr[data-node="{NODE}"] td[data-tier="host"]')?.dataset.used === '{after}'""",
         timeout=2000,
     )
@@ -108,9 +109,9 @@ def test_the_page_reconverges_to_the_snapshot_after_a_reconnect(system, apis, lo
     assert status == 200, body
     try:
         changed_at = now()
-        page.wait_for_function("document.querySelector('#mode').textContent === 'long-doc'", timeout=2000 + 1000)
+        wait_until(page, "document.querySelector('#mode').textContent === 'long-doc'", timeout=2000 + 1000)
         assert now() - changed_at < 3.0  # reconnect backoff starts at 0.5 s; snapshot then shows it
-        page.wait_for_function(f"Strata.stream.resyncs > {resyncs} && document.body.dataset.streamState === 'live'")
+        wait_until(page, f"Strata.stream.resyncs > {resyncs} && document.body.dataset.streamState === 'live'")
     finally:
         status, body = apis["operator"].call("POST", "/api/v1/modes/long-doc/deactivate/", {"comment": "browser test"})
         assert status == 200, body
@@ -140,7 +141,8 @@ def test_a_movement_appears_within_two_seconds(system, apis, login, screenshots)
         assert plan["moves"] + plan["evictions"] >= 1, plan
         planned_at = now()
         # Only the live stream tells this page about the new movements (the run was not made here).
-        page.wait_for_function(
+        wait_until(
+            page,
             f"""[...document.querySelectorAll('#history-table tr[data-movement]')]
             .some(row => Number(row.dataset.movement) > {last})""",
             timeout=2000,
@@ -178,9 +180,10 @@ def test_a_policy_edit_round_trips(system, apis, login, screenshots):
     page.get_by_label("Comment", exact=True).first.fill("browser: lower the host high watermark")
     page.locator("#tier-form").get_by_role("button", name="Save").click()
     page.locator("#notice .good").wait_for()
-    page.wait_for_function(
+    wait_until(
+        page,
         'document.querySelector(\'#tier-table tr[data-tier="host"] [data-field="high_watermark"]\')'
-        ".textContent === '85%'"
+        ".textContent === '85%'",
     )
     assert _host_policy(apis["viewer"])["high_watermark"] == pytest.approx(0.85)
     after = _versions(apis["viewer"])
@@ -201,9 +204,10 @@ def test_a_policy_edit_round_trips(system, apis, login, screenshots):
     # Roll back to the version before: the watermark is what it was.
     page.once("dialog", lambda dialog: dialog.accept())
     page.get_by_role("button", name=f"Roll back to version {versions[0]}").click()
-    page.wait_for_function(
+    wait_until(
+        page,
         'document.querySelector(\'#tier-table tr[data-tier="host"] [data-field="high_watermark"]\')'
-        ".textContent === '90%'"
+        ".textContent === '90%'",
     )
     assert _host_policy(apis["viewer"])["high_watermark"] == pytest.approx(0.9)
 
@@ -285,7 +289,7 @@ def test_the_overview_shows_fragment_reuse_as_the_nodes_report_it(system, apis, 
     assert rows[(NODE, "default")]["recompute_percent"] == 15.0 and not rows[(NODE, "default")]["prefix_only"]
     page = login("viewer")
     expected = f"{int(stats['reused_tokens']['fragment']):,}"
-    page.wait_for_function(f"document.querySelector('#reuse-fragment').textContent === '{expected}'", timeout=10000)
+    wait_until(page, f"document.querySelector('#reuse-fragment').textContent === '{expected}'", timeout=10000)
     assert page.locator("#reuse-prefix").inner_text() == f"{int(stats['reused_tokens']['prefix']):,}"
     shown_ratio = page.locator("#reuse-ratio").inner_text()
     assert shown_ratio.endswith("%") and float(shown_ratio[:-1]) == pytest.approx(
