@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SECRET = "s" * 60
+from tests.controlplane.test_prod_settings import prod_probe
 
 # What a request carrying the header looks like to Django under these settings.
 PROBE = (
@@ -23,21 +21,7 @@ PROBE = (
 
 
 def _prod(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", f"import django; django.setup(); {PROBE}"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
-            "STRATA_SECRET_KEY": SECRET,
-            "STRATA_VAR_DIR": str(tmp_path),
-            "DATABASE_URL": "postgresql://strata@127.0.0.1:5432/strata",
-            **env,
-        },
-    )
+    return prod_probe(tmp_path, PROBE, **env)
 
 
 def test_by_default_no_client_header_makes_a_request_secure(tmp_path):

@@ -10,12 +10,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SECRET = "s" * 60
 
 
-def _settings(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    code = (
-        "from django.conf import settings; import json; "
-        "print(json.dumps({'pool': settings.DATABASES['default']['OPTIONS'].get('pool'), "
-        "'age': settings.DATABASES['default']['CONN_MAX_AGE']}))"
-    )
+def prod_probe(tmp_path: Path, code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh process under the production settings (a secret, a database URL,
+    state under `tmp_path`, then `env`)."""
     return subprocess.run(
         [sys.executable, "-c", f"import django; django.setup(); {code}"],
         cwd=REPO_ROOT,
@@ -31,6 +28,15 @@ def _settings(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
             **env,
         },
     )
+
+
+def _settings(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    code = (
+        "from django.conf import settings; import json; "
+        "print(json.dumps({'pool': settings.DATABASES['default']['OPTIONS'].get('pool'), "
+        "'age': settings.DATABASES['default']['CONN_MAX_AGE']}))"
+    )
+    return prod_probe(tmp_path, code, **env)
 
 
 def test_production_pools_database_connections(tmp_path):
