@@ -12,6 +12,9 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from controlplane.dashboard.routing import websocket_urlpatterns  # noqa: E402
+from controlplane.runtime.redis_check import refuse_evicting_redis  # noqa: E402
+
+refuse_evicting_redis("the control plane's web server")
 
 application = ProtocolTypeRouter(
     {

@@ -6,7 +6,7 @@
     strata control-worker               the Celery worker of the control queue (movements, policies)
     strata beat                         the Celery scheduler (heartbeat checks, planned movements)
     strata node --name N ...            a node: its worker, its tiers, its engine (`--engine vllm`)
-    strata credential N [N ...]         nodes' own database credentials
+    strata credential N [N ...]         nodes' own database and Redis credentials
     strata manage COMMAND ...           any other administrative command of the control plane
     strata version                      the installed version
 
@@ -34,7 +34,7 @@ COMMANDS: dict[str, str] = {
     "control-worker": "run the Celery worker of the control queue (movements, policies, maintenance)",
     "beat": "run the Celery scheduler (heartbeat checks, planned movements)",
     "node": "run a node: its Celery worker, tiers, heartbeat and engine (options of `strata node --help`)",
-    "credential": "create nodes' own database credentials (options of `strata credential --help`)",
+    "credential": "create nodes' own database and Redis credentials (options of `strata credential --help`)",
     "manage": "run any administrative command of the control plane (`strata manage help` lists them)",
     "version": "print the installed version",
 }

@@ -24,12 +24,17 @@ def wait_for(predicate: Callable[[], T], *, timeout: float = 60.0, what: str = "
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def node_env(env: Mapping[str, str], node: str) -> dict[str, str]:
+def node_env(env: Mapping[str, str], node: str, *, remote_prefix: str | None = None) -> dict[str, str]:
     """`env` for node process `node`, on its own database credential (`strata_node_credential`)
-    in the test database instead of the control plane's."""
+    in the test database instead of the control plane's; with `remote_prefix` (the node's L3 key
+    prefix) on its own Redis user too."""
     from controlplane.directory.services.credentials import node_credential_create
 
-    return {**env, "DATABASE_URL": node_credential_create(node=node).database_url}
+    issued = node_credential_create(node=node, remote_prefix=remote_prefix or "strata")
+    own = {"DATABASE_URL": issued.database_url}
+    if remote_prefix is not None:
+        own["REDIS_URL"] = issued.redis_url
+    return {**env, **own}
 
 
 def free_port() -> int:

@@ -204,6 +204,23 @@ class NodeRuntime:
         if snapshot.version != self.policy_version:
             self.apply_policies(version=snapshot.version, **node_policies(snapshot))
 
+    def policies_announced(self, *, version: int) -> None:
+        """A `node.apply_policies` message for `version`: apply what the directory holds. A
+        version the directory does not hold (a message forged, or from a rolled-back change) is
+        logged and counted, and changes nothing beyond what the directory says."""
+        from controlplane.policies.dispatch import node_policies
+        from controlplane.policies.snapshot import policies_snapshot
+
+        snapshot = policies_snapshot()
+        if version != snapshot.version:
+            log.warning(
+                "policy message for version %r refused: the directory's version in force is %d (applied instead)",
+                version,
+                snapshot.version,
+            )
+        if snapshot.version != self.policy_version:
+            self.apply_policies(version=snapshot.version, **node_policies(snapshot))
+
     def stop_engine(self) -> None:
         if self.vllm is not None:
             self.vllm.stop()
@@ -344,6 +361,10 @@ class HeartbeatStep(bootsteps.StartStopStep):
 
 def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
     """Start the node's Celery worker in this process and block until it stops."""
+    from controlplane.directory.services.redis_identity import node_broker_transport_options
+    from controlplane.runtime.redis_check import refuse_evicting_redis
+
+    refuse_evicting_redis(f"node {config.node_name}")
     runtime = NodeRuntime(config)
     runtime.prepare()
     try:
@@ -354,6 +375,13 @@ def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
     app.strata_runtime = runtime  # type: ignore[attr-defined]
     app.steps["worker"].add(HeartbeatStep)
     queue = f"node.{config.node_name}"
+    # The node's own Redis user may touch only its queue's keys: its unacknowledged messages are
+    # kept under them, and it takes no remote-control broadcasts (no pidbox queue).
+    app.conf.broker_transport_options = {
+        **(app.conf.broker_transport_options or {}),
+        **node_broker_transport_options(config.node_name),
+    }
+    app.conf.worker_enable_remote_control = False
     log.info(
         "node %s starting: queue %s, device %d B, host %d B, disk %d B at %s, remote %d B",
         config.node_name,

@@ -31,12 +31,14 @@ def node_report() -> None:
 @shared_task(name="node.apply_policies", ignore_result=True, acks_late=True)
 def node_apply_policies(
     version: int,
-    classes: list[dict[str, Any]],
+    classes: list[dict[str, Any]] | None = None,
     tiers: list[dict[str, Any]] | None = None,
     quotas: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Enforce a new policy version on this node: the priority classes, the tier policies and the quotas."""
-    current_app.strata_runtime.apply_policies(version=version, classes=classes, tiers=tiers or [], quotas=quotas or [])
+    """Enforce policy `version` on this node. The message only says that a version changed: what
+    is enforced is read from the directory, which only the control plane writes, so a message
+    forged by anything else that reaches this queue cannot change the node's policies."""
+    current_app.strata_runtime.policies_announced(version=version)
 
 
 @shared_task(name="node.move", **_MOVEMENT_TASK)

@@ -55,18 +55,20 @@ class RedisEndpoint:
     scheme: str  # redis, rediss or unix
     socket_path: str
     db: int
+    auth: str = ""
+    """A unix URL's `user:password@` (a node's own Redis identity), kept in the URLs made from it."""
 
     def url_for_db(self, db: int) -> str:
         """redis-py URL of logical database `db` on this server."""
         if self.scheme == "unix":
-            return f"unix://{self.socket_path}?db={db}"
+            return f"unix://{self.auth}{self.socket_path}?db={db}"
         parts = urlsplit(self.url)
         return parts._replace(path=f"/{db}").geturl()
 
     def celery_url(self, db: int) -> str:
         """kombu broker URL of logical database `db` (kombu spells unix sockets redis+socket://)."""
         if self.scheme == "unix":
-            return f"redis+socket://{self.socket_path}?virtual_host={db}"
+            return f"redis+socket://{self.auth}{self.socket_path}?virtual_host={db}"
         return self.url_for_db(db)
 
 
@@ -163,34 +165,42 @@ def parse_redis_url(value: str) -> RedisEndpoint:
             raise ConfigurationError(f"REDIS_URL: a unix:// URL needs a socket path: {text!r}")
         db_text = query.get("db", "0")
         socket_path = parts.path
+        auth = parts.netloc if parts.netloc.endswith("@") else ""
     else:
         if not parts.hostname:
             raise ConfigurationError(f"REDIS_URL: the URL names no host: {text!r}")
         db_text = parts.path.lstrip("/") or "0"
         socket_path = ""
+        auth = ""
     if not db_text.isdigit():
         raise ConfigurationError(f"REDIS_URL: the database number must be an integer, got {db_text!r}")
-    return RedisEndpoint(url=text, scheme=parts.scheme, socket_path=socket_path, db=int(db_text))
+    return RedisEndpoint(url=text, scheme=parts.scheme, socket_path=socket_path, db=int(db_text), auth=auth)
+
+
+def _url_from(environ: Mapping[str, str], name: str) -> str:
+    """`name` (DATABASE_URL, REDIS_URL), or the contents of the file `<name>_FILE` names: a node's
+    own credential, as `strata_node_credential --url-dir` writes it."""
+    url = environ.get(name, "").strip()
+    if url_file := environ.get(f"{name}_FILE", "").strip():
+        if url:
+            raise ConfigurationError(f"{name}_FILE: set beside {name}; set one of them")
+        try:
+            url = Path(url_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigurationError(f"{name}_FILE: cannot read {url_file}: {exc.strerror}") from exc
+        if not url:
+            raise ConfigurationError(f"{name}_FILE: {url_file} is empty")
+    return url
 
 
 def load_environment(environ: Mapping[str, str] | None = None) -> Environment:
-    """Read DATABASE_URL (or DATABASE_URL_FILE, a file holding it: a node's own credential, as
-    `strata_node_credential --url-dir` writes it), REDIS_URL and STRATA_VAR_DIR; unset URLs mean
-    the embedded services."""
+    """Read DATABASE_URL and REDIS_URL (or DATABASE_URL_FILE and REDIS_URL_FILE, files holding
+    them) and STRATA_VAR_DIR; unset URLs mean the embedded services."""
     environ = os.environ if environ is None else environ
     var = var_dir(environ)
     sockets = socket_dir(var)
-    database_url = environ.get("DATABASE_URL", "").strip()
-    if url_file := environ.get("DATABASE_URL_FILE", "").strip():
-        if database_url:
-            raise ConfigurationError("DATABASE_URL_FILE: set beside DATABASE_URL; set one of them")
-        try:
-            database_url = Path(url_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigurationError(f"DATABASE_URL_FILE: cannot read {url_file}: {exc.strerror}") from exc
-        if not database_url:
-            raise ConfigurationError(f"DATABASE_URL_FILE: {url_file} is empty")
-    redis_url = environ.get("REDIS_URL", "").strip()
+    database_url = _url_from(environ, "DATABASE_URL")
+    redis_url = _url_from(environ, "REDIS_URL")
     if "DATABASE_URL" in environ and not database_url:
         raise ConfigurationError("DATABASE_URL: set but empty; unset it to use the embedded PostgreSQL")
     if "REDIS_URL" in environ and not redis_url:

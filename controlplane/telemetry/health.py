@@ -7,6 +7,8 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 
+from controlplane.runtime.redis_check import deployment_redis_refusal
+
 
 def check_database() -> str | None:
     try:
@@ -37,7 +39,7 @@ def check_redis() -> str | None:
         return f"redis unreachable: {exc}"
     finally:
         client.close()
-    return None
+    return deployment_redis_refusal("readiness") or None
 
 
 def readiness() -> dict[str, str | None]:

@@ -84,8 +84,9 @@ class NodeProcesses:
         }
         self.python = python
         self.started: list[tuple[subprocess.Popen, Path]] = []
-        self.credential: str | None = None
-        """The node's DATABASE_URL on its own credential (in the database this test's Django uses)."""
+        self.credential: dict[str, str] | None = None
+        """The node's DATABASE_URL and REDIS_URL on its own credential (PostgreSQL role and Redis
+        user, in the database and Redis this test's Django uses)."""
         self.port = 0
         """Port of the engine server of the process started last."""
 
@@ -112,8 +113,8 @@ class NodeProcesses:
         if self.concurrency:
             command += ["--concurrency", str(self.concurrency)]
         if self.credential is None:  # the node's own, once: its later processes share it
-            self.credential = node_env({}, self.name)["DATABASE_URL"]
-        env = {**self.env, **extra_env, "DATABASE_URL": self.credential}
+            self.credential = node_env({}, self.name, remote_prefix=self.env["STRATA_REMOTE_PREFIX"])
+        env = {**self.env, **extra_env, **self.credential}
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         self.started.append((process, log))
         return process, log

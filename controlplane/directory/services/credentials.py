@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from controlplane.directory.errors import DirectoryError, UnknownNode
 from controlplane.directory.models import NodeCredential
+from controlplane.directory.services import redis_identity
 
 log = logging.getLogger("strata.directory")
 
@@ -77,6 +78,8 @@ class IssuedCredential:
     role: str
     password: str
     database_url: str
+    redis_url: str = ""
+    """The deployment's REDIS_URL as the node's own Redis user (named as the role, same password)."""
 
 
 def _ident(name: str) -> str:
@@ -146,10 +149,13 @@ def database_url(role: str, password: str) -> str:
 
 
 @transaction.atomic
-def node_credential_create(*, node: str) -> IssuedCredential:
+def node_credential_create(*, node: str, remote_prefix: str = "strata") -> IssuedCredential:
     """Give node `node` its own role (LOGIN, a new random password, a member of the node group)
-    and record it; a node that has one already gets a new password (the old one stops working)."""
+    and its own Redis user (`redis_identity`: its queue, the L3 keys under `remote_prefix`, the
+    dashboard's events), and record it; a node that has them already gets a new password (the
+    old one stops working)."""
     node = _check_name(node)
+    redis_identity.check_prefix(remote_prefix)
     group = node_grants_apply()
     role = node_role(node)
     password = secrets.token_urlsafe(24)
@@ -164,8 +170,16 @@ def node_credential_create(*, node: str) -> IssuedCredential:
     NodeCredential.objects.update_or_create(
         node=node, defaults={"role": role, "created_at": now, "rotated_at": None, "revoked_at": None}
     )
-    log.info("node %s: credential %s issued", node, role)
-    return IssuedCredential(node=node, role=role, password=password, database_url=database_url(role, password))
+    # Last: a Redis that refuses rolls the role back with the transaction.
+    redis_identity.redis_user_create(user=role, node=node, password=password, remote_prefix=remote_prefix)
+    log.info("node %s: credential %s issued (PostgreSQL role and Redis user)", node, role)
+    return IssuedCredential(
+        node=node,
+        role=role,
+        password=password,
+        database_url=database_url(role, password),
+        redis_url=redis_identity.node_redis_url(role, password),
+    )
 
 
 @transaction.atomic
@@ -179,9 +193,14 @@ def node_credential_rotate(*, node: str) -> IssuedCredential:
         cursor.execute(f"ALTER ROLE {_ident(credential.role)} PASSWORD {_literal(password)}")
     credential.rotated_at = timezone.now()
     credential.save(update_fields=["rotated_at"])
+    redis_identity.redis_user_password(user=credential.role, password=password)
     log.info("node %s: credential %s rotated", node, credential.role)
     return IssuedCredential(
-        node=node, role=credential.role, password=password, database_url=database_url(credential.role, password)
+        node=node,
+        role=credential.role,
+        password=password,
+        database_url=database_url(credential.role, password),
+        redis_url=redis_identity.node_redis_url(credential.role, password),
     )
 
 
@@ -198,6 +217,7 @@ def node_credential_revoke(*, node: str) -> int:
         ended = int(cursor.fetchone()[0])
     credential.revoked_at = timezone.now()
     credential.save(update_fields=["revoked_at"])
+    ended += redis_identity.redis_user_revoke(user=credential.role)
     log.info("node %s: credential %s revoked, %d session(s) ended", node, credential.role, ended)
     return ended
 

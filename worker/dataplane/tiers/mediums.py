@@ -23,6 +23,7 @@ import torch
 from worker.dataplane.checksum import Hasher
 from worker.dataplane.counters import Counters
 from worker.dataplane.layout import BlockLayout
+from worker.dataplane.redis_policy import refuse_evicting
 from worker.dataplane.tiers.base import Tier
 from worker.dataplane.tiers.device import DeviceTier
 from worker.dataplane.tiers.disk import REUSE_DELETED_S, DiskTier
@@ -120,6 +121,7 @@ class RedisStore:
         client = self.client
         if client is None:
             client = redis_client(self.url, cluster=self.cluster, timeout_s=self.timeout_s)
+        refuse_evicting(client, f"remote tier {name}")
         return RemoteTier(
             layout=layout,
             capacity_bytes=self.capacity_bytes,

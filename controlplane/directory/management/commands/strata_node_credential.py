@@ -1,10 +1,12 @@
-"""Nodes' own database credentials: `manage.py strata_node_credential NODE [NODE ...]` creates each
-node's role (or gives it a new password), `--rotate` changes its password, `--revoke` takes its
-login away and ends its sessions.
+"""Nodes' own credentials: `manage.py strata_node_credential NODE [NODE ...]` creates each node's
+PostgreSQL role and Redis user (or gives them a new password), `--rotate` changes the password,
+`--revoke` takes the login away and ends the node's sessions and connections.
 
-Create and rotate print each node's DATABASE_URL once (the password is kept nowhere else): start
-the node with it, `DATABASE_URL=... manage.py strata_node --name NODE`. With `--url-dir DIR` each
-URL goes to DIR/NODE.url (mode 0600) instead, for the node's DATABASE_URL_FILE."""
+Create and rotate print each node's DATABASE_URL and REDIS_URL once (the password is kept nowhere
+else): start the node with them, `DATABASE_URL=... REDIS_URL=... manage.py strata_node --name
+NODE`. With `--url-dir DIR` they go to DIR/NODE.url and DIR/NODE.redis.url (mode 0600) instead,
+for the node's DATABASE_URL_FILE and REDIS_URL_FILE. `--remote-prefix` is the L3 key prefix the
+node's Redis user may use (the node's STRATA_REMOTE_PREFIX; default `strata`)."""
 
 import os
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.directory.errors import DirectoryError
+from controlplane.directory.services import redis_identity
 from controlplane.directory.services.credentials import (
     node_credential_create,
     node_credential_revoke,
@@ -28,10 +31,23 @@ class Command(BaseCommand):
         action = parser.add_mutually_exclusive_group()
         action.add_argument("--rotate", action="store_true", help="a new password for each node's role")
         action.add_argument("--revoke", action="store_true", help="take each node's login away, end its sessions")
-        parser.add_argument("--url-dir", help="write each node's DATABASE_URL to DIR/NODE.url (0600), not the terminal")
+        parser.add_argument(
+            "--url-dir",
+            help="write each node's DATABASE_URL and REDIS_URL to DIR/NODE.url and DIR/NODE.redis.url (0600)",
+        )
+        parser.add_argument(
+            "--remote-prefix", default="strata", help="the L3 key prefix the node may use (its STRATA_REMOTE_PREFIX)"
+        )
 
     def handle(
-        self, *args: Any, nodes: list[str], rotate: bool, revoke: bool, url_dir: str | None, **options: Any
+        self,
+        *args: Any,
+        nodes: list[str],
+        rotate: bool,
+        revoke: bool,
+        url_dir: str | None,
+        remote_prefix: str,
+        **options: Any,
     ) -> None:
         for node in nodes:
             try:
@@ -39,17 +55,35 @@ class Command(BaseCommand):
                     ended = node_credential_revoke(node=node)
                     self.stdout.write(f"node {node}: credential revoked ({ended} open session(s) ended)")
                     continue
-                issued = node_credential_rotate(node=node) if rotate else node_credential_create(node=node)
+                issued = (
+                    node_credential_rotate(node=node)
+                    if rotate
+                    else node_credential_create(node=node, remote_prefix=remote_prefix)
+                )
             except DirectoryError as exc:
                 raise CommandError(str(exc)) from exc
             if url_dir:
-                path = Path(url_dir) / f"{node}.url"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as handle:
-                    handle.write(issued.database_url + "\n")
-                os.chmod(path, 0o600)
-                self.stdout.write(f"node {node}: role {issued.role}; its DATABASE_URL is in {path}")
+                path, redis_path = Path(url_dir) / f"{node}.url", Path(url_dir) / f"{node}.redis.url"
+                _write_secret(path, issued.database_url)
+                _write_secret(redis_path, issued.redis_url)
+                self.stdout.write(
+                    f"node {node}: role and Redis user {issued.role}; its DATABASE_URL is in {path}, "
+                    f"its REDIS_URL in {redis_path}"
+                )
             else:
-                self.stdout.write(f"node {node}: role {issued.role}")
+                self.stdout.write(f"node {node}: role and Redis user {issued.role}")
                 self.stdout.write(f"DATABASE_URL={issued.database_url}")
+                self.stdout.write(f"REDIS_URL={issued.redis_url}")
+        if not revoke and redis_identity.default_user_open():
+            self.stderr.write(
+                "warning: Redis's default user needs no password, so any client can still connect as it and "
+                "reach every key: set requirepass (or `user default off`) for the node users to hold"
+            )
+
+
+def _write_secret(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text + "\n")
+    os.chmod(path, 0o600)
