@@ -51,6 +51,10 @@ TWO_RANKS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 """vLLM's CPU backend at tensor parallel 2 on this machine kind: one core for each rank."""
 
 
+SMALL_MODEL_BELOW = 0.05
+"""Runs at a smaller scale (the smoke) serve the `small` preset instead of `bench`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """The sizes of one run (scale 1: the issue's)."""
@@ -74,12 +78,21 @@ class Shape:
     nohit_requests: int = 48
     nohit_tokens: int = 1024
     nohit_answer_tokens: int = 16
+    preset: str = "bench"
+    """The model preset served (saved as a checkpoint under var/checkpoints)."""
+    dtype: str = "bfloat16"
 
     @classmethod
     def at(cls, scale: float) -> Shape:
         if scale >= 1:
             return cls()
+        # The smoke (scale 0.01) checks that every configuration yields its rows, not how fast:
+        # the `small` preset in float32 computes quickly on any CPU (bf16 is slow without
+        # AVX-512 BF16), so the smoke's time is the servers' starts.
+        small = scale < SMALL_MODEL_BELOW
         return cls(
+            preset="small" if small else "bench",
+            dtype="float32" if small else "bfloat16",
             conversations=max(4, int(10 * scale)),
             turns=max(2, int(6 * scale)),
             context_tokens=max(256, int(1536 * scale)),
@@ -215,7 +228,7 @@ class Server:
                 "--port",
                 str(port),
                 "--dtype",
-                "bfloat16",
+                shape.dtype,
                 *vllm_args,
             ]
             if config == "example":

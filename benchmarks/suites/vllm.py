@@ -2,7 +2,7 @@
 storage connector), on the seeds' workloads, served by vLLM's OpenAI server on the CPU backend.
 
 The checkpoint is the `bench` preset saved as one (hidden 1024, 8 layers, bf16, a byte-level
-tokenizer), under var/checkpoints. vLLM's KV space is 96 pages of 128 tokens (12288 tokens;
+tokenizer; the smoke serves `small` in float32), under var/checkpoints. vLLM's KV space is 96 pages of 128 tokens (12288 tokens;
 requests up to 11264), so the workloads' sessions overflow it as HBM overflows on a GPU node.
 Each configuration is a fresh server (see benchmarks.vllm_serving); the Strata ones run as nodes
 of a scratch control-plane database (`strata_node --engine vllm`); the servers' logs are kept in
@@ -112,7 +112,8 @@ def expected_rows(ctx: Context) -> list[str]:
 @contextlib.contextmanager
 def scratch_control_plane(ctx: Context) -> Iterator[tuple[dict[str, str], Path, Path]]:
     """A scratch control-plane database (migrated, the default namespace made) for the servers of a
-    run: yields their environment, the `bench` checkpoint and the servers' log directory."""
+    run: yields their environment, the checkpoint of the run's preset (`bench`; `small` for the
+    smoke) and the servers' log directory."""
     import subprocess
     import sys
 
@@ -120,7 +121,7 @@ def scratch_control_plane(ctx: Context) -> Iterator[tuple[dict[str, str], Path, 
     from worker.dataplane.engine.models import preset_checkpoint
 
     environment = load_environment()
-    checkpoint = preset_checkpoint("bench", environment.var_dir / "checkpoints")
+    checkpoint = preset_checkpoint(Shape.at(ctx.scale).preset, environment.var_dir / "checkpoints")
     database = environment.database
     server = {
         "host": database.host or None,

@@ -74,6 +74,17 @@ def _chown(path: Path, user: str | None) -> None:
             os.chown(os.path.join(root, name), entry.pw_uid, entry.pw_gid, follow_symlinks=False)
 
 
+def _private_socket_dir(path: Path, user: str | None) -> None:
+    """The sockets' directory admits only this account (and root): the embedded PostgreSQL
+    trusts the `postgres` user on its socket, so whoever reaches the socket is the superuser.
+    Run as root, the server's own system user is the directory's group, to create its socket."""
+    if user is None:
+        path.chmod(0o700)
+        return
+    os.chown(path, 0, pwd.getpwnam(user).pw_gid)
+    path.chmod(0o770)
+
+
 def _ensure_traversable(path: Path) -> None:
     """Let the PostgreSQL system user reach its data directory through every parent."""
     for parent in [path, *path.parents]:
@@ -166,7 +177,7 @@ class EmbeddedPostgres:
         user = _system_user()
         self.root.mkdir(parents=True, exist_ok=True)
         self.sockets.mkdir(parents=True, exist_ok=True)
-        self.sockets.chmod(0o777)
+        _private_socket_dir(self.sockets, user)
         if user:
             _ensure_traversable(self.root)
             _ensure_traversable(Path(_pg_bin("postgres")).parent)
@@ -208,7 +219,8 @@ class EmbeddedPostgres:
                 "-l",
                 str(self.log),
                 "-o",
-                f"-c listen_addresses='' -k {self.sockets} -c max_connections=200 -c fsync=on {tuned}",
+                f"-c listen_addresses='' -k {self.sockets} -c unix_socket_permissions=0770 "
+                f"-c max_connections=200 -c fsync=on {tuned}",
                 "start",
             ],
             user,
