@@ -2,8 +2,9 @@
 storage connector), on the seeds' workloads, served by vLLM's OpenAI server on the CPU backend.
 
 The checkpoint is the `bench` preset saved as one (hidden 1024, 8 layers, bf16, a byte-level
-tokenizer; the smoke serves `small` in float32), under var/checkpoints. vLLM's KV space is 96 pages of 128 tokens (12288 tokens;
-requests up to 11264), so the workloads' sessions overflow it as HBM overflows on a GPU node.
+tokenizer; the smoke serves `small` in float32), under var/checkpoints. vLLM's KV space is 96
+pages of 128 tokens (12288 tokens; requests up to 11264), so the workloads' sessions overflow it
+as HBM overflows on a GPU node.
 Each configuration is a fresh server (see benchmarks.vllm_serving); the Strata ones run as nodes
 of a scratch control-plane database (`strata_node --engine vllm`); the servers' logs are kept in
 var/bench-logs/vllm/. Every workload runs once per configuration and the ratios divide the same
