@@ -241,5 +241,16 @@ def test_the_nodes_run_on_their_own_database_credentials(compose):
         assert node in command and _command(service)[_command(service).index("--name") + 1] == node
         assert "DATABASE_URL" not in service["environment"], name  # not the control plane's credential
         assert service["environment"]["DATABASE_URL_FILE"] == f"{folder}/{node}.url"
+        assert "REDIS_URL" not in service["environment"], name  # nor the control plane's Redis user
+        assert service["environment"]["REDIS_URL_FILE"] == f"{folder}/{node}.redis.url"
         assert f"credentials:{folder}:ro" in service["volumes"]
         assert service["depends_on"]["node-credentials"]["condition"] == "service_completed_successfully"
+
+
+def test_compose_redis_needs_a_password_and_never_evicts(compose):
+    services = compose["services"]
+    command = services["redis"]["command"]
+    assert command[command.index("--requirepass") + 1].startswith("${STRATA_REDIS_PASSWORD:?")
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert services["web"]["environment"]["REDIS_URL"].startswith("redis://:${STRATA_REDIS_PASSWORD:?")
+    assert "${STRATA_REDIS_PASSWORD}" in services["redis"]["healthcheck"]["test"]

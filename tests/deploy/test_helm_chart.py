@@ -202,6 +202,8 @@ def test_each_node_reads_the_credential_the_job_issues_for_it(trying_it_out):
     volume = next(v for v in pod["volumes"] if v["name"] == "credentials")
     assert volume["secret"]["secretName"] == secret and mount["readOnly"] is True
     assert env_of(node)["DATABASE_URL_FILE"]["value"] == f"{mount['mountPath']}/$(POD_NAME).url"
+    assert env_of(node)["REDIS_URL_FILE"]["value"] == f"{mount['mountPath']}/$(POD_NAME).redis.url"
+    assert "REDIS_URL" not in env_of(node)  # the node's own user, not the control plane's
     # The Job keeps the keys already issued: it reads the Secret it writes.
     existing = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "existing")
     assert existing["secret"] == {"secretName": secret, "optional": True}
@@ -246,6 +248,7 @@ def _run_issue_script(trying_it_out, tmp_path, existing: dict[str, str]) -> tupl
         "    nodes, folder = sys.argv[2:sys.argv.index('--url-dir')], sys.argv[sys.argv.index('--url-dir') + 1]\n"
         "    for node in nodes:\n"
         "        pathlib.Path(folder, node + '.url').write_text(f'postgresql://strata_node_{node}:new@db/strata\\n')\n"
+        "        pathlib.Path(folder, node + '.redis.url').write_text(f'redis://strata_node_{node}:new@redis/0\\n')\n"
     )
     (bin_dir / "strata").chmod(stat.S_IRWXU)
     (bin_dir / "python").symlink_to(sys.executable)
@@ -266,7 +269,10 @@ def _run_issue_script(trying_it_out, tmp_path, existing: dict[str, str]) -> tupl
 def test_the_credentials_script_issues_only_missing_nodes_and_keeps_the_rest(tmp_path):
     objects = by_kind_and_name(render({"nodes": {"replicas": 2}}))
     kept = "postgresql://strata_node_strata-node-0:old@db/strata\n"
-    secret, calls = _run_issue_script(objects, tmp_path, {"strata-node-0.url": kept})
+    kept_redis = "redis://strata_node_strata-node-0:old@redis/0\n"
+    secret, calls = _run_issue_script(
+        objects, tmp_path, {"strata-node-0.url": kept, "strata-node-0.redis.url": kept_redis}
+    )
     assert calls == [GRANTS, "credential strata-node-1 --url-dir " + str(tmp_path / "work" / "urls")]
     kubernetes_validate.validate(secret, kubernetes_validate.latest_version(), strict=True)
     assert secret["metadata"] == {
@@ -277,13 +283,26 @@ def test_the_credentials_script_issues_only_missing_nodes_and_keeps_the_rest(tmp
     urls = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
     assert urls == {
         "strata-node-0.url": kept,
+        "strata-node-0.redis.url": kept_redis,
         "strata-node-1.url": "postgresql://strata_node_strata-node-1:new@db/strata\n",
+        "strata-node-1.redis.url": "redis://strata_node_strata-node-1:new@redis/0\n",
     }
+
+
+def test_a_node_issued_before_redis_users_gets_both_urls_anew(tmp_path):
+    objects = by_kind_and_name(render({"nodes": {"replicas": 1}}))
+    secret, calls = _run_issue_script(objects, tmp_path, {"strata-node-0.url": "postgresql://old@db/strata\n"})
+    assert calls[1] == "credential strata-node-0 --url-dir " + str(tmp_path / "work" / "urls")
+    assert sorted(secret["data"]) == ["strata-node-0.redis.url", "strata-node-0.url"]
 
 
 def test_the_credentials_script_issues_nothing_when_every_node_has_one(tmp_path):
     objects = by_kind_and_name(render({"nodes": {"replicas": 1}}))
-    secret, calls = _run_issue_script(objects, tmp_path, {"strata-node-0.url": "postgresql://kept@db/strata\n"})
+    secret, calls = _run_issue_script(
+        objects,
+        tmp_path,
+        {"strata-node-0.url": "postgresql://kept@db/strata\n", "strata-node-0.redis.url": "redis://kept@redis/0\n"},
+    )
     assert calls == [GRANTS]  # tables added by an upgrade's migrations reach the nodes' group all the same
     assert base64.b64decode(secret["data"]["strata-node-0.url"]) == b"postgresql://kept@db/strata\n"
 
@@ -355,7 +374,7 @@ def test_a_fleet_reads_its_database_and_redis_urls_from_its_own_secrets(fleet):
         assert "strata.example.com" in env["STRATA_ALLOWED_HOSTS"]["value"].split(",")
     (node,) = fleet["StatefulSet", "strata-node"]["spec"]["template"]["spec"]["containers"]
     env = env_of(node)
-    assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == "strata-redis-url"
+    assert "REDIS_URL" not in env and env["REDIS_URL_FILE"]["value"].endswith(".redis.url")  # its own user
     assert env["PGSSLMODE"]["value"] == "verify-full"  # libpq's, for the node's own credential
     assert fleet["StatefulSet", "strata-node"]["spec"]["replicas"] == 4
 

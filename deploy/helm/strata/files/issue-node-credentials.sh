@@ -1,6 +1,6 @@
 #!/bin/sh
-# Issues the database credential of each node in $NODES that has none yet and writes the
-# Secret $SECRET_NAME (one key <node>.url per node, every node's) as a manifest for kubectl:
+# Issues the credential of each node in $NODES that has none yet and writes the Secret
+# $SECRET_NAME (keys <node>.url and <node>.redis.url per node, every node's) as a manifest for kubectl:
 # $WORK_DIR/secret.json. Keys already in the Secret (mounted at $EXISTING_DIR) are kept as they
 # are, so that a running node's password never changes under it.
 set -eu
@@ -10,8 +10,10 @@ strata manage shell -c "from controlplane.directory.services.credentials import 
 mkdir -p "$WORK_DIR/urls"
 new=""
 for node in $NODES; do
-    if [ -s "$EXISTING_DIR/$node.url" ]; then
+    # A node issued before nodes had Redis users has no <node>.redis.url: it gets both anew.
+    if [ -s "$EXISTING_DIR/$node.url" ] && [ -s "$EXISTING_DIR/$node.redis.url" ]; then
         cp "$EXISTING_DIR/$node.url" "$WORK_DIR/urls/$node.url"
+        cp "$EXISTING_DIR/$node.redis.url" "$WORK_DIR/urls/$node.redis.url"
     else
         new="$new $node"
     fi

@@ -72,13 +72,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- end -}}
 
-{{/* Settings, secrets and service URLs of the node processes and the control plane alike. */}}
+{{/* Settings and secrets of the node processes and the control plane alike (each has its own
+URLs: a node's are its own credential's). */}}
 {{- define "strata.sharedEnv" -}}
 - name: DJANGO_SETTINGS_MODULE
   value: controlplane.settings.prod
-- name: REDIS_URL
-  valueFrom:
-    secretKeyRef: {name: {{ include "strata.redisSecret" . }}, key: {{ include "strata.redisKey" . }}}
 - name: STRATA_SECRET_KEY
   valueFrom:
     secretKeyRef: {name: {{ include "strata.appSecret" . }}, key: secret-key}
@@ -102,6 +100,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 - name: DATABASE_URL
   valueFrom:
     secretKeyRef: {name: {{ include "strata.databaseSecret" . }}, key: {{ include "strata.databaseKey" . }}}
+- name: REDIS_URL
+  valueFrom:
+    secretKeyRef: {name: {{ include "strata.redisSecret" . }}, key: {{ include "strata.redisKey" . }}}
 - name: STRATA_ALLOWED_HOSTS
   value: {{ join "," (concat $hosts .Values.allowedHosts) | quote }}
 - name: STRATA_SSL_REDIRECT
