@@ -114,7 +114,7 @@ class NodeProcesses:
             command += ["--concurrency", str(self.concurrency)]
         if self.credential is None:  # the node's own, once: its later processes share it
             self.credential = node_env({}, self.name, remote_prefix=self.env["STRATA_REMOTE_PREFIX"])
-        env = {**self.env, **extra_env, **self.credential}
+        env = {**self.env, **self.credential, **extra_env}
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         self.started.append((process, log))
         return process, log

@@ -173,6 +173,27 @@ def _bytes_check(stores: dict[str, Any], seeds: dict[uuid.UUID, int], layout: An
     return checked
 
 
+def _refused_on_an_evicting_redis(node_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A node started on a Redis whose eviction policy is allkeys-lru stops at once, naming it:
+    that Redis would drop the queues and the L3 usage hash under the load below."""
+    from tests.support import RedisServer
+
+    server = RedisServer(tmp_path / "evicting-redis")
+    server.directory.mkdir()
+    server.start()
+    try:
+        import redis
+
+        redis.Redis.from_url(server.url).config_set("maxmemory-policy", "allkeys-lru")
+        probe = node_factory(prefix="soak-evict", tiers="device,host")
+        process, log = probe.start(REDIS_URL=server.url)
+        assert process.wait(120) != 0
+        refusal = next(line for line in log.read_text().splitlines() if "maxmemory-policy is allkeys-lru" in line)
+        say(f"a node on a Redis that evicts any key refused to start: {refusal.strip()}")
+    finally:
+        server.stop()
+
+
 def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_env, python, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="strata.movements")  # the ledger tells what moved; no line per plan
     rng = random.Random(int(os.environ.get("STRATA_SOAK_SEED", "6")))
@@ -188,6 +209,7 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
         )
         for _ in range(NODES)
     ]
+    _refused_on_an_evicting_redis(node_factory, tmp_path)
     say(f"starting {NODES} node workers (model tiny, 4 MiB host, 16 MiB disk, one shared remote tier)")
     for node in nodes:
         node.start()
