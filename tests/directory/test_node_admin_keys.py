@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection as control_plane
 
 from controlplane.dashboard.selectors import requests_recent
@@ -247,3 +247,16 @@ def test_the_command_prints_and_writes_the_nodes_admin_key(pair, tmp_path, capsy
     pair["servers"]["gpu-b"].admin_key = written
     pair["servers"]["gpu-a"].admin_key = key
     assert _errors() == {"gpu-a": "", "gpu-b": ""}
+
+
+def test_the_command_gives_a_live_credentials_key_without_changing_it(pair, tmp_path, capsys):
+    issued = pair["issued"]["gpu-a"]
+    call_command("strata_node_credential", "gpu-a", "--admin-key")
+    assert capsys.readouterr().out.strip() == f"STRATA_NODE_ADMIN_KEY={issued.admin_key}"
+    call_command("strata_node_credential", "gpu-a", "--admin-key", "--url-dir", str(tmp_path))
+    assert (tmp_path / "gpu-a.admin.key").read_text().strip() == issued.admin_key
+    with as_node(issued.database_url) as own:  # the password is unchanged
+        assert own.execute("SELECT strata_node_name()").fetchone() == ("gpu-a",)
+    node_credential_revoke(node="gpu-a")
+    with pytest.raises(CommandError, match="'gpu-a': its credential was revoked; it has no admin key"):
+        call_command("strata_node_credential", "gpu-a", "--admin-key")

@@ -251,6 +251,15 @@ def node_credential_revoke(*, node: str) -> int:
     return ended
 
 
+def node_admin_key_current(*, node: str) -> str:
+    """Node `node`'s admin key as its live credential gives it (nothing changes); an error when
+    it has no credential or a revoked one."""
+    credential = _credential(node)
+    if credential.revoked_at is not None:
+        raise CredentialError(f"node {node!r}: its credential was revoked; it has no admin key", field="node")
+    return node_admin_key(credential)
+
+
 def _credential(node: str) -> NodeCredential:
     _check_name(node)
     credential = NodeCredential.objects.filter(node=node).first()

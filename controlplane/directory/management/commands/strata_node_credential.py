@@ -8,7 +8,9 @@ kept nowhere else): start the node with them, `DATABASE_URL=... REDIS_URL=...
 STRATA_NODE_ADMIN_KEY=... manage.py strata_node --name NODE`. With `--url-dir DIR` they go to
 DIR/NODE.url, DIR/NODE.redis.url and DIR/NODE.admin.key (mode 0600) instead, for the node's
 DATABASE_URL_FILE, REDIS_URL_FILE and STRATA_NODE_ADMIN_KEY_FILE. Rotation issues a new key too;
-after `--revoke` the control plane sends the node nothing. `--remote-prefix` is the L3 key prefix the
+after `--revoke` the control plane sends the node nothing. `--admin-key` prints (or writes) the
+admin key of each node's live credential and changes nothing: for a node whose key file is
+missing, such as one issued before nodes had their own keys. `--remote-prefix` is the L3 key prefix the
 node's Redis user may use (the node's STRATA_REMOTE_PREFIX; default `strata`)."""
 
 import os
@@ -20,6 +22,7 @@ from django.core.management.base import BaseCommand, CommandError
 from controlplane.directory.errors import DirectoryError
 from controlplane.directory.services import redis_identity
 from controlplane.directory.services.credentials import (
+    node_admin_key_current,
     node_credential_create,
     node_credential_revoke,
     node_credential_rotate,
@@ -34,6 +37,9 @@ class Command(BaseCommand):
         action = parser.add_mutually_exclusive_group()
         action.add_argument("--rotate", action="store_true", help="a new password for each node's role")
         action.add_argument("--revoke", action="store_true", help="take each node's login away, end its sessions")
+        action.add_argument(
+            "--admin-key", action="store_true", help="only each node's current admin key (changes nothing)"
+        )
         parser.add_argument(
             "--url-dir",
             help="write each node's DATABASE_URL, REDIS_URL and admin key to DIR/NODE.url, DIR/NODE.redis.url and "
@@ -49,12 +55,16 @@ class Command(BaseCommand):
         nodes: list[str],
         rotate: bool,
         revoke: bool,
+        admin_key: bool,
         url_dir: str | None,
         remote_prefix: str,
         **options: Any,
     ) -> None:
         for node in nodes:
             try:
+                if admin_key:
+                    self._admin_key(node, node_admin_key_current(node=node), url_dir)
+                    continue
                 if revoke:
                     ended = node_credential_revoke(node=node)
                     self.stdout.write(f"node {node}: credential revoked ({ended} open session(s) ended)")
@@ -88,6 +98,14 @@ class Command(BaseCommand):
                 "warning: Redis's default user needs no password, so any client can still connect as it and "
                 "reach every key: set requirepass (or `user default off`) for the node users to hold"
             )
+
+    def _admin_key(self, node: str, key: str, url_dir: str | None) -> None:
+        if url_dir:
+            path = Path(url_dir) / f"{node}.admin.key"
+            _write_secret(path, key)
+            self.stdout.write(f"node {node}: its STRATA_NODE_ADMIN_KEY is in {path}")
+        else:
+            self.stdout.write(f"STRATA_NODE_ADMIN_KEY={key}")
 
 
 def _write_secret(path: Path, text: str) -> None:
