@@ -26,12 +26,13 @@ def wait_for(predicate: Callable[[], T], *, timeout: float = 60.0, what: str = "
 
 def node_env(env: Mapping[str, str], node: str, *, remote_prefix: str | None = None) -> dict[str, str]:
     """`env` for node process `node`, on its own database credential (`strata_node_credential`)
-    in the test database instead of the control plane's; with `remote_prefix` (the node's L3 key
-    prefix) on its own Redis user too."""
+    in the test database instead of the control plane's, with the admin key issued with it (the
+    one the control plane reads the node with); with `remote_prefix` (the node's L3 key prefix)
+    on its own Redis user too."""
     from controlplane.directory.services.credentials import node_credential_create
 
     issued = node_credential_create(node=node, remote_prefix=remote_prefix or "strata")
-    own = {"DATABASE_URL": issued.database_url}
+    own = {"DATABASE_URL": issued.database_url, "STRATA_NODE_ADMIN_KEY": issued.admin_key}
     if remote_prefix is not None:
         own["REDIS_URL"] = issued.redis_url
     return {**env, **own}

@@ -2,7 +2,11 @@
 
 The directory (PostgreSQL) is the truth for nodes, tiers and blocks. Request timelines and cache
 counters live in each node's engine process; the control plane fetches them from the node's
-address with a short timeout, so one slow or dead node never holds a page up."""
+address with a short timeout, so one slow or dead node never holds a page up. Before it sends a
+node anything it checks the address the node reported against where the node's heartbeat came
+from and the operator's STRATA_NODE_ADDRESSES (controlplane.runtime.node_addresses), and it sends
+each node its own admin key (controlplane.directory.selectors.node_admin_keys), never another's;
+redirects are not followed, so a node cannot forward the key elsewhere."""
 
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.dashboard.events import sequence_current
 from controlplane.directory.choices import TIER_ORDER, NodeState, PlacementState
 from controlplane.directory.models import Block, Node, Placement
-from controlplane.directory.selectors import nodes_list
+from controlplane.directory.selectors import node_admin_keys, nodes_list
 from controlplane.directory.services import node_payload
 from controlplane.policies.snapshot import PolicySnapshot, policies_snapshot
-from controlplane.telemetry.metrics import NODE_FETCH_FAILURES
+from controlplane.runtime.node_addresses import AddressRefused, node_target
+from controlplane.telemetry.metrics import NODE_ADDRESS_REFUSED, NODE_FETCH_FAILURES
 
 log = logging.getLogger("strata.dashboard")
 
@@ -162,33 +167,72 @@ class NodeUnreachable(Exception):
     """A node's engine server did not answer in time or answered something unreadable."""
 
 
-def _node_get(address: str, path: str) -> bytes:
-    """GET a node's endpoint with the nodes' admin key (its operator endpoints need it)."""
-    url = f"http://{address}{path}"
-    key = settings.STRATA_NODE_ADMIN_KEY
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+class NodeNotContacted(Exception):
+    """The control plane sent the node nothing: its address failed the check, or its credential
+    is revoked."""
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A node's redirect is an answer, not a new address: following it would carry the node's
+    key to wherever the node points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _node_get(node: Node, path: str, *, key: str | None) -> bytes:
+    """GET `path` of `node`'s engine server with `key` (its operator endpoints need it), after
+    checking the node's address (module docstring); NodeNotContacted when nothing was sent."""
+    shown = f"http://{node.address}{path}"
+    if key is None:
+        raise NodeNotContacted(f"node {node.name}: its credential is revoked; nothing was sent to {node.address}")
     try:
-        with urllib.request.urlopen(request, timeout=NODE_FETCH_TIMEOUT_S) as response:  # noqa: S310 - fixed scheme
+        target = node_target(node.address, seen_from=node.seen_from, allowed=settings.STRATA_NODE_ADDRESSES)
+    except AddressRefused as exc:
+        raise NodeNotContacted(f"node {node.name}: {exc}") from exc
+    headers = {"Host": target.host_header}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(target.base_url + path, headers=headers)
+    try:
+        with _OPENER.open(request, timeout=NODE_FETCH_TIMEOUT_S) as response:
             return bytes(response.read(MAX_FETCH_BYTES))
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403):
             raise NodeUnreachable(
-                f"{url}: the node refused the control plane's key ({exc.code}): set STRATA_NODE_ADMIN_KEY "
-                "to the nodes' admin key"
+                f"{shown}: the node refused the control plane's key ({exc.code}): a node with a credential "
+                "needs the admin key `strata_node_credential` issued with it (rotation issues a new one); "
+                "for one without, set STRATA_NODE_ADMIN_KEY to the nodes' admin key"
             ) from exc
-        raise NodeUnreachable(f"{url}: HTTP {exc.code}") from exc
+        raise NodeUnreachable(f"{shown}: HTTP {exc.code}") from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise NodeUnreachable(f"{url}: {reason}") from exc
+        raise NodeUnreachable(f"{shown}: {reason}") from exc
 
 
-def _each_node(nodes: list[Node], fetch: Callable[[Node], dict[str, Any]]) -> list[dict[str, Any]]:
+NodeFetch = Callable[[Node, Callable[[str], bytes]], dict[str, Any]]
+"""Reads one node: called with the node and a GET of a path on it (`_node_get` with its key)."""
+
+
+def _each_node(nodes: list[Node], fetch: NodeFetch) -> list[dict[str, Any]]:
     """Run `fetch` for every node with an engine server, at once; a failure becomes that node's error."""
     serving = [node for node in nodes if node.address and node.state != NodeState.DOWN]
+    keys = node_admin_keys(nodes=[node.name for node in serving]) if serving else {}
 
     def one(node: Node) -> dict[str, Any]:
         try:
-            return {"node": node.name, "error": "", **fetch(node)}
+            return {
+                "node": node.name,
+                "error": "",
+                **fetch(node, lambda path: _node_get(node, path, key=keys[node.name])),
+            }
+        except NodeNotContacted as exc:
+            NODE_ADDRESS_REFUSED.labels(node=node.name).inc()
+            log.warning("%s", exc)
+            return {"node": node.name, "error": f"not contacted: {exc}"}
         except NodeUnreachable as exc:
             NODE_FETCH_FAILURES.labels(node=node.name).inc()
             log.info("node %s did not answer the dashboard: %s", node.name, exc)
@@ -208,9 +252,9 @@ def _serving_nodes(node: str | None) -> list[Node]:
 def requests_recent(*, node: str | None = None) -> dict[str, Any]:
     """The latest request timelines of every serving node (or one), newest first, with per-node errors."""
 
-    def fetch(n: Node) -> dict[str, Any]:
+    def fetch(n: Node, get: Callable[[str], bytes]) -> dict[str, Any]:
         try:
-            body = json.loads(_node_get(n.address, "/v1/strata/requests"))
+            body = json.loads(get("/v1/strata/requests"))
         except json.JSONDecodeError as exc:
             raise NodeUnreachable(f"answer is not JSON ({exc})") from exc
         return {"requests": [{**trace, "node": n.name} for trace in body.get("requests", [])]}
@@ -327,9 +371,9 @@ def cache_stats(*, node: str | None = None) -> dict[str, Any]:
     reuse: reused tokens by kind, the recompute ratio, quality samples, and the current r and
     fallback state of every (node, model, namespace)."""
 
-    def fetch(n: Node) -> dict[str, Any]:
+    def fetch(n: Node, get: Callable[[str], bytes]) -> dict[str, Any]:
         try:
-            families = _families(_node_get(n.address, "/metrics").decode())
+            families = _families(get("/metrics").decode())
         except (UnicodeDecodeError, ValueError) as exc:
             raise NodeUnreachable(f"metrics unreadable ({exc})") from exc
 

@@ -52,6 +52,13 @@ class Node(models.Model):
     version = models.CharField(max_length=32, blank=True)
     heartbeat_seconds = models.FloatField(default=5.0)
     heartbeats = models.PositiveBigIntegerField(default=0)
+    seen_from = models.GenericIPAddressField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="Where the last heartbeat came from, as the database saw the connection (empty: a local "
+        "socket). Set by a trigger (migration 0010), never by the node.",
+    )
     registered_at = models.DateTimeField(auto_now_add=True)
     last_seen = models.DateTimeField()
     stale_after = models.DateTimeField(help_text="When the node counts as stale if no heartbeat arrives.")

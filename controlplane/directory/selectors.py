@@ -8,13 +8,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from django.conf import settings
 from django.db import connection
 from django.db.models import Exists, OuterRef, Prefetch, QuerySet
 
 from controlplane.directory import queries
 from controlplane.directory.choices import BLOCK_ORDERING_COLUMNS, BlockOrdering
 from controlplane.directory.errors import UnknownModel, UnknownNamespace, UnknownNode
-from controlplane.directory.models import Block, ModelProfile, Namespace, Node, Placement
+from controlplane.directory.models import Block, ModelProfile, Namespace, Node, NodeCredential, Placement
 from worker.dataplane.directory import LookupResult
 
 PREPARE_AFTER = 3
@@ -125,3 +126,16 @@ def block_get(*, block_id: int) -> Block | None:
         .filter(id=block_id)
         .first()
     )
+
+
+def node_admin_keys(*, nodes: Sequence[str]) -> dict[str, str | None]:
+    """The admin key the control plane reads each of `nodes` with: the node's own
+    (`credentials.node_admin_key`) when it has a live credential, None when its credential is
+    revoked (such a node is sent nothing), the fleet-wide STRATA_NODE_ADMIN_KEY when it has none
+    (nodes that run on the control plane's database credential). One query."""
+    from controlplane.directory.services.credentials import node_admin_key
+
+    keys: dict[str, str | None] = dict.fromkeys(nodes, settings.STRATA_NODE_ADMIN_KEY)
+    for credential in NodeCredential.objects.filter(node__in=list(nodes)):
+        keys[credential.node] = None if credential.revoked_at is not None else node_admin_key(credential)
+    return keys

@@ -147,13 +147,23 @@ def _procfile(
     return processes
 
 
-def _node_credentials(var_dir: Path, env: dict[str, str]) -> dict[str, str]:
-    """Each demo node's own database credential (a new password each start), by node name: a
-    node reads the directory and writes only its own rows (`strata_node_credential`)."""
+def _node_credentials(var_dir: Path, env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Each demo node's own database credential, Redis user and admin key (new ones each start),
+    as the variables that differ in its environment, by node name: a node reads the directory and
+    writes only its own rows, consumes only its own queue, and the control plane reads it with its
+    own key (`strata_node_credential`;
+    the key stays in var/credentials/NODE.admin.key)."""
     folder = var_dir / "credentials"
     folder.mkdir(mode=0o700, exist_ok=True)
     _manage("strata_node_credential", *NODES, "--url-dir", str(folder), env=env)
-    return {name: (folder / f"{name}.url").read_text().strip() for name in NODES}
+    return {
+        name: {
+            "DATABASE_URL": (folder / f"{name}.url").read_text().strip(),
+            "REDIS_URL": (folder / f"{name}.redis.url").read_text().strip(),
+            "STRATA_NODE_ADMIN_KEY_FILE": str(folder / f"{name}.admin.key"),
+        }
+        for name in NODES
+    }
 
 
 def run(port: int, model: str, api_port: int, engines: list[str] | None = None) -> int:
@@ -196,7 +206,11 @@ def run(port: int, model: str, api_port: int, engines: list[str] | None = None) 
     first_node_port = int(os.environ.get("STRATA_DEMO_NODE_PORT", "9100"))
     credentials = _node_credentials(env.var_dir, env_vars)
     for name, command in _procfile(port, model, first_node_port, api_port, engines, env.var_dir / "tenants.json"):
-        process_env = {**env_vars, "DATABASE_URL": credentials[name]} if name in credentials else env_vars
+        process_env = env_vars
+        if name in credentials:
+            # The node's own key replaces the fleet-wide one, which the control plane keeps for
+            # nodes without a credential.
+            process_env = {k: v for k, v in env_vars.items() if k != "STRATA_NODE_ADMIN_KEY"} | credentials[name]
         manager.add_process(name, command, env=process_env, cwd=str(REPO_ROOT))
     base = f"http://127.0.0.1:{port}"
     print(

@@ -4,6 +4,7 @@ import os
 import sys
 
 from controlplane.runtime.environment import REPO_ROOT, ConfigurationError, frontend_dirs, load_environment
+from controlplane.runtime.node_addresses import allow_list_parse
 from controlplane.settings import celery as celery_settings
 from controlplane.settings import channels as channels_settings
 from controlplane.settings import drf as drf_settings
@@ -123,8 +124,16 @@ STRATA_STALE_AFTER_MISSED = 3
 # never beats again with it.
 STRATA_HEARTBEAT_MIN_SECONDS = 0.1
 STRATA_HEARTBEAT_MAX_SECONDS = 3600.0
-# The key the control plane reads nodes' request timelines with (each node's STRATA_NODE_ADMIN_KEY).
+# The key the control plane reads nodes' request timelines with when a node has no credential of
+# its own (`strata_node_credential` issues each credentialed node its own key instead).
 STRATA_NODE_ADMIN_KEY = os.environ.get("STRATA_NODE_ADMIN_KEY", "")
+# Node addresses the operator vouches for (controlplane.runtime.node_addresses): host names,
+# `*.suffix` patterns, addresses and CIDR networks, comma-separated. Any other address a node
+# reports must resolve to where its heartbeat came from, or be loopback for a local socket.
+try:
+    STRATA_NODE_ADDRESSES = allow_list_parse(os.environ.get("STRATA_NODE_ADDRESSES", ""))
+except ValueError as exc:
+    raise SystemExit(f"strata: {exc}") from None
 
 LOGGING = {
     "version": 1,

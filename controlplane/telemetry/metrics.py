@@ -30,6 +30,12 @@ NODE_FETCH_FAILURES = Counter(
     "Times the control plane could not read a node's engine server (request timelines, cache counters).",
     ["node"],
 )
+NODE_ADDRESS_REFUSED = Counter(
+    "strata_node_address_refused_total",
+    "Times the control plane sent nothing to a node: its reported address is not where its heartbeat came "
+    "from nor in STRATA_NODE_ADDRESSES, is not host:port, or its credential is revoked.",
+    ["node"],
+)
 
 
 class DirectoryCollector(Collector):

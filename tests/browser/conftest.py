@@ -177,6 +177,7 @@ def system() -> Iterator[System]:
         # The node on its own credential, as `strata_node_credential` prints it.
         printed = system.manage("strata_node_credential", NODE).splitlines()
         credential = next(line for line in printed if line.startswith("DATABASE_URL=")).split("=", 1)[1]
+        admin_key = next(line for line in printed if line.startswith("STRATA_NODE_ADMIN_KEY=")).split("=", 1)[1]
         system.start(
             "node",
             [
@@ -198,6 +199,7 @@ def system() -> Iterator[System]:
             ],
             {
                 "DATABASE_URL": credential,
+                "STRATA_NODE_ADMIN_KEY": admin_key,  # its own: the control plane reads it with this one
                 "STRATA_HOST_POOL_NAME": pool,
                 "STRATA_BLOCK_TOKENS": "16",
                 "STRATA_HOST_BYTES": "64MiB",

@@ -218,10 +218,14 @@ def test_observability_profile_scrapes_the_control_plane_and_the_nodes(compose):
     assert uids == {"${" + variable["name"] + "}"}
 
 
-def test_the_nodes_and_the_control_plane_share_the_node_admin_key(compose):
+def test_each_node_runs_with_its_own_admin_key_beside_its_credential(compose):
     services = compose["services"]
-    for name in ("web", *NODE_SERVICES):
-        assert services[name]["environment"]["STRATA_NODE_ADMIN_KEY"].startswith("${STRATA_NODE_ADMIN_KEY:?"), name
+    assert services["web"]["environment"]["STRATA_NODE_ADMIN_KEY"].startswith("${STRATA_NODE_ADMIN_KEY:?")
+    for name in NODE_SERVICES:
+        environment = services[name]["environment"]
+        assert "STRATA_NODE_ADMIN_KEY" not in environment, name  # the fleet-wide key is the control plane's
+        url_file = environment["DATABASE_URL_FILE"]
+        assert environment["STRATA_NODE_ADMIN_KEY_FILE"] == url_file.removesuffix(".url") + ".admin.key", name
 
 
 def test_the_nodes_run_on_their_own_database_credentials(compose):

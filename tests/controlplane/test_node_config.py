@@ -109,3 +109,23 @@ def test_movement_options_come_from_the_node_configuration():
 
     config = load_config(overrides={"move_verify": "header", "reconcile_grace_s": 5}, environ={})
     assert MovementOptions.from_config(config) == MovementOptions(verify="header", reconcile_grace_s=5.0)
+
+
+def test_the_admin_key_may_come_from_a_file(tmp_path):
+    key_file = tmp_path / "gpu-0.admin.key"
+    key_file.write_text("issued-key-for-gpu-0\n")
+    config = load_config(environ={"STRATA_NODE_ADMIN_KEY_FILE": str(key_file)})
+    assert config.node_admin_key == "issued-key-for-gpu-0"
+    assert load_config(environ={"STRATA_NODE_ADMIN_KEY": "plain"}).node_admin_key == "plain"
+
+
+def test_a_bad_admin_key_file_is_named(tmp_path):
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match=f"STRATA_NODE_ADMIN_KEY_FILE: {empty} is empty"):
+        load_config(environ={"STRATA_NODE_ADMIN_KEY_FILE": str(empty)})
+    missing = tmp_path / "missing.key"
+    with pytest.raises(ConfigError, match=f"STRATA_NODE_ADMIN_KEY_FILE: cannot read {missing}: No such file"):
+        load_config(environ={"STRATA_NODE_ADMIN_KEY_FILE": str(missing)})
+    with pytest.raises(ConfigError, match="STRATA_NODE_ADMIN_KEY_FILE: set beside STRATA_NODE_ADMIN_KEY; set one"):
+        load_config(environ={"STRATA_NODE_ADMIN_KEY_FILE": str(empty), "STRATA_NODE_ADMIN_KEY": "k"})

@@ -204,6 +204,11 @@ def test_each_node_reads_the_credential_the_job_issues_for_it(trying_it_out):
     assert env_of(node)["DATABASE_URL_FILE"]["value"] == f"{mount['mountPath']}/$(POD_NAME).url"
     assert env_of(node)["REDIS_URL_FILE"]["value"] == f"{mount['mountPath']}/$(POD_NAME).redis.url"
     assert "REDIS_URL" not in env_of(node)  # the node's own user, not the control plane's
+    # Its own admin key from the same Secret; the fleet-wide one is the control plane's alone.
+    assert env_of(node)["STRATA_NODE_ADMIN_KEY_FILE"]["value"] == f"{mount['mountPath']}/$(POD_NAME).admin.key"
+    assert "STRATA_NODE_ADMIN_KEY" not in env_of(node)
+    web = objects["Deployment", "strata-web"]["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(web)["STRATA_NODE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "node-admin-key"
     # The Job keeps the keys already issued: it reads the Secret it writes.
     existing = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "existing")
     assert existing["secret"] == {"secretName": secret, "optional": True}
@@ -246,9 +251,12 @@ def _run_issue_script(trying_it_out, tmp_path, existing: dict[str, str]) -> tupl
         f"pathlib.Path({str(calls)!r}).open('a').write(' '.join(sys.argv[1:]) + '\\n')\n"
         "if sys.argv[1] == 'credential':\n"
         "    nodes, folder = sys.argv[2:sys.argv.index('--url-dir')], sys.argv[sys.argv.index('--url-dir') + 1]\n"
-        "    for node in nodes:\n"
-        "        pathlib.Path(folder, node + '.url').write_text(f'postgresql://strata_node_{node}:new@db/strata\\n')\n"
-        "        pathlib.Path(folder, node + '.redis.url').write_text(f'redis://strata_node_{node}:new@redis/0\\n')\n"
+        "    keys_only = '--admin-key' in nodes\n"
+        "    for node in [n for n in nodes if n != '--admin-key']:\n"
+        "        pathlib.Path(folder, node + '.admin.key').write_text(f'key-of-{node}\\n')\n"
+        "        if not keys_only:\n"
+        "            pathlib.Path(folder, node + '.url').write_text(f'postgresql://strata_node_{node}:new@db/strata\\n')\n"
+        "            pathlib.Path(folder, node + '.redis.url').write_text(f'redis://strata_node_{node}:new@redis/0\\n')\n"
     )
     (bin_dir / "strata").chmod(stat.S_IRWXU)
     (bin_dir / "python").symlink_to(sys.executable)
@@ -273,7 +281,13 @@ def test_the_credentials_script_issues_only_missing_nodes_and_keeps_the_rest(tmp
     secret, calls = _run_issue_script(
         objects, tmp_path, {"strata-node-0.url": kept, "strata-node-0.redis.url": kept_redis}
     )
-    assert calls == [GRANTS, "credential strata-node-1 --url-dir " + str(tmp_path / "work" / "urls")]
+    urls_dir = str(tmp_path / "work" / "urls")
+    assert calls == [
+        GRANTS,
+        "credential strata-node-1 --url-dir " + urls_dir,
+        # strata-node-0 was issued before nodes had their own admin keys: its key, its password unchanged.
+        "credential strata-node-0 --admin-key --url-dir " + urls_dir,
+    ]
     kubernetes_validate.validate(secret, kubernetes_validate.latest_version(), strict=True)
     assert secret["metadata"] == {
         "name": "strata-node-credentials",
@@ -284,8 +298,10 @@ def test_the_credentials_script_issues_only_missing_nodes_and_keeps_the_rest(tmp
     assert urls == {
         "strata-node-0.url": kept,
         "strata-node-0.redis.url": kept_redis,
+        "strata-node-0.admin.key": "key-of-strata-node-0\n",
         "strata-node-1.url": "postgresql://strata_node_strata-node-1:new@db/strata\n",
         "strata-node-1.redis.url": "redis://strata_node_strata-node-1:new@redis/0\n",
+        "strata-node-1.admin.key": "key-of-strata-node-1\n",
     }
 
 
@@ -293,18 +309,20 @@ def test_a_node_issued_before_redis_users_gets_both_urls_anew(tmp_path):
     objects = by_kind_and_name(render({"nodes": {"replicas": 1}}))
     secret, calls = _run_issue_script(objects, tmp_path, {"strata-node-0.url": "postgresql://old@db/strata\n"})
     assert calls[1] == "credential strata-node-0 --url-dir " + str(tmp_path / "work" / "urls")
-    assert sorted(secret["data"]) == ["strata-node-0.redis.url", "strata-node-0.url"]
+    assert sorted(secret["data"]) == ["strata-node-0.admin.key", "strata-node-0.redis.url", "strata-node-0.url"]
 
 
 def test_the_credentials_script_issues_nothing_when_every_node_has_one(tmp_path):
     objects = by_kind_and_name(render({"nodes": {"replicas": 1}}))
-    secret, calls = _run_issue_script(
-        objects,
-        tmp_path,
-        {"strata-node-0.url": "postgresql://kept@db/strata\n", "strata-node-0.redis.url": "redis://kept@redis/0\n"},
-    )
+    existing = {
+        "strata-node-0.url": "postgresql://kept@db/strata\n",
+        "strata-node-0.redis.url": "redis://kept@redis/0\n",
+        "strata-node-0.admin.key": "kept-key\n",
+    }
+    secret, calls = _run_issue_script(objects, tmp_path, existing)
     assert calls == [GRANTS]  # tables added by an upgrade's migrations reach the nodes' group all the same
     assert base64.b64decode(secret["data"]["strata-node-0.url"]) == b"postgresql://kept@db/strata\n"
+    assert base64.b64decode(secret["data"]["strata-node-0.admin.key"]) == b"kept-key\n"
 
 
 def test_the_grants_step_calls_the_credentials_service():

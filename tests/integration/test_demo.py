@@ -170,9 +170,9 @@ def test_demo_serves_both_nodes_and_stop_leaves_nothing(tmp_path, var_dir):
         assert session.get("/")[0] == 200
         assert _processes_of(var_dir), "the demo's processes should be visible while it runs"
         # The workload driver keeps the node servers busy: requests show up in a node's timeline,
-        # which only the demo's node admin key reads; the control plane reads it with that key.
+        # which only the node's own admin key reads; the control plane reads it with that key.
         node_api = Session(f"http://127.0.0.1:{node_port}")
-        admin_key = (var_dir / "node-admin-key").read_text().strip()
+        admin_key = (var_dir / "credentials" / "gpu-0.admin.key").read_text().strip()
         node_api.opener.addheaders = [("Authorization", f"Bearer {admin_key}")]
         served = []
         while time.monotonic() < deadline and not served:

@@ -61,7 +61,6 @@ class VllmNode:
             "STRATA_DISK_PATH": str(tmp_path / "disk"),
             "STRATA_DISK_BYTES": "256MiB",
             "STRATA_HEARTBEAT_SECONDS": "0.5",
-            "STRATA_NODE_ADMIN_KEY": f"admin-{self.name}",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_SERVER_DEV_MODE": "1",
             "STRATA_VLLM_ARGS": "--max-model-len 4096 --num-gpu-blocks-override 64",
@@ -187,7 +186,7 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node, setti
         f"127.0.0.1:{node.serve_port}",
     )
     wait_for(lambda: row.tiers.filter(tier="host", used_bytes__gt=0).exists(), what="host use in a heartbeat")
-    settings.STRATA_NODE_ADMIN_KEY = node.env["STRATA_NODE_ADMIN_KEY"]  # the control plane's key
+    # The control plane reads the node with the key issued with its credential (node_env).
     timelines = requests_recent(node=node.name)
     assert timelines["nodes"] == [{"node": node.name, "error": ""}]
     hit = timelines["requests"][0]

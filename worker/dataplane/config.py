@@ -447,8 +447,10 @@ OPTIONS: tuple[Option, ...] = (
         parse_str,
         "",
         "Key (Authorization: Bearer) of the node's operator endpoints (/v1/strata/requests, /v1/strata/blend); the "
-        "control plane reads the nodes with the same key. Empty: those endpoints are refused (a tenant's API key "
-        "still reads its own requests).",
+        "control plane reads the node with it: the node's own key, issued with its credential "
+        "(strata_node_credential), or the fleet-wide one for a node without a credential. "
+        "STRATA_NODE_ADMIN_KEY_FILE names a file holding it instead. Empty: those endpoints are refused (a "
+        "tenant's API key still reads its own requests).",
     ),
 )
 
@@ -567,6 +569,7 @@ def load_config(
     if unknown:
         raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
 
+    environ = _admin_key_from_file(environ)
     values: dict[str, Any] = {}
     for option in OPTIONS:
         if overrides and overrides.get(option.name) is not None:
@@ -580,6 +583,26 @@ def load_config(
             continue
         values[option.name] = _parsed(option, raw, source)
     return NodeConfig(**values)
+
+
+def _admin_key_from_file(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """`environ` with STRATA_NODE_ADMIN_KEY read from the file STRATA_NODE_ADMIN_KEY_FILE names
+    (as `strata_node_credential --url-dir` writes it), when that is set; ConfigError when the file
+    is unreadable or empty, or the variable is set beside it."""
+    path = environ.get("STRATA_NODE_ADMIN_KEY_FILE", "").strip()
+    if not path:
+        return environ
+    if "STRATA_NODE_ADMIN_KEY" in environ:
+        raise ConfigError("STRATA_NODE_ADMIN_KEY_FILE: set beside STRATA_NODE_ADMIN_KEY; set one of them")
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"STRATA_NODE_ADMIN_KEY_FILE: cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"STRATA_NODE_ADMIN_KEY_FILE: {path} is not text ({exc.reason})") from exc
+    if not key:
+        raise ConfigError(f"STRATA_NODE_ADMIN_KEY_FILE: {path} is empty")
+    return {**environ, "STRATA_NODE_ADMIN_KEY": key}
 
 
 def _parsed(option: Option, raw: Any, source: str) -> Any:

@@ -7,6 +7,11 @@ copies and movements; row-level security, migration directory 0009, holds those 
 role is registered for). Nothing on users, sessions or tokens, no policy writes, no DDL. The
 control plane (the tables' owner) runs these statements, so its role needs CREATEROLE.
 
+Each credential also carries the node's own admin key (`node_admin_key`): the key of the node's
+operator endpoints, which the control plane reads the node with. It is derived, not stored: an
+HMAC under SECRET_KEY of the node's name and the time the credential was issued or last rotated,
+so rotating the credential changes it, and changing SECRET_KEY changes every node's key.
+
 Role names carry the database's name: roles belong to the whole PostgreSQL server, and two
 databases on one server (a test run beside the demo) must not share a node's role.
 """
@@ -18,11 +23,14 @@ import hashlib
 import logging
 import re
 import secrets
+from datetime import UTC, datetime, timedelta
 from urllib.parse import quote
 
 from django.apps import apps
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
+from django.utils.crypto import salted_hmac
 
 from controlplane.directory.errors import DirectoryError, UnknownNode
 from controlplane.directory.models import NodeCredential
@@ -80,6 +88,22 @@ class IssuedCredential:
     database_url: str
     redis_url: str = ""
     """The deployment's REDIS_URL as the node's own Redis user (named as the role, same password)."""
+    admin_key: str = dataclasses.field(default="", repr=False)
+    """The node's own admin key (its STRATA_NODE_ADMIN_KEY), `node_admin_key` of this credential."""
+
+
+ADMIN_KEY_SALT = "strata.node-admin-key"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def node_admin_key(credential: NodeCredential) -> str:
+    """Node `credential.node`'s own admin key, hex: an HMAC (key salt ADMIN_KEY_SALT, secret
+    SECRET_KEY) of the node's name and the microsecond its credential was issued or last rotated.
+    The same on every control plane process of one deployment; no other node's key follows from it."""
+    issued = credential.rotated_at or credential.created_at
+    micros = (issued - _EPOCH) // timedelta(microseconds=1)
+    value = f"{credential.node}:{micros}"
+    return salted_hmac(ADMIN_KEY_SALT, value, secret=settings.SECRET_KEY, algorithm="sha256").hexdigest()
 
 
 def _ident(name: str) -> str:
@@ -167,7 +191,7 @@ def node_credential_create(*, node: str, remote_prefix: str = "strata") -> Issue
             f"PASSWORD {_literal(password)}"
         )
         cursor.execute(f"GRANT {_ident(group)} TO {_ident(role)}")
-    NodeCredential.objects.update_or_create(
+    credential, _ = NodeCredential.objects.update_or_create(
         node=node, defaults={"role": role, "created_at": now, "rotated_at": None, "revoked_at": None}
     )
     # Last: a Redis that refuses rolls the role back with the transaction.
@@ -179,12 +203,15 @@ def node_credential_create(*, node: str, remote_prefix: str = "strata") -> Issue
         password=password,
         database_url=database_url(role, password),
         redis_url=redis_identity.node_redis_url(role, password),
+        admin_key=node_admin_key(credential),
     )
 
 
 @transaction.atomic
 def node_credential_rotate(*, node: str) -> IssuedCredential:
-    """A new password for node `node`'s role; sessions already open stay until they reconnect."""
+    """A new password for node `node`'s role, and a new admin key (the old one stops opening the
+    node's operator endpoints once the node runs with the new one); sessions already open stay
+    until they reconnect."""
     credential = _credential(node)
     if credential.revoked_at is not None:
         raise CredentialError(f"node {node!r}: its credential was revoked; create a new one", field="node")
@@ -201,13 +228,15 @@ def node_credential_rotate(*, node: str) -> IssuedCredential:
         password=password,
         database_url=database_url(credential.role, password),
         redis_url=redis_identity.node_redis_url(credential.role, password),
+        admin_key=node_admin_key(credential),
     )
 
 
 @transaction.atomic
 def node_credential_revoke(*, node: str) -> int:
-    """Take node `node`'s login away and end its open sessions; the row stays, marked revoked.
-    Returns the number of sessions ended."""
+    """Take node `node`'s login away and end its open sessions; the row stays, marked revoked, and
+    the control plane sends that node nothing from then on (no key). Returns the number of
+    sessions ended."""
     credential = _credential(node)
     with connection.cursor() as cursor:
         cursor.execute(f"ALTER ROLE {_ident(credential.role)} NOLOGIN PASSWORD NULL")
@@ -220,6 +249,15 @@ def node_credential_revoke(*, node: str) -> int:
     ended += redis_identity.redis_user_revoke(user=credential.role)
     log.info("node %s: credential %s revoked, %d session(s) ended", node, credential.role, ended)
     return ended
+
+
+def node_admin_key_current(*, node: str) -> str:
+    """Node `node`'s admin key as its live credential gives it (nothing changes); an error when
+    it has no credential or a revoked one."""
+    credential = _credential(node)
+    if credential.revoked_at is not None:
+        raise CredentialError(f"node {node!r}: its credential was revoked; it has no admin key", field="node")
+    return node_admin_key(credential)
 
 
 def _credential(node: str) -> NodeCredential:

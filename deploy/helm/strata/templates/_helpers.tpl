@@ -80,9 +80,6 @@ URLs: a node's are its own credential's). */}}
 - name: STRATA_SECRET_KEY
   valueFrom:
     secretKeyRef: {name: {{ include "strata.appSecret" . }}, key: secret-key}
-- name: STRATA_NODE_ADMIN_KEY
-  valueFrom:
-    secretKeyRef: {name: {{ include "strata.appSecret" . }}, key: node-admin-key}
 {{- end -}}
 
 {{/* The control plane's environment: its own DATABASE_URL, and the host names it answers to. */}}
@@ -97,6 +94,10 @@ URLs: a node's are its own credential's). */}}
   valueFrom:
     fieldRef: {fieldPath: status.podIP}
 {{ include "strata.sharedEnv" . }}
+# The key nodes without a credential of their own are read with; each node of this chart has its own.
+- name: STRATA_NODE_ADMIN_KEY
+  valueFrom:
+    secretKeyRef: {name: {{ include "strata.appSecret" . }}, key: node-admin-key}
 - name: DATABASE_URL
   valueFrom:
     secretKeyRef: {name: {{ include "strata.databaseSecret" . }}, key: {{ include "strata.databaseKey" . }}}
