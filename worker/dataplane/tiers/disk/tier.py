@@ -199,20 +199,24 @@ class DiskTier(DiskReads, DiskWrites):
 
     def delete(self, key: uuid.UUID) -> bool:
         """Remove a block: gone under its name when this returns; its file is unlinked in the
-        background (`Unlinker`), its bytes counted as pending until then."""
+        background (`Unlinker`), its bytes counted as pending until then. TierUnavailable
+        (counted) when the disk fails to say or do it (EIO, a stale mount); the block stays."""
         self._headers.forget(key)
-        with self._ledger.locked() as state:
-            path = self.path_of(key)
-            try:
-                size = os.stat(path).st_size
-                # Should this process die before the unlink, the next reconcile removes the file.
-                doomed = self._temp_path(path, key, size)
-                os.rename(path, doomed)
-            except FileNotFoundError:
-                return False
-            state[0] -= size
-            state[1] += size
-            state[2] -= 1
+        path = self.path_of(key)
+        try:
+            with self._ledger.locked() as state:
+                try:
+                    size = os.stat(path).st_size
+                    # Should this process die before the unlink, the next reconcile removes the file.
+                    doomed = self._temp_path(path, key, size)
+                    os.rename(path, doomed)
+                except FileNotFoundError:
+                    return False
+                state[0] -= size
+                state[1] += size
+                state[2] -= 1
+        except OSError as exc:
+            raise self._unavailable(exc, path, "deleting") from exc
         # A file of a block of this tier's size is kept a while, for a put to write over it.
         self._unlinker.add(doomed, size, reusable=size == self.file_bytes)
         return True
