@@ -1,5 +1,5 @@
 """Movements: the ledger of planned, running and finished tier moves, evictions and warm-ups,
-and the small tally table the metrics read."""
+the small tally table the metrics read, and the reconcile job's recounts of tier usage."""
 
 from django.db import models
 from django.db.models import Q
@@ -107,3 +107,28 @@ class MovementTally(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.src_tier}->{self.dst_tier} {self.reason} {self.result}: {self.blocks}"
+
+
+class TierRecount(models.Model):
+    """The last recount of one tier's usage counters by the reconcile job, and how many of the
+    recounts so far found them off and corrected them. `node` is blank for the shared remote
+    tier (recounted by one node or another, in turn)."""
+
+    node = models.CharField(max_length=63, blank=True)
+    tier = models.CharField(max_length=8)
+    drift_bytes = models.BigIntegerField(
+        help_text="Counted minus held at the last recount (positive: bytes counted that were not there)."
+    )
+    drift_blocks = models.BigIntegerField(help_text="Counted minus held blocks at the last recount.")
+    corrections = models.PositiveBigIntegerField(default=0, help_text="Recounts that found a drift and corrected it.")
+    corrected_bytes = models.PositiveBigIntegerField(default=0, help_text="Sum of the drifts corrected, in bytes.")
+    recounted_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["tier", "node"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "tier"], name="tierrecount_node_tier_uniq"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tier}@{self.node or 'shared'}: drift {self.drift_bytes} bytes"

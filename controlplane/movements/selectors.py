@@ -1,5 +1,5 @@
 """Movements reads: the ledger (filtered, index-backed), warm candidates, the metrics' tallies and
-which tiers are over their high watermark."""
+tier recounts, and which tiers are over their high watermark."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from controlplane.directory.models import Namespace, Node
 from controlplane.directory.queries import BLOCK_TABLE, PLACEMENT_TABLE, ints
 from controlplane.movements.choices import DEMOTION_ORDER, IN_FLIGHT
 from controlplane.movements.errors import MovementError
-from controlplane.movements.models import Movement, MovementTally
+from controlplane.movements.models import Movement, MovementTally, TierRecount
 from controlplane.policies.specs import PolicySnapshot
 
 MOVEMENT_ORDERINGS: dict[str, tuple[str, ...]] = {
@@ -124,3 +124,8 @@ def nodes_over_watermark(*, snapshot: PolicySnapshot) -> tuple[list[str], bool]:
                 elif node.name not in over:
                     over.append(node.name)
     return over, remote_over
+
+
+def tier_recounts() -> list[TierRecount]:
+    """The last recount of every tier the reconcile job has recounted (a row per node and tier)."""
+    return list(TierRecount.objects.all())

@@ -1,6 +1,6 @@
 """Movements writes: plan (the planner computes, this module holds the transaction and the tier
 locks), record and dispatch planned movements, move them through their states, keep the metrics'
-tallies, and the operator's "run migration now"."""
+tallies and the reconcile job's tier recounts, and the operator's "run migration now"."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ DISPATCH_BATCH = 32
 that a plan of thousands of blocks is not thousands of broker round trips."""
 
 TALLY_TABLE = "movements_movementtally"
+RECOUNT_TABLE = "movements_tierrecount"
 
 _RECORD_SQL = f"""
 INSERT INTO {MOVEMENT_TABLE} (plan, block_id, kind, reason, state, src_placement_id, src_epoch, src_tier,
@@ -350,6 +351,23 @@ def checksum_failures_count(*, tier: str, count: int = 1, found_by: str = "scrub
             result="corrupt",
             blocks=count,
             nbytes=0,
+        )
+
+
+def tier_recount_record(
+    *, node: str | None, tier: str, drift_bytes: int, drift_blocks: int, now: datetime | None = None
+) -> None:
+    """Record a recount of a tier's usage counters (`node` None: the shared remote tier): its
+    drift (counted minus held) becomes the tier's last, and a drift counts as a correction."""
+    corrected = bool(drift_bytes or drift_blocks)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {RECOUNT_TABLE} AS t (node, tier, drift_bytes, drift_blocks, corrections, corrected_bytes, "
+            "recounted_at) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (node, tier) DO UPDATE SET "
+            "drift_bytes = EXCLUDED.drift_bytes, drift_blocks = EXCLUDED.drift_blocks, recounted_at = "
+            "EXCLUDED.recounted_at, corrections = t.corrections + EXCLUDED.corrections, "
+            "corrected_bytes = t.corrected_bytes + EXCLUDED.corrected_bytes",
+            [node or "", tier, drift_bytes, drift_blocks, int(corrected), abs(drift_bytes), now or timezone.now()],
         )
 
 

@@ -122,15 +122,17 @@ def open_tier(request, tmp_path, shm_name, hasher):
 
 @pytest.fixture
 def held_unlinks(monkeypatch):
-    """Hold the disk tier's background unlinks (of deleted blocks) until the test sets the event."""
+    """Hold the disk tier's background unlinks (of deleted blocks) until the test sets the event:
+    the unlink thread waits before freeing a file's extents (its truncate, done outside the
+    ledger's lock), so the file and its pending bytes stay."""
     release = threading.Event()
-    real_unlink = os.unlink
+    real_truncate = os.truncate
 
-    def unlink(path, *args, **kwargs):
+    def truncate(path, *args, **kwargs):
         if threading.current_thread().name.endswith("-unlink"):
             release.wait(30)
-        return real_unlink(path, *args, **kwargs)
+        return real_truncate(path, *args, **kwargs)
 
-    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "truncate", truncate)
     yield release
     release.set()

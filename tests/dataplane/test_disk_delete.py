@@ -1,10 +1,11 @@
 """Deleting a disk block: gone under its name at once, its file unlinked in the background (after
 a while for reuse: test_disk_reuse) with its bytes counted as pending until then; a put short of
 room waits for those bytes instead of refusing; a process that dies before the unlink leaves a
-temporary file the next reconcile removes."""
+temporary file the next reconcile removes; a delete the disk fails is the tier's own error."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from dataplane_support import SMALL, key, layout_of
 
-from worker.dataplane.errors import BlockMissing, TierFull
+from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 
 LAYOUT = layout_of(SMALL, "bfloat16")  # 2 MiB blocks
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -126,3 +127,28 @@ def test_a_process_killed_before_the_unlink_leaves_nothing_after_the_next_open(
     assert _files(root) == [f"{key(2).hex}.blk"]
     usage = reopened.usage()
     assert usage.blocks == 1 and usage.pending_bytes == 0 and usage.stored_bytes == reopened.file_bytes
+
+
+@pytest.mark.parametrize("call", ["stat", "rename"])
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE])
+def test_a_delete_the_disk_fails_is_the_tiers_error_and_keeps_the_block(
+    call: str, code: int, open_tier, block_cache, monkeypatch
+) -> None:
+    tier = open_tier("disk", LAYOUT, blocks=4)
+    tier.put(key(1), block_cache(LAYOUT, 1))
+    before = tier.usage()
+    real = getattr(os, call)
+
+    def failing(path, *args, **kwargs):
+        if str(path).endswith(".blk"):
+            raise OSError(code, os.strerror(code), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, call, failing)
+    with pytest.raises(TierUnavailable, match=errno.errorcode[code]) as failed:
+        tier.delete(key(1))
+    assert isinstance(failed.value.__cause__, OSError) and failed.value.__cause__.errno == code
+    assert tier.counters.get("disk.unavailable") == 1
+    monkeypatch.undo()
+    assert tier.contains(key(1)) and tier.usage() == before  # nothing half-done
+    assert tier.delete(key(1)) is True

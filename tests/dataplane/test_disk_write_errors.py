@@ -18,6 +18,7 @@ from dataplane_support import SMALL, key, layout_of
 
 from worker.dataplane.directory import BlockRegistration
 from worker.dataplane.errors import TierFull, TierUnavailable
+from worker.dataplane.eviction.local import MAX_FAILED_DELETES
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.profile import ModelProfile
 from worker.dataplane.store import TieredStore
@@ -194,7 +195,8 @@ def test_a_step_whose_block_fails_with_eio_stores_and_registers_the_others(
 
 
 def test_an_eviction_that_fails_with_eio_skips_the_block_counted(disk_manager, block_cache, monkeypatch) -> None:
-    """A full tier evicts to make room; a delete that fails there fails that block only."""
+    """A full tier evicts to make room; deletes that fail there (each the tier's own error,
+    counted) keep their blocks, and after MAX_FAILED_DELETES fail that block's write only."""
     manager, tier, directory = disk_manager
     write_back_step(manager, lambda n: block_cache(LAYOUT, n), [1, 2, 3, 4, 5, 6])
     assert manager.counters.get("write_back.disk.stored") == 6
@@ -209,8 +211,13 @@ def test_an_eviction_that_fails_with_eio_skips_the_block_counted(disk_manager, b
     write_back_step(manager, lambda n: block_cache(LAYOUT, n), [7])
     monkeypatch.undo()
     assert manager.counters.get("write_back.disk.failed") == 1
+    assert manager.counters.get("eviction_failed.disk") == tier.counters.get("disk.unavailable") == MAX_FAILED_DELETES
     assert [r.prefix_key for r in directory.registered] == [key(n) for n in range(1, 7)]
     assert not tier.contains(key(7))
+    assert tier.contains_many([key(n) for n in range(1, 7)]) == [True] * 6  # nothing lost to the faults
+    assert len(manager.evictor.ledger.stats("disk")) == 6  # and nothing forgotten: evictable later
+    write_back_step(manager, lambda n: block_cache(LAYOUT, n), [7])
+    assert manager.counters.get("write_back.disk.stored") == 7
 
 
 def key_number(block_key: uuid.UUID) -> int:

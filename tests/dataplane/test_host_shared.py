@@ -306,3 +306,25 @@ def test_a_pool_larger_than_its_shared_memory_is_refused_naming_both_sizes(tmp_p
     assert f"has {free / 2**30:.2f} GiB" in message or "GiB free of" in message, message
     assert "shm_size" in message and "sizeLimit" in message
     assert all(p.stat().st_size == 0 for p in tmp_path.iterdir())  # refused before allocating a byte
+
+
+def test_a_recount_reclaims_a_dead_writers_slot_now_and_keeps_a_live_ones(open_tier, shm_name) -> None:
+    tier = open_tier("host", LAYOUT, blocks=4)
+    tier.put(key(1), pattern(1))
+    child = _run_child(
+        """
+        tier._allocate(key(7))   # take a slot as if writing, then die without publishing
+        os._exit(0)
+    """,
+        shm_name,
+    )
+    child.wait(timeout=60)
+    live = tier._allocate(key(8))  # this process, still writing
+    assert tier.usage().pending_bytes == 2 * LAYOUT.block_bytes
+    recount = tier.recount()
+    assert (recount.drift_bytes, recount.drift_blocks) == (LAYOUT.block_bytes, 0)
+    assert recount.usage == tier.usage()
+    assert recount.usage.pending_bytes == LAYOUT.block_bytes and recount.usage.blocks == 1
+    assert tier.recount().drift_bytes == 0  # nothing left to reclaim; the live slot is kept
+    with tier._locked():
+        tier._release(live)

@@ -324,6 +324,23 @@ def test_the_client_factory_builds_a_cluster_client_the_tier_works_through(redis
         built.close()
 
 
+def test_a_recount_on_a_cluster_corrects_the_usage_hash(redis_cluster, block_cache, hasher) -> None:
+    """The usage hash is one key, so its scripts run on a cluster; the walk SCANs every node."""
+    client = redis_client(redis_cluster.url, cluster=True, timeout_s=1.5)
+    tier = RemoteTier(layout=LAYOUT, capacity_bytes=1 << 30, client=client, prefix="recount", hasher=hasher)
+    try:
+        for n in range(3):
+            tier.put(key(n), block_cache(LAYOUT, n))
+        assert tier.delete(key(2)) and tier.usage().blocks == 2
+        client.delete(tier.key_name(key(0)))  # behind Strata's back
+        recount = tier.recount(batch=1)
+        assert recount is not None and (recount.drift_bytes, recount.drift_blocks) == (tier.value_bytes, 1)
+        usage = tier.usage()
+        assert (usage.blocks, usage.stored_bytes, usage.pending_bytes) == (1, tier.value_bytes, 0)
+    finally:
+        tier.close()
+
+
 def test_the_remote_cluster_option_builds_a_cluster_backed_store(redis_cluster, block_cache) -> None:
     config = load_config(
         environ={

@@ -22,12 +22,17 @@ from controlplane.directory.services.credentials import (
     node_credential_revoke,
     node_credential_rotate,
 )
-from controlplane.movements.models import Movement
+from controlplane.movements.models import Movement, TierRecount
 from tests.directory.conftest import node_create
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+RECOUNT_UPSERT = (
+    "INSERT INTO movements_tierrecount AS t (node, tier, drift_bytes, drift_blocks, corrections, corrected_bytes, "
+    "recounted_at) VALUES (%s, %s, 1, 1, 1, 1, now()) ON CONFLICT (node, tier) DO UPDATE SET "
+    "corrections = t.corrections + EXCLUDED.corrections"
+)
 
 
 @pytest.fixture
@@ -97,6 +102,11 @@ def test_a_node_reads_the_directory_and_writes_its_own_rows(fleet, as_node_a):
     assert beat.rowcount == 1
     touched = as_node_a.execute("UPDATE directory_block SET access_count = access_count + 1")
     assert touched.rowcount == 2  # touches count on any block: blocks are the fleet's
+    for node, tier in (("gpu-a", "disk"), ("", "remote")):  # its recounts, and the shared tier's
+        for _ in range(2):  # recorded, then counted again on the row (tier_recount_record's upsert)
+            recorded = as_node_a.execute(RECOUNT_UPSERT, [node, tier])
+            assert recorded.rowcount == 1
+    assert as_node_a.execute("SELECT sum(corrections) FROM movements_tierrecount").fetchone() == (4,)
 
 
 def test_node_a_cannot_touch_node_b_or_anything_of_the_control_plane(fleet, as_node_a):
@@ -111,6 +121,9 @@ def test_node_a_cannot_touch_node_b_or_anything_of_the_control_plane(fleet, as_n
     assert (
         as_node_a.execute("UPDATE directory_nodetier SET used_bytes = 0 WHERE node_id = %s", [b_node.id]).rowcount == 0
     )
+    TierRecount.objects.create(node="gpu-b", tier="disk", drift_bytes=0, drift_blocks=0, recounted_at=timezone.now())
+    assert as_node_a.execute("UPDATE movements_tierrecount SET corrections = 9 WHERE node = 'gpu-b'").rowcount == 0
+    _fails(as_node_a, RECOUNT_UPSERT, ["gpu-b", "host"], match="row-level security")
     # Claiming B's identity in a new row is refused by the policy.
     _fails(
         as_node_a,

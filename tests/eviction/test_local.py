@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.engine.conftest import BLOCK_TOKENS, layout_for
-from worker.dataplane.errors import TierFull
+from worker.dataplane.errors import TierFull, TierUnavailable
+from worker.dataplane.eviction.local import MAX_FAILED_DELETES
 from worker.dataplane.eviction.rules import Rules, TierRule, parse_rules
 from worker.dataplane.metrics import EngineMetrics
 from worker.dataplane.offload import OffloadManager
@@ -262,3 +263,59 @@ def test_blocks_a_movement_put_in_are_adopted_and_ones_it_took_out_forgotten(mod
     assert write(mgr, ["d0"]) == [True]  # the adopted block (used once, when adopted) is now the coldest
     assert held(store, "host", ["moved-in", "b0", "b1", "c0", "d0"]) == ["b0", "b1", "c0", "d0"]
     assert mgr.counters.get("eviction.unreported") == 1  # its namespace is unknown here
+
+
+def test_a_victim_whose_delete_fails_stays_and_the_next_coldest_goes(models, make_store, monkeypatch):
+    model = models("tiny")
+    store = make_store(model, ("host",), blocks=4)
+    clock = Clock()
+    mgr = manager(store, model, clock=clock)
+    for names in (["a0"], ["b0"], ["c0", "c1"]):  # full, a0 the coldest
+        write(mgr, names)
+        clock.now += 1
+    tier = store.tier("host")
+    real_delete = tier.delete
+
+    def delete(block_key: uuid.UUID) -> bool:
+        if block_key == key("a0"):
+            raise TierUnavailable("host", reason="deleting a0 failed: EIO")
+        return real_delete(block_key)
+
+    monkeypatch.setattr(tier, "delete", delete)
+    assert write(mgr, ["d0"]) == [True]  # a0's delete failed: b0, the next coldest, went
+    assert held(store, "host", ["a0", "b0", "c0", "c1", "d0"]) == ["a0", "c0", "c1", "d0"]
+    assert mgr.evictor.ledger.get("host", key("a0")) is not None  # kept, to be tried again
+    assert mgr.counters.get("eviction_failed.host") == 1
+    assert mgr.counters.get("eviction.host.pressure") == 1
+    text = EngineMetrics(mgr, "n1", model="tiny").render().decode()
+    assert 'strata_eviction_failures_total{node="n1",tier="host"} 1.0' in text
+    monkeypatch.undo()
+    clock.now += 1
+    assert write(mgr, ["e0"]) == [True]  # a0, still the coldest, goes now
+    assert held(store, "host", ["a0", "c0", "c1", "d0", "e0"]) == ["c0", "c1", "d0", "e0"]
+    assert mgr.evictor.ledger.get("host", key("a0")) is None
+
+
+def test_a_tier_failing_every_delete_fails_the_write_after_a_few_and_forgets_nothing(models, make_store, monkeypatch):
+    model = models("tiny")
+    store = make_store(model, ("host",), blocks=4)
+    clock = Clock()
+    mgr = manager(store, model, clock=clock)
+    names = ["a0", "a1", "a2", "a3"]
+    write(mgr, names)
+    clock.now += 1
+    tier = store.tier("host")
+    tries: list[uuid.UUID] = []
+
+    def delete(block_key: uuid.UUID) -> bool:
+        tries.append(block_key)
+        raise TierUnavailable("host", reason="the medium is gone")
+
+    monkeypatch.setattr(tier, "delete", delete)
+    assert write(mgr, ["b0"]) == [False]  # the delete's error fails this block's write-back
+    assert len(tries) == MAX_FAILED_DELETES == mgr.counters.get("eviction_failed.host")
+    assert mgr.counters.get("write_back.host.failed") == 1
+    assert sorted(s.key for s in mgr.evictor.ledger.stats("host")) == sorted(key(n) for n in names)
+    monkeypatch.undo()
+    assert write(mgr, ["b0"]) == [True]
+    assert mgr.counters.get("eviction.host.pressure") == 1

@@ -178,13 +178,21 @@ class EngineMetrics:
             "Write-backs refused because nothing in the tier (or the namespace's quota) could be evicted.",
             labels=["node", "tier", "reason"],
         )
+        failed = CounterMetricFamily(
+            "strata_eviction_failures",
+            "Evictions whose delete failed (the disk or the store erring): the block stayed in its tier, "
+            "and a later eviction tries it again.",
+            labels=["node", "tier"],
+        )
         for name, value in sorted(counts.items()):
             parts = name.split(".")
             if len(parts) == 3 and parts[0] == "eviction":
                 evictions.add_metric([self.node, parts[1], parts[2]], value)
             elif len(parts) == 3 and parts[0] == "write_back_refused":
                 refused.add_metric([self.node, parts[1], parts[2]], value)
-        yield from (evictions, refused)
+            elif len(parts) == 2 and parts[0] == "eviction_failed":
+                failed.add_metric([self.node, parts[1]], value)
+        yield from (evictions, refused, failed)
         yield from self._blend(counts)
 
     def _blend(self, counts: Mapping[str, int]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

@@ -1,4 +1,5 @@
-"""Reconcile: bytes a tier holds against the placements the directory records for this node."""
+"""Reconcile: bytes a tier holds against the placements the directory records for this node, and
+the tier's usage counters against the bytes it holds."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from controlplane.directory.choices import TierLevel
 from controlplane.directory.models import Placement
 from controlplane.directory.services import placement_mark_corrupt
-from controlplane.movements.services import checksum_failures_count
+from controlplane.movements.services import checksum_failures_count, tier_recount_record
 from worker.movements.copies import node_copies
 from worker.movements.errors import FENCED
 
@@ -25,11 +26,18 @@ class ReconcileReport:
     orphans_seen: int = 0
     orphans_deleted: int = 0
     missing_marked: int = 0
+    recounted: bool = False
+    """The tier's usage counters were recounted (False: it keeps none that can drift, or
+    another node was recounting the shared tier)."""
+    drift_bytes: int = 0
+    """Counted minus held, as the recount found (and corrected) them."""
+    drift_blocks: int = 0
 
 
 class Reconciler:
     """Deletes bytes no placement names once they stayed orphaned for `grace_s` (remembered
-    across reconciles of this process) and marks READY copies whose bytes are gone corrupt."""
+    across reconciles of this process), marks READY copies whose bytes are gone corrupt, and
+    recounts the tier's usage counters from what it holds."""
 
     def __init__(self, *, node: str, store: Any, grace_s: float, batch: int) -> None:
         self.node = node
@@ -42,7 +50,8 @@ class Reconciler:
 
     def reconcile(self, tier: str, *, now: float | None = None) -> ReconcileReport:
         """Bytes without a placement row are deleted (after the grace period: seen orphaned by a
-        reconcile at least that long ago); READY rows whose bytes are gone are marked corrupt."""
+        reconcile at least that long ago); READY rows whose bytes are gone are marked corrupt;
+        then the tier's usage counters are recounted and the drift recorded for /metrics."""
         report = ReconcileReport(tier=tier)
         if tier not in self.store.names:
             return report
@@ -83,7 +92,38 @@ class Reconciler:
                 report.orphans_deleted,
                 report.missing_marked,
             )
+        self._recount(tier, report)
         return report
+
+    def _recount(self, tier: str, report: ReconcileReport) -> None:
+        """Recount the tier's usage counters (after the deletions above, which they account),
+        record the drift, and say so in one line when there was one to correct."""
+        recount = self.store.tier(tier).recount()
+        if recount is None:
+            return
+        report.recounted = True
+        report.drift_bytes, report.drift_blocks = recount.drift_bytes, recount.drift_blocks
+        shared = tier == TierLevel.REMOTE
+        tier_recount_record(
+            node=None if shared else self.node,
+            tier=tier,
+            drift_bytes=recount.drift_bytes,
+            drift_blocks=recount.drift_blocks,
+        )
+        if recount.corrected:
+            usage = recount.usage
+            log.warning(
+                "recount of %s: its usage counters were off by %+d bytes (%+d blocks) from what it holds "
+                "and are corrected; now %d of %d bytes used (%d stored in %d blocks, %d being written)",
+                f"the shared {tier} tier" if shared else f"tier {tier} on node {self.node}",
+                recount.drift_bytes,
+                recount.drift_blocks,
+                usage.used_bytes,
+                usage.capacity_bytes,
+                usage.stored_bytes,
+                usage.blocks,
+                usage.pending_bytes,
+            )
 
     def _known_keys(self, tier: str, keys: set[uuid.UUID]) -> set[uuid.UUID]:
         """Which of `keys` have a placement row of any state in this node's `tier`."""

@@ -3,8 +3,8 @@
 A node's role is a member of the database's node group (`<database>_nodes`), which holds the
 grants below: read what a node reads (the directory, the movements, the policies), register
 blocks and count their touches, and write its own node's rows (its heartbeat, tiers, traffic,
-copies and movements; row-level security, migration directory 0009, holds those to the node the
-role is registered for). Nothing on users, sessions or tokens, no policy writes, no DDL. The
+copies, movements and tier recounts; row-level security, migration directory 0009, holds those to
+the node the role is registered for). Nothing on users, sessions or tokens, no policy writes, no DDL. The
 control plane (the tables' owner) runs these statements, so its role needs CREATEROLE.
 
 Each credential also carries the node's own admin key (`node_admin_key`): the key of the node's
@@ -50,6 +50,7 @@ READ_TABLES = (
     "directory.Placement",
     "movements.Movement",
     "movements.MovementTally",
+    "movements.TierRecount",
     "policies.PriorityClass",
     "policies.TierPolicy",
     "policies.Mode",
@@ -71,6 +72,10 @@ WRITES = (
     ("directory.ModelProfile", "INSERT"),  # the profile of the model it serves, when missing
     ("movements.Movement", "UPDATE"),  # the movements its worker executes (row-level security)
     ("movements.MovementTally", "INSERT, UPDATE"),  # the running totals its finished movements add to
+    (
+        "movements.TierRecount",
+        "INSERT, UPDATE",
+    ),  # its reconcile's recounts (row-level security: its own, the shared tier's)
 )
 
 

@@ -41,6 +41,22 @@ class TierUsage:
 
 
 @dataclasses.dataclass(frozen=True)
+class Recount:
+    """What a recount of a tier's usage counters found: how far they were from what the medium
+    holds (counted minus held: positive when they counted bytes that are not there, which
+    refuses writes the tier has room for), and the usage once corrected."""
+
+    tier: str
+    drift_bytes: int
+    drift_blocks: int
+    usage: TierUsage
+
+    @property
+    def corrected(self) -> bool:
+        return bool(self.drift_bytes or self.drift_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
 class PutResult:
     key: uuid.UUID
     tier: str
@@ -224,6 +240,13 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> TierUsage:
         """Capacity and current use (stored + pending bytes)."""
+
+    def recount(self) -> Recount | None:
+        """Set the tier's usage counters to what the medium holds, safely beside writers in
+        flight (theirs and other processes'), and say how far off they were. None when nothing
+        was recounted: the tier keeps no counter that can drift (its usage is read from its own
+        index at every call), or another process is recounting the same medium right now."""
+        return None
 
     def ping(self) -> None:  # noqa: B027 - a medium on this node always answers
         """Raise TierUnavailable unless the medium answers now (a store checks each tier it

@@ -44,7 +44,7 @@ from worker.dataplane.buffers import DIRECT_IO_ALIGNMENT, aligned_empty, host_vi
 from worker.dataplane.checksum import Hasher
 from worker.dataplane.counters import Counters
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.tiers.base import TierUsage
+from worker.dataplane.tiers.base import Recount, TierUsage
 from worker.dataplane.tiers.disk.directory_sync import DirectorySyncer, sync_directory
 from worker.dataplane.tiers.disk.gds import load_kvikio
 from worker.dataplane.tiers.disk.headers import HeaderCache, block_file_bytes, block_header_bytes
@@ -127,7 +127,33 @@ class DiskTier(DiskReads, DiskWrites):
     def reconcile(self) -> TierUsage:
         """Recount the ledger from the directory, removing temporary files of dead writers: this
         host's whose process is gone, another host's once older than FOREIGN_TEMP_GRACE_SECONDS."""
+        self._recount_ledger()
+        return self.usage()
+
+    def recount(self) -> Recount:
+        """`reconcile`, reporting how far the ledger was from the directory. Safe beside writers
+        in any process: it runs under the ledger's lock, which every write takes to create its
+        temporary file (the reservation) and to rename it into place, so the directory it reads
+        is a snapshot of what the ledger should say."""
+        before, after = self._recount_ledger()
+        return Recount(
+            tier=self.name,
+            drift_bytes=before[0] + before[1] - after[0] - after[1],
+            drift_blocks=before[2] - after[2],
+            usage=TierUsage(
+                tier=self.name,
+                capacity_bytes=self.capacity_bytes,
+                stored_bytes=after[0],
+                pending_bytes=after[1],
+                blocks=after[2],
+            ),
+        )
+
+    def _recount_ledger(self) -> tuple[list[int], list[int]]:
+        """Set the ledger to the directory's blocks and live temporary files; returns the
+        ledger's [stored, pending, blocks] before and after."""
         with self._ledger.locked() as state:
+            before = list(state)
             stored = pending = blocks = 0
             now = time.time()
             for sub in os.scandir(self.root):
@@ -145,7 +171,7 @@ class DiskTier(DiskReads, DiskWrites):
                         else:
                             pending += reserved
             state[:] = [stored, pending, blocks]
-        return self.usage()
+        return before, [stored, pending, blocks]
 
     def _live_reservation(self, entry: os.DirEntry[str], now: float) -> int | None:
         """The bytes a temporary file reserves while its writer may still be writing it; None
@@ -199,20 +225,24 @@ class DiskTier(DiskReads, DiskWrites):
 
     def delete(self, key: uuid.UUID) -> bool:
         """Remove a block: gone under its name when this returns; its file is unlinked in the
-        background (`Unlinker`), its bytes counted as pending until then."""
+        background (`Unlinker`), its bytes counted as pending until then. TierUnavailable
+        (counted) when the disk fails to say or do it (EIO, a stale mount); the block stays."""
         self._headers.forget(key)
-        with self._ledger.locked() as state:
-            path = self.path_of(key)
-            try:
-                size = os.stat(path).st_size
-                # Should this process die before the unlink, the next reconcile removes the file.
-                doomed = self._temp_path(path, key, size)
-                os.rename(path, doomed)
-            except FileNotFoundError:
-                return False
-            state[0] -= size
-            state[1] += size
-            state[2] -= 1
+        path = self.path_of(key)
+        try:
+            with self._ledger.locked() as state:
+                try:
+                    size = os.stat(path).st_size
+                    # Should this process die before the unlink, the next reconcile removes the file.
+                    doomed = self._temp_path(path, key, size)
+                    os.rename(path, doomed)
+                except FileNotFoundError:
+                    return False
+                state[0] -= size
+                state[1] += size
+                state[2] -= 1
+        except OSError as exc:
+            raise self._unavailable(exc, path, "deleting") from exc
         # A file of a block of this tier's size is kept a while, for a put to write over it.
         self._unlinker.add(doomed, size, reusable=size == self.file_bytes)
         return True

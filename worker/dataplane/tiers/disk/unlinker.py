@@ -118,9 +118,15 @@ class Unlinker:
                     self._wake.wait(wait)
             path, size, _due = entry
             try:
-                os.unlink(path)
+                # Freeing the extents (the slow part) outside the ledger's lock; the name and its
+                # pending bytes then go together under it, so a recount of the ledger (in any
+                # process) sees both or neither. The emptied file still reserves its bytes by name.
+                os.truncate(path, 0)
+                with self._ledger.locked() as state:
+                    os.unlink(path)
+                    state[1] -= size
             except FileNotFoundError:
-                pass  # a reconcile got there first
+                pass  # a reconcile got there first, and recounted the ledger without it
             except OSError as exc:
                 # The bytes are still there, under a temporary name: counted as pending while
                 # this process lives, removed by the reconcile of the next.
@@ -131,10 +137,6 @@ class Unlinker:
                     path,
                     exc,
                 )
-                size = 0
-            if size:
-                with self._ledger.locked() as state:
-                    state[1] -= size
             with self._wake:
                 self._busy -= 1
                 self._wake.notify_all()

@@ -207,10 +207,16 @@ class DiskWrites(BlockFiles):
         if exc.errno in _FULL_ERRNOS:
             error = self._no_room(wait_for_freed, detail=f"{exc.strerror} {doing} {path.name}")
         else:
-            self.counters.add(f"{self.name}.unavailable")
-            code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "OSError"
-            error = TierUnavailable(self.name, reason=f"{doing} {path} failed: {code} ({exc.strerror or exc})")
+            error = self._unavailable(exc, path, doing)
         error.__cause__ = exc  # these errors travel through futures, not `raise ... from`
+        return error
+
+    def _unavailable(self, exc: OSError, path: Path, doing: str) -> TierUnavailable:
+        """TierUnavailable (counted) for an I/O error `doing` `path`: the disk or the mount failing."""
+        self.counters.add(f"{self.name}.unavailable")
+        code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "OSError"
+        error = TierUnavailable(self.name, reason=f"{doing} {path} failed: {code} ({exc.strerror or exc})")
+        error.__cause__ = exc
         return error
 
     def _commit(self, staged: Sequence[_Staged]) -> list[PutResult | BaseException]:

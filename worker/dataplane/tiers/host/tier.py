@@ -54,7 +54,7 @@ from worker.dataplane.checksum import (
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import TierFull
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.tiers.base import PutResult, TierUsage
+from worker.dataplane.tiers.base import PutResult, Recount, TierUsage
 from worker.dataplane.tiers.host.pool_layout import READY, SHM_DIR, WRITING, checksum_of
 from worker.dataplane.tiers.host.reads import HostReads
 
@@ -297,6 +297,17 @@ class HostTier(HostReads):
             stored_bytes=ready * self.layout.block_bytes,
             pending_bytes=writing * self.layout.block_bytes,
             blocks=ready,
+        )
+
+    def recount(self) -> Recount:
+        """Usage is read from the slot table at every call, so nothing drifts but slots being
+        written by a process that died mid-put: they count as pending for good until a full
+        pool or an opening reclaims them. This reclaims them now (a live writer's slot is kept),
+        reporting their bytes as drift."""
+        with self._locked():
+            reclaimed = self._reclaim_dead_writers()
+        return Recount(
+            tier=self.name, drift_bytes=reclaimed * self.layout.block_bytes, drift_blocks=0, usage=self.usage()
         )
 
     def close(self) -> None:

@@ -3,7 +3,9 @@
 A value is ``[header][block bytes]``; the header (a multiple of 64 bytes) holds the key, the
 layout, the block and per-layer checksums and a hash of itself, so the checksum travels with
 the value. Keys are ``<prefix>:blk:<key hex>`` (one prefix per deployment); capacity accounting
-lives in the hash ``<prefix>:usage`` (fields ``bytes`` and ``blocks``), shared by every node.
+lives in the hash ``<prefix>:usage``, shared by every node: stored bytes and blocks, and the
+reservations of puts in flight, each with a lease so a killed writer's lapses
+(`accounting.UsageHash`). `recount` corrects the hash to what the store holds.
 
 * Writes send the header and the tensor's memory as one SET without joining them first (no
   extra copy of the block); a cluster that redirects falls back to an ordinary SET.
@@ -37,8 +39,9 @@ from worker.dataplane.checksum import BlockChecksum, Hasher, Span, layer_prefix
 from worker.dataplane.counters import Counters
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.layout import BlockLayout
-from worker.dataplane.tiers.base import PutResult, ReadResult, Tier, TierUsage
+from worker.dataplane.tiers.base import PutResult, ReadResult, Recount, Tier, TierUsage
 from worker.dataplane.tiers.header import HeaderInvalid, header_length, pack_header, parse_header
+from worker.dataplane.tiers.remote.accounting import UsageHash
 from worker.dataplane.tiers.remote.client import ACCOUNTING_ERRORS, UNAVAILABLE_ERRORS, RedisClient
 from worker.dataplane.tiers.remote.wire import receive_value, set_without_join
 
@@ -51,6 +54,12 @@ PIPELINE_BYTES of replies at a time. redis-py's pure-Python parser slows down on
 pipelining many megabytes of replies at once is slower than not pipelining
 (benchmarks/README.md). Small replies (headers, small layers) still share round trips, which is
 what pipelining is for over a real network."""
+
+
+LEASE_S = 60.0
+"""How long a put's reservation (or a delete's intent) counts when its writer never settles it:
+longer than any put takes (a block's SET under the client's timeouts), short enough that a
+killed writer's bytes come back soon."""
 
 
 class RemoteTier(Tier):
@@ -69,6 +78,7 @@ class RemoteTier(Tier):
         hasher: Hasher | None = None,
         io_threads: int = 2,
         name: str = "remote",
+        lease_s: float = LEASE_S,
     ) -> None:
         super().__init__(name=name, layout=layout, counters=counters, hasher=hasher, io_threads=io_threads)
         if not prefix or any(c.isspace() for c in prefix):
@@ -78,10 +88,8 @@ class RemoteTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.header_bytes = round_up(header_length(layout), 64)
         self.value_bytes = self.header_bytes + layout.block_bytes
-        self._usage_key = f"{prefix}:usage"
+        self._usage = UsageHash(client, prefix=prefix, lease_s=lease_s)
         self._local = threading.local()
-        self._pending = 0
-        self._pending_lock = threading.Lock()
 
     def key_name(self, key: uuid.UUID) -> bytes:
         return f"{self.prefix}:blk:{key.hex}".encode()
@@ -131,39 +139,26 @@ class RemoteTier(Tier):
         size = self.value_bytes
         try:
             with self._medium():
-                pipe = self.client.pipeline(transaction=False)
-                pipe.strlen(name)
-                pipe.hincrby(self._usage_key, "bytes", size)
-                old_len, used = pipe.execute()
+                old_len = int(self.client.strlen(name) or 0)  # an overwrite frees the old value's bytes
+                field, used = self._usage.reserve(key, size=size, before=old_len, capacity=self.capacity_bytes)
         except redis.exceptions.OutOfMemoryError as exc:  # Redis is past maxmemory already
             self.counters.add(f"{self.name}.full")
             raise TierFull(self.name, needed=size, detail=str(exc)) from exc
-        old_len = int(old_len or 0)
-        if used - old_len > self.capacity_bytes:  # an overwrite frees the old value's bytes
-            self._release_reservation(size)
+        if field is None:
             self.counters.add(f"{self.name}.full")
-            raise TierFull(self.name, needed=size, free=max(0, self.capacity_bytes - (used - size)))
-        with self._pending_lock:
-            self._pending += size
+            raise TierFull(self.name, needed=size, free=max(0, self.capacity_bytes - used))
         try:
             with self._medium():
                 set_without_join(self.client, name, header, host_view(src))
         except redis.exceptions.OutOfMemoryError as exc:
-            self._release_reservation(size)
+            self._settle(field)
             self.counters.add(f"{self.name}.full")
             raise TierFull(self.name, needed=size, detail=str(exc)) from exc
         except BaseException:
-            self._release_reservation(size)
+            self._settle(field)
             raise
-        finally:
-            with self._pending_lock:
-                self._pending -= size
-        with contextlib.suppress(*ACCOUNTING_ERRORS):
-            # The block is stored either way; a lost correction only skews the quota a little.
-            if old_len:
-                self.client.hincrby(self._usage_key, "bytes", -old_len)
-            else:
-                self.client.hincrby(self._usage_key, "blocks", 1)
+        # The block is stored either way; a lost settle is the next recount's to correct.
+        self._settle(field, nbytes=size - old_len, blocks=0 if old_len else 1)
         self.counters.add(f"{self.name}.puts")
         self.counters.add(f"{self.name}.bytes_written", layout.block_bytes)
         return PutResult(key=key, tier=self.name, nbytes=layout.block_bytes, checksum=checksum)
@@ -192,9 +187,10 @@ class RemoteTier(Tier):
             self._submit(run)
         return futures
 
-    def _release_reservation(self, size: int) -> None:
+    def _settle(self, field: bytes, *, nbytes: int = 0, blocks: int = 0) -> None:
+        """End an operation's intent (releasing its reservation) and account what it changed."""
         with contextlib.suppress(*ACCOUNTING_ERRORS):
-            self.client.hincrby(self._usage_key, "bytes", -size)
+            self._usage.settle(field, nbytes=nbytes, blocks=blocks)
 
     # -- reads ----------------------------------------------------------------------------
     def _host_out(self, dst: torch.Tensor) -> torch.Tensor:
@@ -406,30 +402,57 @@ class RemoteTier(Tier):
     def delete(self, key: uuid.UUID) -> bool:
         name = self.key_name(key)
         with self._medium():
-            pipe = self.client.pipeline(transaction=False)
-            pipe.strlen(name)
-            pipe.delete(name)
-            length, removed = pipe.execute()
-        if removed:
-            with contextlib.suppress(*ACCOUNTING_ERRORS):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.hincrby(self._usage_key, "bytes", -int(length))
-                pipe.hincrby(self._usage_key, "blocks", -1)
-                pipe.execute()
-        return bool(removed)
+            length = int(self.client.strlen(name) or 0)
+            if not length:
+                return False
+            field: bytes | None = None
+            with contextlib.suppress(redis.exceptions.OutOfMemoryError):
+                # Past maxmemory Redis refuses the intent but not the DEL, which is what frees
+                # memory: the delete goes ahead, and the next recount accounts for it.
+                field = self._usage.declare(key, before=length)
+            try:
+                removed = bool(self.client.delete(name))
+            except BaseException:
+                if field is not None:
+                    self._settle(field)
+                raise
+        if field is not None:
+            self._settle(field, nbytes=-length if removed else 0, blocks=-1 if removed else 0)
+        return removed
 
     def usage(self) -> TierUsage:
+        """Stored bytes and blocks as accounted, and the bytes reserved by puts in flight on
+        every node (a killed writer's until its lease runs out and a put or a recount prunes it)."""
         with self._medium():
-            raw = self.client.hgetall(self._usage_key)
-        used = max(0, int(raw.get(b"bytes", 0)))
-        with self._pending_lock:
-            pending = min(self._pending, used)
+            counted = self._usage.counted()
         return TierUsage(
             tier=self.name,
             capacity_bytes=self.capacity_bytes,
-            stored_bytes=used - pending,
-            pending_bytes=pending,
-            blocks=max(0, int(raw.get(b"blocks", 0))),
+            stored_bytes=counted.bytes,
+            pending_bytes=counted.reserved,
+            blocks=counted.blocks,
+        )
+
+    def recount(self, *, batch: int = 1000) -> Recount | None:
+        """Correct the usage hash to what the store holds, walking it with SCAN in batches of
+        `batch` keys; safe beside puts and deletes in flight on any node
+        (`accounting.UsageHash.recount` says why). None while another recount runs."""
+        with self._medium():
+            recounted = self._usage.recount(batch=batch)
+        if recounted is None:
+            return None
+        counted = recounted.counted
+        return Recount(
+            tier=self.name,
+            drift_bytes=recounted.drift_bytes,
+            drift_blocks=recounted.drift_blocks,
+            usage=TierUsage(
+                tier=self.name,
+                capacity_bytes=self.capacity_bytes,
+                stored_bytes=counted.bytes,
+                pending_bytes=counted.reserved,
+                blocks=counted.blocks,
+            ),
         )
 
     def close(self) -> None:
