@@ -10,7 +10,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from worker.directory import PostgresDirectory
 
 T = TypeVar("T")
 
@@ -173,3 +176,36 @@ class BlackholeProxy:
         self._flowing.wait()  # an end of stream does not cross a blackhole either
         with contextlib.suppress(OSError):
             target.shutdown(socket.SHUT_WR)
+
+
+def postgres_socket() -> Path:
+    """The unix socket of the test session's PostgreSQL (the embedded one)."""
+    from controlplane.runtime.environment import load_environment, socket_dir
+
+    return socket_dir(load_environment().var_dir) / ".s.PGSQL.5432"
+
+
+def directory_client(port: int | None = None, **options: Any) -> PostgresDirectory:
+    """A directory client of the test database, connecting over 127.0.0.1:`port` (a
+    BlackholeProxy's) or, with None, over the database's unix socket; `options` are
+    DirectoryOptions fields."""
+    import psycopg
+    from django.db import connection
+
+    from worker.dataplane.network import ConnectionOptions
+    from worker.directory import DirectoryOptions, PostgresDirectory
+
+    params = connection.settings_dict
+    network = ConnectionOptions(connect_timeout_s=2)
+    where = {"host": "127.0.0.1", "port": port} if port else {"host": params["HOST"]}
+
+    def connect() -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            dbname=params["NAME"], user=params["USER"], password=params["PASSWORD"], **where, **network.libpq()
+        )
+
+    return PostgresDirectory(
+        connect=connect,
+        options=DirectoryOptions(**{"connection": network, "flush_interval_s": 0.02, **options}),
+        announce=lambda **_: None,
+    )

@@ -15,15 +15,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import psycopg
 import pytest
 import redis
 
-from controlplane.runtime.environment import load_environment, socket_dir
+from controlplane.runtime.environment import load_environment
 from tests.engine.conftest import BLOCK_TOKENS, engine_for, layout_for
-from tests.support import BlackholeProxy, wait_for
+from tests.support import BlackholeProxy, directory_client, postgres_socket, wait_for
 from worker.dataplane.directory import DirectoryUnavailable
 from worker.dataplane.engine.engine import Engine
 from worker.dataplane.engine.models import LoadedModel
@@ -31,7 +29,7 @@ from worker.dataplane.network import ConnectionOptions
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.host import HostTier
 from worker.dataplane.tiers.remote import RemoteTier, redis_client
-from worker.directory import DirectoryOptions, PostgresDirectory
+from worker.directory import PostgresDirectory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -65,26 +63,6 @@ def proxy() -> Iterator[Callable[[Path], BlackholeProxy]]:
     yield build
     for each in made:
         each.close()
-
-
-def directory_through(port: int | None, **options: Any) -> PostgresDirectory:
-    """A directory client of the test database, through 127.0.0.1:`port` (None: the socket)."""
-    from django.db import connection
-
-    params = connection.settings_dict
-    network = ConnectionOptions(connect_timeout_s=2)
-
-    def connect() -> psycopg.Connection[Any]:
-        where = {"host": "127.0.0.1", "port": port} if port else {"host": params["HOST"]}
-        return psycopg.connect(
-            dbname=params["NAME"], user=params["USER"], password=params["PASSWORD"], **where, **network.libpq()
-        )
-
-    return PostgresDirectory(
-        connect=connect,
-        options=DirectoryOptions(connection=network, flush_interval_s=0.02, **options),
-        announce=lambda **_: None,
-    )
 
 
 @pytest.fixture
@@ -148,9 +126,9 @@ def placements(keys: list[uuid.UUID]) -> int:
 
 
 def test_a_blackholed_directory_is_a_miss_by_the_deadline_and_writes_wait_for_the_path(models, stores, nodes, proxy):
-    pg = proxy(socket_dir(load_environment().var_dir) / ".s.PGSQL.5432")
+    pg = proxy(postgres_socket())
     # Reads cut at 1.5 s: past the request's 0.5 s, so that the request's own deadline shows.
-    directory = directory_through(
+    directory = directory_client(
         pg.port, read_deadline_s=1.5, unavailable_s=0.2, write_timeout_ms=200, write_grace_s=0.5, retry_max_s=0.3
     )
     try:
@@ -203,7 +181,7 @@ def test_a_blackholed_directory_is_a_miss_by_the_deadline_and_writes_wait_for_th
 def test_a_blackholed_l3_load_is_given_up_by_the_deadline_and_recomputed(models, stores, nodes, proxy):
     env = load_environment()
     l3 = proxy(Path(env.redis.socket_path))
-    directory = directory_through(None, read_deadline_s=5.0)
+    directory = directory_client(None, read_deadline_s=5.0)
     try:
         model = models("tiny")
         writer = engine_of(model, stores(model, env.redis.url_for_db(5)), "gpu-a", directory)
