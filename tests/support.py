@@ -1,14 +1,19 @@
-"""Small helpers shared by the integration tests."""
+"""Small helpers shared by the integration tests, and a proxy that blackholes a path to a server."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from worker.directory import PostgresDirectory
 
 T = TypeVar("T")
 
@@ -108,3 +113,105 @@ class RedisServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+
+class BlackholeProxy:
+    """A TCP proxy on 127.0.0.1 in front of a unix socket that can blackhole the path: stop
+    forwarding bytes both ways without closing any connection (what a client sees when packets
+    are dropped: its bytes leave, nothing comes back), and forward again later, the bytes held
+    meanwhile first (as TCP retransmits them once the path returns). New connections are
+    accepted while blackholed, and get nothing through either."""
+
+    def __init__(self, upstream: Path | str) -> None:
+        self.upstream = str(upstream)
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="blackhole-accept", daemon=True).start()
+
+    def blackhole(self) -> None:
+        self._flowing.clear()
+
+    def restore(self) -> None:
+        self._flowing.set()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sockets, self._sockets = self._sockets, []
+        self._flowing.set()
+        self._listener.close()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.socket(socket.AF_UNIX)
+            try:
+                server.connect(self.upstream)
+            except OSError:
+                client.close()
+                server.close()
+                continue
+            with self._lock:
+                if self._closed:
+                    client.close()
+                    server.close()
+                    return
+                self._sockets += [client, server]
+            for source, target in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, target), name="blackhole-pump", daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                self._flowing.wait()
+                target.sendall(data)
+        except OSError:
+            pass
+        self._flowing.wait()  # an end of stream does not cross a blackhole either
+        with contextlib.suppress(OSError):
+            target.shutdown(socket.SHUT_WR)
+
+
+def postgres_socket() -> Path:
+    """The unix socket of the test session's PostgreSQL (the embedded one)."""
+    from controlplane.runtime.environment import load_environment, socket_dir
+
+    return socket_dir(load_environment().var_dir) / ".s.PGSQL.5432"
+
+
+def directory_client(port: int | None = None, **options: Any) -> PostgresDirectory:
+    """A directory client of the test database, connecting over 127.0.0.1:`port` (a
+    BlackholeProxy's) or, with None, over the database's unix socket; `options` are
+    DirectoryOptions fields."""
+    import psycopg
+    from django.db import connection
+
+    from worker.dataplane.network import ConnectionOptions
+    from worker.directory import DirectoryOptions, PostgresDirectory
+
+    params = connection.settings_dict
+    network = ConnectionOptions(connect_timeout_s=2)
+    where = {"host": "127.0.0.1", "port": port} if port else {"host": params["HOST"]}
+
+    def connect() -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            dbname=params["NAME"], user=params["USER"], password=params["PASSWORD"], **where, **network.libpq()
+        )
+
+    return PostgresDirectory(
+        connect=connect,
+        options=DirectoryOptions(**{"connection": network, "flush_interval_s": 0.02, **options}),
+        announce=lambda **_: None,
+    )

@@ -1,23 +1,27 @@
 """The node's directory client: synchronous batched lookups, write-behind registrations, placement
 changes and touches, over its own PostgreSQL connections (the control plane's SQL, no ORM).
 
-Lookups run on a per-thread reader connection with a short statement timeout; after a failure the
-client answers DirectoryUnavailable at once for a short while, so engines recompute instead of
-queueing behind a dead database. Every write goes to one background writer thread: registrations
-and placement changes are kept in order and retried until the database takes them; touches are
-summed per block and dropped (counted) when they cannot be written.
+Lookups run on pooled reader connections with a short statement timeout and a deadline
+(`directory_readers`); from a failure until a background probe reaches the database again, the
+client answers DirectoryUnavailable at once, so engines recompute instead of queueing behind a
+dead database. Every write goes to one background writer thread: registrations and placement
+changes are kept in order and retried until the database takes them; touches are summed per
+block and dropped (counted) when they cannot be written. A write that gets no answer by its
+deadline has its connection cut and is retried like any failed write. Every connection carries
+the node's connect timeout, TCP keepalives and TCP user timeout (`network.ConnectionOptions`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,22 +30,20 @@ import psycopg
 from controlplane.directory import queries
 from controlplane.directory.registrations import placement_changes_write, registrations_write, runs
 from controlplane.directory.services import blocks_registered_announce
+from worker.dataplane.config import NodeConfig
 from worker.dataplane.directory import (
     BlockRegistration,
     BlockTouch,
     DirectoryStats,
-    DirectoryUnavailable,
     LookupResult,
     PlacementChange,
 )
+from worker.dataplane.network import ConnectionOptions, Watchdog
+from worker.directory_readers import TRANSIENT, DirectoryReaders
 
 log = logging.getLogger("strata.directory")
 
 Connect = Callable[[], psycopg.Connection[Any]]
-
-# Errors after which the same batch may succeed later (connection lost, server restarting,
-# timeouts, deadlocks, serialization failures); anything else is a property of the data.
-_TRANSIENT = (psycopg.OperationalError, psycopg.InterfaceError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +61,18 @@ class DirectoryOptions:
     lookup_timeout_ms: int = 250
     """Statement timeout of lookups: past it the engine is better off recomputing."""
     write_timeout_ms: int = 30_000
-    connect_timeout_s: int = 2
-    """libpq's minimum; a refused connection fails at once anyway."""
+    """Statement timeout of writes."""
+    write_grace_s: float = 5.0
+    """A write still without an answer this long after its statement timeout has its connection
+    cut (the server's own timeout answers first whenever the server and the path are there)."""
+    read_deadline_s: float = 5.0
+    """A lookup still without an answer this long after it was sent has its connection cut
+    (the node's lookup_deadline_seconds)."""
+    connection: ConnectionOptions = ConnectionOptions()
+    """Connect timeout, keepalives and TCP user timeout of every connection the client opens."""
     unavailable_s: float = 0.5
-    """After a failed lookup connection, answer DirectoryUnavailable without trying for this long."""
+    """While the database is unreachable, a probe tries to reach it this often; lookups answer
+    DirectoryUnavailable at once until it does."""
     retry_initial_s: float = 0.05
     retry_max_s: float = 2.0
     announce_every_s: float = 1.0
@@ -76,16 +86,41 @@ class DirectoryOptions:
     """How long the list of shared namespaces is reused before it is read again."""
 
     def __post_init__(self) -> None:
-        for name in ("flush_interval_s", "unavailable_s", "retry_initial_s", "retry_max_s", "shared_refresh_s"):
+        for name in (
+            "flush_interval_s",
+            "unavailable_s",
+            "retry_initial_s",
+            "retry_max_s",
+            "shared_refresh_s",
+            "read_deadline_s",
+            "write_grace_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be greater than zero")
         for name in ("batch_size", "capacity", "touch_capacity", "lookup_timeout_ms", "write_timeout_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")
 
+    @classmethod
+    def from_config(cls, config: NodeConfig, **overrides: Any) -> DirectoryOptions:
+        """The client of a node: its connections' options, its writes' statement timeout, and
+        its lookups cut at the node's lookup deadline."""
+        connection = ConnectionOptions.from_config(config)
+        fields: dict[str, Any] = {
+            "connection": connection,
+            "write_timeout_ms": connection.statement_timeout_ms(),
+            "read_deadline_s": config.lookup_deadline_seconds,
+        }
+        return cls(**{**fields, **overrides})
 
-def django_connect(alias: str = "default", *, connect_timeout_s: int = 2) -> Connect:
-    """A connection factory for the database Django is configured with (the node runs inside Django)."""
+    @property
+    def write_deadline_s(self) -> float:
+        return self.write_timeout_ms / 1000 + self.write_grace_s
+
+
+def django_connect(alias: str = "default", *, connection: ConnectionOptions | None = None) -> Connect:
+    """A connection factory for the database Django is configured with (the node runs inside
+    Django), with `connection`'s connect timeout, keepalives and TCP user timeout."""
     from django.conf import settings
 
     params = settings.DATABASES[alias]
@@ -94,7 +129,8 @@ def django_connect(alias: str = "default", *, connect_timeout_s: int = 2) -> Con
     options.pop("pool", None)
     options.pop("isolation_level", None)
     options.pop("assume_role", None)
-    options["connect_timeout"] = connect_timeout_s
+    options.pop("options", None)  # the client sets its statement timeouts itself
+    options.update((connection or ConnectionOptions()).libpq())
     kwargs = {
         "dbname": params["NAME"],
         "user": params.get("USER") or None,
@@ -131,7 +167,7 @@ class PostgresDirectory:
         source: str = "node",
     ) -> None:
         self.options = options or DirectoryOptions()
-        self._connect_raw = connect or django_connect(connect_timeout_s=self.options.connect_timeout_s)
+        self._connect_raw = connect or django_connect(connection=self.options.connection)
         self._announce = announce if announce is not None else blocks_registered_announce
         self._source = source
         self._lock = threading.Lock()
@@ -147,9 +183,15 @@ class PostgresDirectory:
         self._stopping = False
         self._failing = 0
         self._counts = collections.Counter[str]()
-        self._readers = threading.local()
-        self._reader_conns: list[psycopg.Connection[Any]] = []
-        self._unavailable_until = 0.0
+        self._watchdog = Watchdog("strata-directory-watchdog")
+        self._readers = DirectoryReaders(
+            open_connection=lambda: self._open(timeout_ms=self.options.lookup_timeout_ms),
+            watchdog=self._watchdog,
+            deadline_s=self.options.read_deadline_s,
+            statement_ms=self.options.lookup_timeout_ms,
+            retry_s=self.options.unavailable_s,
+            count=self._count,
+        )
         self._salts: dict[str, bytes] = {}
         self._shared: tuple[float, dict[str, bytes]] | None = None
         self._writer: psycopg.Connection[Any] | None = None
@@ -194,58 +236,17 @@ class PostgresDirectory:
         return dict(self._shared[1])
 
     def _read(self, query: Callable[[psycopg.Cursor[Any]], Any]) -> Any:
-        if time.monotonic() < self._unavailable_until:
-            self._lookup_failed()
-            raise DirectoryUnavailable("the directory database was unreachable a moment ago")
-        for attempt in (1, 2):
-            conn, fresh = self._reader()
-            try:
-                with conn.cursor() as cur:
-                    return query(cur)
-            except _TRANSIENT as exc:
-                if isinstance(exc, psycopg.errors.QueryCanceled):
-                    # The statement timed out; the connection itself is fine.
-                    self._lookup_failed()
-                    raise DirectoryUnavailable(f"lookup took over {self.options.lookup_timeout_ms} ms") from exc
-                self._drop_reader(conn)
-                # A connection that served before may just be stale (the server restarted):
-                # one fresh attempt, then give up quickly.
-                if fresh or attempt == 2:
-                    self._mark_unavailable()
-                    raise DirectoryUnavailable(f"directory database unreachable: {exc}") from exc
-        raise AssertionError("unreachable")
+        return self._readers.read(query)
 
-    def _reader(self) -> tuple[psycopg.Connection[Any], bool]:
-        conn = getattr(self._readers, "conn", None)
-        if conn is not None and not conn.closed:
-            return conn, False
-        try:
-            conn = self._open(timeout_ms=self.options.lookup_timeout_ms)
-        except _TRANSIENT as exc:
-            self._mark_unavailable()
-            raise DirectoryUnavailable(f"directory database unreachable: {exc}") from exc
-        self._readers.conn = conn
+    def _count(self, name: str) -> None:
         with self._lock:
-            self._reader_conns.append(conn)
-        return conn, True
-
-    def _drop_reader(self, conn: psycopg.Connection[Any]) -> None:
-        conn.close()
-        self._readers.conn = None
-        with self._lock:
-            if conn in self._reader_conns:
-                self._reader_conns.remove(conn)
-
-    def _mark_unavailable(self) -> None:
-        self._unavailable_until = time.monotonic() + self.options.unavailable_s
-        self._lookup_failed()
-
-    def _lookup_failed(self) -> None:
-        with self._lock:
-            self._counts["lookup_failures"] += 1
+            self._counts[name] += 1
 
     def _open(self, *, timeout_ms: int) -> psycopg.Connection[Any]:
+        """A new connection (within the connect timeout) with its statement timeout set (within
+        the read deadline: the path may have failed since the connection opened)."""
         conn = self._connect_raw()
+        token = self._watchdog.arm(conn.fileno(), self.options.read_deadline_s, what="a new directory connection")
         try:
             conn.autocommit = True
             conn.execute(
@@ -254,8 +255,12 @@ class PostgresDirectory:
                 (str(timeout_ms),),
             )
         except BaseException:
+            self._watchdog.disarm(token)
             conn.close()
             raise
+        if not self._watchdog.disarm(token):
+            conn.close()
+            raise psycopg.OperationalError("the directory database did not answer a new connection in time")
         return conn
 
     # -- writes (never wait) ---------------------------------------------------------------------
@@ -334,6 +339,8 @@ class PostgresDirectory:
                 over_capacity=c["over_capacity"],
                 lookups=c["lookups"],
                 lookup_failures=c["lookup_failures"],
+                read_deadlines=c["read_deadlines"],
+                write_deadlines=c["write_deadlines"],
                 deferred=len(self._parked),
             )
 
@@ -343,11 +350,10 @@ class PostgresDirectory:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout=timeout)
+        self._readers.close()
+        self._watchdog.close()
         with self._lock:
-            readers, self._reader_conns = self._reader_conns, []
             left = len(self._writes)
-        for conn in readers:
-            conn.close()
         if left:
             log.warning("directory client closed with %d writes not written", left)
 
@@ -409,6 +415,18 @@ class PostgresDirectory:
             self._writer = self._open(timeout_ms=self.options.write_timeout_ms)
         return self._writer
 
+    @contextlib.contextmanager
+    def _write_deadline(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """Cut the writer's connection if what runs inside gets no answer by the write deadline
+        (the write then fails as with a lost connection, and is retried); counted."""
+        token = self._watchdog.arm(conn.fileno(), self.options.write_deadline_s, what="a directory write")
+        try:
+            yield
+        finally:
+            if not self._watchdog.disarm(token):
+                self._count("write_deadlines")
+                self._reset_writer()
+
     def _reset_writer(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -420,7 +438,7 @@ class PostgresDirectory:
         unknown: list[BlockRegistration] = []
         try:
             counts, unknown = self._apply(batch)
-        except _TRANSIENT as exc:
+        except TRANSIENT as exc:
             self._reset_writer()
             with self._lock:
                 self._counts["failed_flushes"] += 1
@@ -478,7 +496,7 @@ class PostgresDirectory:
         unknown: list[BlockRegistration] = []
         now = datetime.now(tz=UTC)
         conn = self._writer_conn()
-        with conn.transaction(), conn.cursor() as cur:
+        with self._write_deadline(conn), conn.transaction(), conn.cursor() as cur:
             for kind, run in _kinds(batch):
                 if kind == "register":
                     written = registrations_write(cur, registrations=run, now=now, all_or_nothing=False)
@@ -514,10 +532,11 @@ class PostgresDirectory:
             for (ns, mk, pk), t in touches.items()
         ]
         try:
-            with self._writer_conn().cursor() as cur:
+            conn = self._writer_conn()
+            with self._write_deadline(conn), conn.cursor() as cur:
                 queries.touch(cur, rows=rows)
         except psycopg.Error as exc:
-            if isinstance(exc, _TRANSIENT):
+            if isinstance(exc, TRANSIENT):
                 self._reset_writer()
             log.warning("dropped %d touches: %s", len(rows), exc)
             self._drop_touches(touches)

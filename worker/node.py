@@ -70,7 +70,7 @@ class NodeRuntime:
         from worker.dataplane.engine.models import load_model
         from worker.dataplane.engine.server import NodeServer
         from worker.dataplane.store import build_store
-        from worker.directory import PostgresDirectory
+        from worker.directory import DirectoryOptions, PostgresDirectory
 
         model = load_model(config.model, dtype=config.model_dtype or None, cache_dir=config.cache_dir)
         profile = model.profile(config.block_tokens)
@@ -79,7 +79,7 @@ class NodeRuntime:
         for namespace in set(config.api_keys.values()):
             namespace_ensure(name=namespace)
         self.store = build_store(config, profile=profile, environ=self._tier_environ())
-        self.directory = PostgresDirectory()
+        self.directory = PostgresDirectory(options=DirectoryOptions.from_config(config))
         self.engine = Engine(
             model=model,
             store=self.store,
@@ -89,6 +89,8 @@ class NodeRuntime:
                 block_tokens=config.block_tokens,
                 write_back_tier="host" if "host" in self.store.names else self.store.names[-1],
                 blend=BlendOptions.from_config(config),
+                lookup_deadline_s=config.lookup_deadline_seconds,
+                load_deadline_s=config.load_deadline_seconds,
             ),
         )
         # The device shares of the policies in force, before the first request.
@@ -363,8 +365,10 @@ def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
     """Start the node's Celery worker in this process and block until it stops."""
     from controlplane.directory.services.redis_identity import node_broker_transport_options
     from controlplane.runtime.redis_check import refuse_evicting_redis
+    from worker.connections import broker_options_apply
 
     refuse_evicting_redis(f"node {config.node_name}")
+    broker_options_apply(app, config)
     runtime = NodeRuntime(config)
     runtime.prepare()
     try:

@@ -45,7 +45,10 @@ class StrataConnector(StrataConnectorBase):
     def open_directory(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Directory | None:
         _django()
         from controlplane.directory.services import modelprofile_ensure, namespace_ensure
-        from worker.directory import PostgresDirectory
+        from worker.connections import database_options_apply
+        from worker.directory import DirectoryOptions, PostgresDirectory
+
+        database_options_apply(config)  # this process's own queries (models, namespaces, policies)
 
         if role == KVConnectorRole.SCHEDULER:
             # Registrations of an unknown model or namespace are refused; a node started before the
@@ -57,7 +60,7 @@ class StrataConnector(StrataConnectorBase):
                 log.warning(
                     "StrataConnector: could not record model %s in the directory yet: %s", profile.model_id, exc
                 )
-        return PostgresDirectory()
+        return PostgresDirectory(options=DirectoryOptions.from_config(config))
 
     def policies_source(self) -> PolicyRead:
         """The policies in force, read from the control plane's tables as a Strata node reads them

@@ -2,7 +2,8 @@
 the directory: a lookup that needs a round trip answers "ask again" until it is back, an outage of
 the directory is a miss (counted), vLLM's own cache goes first; keys carry the LoRA adapter and
 the cache salt, namespaces come from identities the operator controls, requests Strata cannot key
-are served uncached and counted, and a promised load is never dropped from a step."""
+are served uncached and counted, and a promised load is never dropped from a step. The real
+directory behind a blackholed path costs one request its lookup deadline and holds no thread."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import BlackholeProxy, directory_client, postgres_socket, wait_for
 from worker.dataplane.config import load_config
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.scheduler_half import SchedulerHalf
@@ -89,7 +92,7 @@ class Directory:
         pass
 
 
-def make_half(tmp_path: Path, shm_name: str, **options: Any):
+def make_half(tmp_path: Path, shm_name: str, directory: Any = None, **options: Any):
     config = load_config(
         overrides={
             "node_name": "sched",
@@ -104,7 +107,7 @@ def make_half(tmp_path: Path, shm_name: str, **options: Any):
         environ={},
     )
     store = build_store(config, profile=PROFILE, environ={})
-    directory = Directory()
+    directory = directory or Directory()
     manager = OffloadManager(
         store=store,
         profile=PROFILE,
@@ -221,6 +224,54 @@ def test_a_lookup_past_its_deadline_is_a_miss_and_counted(tmp_path: Path, shm_na
     finally:
         directory.release.set()
         scheduler.close()
+        store.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_blackholed_directory_costs_one_request_its_deadline_and_holds_no_lookup_thread(
+    tmp_path: Path, shm_name: str
+):
+    """The real directory behind a path that stops answering (packets dropped, no connection
+    closed): the request waiting on it is served uncached at lookup_deadline_seconds, the
+    directory client cuts that read at its own deadline (a node gives both the same; here the
+    read's is later, to tell them apart), and the requests after it are misses at once, so the
+    scheduler's lookup threads are not held until TCP gives up."""
+    from controlplane.directory.services import namespace_ensure
+
+    namespace_ensure(name="default")
+    path = BlackholeProxy(postgres_socket())
+    directory = directory_client(path.port, read_deadline_s=1.0, unavailable_s=0.2)
+    scheduler, _, store = make_half(tmp_path, shm_name, directory, lookup_deadline_seconds="0.5")
+
+    def answered(request: Request) -> int:
+        return wait_for(
+            lambda: (answer := scheduler.matched_tokens(request, 0)) is not None and (answer,),
+            timeout=5,
+            every=0.01,
+            what=f"the lookup of {request.request_id}",
+        )[0]
+
+    try:
+        assert answered(Request("warm", prompt(2 * 32 + 1))) == 0  # the namespace's salt is read
+        path.blackhole()
+        waiting = Request("waiting", [token + 2 for token in prompt(3 * 32 + 1)])
+        began = time.perf_counter()
+        assert answered(waiting) == 0
+        waited = time.perf_counter() - began
+        assert 0.5 <= waited < 0.8, waited
+        assert scheduler.manager.counters.get("lookup_deadlines") == 1
+        wait_for(lambda: directory.stats().read_deadlines == 1, timeout=5, what="the read cut at its deadline")
+        for seed in (3, 4, 5):  # more than the two lookup threads
+            began = time.perf_counter()
+            assert answered(Request(f"after-{seed}", [token + seed for token in prompt(3 * 32 + 1)])) == 0
+            assert time.perf_counter() - began < 0.2
+        assert scheduler.manager.counters.get("lookup_deadlines") == 1
+        assert scheduler.manager.counters.get("lookup_failures") >= 3
+    finally:
+        path.restore()
+        scheduler.close()
+        directory.close(timeout=5)
+        path.close()
         store.close()
 
 

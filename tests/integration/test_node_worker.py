@@ -105,6 +105,16 @@ def test_bad_node_option_stops_with_a_message(subprocess_env, python):
     assert result.returncode == 2
     assert "STRATA_HEARTBEAT_SECONDS: must be 0.1 to 3600 seconds" in result.stderr
     result = subprocess.run(
+        [python, "manage.py", "strata_node", "--name", "gpu-0"],
+        cwd=REPO_ROOT,
+        env={**subprocess_env, "STRATA_TCP_USER_TIMEOUT_SECONDS": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "STRATA_TCP_USER_TIMEOUT_SECONDS: must be 0.5 to 600 seconds, got '0'" in result.stderr
+    result = subprocess.run(
         [python, "manage.py", "strata_node", "--name", "gpu-0", "--model", "no-such-model"],
         cwd=REPO_ROOT,
         env=node_env(subprocess_env, "gpu-0"),

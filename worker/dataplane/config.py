@@ -23,6 +23,7 @@ from worker.dataplane.config_values import (
     VERIFY_MODES,
     TierList,
     check_at_least_one,
+    check_between,
     check_fraction,
     check_heartbeat,
     check_non_negative,
@@ -211,6 +212,68 @@ OPTIONS: tuple[Option, ...] = (
         check_positive,
     ),
     Option(
+        "db_connect_timeout_seconds",
+        parse_int,
+        2,
+        "Seconds a node's PostgreSQL connection may take to open (the directory client's and the node's own; 2 to "
+        "60, libpq's minimum is 2).",
+        check_between(2, 60, "seconds"),
+    ),
+    Option(
+        "db_statement_timeout_seconds",
+        parse_float,
+        30.0,
+        "Statement timeout of a node's PostgreSQL connections (0.1 to 3600): the server cancels a statement past it;"
+        " the directory's writes are cut this long plus 5 s after they were sent when no answer comes (retried "
+        "later). Lookups keep their own 250 ms.",
+        check_between(0.1, 3600, "seconds"),
+    ),
+    Option(
+        "tcp_keepalive_idle_seconds",
+        parse_int,
+        5,
+        "Seconds a node's PostgreSQL or Redis connection sits idle before TCP probes the peer (1 to 3600).",
+        check_between(1, 3600, "seconds"),
+    ),
+    Option(
+        "tcp_keepalive_interval_seconds",
+        parse_int,
+        2,
+        "Seconds between two unanswered TCP keepalive probes (1 to 600).",
+        check_between(1, 600, "seconds"),
+    ),
+    Option(
+        "tcp_keepalive_count",
+        parse_int,
+        3,
+        "Unanswered TCP keepalive probes after which a connection is dead (1 to 50).",
+        check_between(1, 50, "probes"),
+    ),
+    Option(
+        "tcp_user_timeout_seconds",
+        parse_float,
+        10.0,
+        "Seconds bytes a node sent to PostgreSQL or Redis may stay unacknowledged before the connection is dead "
+        "(TCP_USER_TIMEOUT; 0.5 to 600): a path that drops packets fails in seconds, not TCP's 15 minutes.",
+        check_between(0.5, 600, "seconds"),
+    ),
+    Option(
+        "redis_health_check_seconds",
+        parse_float,
+        15.0,
+        "A node's Redis connection (the remote tier's, the broker's) idle this long is PINGed before its next "
+        "command (0 to 3600; 0: never).",
+        check_between(0, 3600, "seconds"),
+    ),
+    Option(
+        "broker_timeout_seconds",
+        parse_float,
+        10.0,
+        "Seconds the node's Celery broker connection waits to connect or for an answer (2 to 300: above the "
+        "broker's own 1 s poll).",
+        check_between(2, 300, "seconds"),
+    ),
+    Option(
         "model",
         parse_str,
         "",
@@ -274,16 +337,18 @@ OPTIONS: tuple[Option, ...] = (
         "load_deadline_seconds",
         parse_float,
         30.0,
-        "vLLM connector: the longest a load may take (an asynchronous one in all, a layer's wait inside the step); "
-        "past it the load is given up and vLLM recomputes its tokens.",
+        "The longest a load may take (vLLM connector: an asynchronous one in all, a layer's wait inside the step; "
+        "the node's own engine: its layer waits); past it the load is given up and the tokens are recomputed "
+        "(counted load_deadlines).",
         check_positive,
     ),
     Option(
         "lookup_deadline_seconds",
         parse_float,
         5.0,
-        "vLLM connector: the longest a request waits for its lookup (the directory's round trip); past it the "
-        "request is served without the cache (counted lookup_deadlines).",
+        "The longest a request waits for its lookup (the directory's round trip), in either engine; past it the "
+        "request is served without the cache (counted lookup_deadlines), and the directory client cuts a read "
+        "still waiting for its answer.",
         check_positive,
     ),
     Option(
@@ -486,6 +551,14 @@ class NodeConfig:
     fault_hold_s: float = 3600.0
     remote_cluster: bool = False
     remote_timeout_seconds: float = 2.0
+    db_connect_timeout_seconds: int = 2
+    db_statement_timeout_seconds: float = 30.0
+    tcp_keepalive_idle_seconds: int = 5
+    tcp_keepalive_interval_seconds: int = 2
+    tcp_keepalive_count: int = 3
+    tcp_user_timeout_seconds: float = 10.0
+    redis_health_check_seconds: float = 15.0
+    broker_timeout_seconds: float = 10.0
     model: str = ""
     cache_dir: str = ""
     model_dtype: str = ""

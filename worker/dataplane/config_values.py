@@ -167,6 +167,16 @@ def check_positive(value: Any) -> str | None:
     return None if value > 0 else "must be greater than zero"
 
 
+def check_between(low: float, high: float, unit: str) -> Callable[[Any], str | None]:
+    """A check that a value lies between `low` and `high` (both allowed); its message names the
+    range accepted."""
+
+    def check(value: Any) -> str | None:
+        return None if low <= value <= high else f"must be {low:g} to {high:g} {unit}"
+
+    return check
+
+
 def check_heartbeat(value: Any) -> str | None:
     """The control plane accepts heartbeat intervals of 0.1 to 3600 s (a node may not declare
     itself alive for longer): refused at start rather than at every heartbeat."""

@@ -245,6 +245,10 @@ class DirectoryStats:
     """Registrations or changes accepted while the queue was over capacity (kept, never dropped)."""
     lookups: int = 0
     lookup_failures: int = 0
+    read_deadlines: int = 0
+    """Reads (lookups, salts) cut because no answer came by their deadline."""
+    write_deadlines: int = 0
+    """Writes cut because no answer came by their deadline (retried)."""
     deferred: int = 0
     """Registrations held because they name a namespace, model or node not known yet (retried)."""
 

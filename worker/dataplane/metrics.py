@@ -106,6 +106,15 @@ class EngineMetrics:
             labels=["node"],
         )
         lookup_failures.add_metric([self.node], counts.get("lookup_failures", 0))
+        deadlines = CounterMetricFamily(
+            "strata_deadlines",
+            "Waits of the serving path given up at their deadline, by wait: lookup (no answer within "
+            "lookup_deadline_seconds: served without the cache's hits) and load (a layer not in within "
+            "load_deadline_seconds: recomputed).",
+            labels=["node", "wait"],
+        )
+        for wait in ("lookup", "load"):
+            deadlines.add_metric([self.node, wait], counts.get(f"{wait}_deadlines", 0))
         uncached = CounterMetricFamily(
             "strata_uncached_requests",
             "Requests served without the cache because Strata cannot key what they carry (prompt_embeds, "
@@ -158,6 +167,7 @@ class EngineMetrics:
             decisions,
             failures,
             lookup_failures,
+            deadlines,
             uncached,
             store,
             unverified,

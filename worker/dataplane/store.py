@@ -25,6 +25,7 @@ from worker.dataplane.directory import REMOTE, TIER_ORDER, check_checksum
 from worker.dataplane.errors import MISSES, BlockMissing, BlockUnregistered, TierUnavailable
 from worker.dataplane.hashing import model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
+from worker.dataplane.network import ConnectionOptions
 from worker.dataplane.tiers.base import (
     PutResult,
     ReadResult,
@@ -442,6 +443,7 @@ def _remote_medium(setting: StoreSetting) -> Medium:
         cluster=config.remote_cluster,
         timeout_s=config.remote_timeout_seconds,
         client=setting.remote_client,
+        connection=ConnectionOptions.from_config(config),
     )
 
 

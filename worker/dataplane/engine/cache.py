@@ -24,6 +24,10 @@ class LoadFailed(RuntimeError):
         self.cause = cause
 
 
+class LoadDeadline(TimeoutError):
+    """A load was still not in when its deadline passed (a tier that stopped answering)."""
+
+
 class LayerGate:
     """The sync point of one layer: set by the loader once the layer's prefix is in place (on a
     GPU: once the copies that put it in place are queued, with the event that marks them done)."""
@@ -37,6 +41,11 @@ class LayerGate:
         self.fill: Callable[[], None] | None = None
         """Loads the layer in the waiting thread and opens (or fails) the gate: set by a loader
         that has no thread of its own (see `LayerLoader(inline=True)`)."""
+        self.deadline: float | None = None
+        """When (perf_counter) a wait gives up on the layer; None: never."""
+        self.expire: Callable[[], None] | None = None
+        """Fails the gate (with LoadDeadline as the cause) once its deadline has passed: set by
+        the loader with the deadline."""
 
     def open(self, *, cuda_event: Any = None, device: torch.device | None = None) -> None:
         """Let the layer compute; with `cuda_event` (recorded on the loader's stream on `device`)
@@ -55,10 +64,14 @@ class LayerGate:
         return self._done.is_set()
 
     def wait(self) -> float:
-        """Block until this layer is loaded; returns the seconds spent waiting (the stall)."""
+        """Block until this layer is loaded, or its deadline has passed (LoadFailed with a
+        LoadDeadline cause); returns the seconds spent waiting (the stall)."""
         start = time.perf_counter()
         if self.fill is not None and not self._done.is_set():
             self.fill()
+        remaining = None if self.deadline is None else max(0.0, self.deadline - start)
+        if not self._done.wait(remaining) and self.expire is not None:
+            self.expire()
         self._done.wait()
         stall = time.perf_counter() - start
         if self._error is not None:

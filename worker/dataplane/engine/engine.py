@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,10 +33,11 @@ from worker.dataplane.blend.tuner import BLEND, BlendTuner
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import (
     MAX_BATCH,
+    REMOTE,
     Directory,
     DirectoryUnavailable,
 )
-from worker.dataplane.engine.cache import LoadFailed, StrataCache
+from worker.dataplane.engine.cache import LoadDeadline, LoadFailed, StrataCache
 from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
@@ -103,6 +104,17 @@ class EngineOptions:
     to measure the tier again (None: never; a tier judged too slow then stays unread)."""
     content_index_entries: int = 1 << 20
     """Most content keys the node remembers for fragment matching (least recently used go first)."""
+    lookup_deadline_s: float = 5.0
+    """Longest a request waits for its lookup; past it the request is served without the cache's
+    hits (counted ``lookup_deadlines``)."""
+    load_deadline_s: float = 30.0
+    """Longest a request's load may take, as its layers wait for it; past it the load is given
+    up and the tokens recomputed (counted ``load_deadlines``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("lookup_deadline_s", "load_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be greater than zero, got {getattr(self, name)!r}")
 
 
 class Engine:
@@ -151,6 +163,9 @@ class Engine:
         )
         self.model_key = self.offload.model_key
         self._turns = turns if turns is not None else Turns()
+        # Lookups that may wait on the network (the directory, L3) run here, so that a request
+        # waits for its lookup at most lookup_deadline_s, and outside its turn at the model.
+        self._lookups = ThreadPoolExecutor(4, thread_name_prefix="strata-lookup")
         self._ids = itertools.count(1)
         # L1: the blocks kept in the device tier, each priority class within its share.
         self.working_set = WorkingSet(store.tier("device"), counters=self.counters) if "device" in store.names else None
@@ -293,9 +308,10 @@ class Engine:
             return self.model.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float().cpu()
 
     def close(self) -> None:
-        """Stop the background quality checker."""
+        """Stop the background quality checker and the lookup threads."""
         if self.tuner is not None:
             self.tuner.close()
+        self._lookups.shutdown(wait=False, cancel_futures=True)
 
     def fingerprinter(self, namespace: str) -> Fingerprinter:
         return self.offload.fingerprinter(namespace)
@@ -342,9 +358,15 @@ class Engine:
         write_back: bool,
         copies: list[Future[None]],
     ) -> tuple[list[int], torch.Tensor, StrataCache]:
+        start = time.perf_counter()
+        hits: list[Hit] = []
+        chain = Chain()
+        if use_cache:
+            hits, chain, use_cache = self._look_up(prompt, namespace, trace)
+        trace.lookup_s = time.perf_counter() - start
         with self._turns.hold(Step.PREFILL), torch.inference_mode():
             cache, logits, hits, fragments, percent, exact_until, chain = self._first_token(
-                prompt, namespace, use_cache, trace, use_blend, segments
+                prompt, namespace, use_cache, trace, use_blend, segments, looked_up=(hits, chain, start)
             )
         # The prompt's blocks are stored before decoding starts, so a request over the same
         # document that prefills between this one's decode steps already finds them.
@@ -378,6 +400,35 @@ class Engine:
                 self.on_trace(trace)
         return output, logits, cache
 
+    def _look_up(self, prompt: list[int], namespace: str, trace: RequestTrace) -> tuple[list[Hit], Chain, bool]:
+        """The prompt's hits and the chain its blocks are stored under (`OffloadManager.lookup_prompt`),
+        looked up before the request takes its turn at the model, so that a slow directory or L3
+        delays this request only. A lookup that may wait on the network runs on a lookup thread,
+        waited for at most `lookup_deadline_s`: past it the request is served without hits
+        (counted ``lookup_deadlines``), its blocks still stored when its namespace's salt is
+        known. The third value is False when the request must be served uncached: without the
+        namespace's salt nothing can be matched or stored."""
+        if self.offload.directory is None and REMOTE not in self.store.names:
+            _, hits, chain = self.offload.lookup_prompt(prompt, namespace)  # the node's memory and files only
+            return hits, chain, True
+        lookup = self._lookups.submit(self.offload.lookup_prompt, prompt, namespace)
+        try:
+            _, hits, chain = lookup.result(timeout=self.options.lookup_deadline_s)
+        except TimeoutError:
+            lookup.cancel()
+            self.counters.add("lookup_deadlines")
+            log.warning(
+                "request %s: no lookup answer within %g s; served without the cache's hits",
+                trace.request_id,
+                self.options.lookup_deadline_s,
+            )
+            return [], Chain(), self.offload.knows_salt(namespace)
+        except DirectoryUnavailable as exc:
+            log.warning("request %s runs without the cache: %s", trace.request_id, exc)
+            self.counters.add("lookup_failures")
+            return [], Chain(), False
+        return hits, chain, True
+
     def _first_token(
         self,
         prompt: list[int],
@@ -386,21 +437,13 @@ class Engine:
         trace: RequestTrace,
         use_blend: bool,
         segments: Sequence[tuple[int, int]] = (),
+        *,
+        looked_up: tuple[list[Hit], Chain, float],
     ) -> tuple[StrataCache, torch.Tensor, list[Hit], list[Fragment], float, int | None, Chain]:
-        """Lookup, the load-or-recompute decision and the prefill: the logits of the first token,
-        and the chain of keys the prompt's blocks are stored under (`OffloadManager.lookup_prompt`)."""
-        start = time.perf_counter()
-        hits: list[Hit] = []
-        chain = Chain()
-        if use_cache:
-            try:
-                _, hits, chain = self.offload.lookup_prompt(prompt, namespace)
-            except DirectoryUnavailable as exc:
-                # Without the namespace's salt nothing can be matched or stored: serve uncached.
-                log.warning("request %s runs without the cache: %s", trace.request_id, exc)
-                self.counters.add("lookup_failures")
-                use_cache = False
-        trace.lookup_s = time.perf_counter() - start
+        """The load-or-recompute decision and the prefill, after the lookup (`looked_up`: its
+        hits, chain and start): the logits of the first token, and the chain of keys the
+        prompt's blocks are stored under (`OffloadManager.lookup_prompt`)."""
+        hits, chain, start = looked_up
         self.counters.add("lookup_tokens", len(prompt))
         hits, decision = self.offload.decide(hits, prompt_tokens=len(prompt), request=trace.request_id)
         trace.decision = decision.choice
@@ -410,11 +453,12 @@ class Engine:
             assert self.tuner is not None
             mode, percent = self.tuner.current(namespace)
             trace.blend, trace.blend_percent = mode, percent
+            matching = time.perf_counter()
             if mode == BLEND:
                 fragments = self._match_fragments(prompt, len(hits) * self.layout.block_tokens, namespace, segments)
                 if not fragments:
                     trace.blend = "no-fragment"
-            trace.lookup_s = time.perf_counter() - start
+            trace.lookup_s += time.perf_counter() - matching
         exact_until: int | None = None
         while True:
             try:
@@ -425,9 +469,12 @@ class Engine:
                     cache, logits = self._prefill(prompt, hits, trace)
                 break
             except LoadFailed as failure:
-                # A vanished or corrupt block is a miss: recompute from it, never serve it.
+                # A vanished or corrupt block is a miss: recompute from it, never serve it. So is
+                # one a tier did not deliver by the load's deadline.
                 trace.load_failures += 1
                 self.counters.add("load_failures")
+                if isinstance(failure.cause, LoadDeadline):
+                    self.counters.add("load_deadlines")
                 if failure.block_index < len(hits):
                     failed = hits[failure.block_index]
                     self._forget(failed, failure.cause, failed.namespace or namespace)
@@ -651,6 +698,7 @@ class Engine:
             buffers=buffers,
             inline=self._inline_load(hits),
             verify_remote=self.offload.verifies_remote,
+            deadline_s=self.options.load_deadline_s,
         ).start()
 
     def _prefix_buffers(self, blocks: int) -> PrefixBuffers:

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 import torch
 
 from worker.dataplane.buffers import aligned_empty, runs
-from worker.dataplane.engine.cache import LayerGate, LoadFailed
+from worker.dataplane.engine.cache import LayerGate, LoadDeadline, LoadFailed
 from worker.dataplane.errors import MISSES
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.offload_records import Hit, TierLoad
@@ -103,8 +103,13 @@ class LayerLoader:
         buffers: PrefixBuffers,
         inline: bool = False,
         verify_remote: bool = False,
+        deadline_s: float | None = None,
     ) -> None:
         self.store = store
+        self.deadline_s = deadline_s
+        """Longest the load may take: a layer still not in by then fails its gate and every later
+        one (LoadDeadline), and `join` waits no longer (None: no deadline)."""
+        self.deadline: float | None = None
         self.hits = list(hits)
         self.keys = [hit.key for hit in self.hits]
         self.expected = [hit.checksum for hit in self.hits] if verify_remote else None
@@ -121,6 +126,7 @@ class LayerLoader:
         if inline:
             for layer, gate in enumerate(self.gates):
                 gate.fill = functools.partial(self._fill_to, layer)
+        self._requested: list[list[Future[ReadResult]]] = []
         self.started_at = 0.0
         self.finished_at = 0.0
         # What each tier served (bytes) and when its last read landed, from the reads' own futures.
@@ -158,6 +164,12 @@ class LayerLoader:
 
     def start(self) -> LayerLoader:
         self.started_at = time.perf_counter()
+        if self.deadline_s is not None and self._thread is not None:
+            # (an inline load reads in the waiting thread itself: nothing to wait for)
+            self.deadline = self.started_at + self.deadline_s
+            for layer, gate in enumerate(self.gates):
+                gate.deadline = self.deadline
+                gate.expire = functools.partial(self._expire, layer)
         if self._thread is not None:
             self._thread.start()
         return self
@@ -165,9 +177,24 @@ class LayerLoader:
     def cancel(self) -> None:
         self._stop.set()
 
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+    def join(self) -> bool:
+        """Wait for the loader thread, at most until the deadline; False: it still waits on a
+        tier and is left behind (its reads land in buffers it alone still holds)."""
+        if self._thread is None:
+            return True
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _expire(self, layer: int) -> None:
+        """`layer` is not in by the deadline: fail its gate and every later one at the first
+        block whose read has not landed, and stop loading."""
+        self._stop.set()
+        futures = self._requested[layer] if layer < len(self._requested) else []
+        block = next((i for i, future in enumerate(futures) if not future.done()), 0)
+        cause = LoadDeadline(f"layer {layer} was not loaded within {self.deadline_s:g} s")
+        log.warning("load past its deadline, the request recomputes from block %d: %s", block, cause)
+        self._fail_from(layer, LoadFailed(layer, block, cause))
 
     def wait_all(self) -> None:
         """Block until every layer is loaded (load-then-compute); raises the first LoadFailed."""
@@ -243,7 +270,7 @@ class LayerLoader:
         as soon as all of its reads are in."""
         if self._buffers_free is not None:
             self._buffers_free.synchronize()
-        requested = [self._request(layer) for layer in range(self.buffers.layout.layers)]
+        requested = self._requested = [self._request(layer) for layer in range(self.buffers.layout.layers)]
         started = self.started_at
         try:
             for layer, futures in enumerate(requested):

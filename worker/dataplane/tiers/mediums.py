@@ -23,6 +23,7 @@ import torch
 from worker.dataplane.checksum import Hasher
 from worker.dataplane.counters import Counters
 from worker.dataplane.layout import BlockLayout
+from worker.dataplane.network import ConnectionOptions
 from worker.dataplane.redis_policy import refuse_evicting
 from worker.dataplane.tiers.base import Tier
 from worker.dataplane.tiers.device import DeviceTier
@@ -114,13 +115,15 @@ class RedisStore:
     cluster: bool = False
     timeout_s: float = 2.0
     client: RedisClient | None = dataclasses.field(default=None, compare=False)
+    connection: ConnectionOptions = ConnectionOptions()
+    """Keepalives and health checks of the client built from `url`."""
 
     def open(
         self, *, name: str, layout: BlockLayout, counters: Counters | None = None, hasher: Hasher | None = None
     ) -> RemoteTier:
         client = self.client
         if client is None:
-            client = redis_client(self.url, cluster=self.cluster, timeout_s=self.timeout_s)
+            client = redis_client(self.url, cluster=self.cluster, timeout_s=self.timeout_s, connection=self.connection)
         refuse_evicting(client, f"remote tier {name}")
         return RemoteTier(
             layout=layout,
@@ -152,6 +155,7 @@ def remote_medium(
     cluster: bool = False,
     timeout_s: float = 2.0,
     client: RedisClient | None = None,
+    connection: ConnectionOptions | None = None,
 ) -> FileDirectory | RedisStore:
     """The medium of a remote store at `url`: redis://, rediss:// or unix:// is Redis/Valkey
     (`cluster` for a Redis Cluster); a directory path or file:// URL is a shared filesystem
@@ -169,6 +173,7 @@ def remote_medium(
         cluster=cluster,
         timeout_s=timeout_s,
         client=client,
+        connection=connection or ConnectionOptions(),
     )
 
 

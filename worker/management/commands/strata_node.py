@@ -69,6 +69,9 @@ class Command(BaseCommand):
         except ConfigError as exc:
             self.stderr.write(f"strata_node: {exc}")
             sys.exit(2)
+        from worker.connections import database_options_apply
+
+        database_options_apply(config)  # before the first query (the credential check below)
         logging.getLogger("strata").setLevel(loglevel.upper())
         allowed = allow_owner_credential or os.environ.get("STRATA_NODE_ALLOW_OWNER_CREDENTIAL", "").lower() in (
             "1",

@@ -15,7 +15,11 @@ reservations of puts in flight, each with a lease so a killed writer's lapses
   whose reply the socket writes straight into the header buffer and the destination
   (``recv_into``); the layers are then hashed in place and verified.
 * Redis down (connection refused, timeout, loading, cluster down) raises TierUnavailable and is
-  counted; redis-py reconnects on the next call, so the tier recovers when Redis returns.
+  counted; redis-py reconnects on the next call, so the tier recovers when Redis returns. A
+  server that let a command time out (a silent server, a path that drops packets) is not waited
+  on again for `retry_after_s`: meanwhile every call raises TierUnavailable at once (counted the
+  same), so each load of the requests behind it fails fast and recomputes instead of paying
+  the socket timeout again.
 
 The `remote` level can also be a shared filesystem mount (CephFS, NFS, Lustre, 3FS), served by
 the disk tier: `worker.dataplane.tiers.mediums.remote_medium` picks the medium from the URL.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -79,6 +84,7 @@ class RemoteTier(Tier):
         io_threads: int = 2,
         name: str = "remote",
         lease_s: float = LEASE_S,
+        retry_after_s: float = 1.0,
     ) -> None:
         super().__init__(name=name, layout=layout, counters=counters, hasher=hasher, io_threads=io_threads)
         if not prefix or any(c.isspace() for c in prefix):
@@ -90,6 +96,9 @@ class RemoteTier(Tier):
         self.value_bytes = self.header_bytes + layout.block_bytes
         self._usage = UsageHash(client, prefix=prefix, lease_s=lease_s)
         self._local = threading.local()
+        self.retry_after_s = retry_after_s
+        """After a command timed out, seconds the server is not asked again."""
+        self._silent_until = 0.0
 
     def key_name(self, key: uuid.UUID) -> bytes:
         return f"{self.prefix}:blk:{key.hex}".encode()
@@ -97,10 +106,16 @@ class RemoteTier(Tier):
     # -- errors ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def _medium(self) -> Iterator[None]:
-        """Turns "Redis is not there" into TierUnavailable (counted)."""
+        """Turns "Redis is not there" into TierUnavailable (counted), at once while a timeout is
+        recent (`retry_after_s`)."""
+        if time.monotonic() < self._silent_until:
+            self.counters.add(f"{self.name}.unavailable")
+            raise TierUnavailable(self.name, reason=f"a command timed out less than {self.retry_after_s:g} s ago")
         try:
             yield
         except UNAVAILABLE_ERRORS as exc:
+            if isinstance(exc, redis.exceptions.TimeoutError):
+                self._silent_until = time.monotonic() + self.retry_after_s
             self.counters.add(f"{self.name}.unavailable")
             raise TierUnavailable(self.name, reason=f"{type(exc).__name__}: {exc}") from exc
 
