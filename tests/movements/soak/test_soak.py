@@ -1,9 +1,12 @@
 """The bounded load test: 8 real node processes (`strata_node --model tiny`, small tiers, one
-shared remote tier) move seeded blocks among host, disk and remote as the planner keeps
-sending them, while another process runs 200 metadata operations a second against the
-directory, and one fault a minute hits a random node (SIGKILL then restart, or SIGSTOP past the
-visibility timeout then SIGCONT). At the end: every movement finished, a reconcile, zero
-invariant violations, no copy moved twice, and every block's bytes identical to what was seeded.
+shared remote tier, each on its own PostgreSQL role and Redis user) move seeded blocks among
+host, disk and remote as the planner keeps sending them, while another process runs 200 metadata
+operations a second against the directory, and one fault a minute hits a random node (SIGKILL
+then restart, or SIGSTOP past the visibility timeout then SIGCONT). One node reaches PostgreSQL
+through a proxy that blackholes the path (drops everything, closes nothing) for a third of the
+load; first, a node started on a Redis whose eviction policy is allkeys-lru must refuse to start.
+At the end: every movement finished, a reconcile, zero invariant violations, no copy moved twice,
+and every block's bytes identical to what was seeded.
 
 Runs with `make test-soak` (marker `soak`, excluded from `make test`). STRATA_SOAK_SECONDS sets
 the length of the load (default 120)."""
@@ -33,6 +36,7 @@ from controlplane.movements.services import movements_plan, movements_redispatch
 from controlplane.policies.snapshot import PolicySnapshot, TierPolicySpec
 from tests.movements.conftest import random_block
 from tests.movements.procs import DRAIN_HOST, REPO_ROOT, reconcile_and_check, write_blocks
+from tests.support import BlackholeProxy, postgres_socket
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.soak]
 
@@ -44,6 +48,10 @@ FAULT_EVERY_S = 60.0
 FIRST_FAULT_S = 30.0
 VISIBILITY_TIMEOUT_S = 4  # tests.movements.fault_settings
 STOPPED_FOR_S = VISIBILITY_TIMEOUT_S + 4
+BLACKHOLE_AT_S = SOAK_SECONDS / 3
+BLACKHOLE_FOR_S = min(20.0, SOAK_SECONDS / 3)
+"""The first node's path to PostgreSQL drops everything from a third of the load on, for this long
+(past its TCP user timeout and lookup deadline)."""
 
 DRAIN_DISK = PolicySnapshot(
     version=2,
@@ -173,6 +181,65 @@ def _bytes_check(stores: dict[str, Any], seeds: dict[uuid.UUID, int], layout: An
     return checked
 
 
+def _through_proxy(node: Any, proxy: BlackholeProxy, remote_prefix: str) -> None:
+    """Give `node` its own credential with its database URL pointing at `proxy` (TCP on 127.0.0.1,
+    forwarded to PostgreSQL's socket): every process it starts, restarts included, goes through it."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from tests.support import node_env
+
+    credential = node_env({}, node.name, remote_prefix=remote_prefix)
+    parts = urlsplit(credential["DATABASE_URL"])
+    userinfo = parts.netloc.rpartition("@")[0]
+    credential["DATABASE_URL"] = urlunsplit((parts.scheme, f"{userinfo}@127.0.0.1:{proxy.port}", parts.path, "", ""))
+    node.credential = credential
+
+
+class Outage:
+    """The first node's path to PostgreSQL blackholed from BLACKHOLE_AT_S for BLACKHOLE_FOR_S: its
+    heartbeats stop (and the movements it holds wait), and once the path returns it beats again and
+    finishes what it holds; nothing may be lost. The faults leave this node alone: a node process
+    that starts while its database is unreachable stops (its supervisor starts it again)."""
+
+    def __init__(self, node: Any, proxy: BlackholeProxy) -> None:
+        self.node, self.proxy = node, proxy
+        self.began: float | None = None
+        self.ended: float | None = None
+        self.beats_during: set[int] = set()
+        self.beats_after_start = 0
+
+    def _beats(self) -> int:
+        return int(Node.objects.filter(name=self.node.name).values_list("heartbeats", flat=True).first() or 0)
+
+    def tick(self, elapsed: float) -> None:
+        if self.began is None and BLACKHOLE_AT_S <= elapsed < float("inf"):
+            self.proxy.blackhole()
+            self.began = elapsed
+            say(f"outage: node {self.node.name}'s path to PostgreSQL drops everything for {BLACKHOLE_FOR_S:.0f} s")
+        if self.began is not None and self.ended is None:
+            if elapsed >= self.began + 3:  # a heartbeat already in flight may still land
+                self.beats_during.add(self._beats())
+            if elapsed >= self.began + BLACKHOLE_FOR_S:
+                self.proxy.restore()
+                self.ended = min(elapsed, self.began + BLACKHOLE_FOR_S)
+                self.beats_after_start = self._beats()
+                say(
+                    f"outage over: node {self.node.name}'s path to PostgreSQL forwards again (its heartbeat "
+                    f"count stood at {sorted(self.beats_during)} while it was cut)"
+                )
+
+    def check(self) -> None:
+        assert self.began is not None and self.ended is not None, "the outage ran"
+        assert len(self.beats_during) == 1, f"node {self.node.name} kept beating through the outage"
+        assert self._beats() > self.beats_after_start, f"node {self.node.name} did not beat again after the outage"
+
+    def summary(self) -> str:
+        return (
+            f"node {self.node.name} lost its path to PostgreSQL for {BLACKHOLE_FOR_S:.0f} s (no heartbeat got "
+            "through) and beat again after it"
+        )
+
+
 def _refused_on_an_evicting_redis(node_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A node started on a Redis whose eviction policy is allkeys-lru stops at once, naming it:
     that Redis would drop the queues and the L3 usage hash under the load below."""
@@ -210,6 +277,8 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
         for _ in range(NODES)
     ]
     _refused_on_an_evicting_redis(node_factory, tmp_path)
+    proxy = BlackholeProxy(postgres_socket())
+    _through_proxy(nodes[0], proxy, remote_prefix)
     say(f"starting {NODES} node workers (model tiny, 4 MiB host, 16 MiB disk, one shared remote tier)")
     for node in nodes:
         node.start()
@@ -246,7 +315,8 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
             )
             for i, out in enumerate(load_outs)
         ]
-        faults = Faults(nodes, rng)
+        faults = Faults(nodes[1:], rng)
+        outage = Outage(nodes[0], proxy)
         planned: Counter[str] = Counter()
         doubles: list[int] = []
         started = time.monotonic()
@@ -255,6 +325,7 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
             if faults.due(elapsed) and faults.stopped is None:
                 faults.inject(elapsed)
             faults.tick()
+            outage.tick(elapsed)
             action, written = _random_action(rng, names)
             planned[action.split(" on ")[0]] += written
             doubles += _double_in_flight()
@@ -270,6 +341,7 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
                 )
             time.sleep(0.5)
         faults.resume_all()
+        outage.tick(float("inf"))
         say(f"load over after {time.monotonic() - started:.0f} s; waiting for every node and every movement")
         for node in nodes:
             node.wait_up(node.started[-1][0], timeout=300)
@@ -301,12 +373,14 @@ def test_soak_eight_nodes_moving_blocks_under_faults(node_factory, subprocess_en
         counts = _movement_counts()
         assert counts.get("done", 0) > 0
         assert faults.done or SOAK_SECONDS <= FIRST_FAULT_S, "the faults were injected"
+        outage.check()
         say(
             f"done: movements {counts}; planned by route {dict(planned)}; faults: {'; '.join(faults.done)}; "
             f"invariants: {report.checked} READY copies verified, 0 violations, 0 orphans; "
-            f"{checked} copies of {len(seeds)} seeded blocks read back identical"
+            f"{checked} copies of {len(seeds)} seeded blocks read back identical; {outage.summary()}"
         )
     finally:
+        proxy.close()
         for load in loads:
             if load.poll() is None:
                 load.kill()
