@@ -380,12 +380,12 @@ def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
     app.steps["worker"].add(HeartbeatStep)
     queue = f"node.{config.node_name}"
     # The node's own Redis user may touch only its queue's keys: its unacknowledged messages are
-    # kept under them, and it takes no remote-control broadcasts (no pidbox queue).
+    # kept under them. Remote control stays on: without its pidbox consumer, a worker on the Redis
+    # transport does not notice that a restarted broker dropped its connection, and stops consuming.
     app.conf.broker_transport_options = {
         **(app.conf.broker_transport_options or {}),
         **node_broker_transport_options(config.node_name),
     }
-    app.conf.worker_enable_remote_control = False
     log.info(
         "node %s starting: queue %s, device %d B, host %d B, disk %d B at %s, remote %d B",
         config.node_name,

@@ -62,7 +62,9 @@ def test_the_options_come_from_the_node_configuration():
     keepalive = options.socket_keepalive_options()
     assert keepalive[socket.TCP_KEEPIDLE] == 7 and keepalive[socket.TCP_KEEPCNT] == 5
     assert keepalive[socket.TCP_USER_TIMEOUT] == 9000
-    assert options.broker_transport()["socket_timeout"] == 8 and options.redis()["health_check_interval"] == 6
+    broker = options.broker_transport()
+    assert broker["socket_connect_timeout"] == 8 and "socket_timeout" not in broker  # pidbox sits idle
+    assert options.redis()["health_check_interval"] == 6
 
 
 @pytest.mark.django_db
@@ -113,7 +115,7 @@ def test_the_broker_connection_of_a_node_carries_them():
     assert applied["visibility_timeout"] == 3600 and app.conf.broker_connection_timeout == 8
     with app.connection_for_write() as conn:
         kwargs = conn.default_channel.client.connection_pool.connection_kwargs
-        assert kwargs["socket_timeout"] == 8 and kwargs["health_check_interval"] == 6
+        assert kwargs.get("socket_timeout") is None and kwargs["health_check_interval"] == 6
 
 
 def test_the_l3_client_carries_them_over_tcp_and_the_timeouts_over_a_socket():

@@ -73,7 +73,8 @@ def test_a_nodes_user_reaches_its_queue_and_l3_and_nothing_else():
     _denied(client.config_set, "maxmemory-policy", "allkeys-lru")
     _denied(client.keys, "*")
     _denied(client.execute_command, "ACL", "SETUSER", a.role, "+@all", "~*")
-    _denied(client.publish, "celery.pidbox", b"x")
+    _denied(client.publish, "/0.celeryev", b"x")  # no channel but remote control's
+    _denied(client.lpush, "gpu-b@host.celery.pidbox", b"x")
 
 
 def test_a_node_cannot_send_another_nodes_or_the_control_planes_tasks():

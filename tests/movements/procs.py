@@ -113,7 +113,13 @@ class NodeProcesses:
         if self.concurrency:
             command += ["--concurrency", str(self.concurrency)]
         if self.credential is None:  # the node's own, once: its later processes share it
-            self.credential = node_env({}, self.name, remote_prefix=self.env["STRATA_REMOTE_PREFIX"])
+            from django.conf import settings
+
+            # Its own Redis user lives in the test's Redis; a node given another Redis (a private
+            # one a test restarts) logs in there as that server's default user.
+            own_redis = self.env.get("REDIS_URL", settings.ENV.redis.url) == settings.ENV.redis.url
+            prefix = self.env["STRATA_REMOTE_PREFIX"] if own_redis else None
+            self.credential = node_env({}, self.name, remote_prefix=prefix)
         env = {**self.env, **self.credential, **extra_env}
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         self.started.append((process, log))

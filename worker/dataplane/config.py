@@ -269,8 +269,8 @@ OPTIONS: tuple[Option, ...] = (
         "broker_timeout_seconds",
         parse_float,
         10.0,
-        "Seconds the node's Celery broker connection waits to connect or for an answer (2 to 300: above the "
-        "broker's own 1 s poll).",
+        "Seconds the node's Celery broker connection waits to connect (2 to 300); a dead broker is found by "
+        "keepalives and health checks.",
         check_between(2, 300, "seconds"),
     ),
     Option(

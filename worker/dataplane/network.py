@@ -99,10 +99,12 @@ class ConnectionOptions:
         }
 
     def broker_transport(self) -> dict[str, Any]:
-        """kombu's Redis transport options for the node's broker connection. The read timeout
-        stays above kombu's own 1 s BRPOP wait, which would otherwise read as a dead server."""
+        """kombu's Redis transport options for the node's broker connection: a connect timeout,
+        keepalives and health checks, but no read timeout. The remote-control (pidbox) pub/sub
+        connection sits idle between broadcasts: a read timeout there reads as a lost broker, and
+        the consumer's restart after it takes messages a busy worker should have left queued
+        (`test_movements_survive_a_broker_restart`)."""
         return {
-            "socket_timeout": self.broker_timeout_s,
             "socket_connect_timeout": self.broker_timeout_s,
             "socket_keepalive": True,
             "socket_keepalive_options": self.socket_keepalive_options(),

@@ -8,13 +8,17 @@ A node's user may:
 - read and write the L3 blocks and the L3 usage hash under the deployment's remote key prefix
   (`<prefix>:*`: L3 is shared by every node, and each value carries its own checksum and key);
 - send the dashboard's live events (`asgi:*` and the sequence counter): its heartbeats and
-  registrations are shown there; the events are display only.
+  registrations are shown there; the events are display only;
+- take part in Celery's remote control (its pidbox queue, the broadcast channel and replies):
+  a worker on the Redis transport without it does not notice a restarted broker and stops
+  consuming. A node can therefore also broadcast remote-control commands to every worker (a
+  `shutdown` is a denial of service; no command moves or changes data).
 
 It may not read or write another node's queue or the control queue (so it cannot send the
 control plane's tasks: `policies.*`, `movements.*`), nor run admin or dangerous commands
-(`CONFIG`, `FLUSHALL`, `FLUSHDB`, `KEYS`, `DEBUG`, `SHUTDOWN`, `ACL`, ...), nor subscribe to
-anything. Every key pattern ends at a character a node name cannot hold ('.' or 0x06), so node
-`a` cannot reach node `a2`'s queue.
+(`CONFIG`, `FLUSHALL`, `FLUSHDB`, `KEYS`, `DEBUG`, `SHUTDOWN`, `ACL`, ...), nor use any other
+pub/sub channel. Every queue pattern ends at a character a node name cannot hold ('.', '@' or
+0x06), so node `a` cannot reach node `a2`'s queue.
 
 Redis ACLs bind only clients that log in as the user: the deployment's default user must need a
 password too (`requirepass`, or `user default off`), else any client can connect as it.
@@ -71,8 +75,24 @@ def node_key_patterns(node: str, remote_prefix: str) -> list[bytes]:
         f"_kombu.binding*.{queue}",  # its binding table and kombu's record that it does not expire
         f"{remote_prefix}:*",
         *DASHBOARD_KEYS,
+        # Celery's remote control: the worker's own pidbox queue (its host name is `<name>@<host>`),
+        # the broadcast exchange's binding tables it adds itself to, and the replies it sends.
+        f"{node}@*.celery.pidbox",
+        f"{node}@*.celery.pidbox{PRIORITY_SEPARATOR}*",
+        "_kombu.binding*.celery.pidbox",
+        "_kombu.binding_deadlines",  # the broadcast queue expires: kombu keeps its binding alive
+        "_kombu.binding.reply.celery.pidbox",
+        "*.reply.celery.pidbox",
     ]
     return [p.encode() for p in patterns]
+
+
+def node_channel_patterns() -> list[bytes]:
+    """The pub/sub channels a node's user may use: the remote-control broadcasts (kombu's fanout
+    channel `/<db>.celery.pidbox`, which it subscribes to with PSUBSCRIBE: Redis lets a pattern
+    through only when it is an allowed pattern as written, so the deployment's database number
+    is spelled out)."""
+    return [f"/{settings.ENV.redis.db}.celery.pidbox".encode()]
 
 
 def node_broker_transport_options(node: str) -> dict[str, str]:
@@ -85,10 +105,11 @@ def node_broker_transport_options(node: str) -> dict[str, str]:
     }
 
 
-NODE_COMMANDS = ("+@all", "-@dangerous", "-@admin", "-@pubsub", "+select", "+info")
-"""Everything a client library and kombu's transport use, minus admin, dangerous and pub/sub
-commands. `INFO` (dangerous by category) is let through: the node reads the eviction policy
-with it at start. (redis-py's CLIENT SETINFO at connect is refused, and redis-py ignores that.)"""
+NODE_COMMANDS = ("+@all", "-@dangerous", "-@admin", "+select", "+info")
+"""Everything a client library and kombu's transport use, minus admin and dangerous commands
+(pub/sub reaches only the channels `node_channel_patterns` allows). `INFO` (dangerous by
+category) is let through: the node reads the eviction policy with it at start. (redis-py's
+CLIENT SETINFO at connect is refused, and redis-py ignores that.)"""
 
 
 def _execute(what: str, *command: object) -> object:
@@ -107,7 +128,8 @@ def _set_user(user: str, *rules: str | bytes) -> None:
 def redis_user_create(*, user: str, node: str, password: str, remote_prefix: str) -> None:
     """(Re)create `user` for node `node` with exactly the node's rules and this password."""
     patterns = [b"~" + pattern for pattern in node_key_patterns(node, check_prefix(remote_prefix))]
-    _set_user(user, "reset", "on", f">{password}", "resetchannels", *patterns, *NODE_COMMANDS)
+    channels = [b"&" + pattern for pattern in node_channel_patterns()]
+    _set_user(user, "reset", "on", f">{password}", "resetchannels", *channels, *patterns, *NODE_COMMANDS)
 
 
 def redis_user_password(*, user: str, password: str) -> None:
