@@ -215,3 +215,14 @@ def directory_client(port: int | None = None, **options: Any) -> PostgresDirecto
         options=DirectoryOptions(**{"connection": network, "flush_interval_s": 0.02, **options}),
         announce=lambda **_: None,
     )
+
+
+def remote_held(client: Any, prefix: str) -> tuple[int, int]:
+    """What a Redis holds as L3 blocks under `prefix` (bytes, blocks), counted apart from
+    Strata's code: SCAN and STRLEN."""
+    nbytes = blocks = 0
+    for name in client.scan_iter(match=f"{prefix}:blk:*".encode(), count=100):
+        length = int(client.strlen(name))
+        nbytes += length
+        blocks += length > 0
+    return nbytes, blocks

@@ -13,22 +13,13 @@ import pytest
 import redis
 from dataplane_support import SMALL, key, layout_of
 
+from tests.support import remote_held as held
 from worker.dataplane.errors import TierFull
 from worker.dataplane.tiers.remote import RemoteTier
 from worker.dataplane.tiers.remote import tier as remote_tier_module
 from worker.dataplane.tiers.remote.accounting import UsageHash
 
 LAYOUT = layout_of(SMALL, "bfloat16")  # 2 MiB blocks
-
-
-def held(client: redis.Redis, prefix: str) -> tuple[int, int]:
-    """What the store holds under `prefix`, counted apart from Strata's code: SCAN and STRLEN."""
-    nbytes = blocks = 0
-    for name in client.scan_iter(match=f"{prefix}:blk:*".encode(), count=100):
-        length = int(client.strlen(name))
-        nbytes += length
-        blocks += length > 0
-    return nbytes, blocks
 
 
 def counted(tier: RemoteTier) -> tuple[int, int, int]:

@@ -20,6 +20,7 @@ import redis
 
 from controlplane.telemetry.metrics import render_metrics
 from tests.movements.conftest import node_report, random_block
+from tests.support import remote_held as held
 from worker.dataplane.errors import TierFull
 from worker.movements import MovementExecutor, MovementOptions
 
@@ -63,16 +64,6 @@ WRITER = textwrap.dedent(
         threading.Event().wait()
     """
 )
-
-
-def held(client: redis.Redis, prefix: str) -> tuple[int, int]:
-    """What the store holds under `prefix`, counted apart from Strata's code: SCAN and STRLEN."""
-    nbytes = blocks = 0
-    for name in client.scan_iter(match=f"{prefix}:blk:*".encode(), count=100):
-        length = int(client.strlen(name))
-        nbytes += length
-        blocks += length > 0
-    return nbytes, blocks
 
 
 def writer(url: str, prefix: str, mode: str) -> subprocess.Popen[str]:

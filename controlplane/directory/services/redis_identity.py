@@ -114,7 +114,8 @@ CLIENT SETINFO at connect is refused, and redis-py ignores that.)"""
 
 def _execute(what: str, *command: object) -> object:
     try:
-        return admin_client().execute_command(*command)
+        with admin_client() as client:
+            return client.execute_command(*command)
     except redis.exceptions.ResponseError as exc:
         raise RedisIdentityError(f"Redis refused to {what}: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
@@ -150,7 +151,8 @@ def redis_user_exists(user: str) -> bool:
 def default_user_open() -> bool:
     """Whether a client can connect as Redis's default user without a password."""
     try:
-        user = admin_client().acl_getuser("default") or {}
+        with admin_client() as client:
+            user = client.acl_getuser("default") or {}
     except redis.exceptions.RedisError as exc:
         raise RedisIdentityError(f"Redis refused to read the default user: {exc}") from exc
     raw = user.get("flags")
