@@ -26,7 +26,7 @@ from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.utils.crypto import constant_time_compare
 
 from controlplane.accounts.roles import Role, role_of
-from controlplane.dashboard.events import DASHBOARD_GROUP
+from controlplane.events import DASHBOARD_GROUP
 
 log = logging.getLogger("strata.dashboard")
 

@@ -25,11 +25,11 @@ from django.db.models import Count, Q
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.dashboard.events import sequence_current
 from controlplane.directory.choices import TIER_ORDER, NodeState, PlacementState
 from controlplane.directory.models import Block, Node, Placement
 from controlplane.directory.selectors import node_admin_keys, nodes_list
 from controlplane.directory.services import node_payload
+from controlplane.events import sequence_current
 from controlplane.policies.snapshot import PolicySnapshot, policies_snapshot
 from controlplane.runtime.node_addresses import AddressRefused, node_target
 from controlplane.telemetry.metrics import NODE_ADDRESS_REFUSED, NODE_FETCH_FAILURES

@@ -18,10 +18,10 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from controlplane.celery_app import app
-from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory.choices import NodeState, TierLevel
 from controlplane.directory.models import Namespace, Node, NodeTier
 from controlplane.directory.queries import floats, ints, texts
+from controlplane.events import send_event_on_commit
 from controlplane.movements.choices import (
     FINISHED,
     IN_FLIGHT,
@@ -46,6 +46,7 @@ from controlplane.movements.planner import (
 )
 from controlplane.movements.quotas import plan_quotas
 from controlplane.movements.selectors import warm_candidates
+from controlplane.policies.selectors import snapshot_current
 from controlplane.policies.snapshot import policies_snapshot
 from controlplane.policies.specs import PolicySnapshot
 
@@ -487,6 +488,14 @@ def movements_run(*, node: str | None = None, reason: str = MovementReason.MANUA
     """Run migration now: plan under the policies in force and dispatch (what the REST action and
     the policies app's triggers call)."""
     return movements_plan(node=node, reason=reason, dry_run=dry_run)
+
+
+def movements_dry_run(*, overrides: dict[str, Any] | None = None, node: str | None = None) -> PlanResult:
+    """What the planner would move and evict now under the policies in force with `overrides` (a
+    proposal, the same shape as a mode's) laid over them, writing nothing. A bad proposal raises
+    PolicyError naming its field; an unknown node, MovementError."""
+    snapshot = snapshot_current(overrides=overrides or {})
+    return movements_plan(snapshot=snapshot, node=node, reason="dry-run", dry_run=True)
 
 
 def movements_warm(

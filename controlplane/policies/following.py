@@ -15,9 +15,9 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory.choices import NodeState
 from controlplane.directory.models import NodeTraffic
+from controlplane.events import send_event_on_commit
 from controlplane.policies import loadfollow
 from controlplane.policies.errors import PolicyError
 from controlplane.policies.models import LoadFollowing, Mode, PolicyVersion

@@ -18,7 +18,7 @@ from celery.schedules import crontab
 from django.db import connection, transaction
 from django_celery_beat.models import CrontabSchedule, PeriodicTask
 
-from controlplane.dashboard.events import send_event_on_commit
+from controlplane.events import send_event_on_commit
 from controlplane.policies import rules
 from controlplane.policies.choices import MODE_SWITCH_TASK, ModeKind
 from controlplane.policies.dispatch import policies_dispatch_on_commit

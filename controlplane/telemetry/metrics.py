@@ -19,12 +19,6 @@ from controlplane.policies.snapshot import policies_snapshot
 READINESS_FAILURES = Counter(
     "strata_readiness_failures_total", "Readiness probes that found a dependency failing, per check.", ["check"]
 )
-DASHBOARD_EVENTS = Counter(
-    "strata_dashboard_events_total", "Live dashboard events sent to the channel layer, by type.", ["type"]
-)
-DASHBOARD_EVENTS_LOST = Counter(
-    "strata_dashboard_events_lost_total", "Live dashboard events that could not be sent (Redis unreachable).", ["type"]
-)
 NODE_FETCH_FAILURES = Counter(
     "strata_node_fetch_failures_total",
     "Times the control plane could not read a node's engine server (request timelines, cache counters).",

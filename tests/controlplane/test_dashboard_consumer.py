@@ -20,9 +20,9 @@ from controlplane.dashboard.consumers import (
     CLOSE_UNAUTHENTICATED,
     MAX_PENDING_EVENTS,
 )
-from controlplane.dashboard.events import _redis, event_validate, send_event_on_commit, sequence_key
 from controlplane.dashboard.selectors import overview_get
 from controlplane.directory.services import TierReport, node_heartbeat, node_mark_down
+from controlplane.events import _redis, event_validate, send_event_on_commit, sequence_key
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 ORIGIN = (b"origin", b"http://testserver")

@@ -14,7 +14,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlplane.asgi import application
-from controlplane.dashboard.events import _redis, sequence_key
+from controlplane.events import _redis, sequence_key
 from controlplane.parsers import MAX_DEPTH, JSONParser, deeper_than
 from controlplane.policies.models import Mode
 from tests.directory.conftest import throttle_cache, user_with_role  # noqa: F401 - fixtures

@@ -10,7 +10,7 @@ from django.contrib.auth.models import Group, User
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from controlplane.dashboard.events import EVENT_SCHEMAS, event_validate
+from controlplane.events import EVENT_SCHEMAS, event_validate
 from controlplane.movements.choices import MovementState
 from controlplane.movements.models import Movement
 from controlplane.movements.services import (
@@ -164,7 +164,7 @@ def test_metrics_come_from_the_tallies(ledger, client):
 
 
 def test_event_schemas_match_what_the_services_send(ledger, django_capture_on_commit_callbacks, monkeypatch):
-    import controlplane.dashboard.events as events
+    import controlplane.events as events
     import controlplane.movements.services as services
     from controlplane.movements.services import movements_finished_announce
 

@@ -14,8 +14,8 @@ from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
 from controlplane.celery_app import app as celery
-from controlplane.dashboard.events import DASHBOARD_GROUP, event_validate
 from controlplane.directory.services import TierReport, node_heartbeat
+from controlplane.events import DASHBOARD_GROUP, event_validate
 from controlplane.policies import following, tasks
 from controlplane.policies.choices import LOAD_FOLLOW_TASK
 from controlplane.policies.following import load_follow, loadfollowing_resume, loadfollowing_update

@@ -445,7 +445,7 @@ def test_a_broker_that_cannot_be_reached_loses_no_change(monkeypatch, caplog):
 def test_changes_announce_versions_and_switches_on_the_dashboard(
     monkeypatch, django_capture_on_commit_callbacks, sent_tasks
 ):
-    from controlplane.dashboard import events
+    from controlplane import events
 
     seen = []
     monkeypatch.setattr(events, "_send", lambda kind, payload: seen.append((kind, payload)))

@@ -10,7 +10,6 @@ from datetime import UTC, datetime
 from django.db import connection, transaction
 from django.utils import timezone
 
-from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory import queries
 from controlplane.directory.errors import (
     UnknownModel,
@@ -19,6 +18,7 @@ from controlplane.directory.errors import (
 from controlplane.directory.models import ModelProfile, Namespace
 from controlplane.directory.registrations import registrations_write
 from controlplane.directory.selectors import sql_cursor
+from controlplane.events import send_event_on_commit
 from worker.dataplane.directory import BlockRegistration, BlockTouch
 
 

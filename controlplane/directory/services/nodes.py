@@ -12,9 +12,9 @@ from django.db.models import Q
 from django.db.models.expressions import Combinable
 from django.db.models.functions import Now
 
-from controlplane.dashboard.events import send_event_on_commit
 from controlplane.directory.choices import NodeState, TierLevel
 from controlplane.directory.models import Node, NodeTier, NodeTraffic
+from controlplane.events import send_event_on_commit
 from worker.dataplane.directory import ENGINES
 from worker.dataplane.traffic import TrafficSummary
 

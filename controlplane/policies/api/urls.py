@@ -8,7 +8,6 @@ from controlplane.policies.api.views import (
     ModeScheduleViewSet,
     ModeViewSet,
     NamespaceQuotaViewSet,
-    PolicyDryRunView,
     PolicyVersionViewSet,
     PriorityClassViewSet,
     TierPolicyViewSet,
@@ -23,7 +22,6 @@ router.register("mode-schedules", ModeScheduleViewSet, basename="modeschedule")
 router.register("policy-versions", PolicyVersionViewSet, basename="policyversion")
 urlpatterns = [
     *router.urls,
-    path("policies/dry-run/", PolicyDryRunView.as_view(), name="policies-dry-run"),
     path("load-following/", LoadFollowingView.as_view(), name="load-following"),
     path("load-following/resume/", LoadFollowingResumeView.as_view(), name="load-following-resume"),
 ]

@@ -14,12 +14,7 @@ from rest_framework.exceptions import APIException, ValidationError
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.settings import api_settings
-from rest_framework.throttling import UserRateThrottle
-from rest_framework.views import APIView
 
-from controlplane.directory.errors import DirectoryError
-from controlplane.movements.services import movements_plan
 from controlplane.policies.api import serializers as s
 from controlplane.policies.errors import InUse, PolicyError
 from controlplane.policies.models import (
@@ -40,7 +35,6 @@ from controlplane.policies.selectors import (
     policyversions_list,
     priorityclasses_list,
     quota_usage,
-    snapshot_current,
     tierpolicies_list,
 )
 from controlplane.policies.services import (
@@ -393,36 +387,3 @@ class PolicyVersionViewSet(viewsets.GenericViewSet[PolicyVersion]):
         with policy_errors():
             written = policy_rollback(version=self.get_object().number, author=_author(request), **data)
         return Response(s.PolicyVersionDetailSerializer(written).data, status=status.HTTP_201_CREATED)
-
-
-class DryRunThrottle(UserRateThrottle):
-    """A plan reads the block tables; a few per minute per user is plenty for editing policies."""
-
-    scope = "policies.dry_run"
-    default_rate = "30/min"
-
-    def get_rate(self) -> str | None:
-        return api_settings.DEFAULT_THROTTLE_RATES.get(self.scope) or self.default_rate
-
-
-class PolicyDryRunView(APIView):
-    """What the planner would move and evict right now under the policies in force, or under
-    `overrides` laid over them, without moving anything. Operators only: a plan is real work."""
-
-    throttle_classes = [*api_settings.DEFAULT_THROTTLE_CLASSES, DryRunThrottle]
-
-    @extend_schema(
-        request=s.DryRunInputSerializer, parameters=[s.DryRunQuerySerializer], responses={200: s.DryRunOutputSerializer}
-    )
-    def post(self, request: Request) -> Response:
-        query = s.DryRunQuerySerializer(data=request.query_params)
-        query.is_valid(raise_exception=True)
-        with policy_errors():
-            snapshot = snapshot_current(overrides=request.data or {})
-        try:
-            result = movements_plan(
-                snapshot=snapshot, node=query.validated_data.get("node"), reason="dry-run", dry_run=True
-            )
-        except DirectoryError as exc:  # the planner's own errors (an unknown node) name their field too
-            raise ValidationError({exc.field: [str(exc)]}) from exc
-        return Response(result.summary())

@@ -1,4 +1,8 @@
-"""Live events for the dashboard: sent only from services, only after commit, with sequence numbers."""
+"""The live event stream the dashboard shows: event schemas, sending after commit, sequence numbers.
+
+Every app's services announce what they changed through `send_event_on_commit`, so this room sits
+below all of them: it imports no app, and the dashboard app only reads from it (its consumer
+forwards the group's events, its selectors read the current sequence number)."""
 
 from __future__ import annotations
 
@@ -12,10 +16,16 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
-
-from controlplane.telemetry.metrics import DASHBOARD_EVENTS, DASHBOARD_EVENTS_LOST
+from prometheus_client import Counter
 
 log = logging.getLogger("strata.dashboard")
+
+DASHBOARD_EVENTS = Counter(
+    "strata_dashboard_events_total", "Live dashboard events sent to the channel layer, by type.", ["type"]
+)
+DASHBOARD_EVENTS_LOST = Counter(
+    "strata_dashboard_events_lost_total", "Live dashboard events that could not be sent (Redis unreachable).", ["type"]
+)
 
 DASHBOARD_GROUP = "dashboard"
 SEQUENCE_KEY = "strata:dashboard:seq"
