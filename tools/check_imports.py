@@ -1,5 +1,12 @@
-"""The tree's shape, checked: no import cycle among the project's modules, and no module of the
-node runtime or the control plane past 600 lines unless its docstring says why.
+"""The tree's shape, checked: no import cycle among the project's modules, no import that runs back
+up the layering of rooms, and no module of the node runtime or the control plane past 600 lines
+unless its docstring says why.
+
+A room is a package or module directly inside one of the CONTAINERS (`controlplane.directory`,
+`worker.dataplane.tiers`, `worker.node`, ...). Rooms import each other; where rooms import each
+other round in a circle, the rooms have no order, and the imports that must go for the rooms to have
+one (the fewest, and of those the thinnest, counted in module imports) are the ones that run back
+up. Their count per tree must stay within BACK_ARROWS.
 
 Every import counts, the ones inside functions too: a function-local import still ties the two
 modules together, it only hides the tie from the reader. Run by `make lint`; exits non-zero and
@@ -9,7 +16,9 @@ names each cycle (its modules and one path round it) and each long module.
 from __future__ import annotations
 
 import ast
+import itertools
 import sys
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -82,6 +91,112 @@ def round_trip(graph: grimp.ImportGraph, component: list[str]) -> list[str]:
     return component
 
 
+CONTAINERS = ("worker.dataplane", "worker", "controlplane", "benchmarks")
+"""Packages whose direct children are rooms; the first that holds a module names its room."""
+BACK_ARROWS = {"worker": 0, "controlplane": 0, "benchmarks": 0}
+"""The most imports running back up the rooms' layering each tree may have."""
+EXACT_SIZE = 3
+"""Up to this many arrows to remove, the fewest are found by trying every choice; past it, greedily."""
+
+Arrow = tuple[str, str]
+
+
+def room_of(module: str) -> str | None:
+    """The room a module lives in: its ancestor directly inside the innermost container."""
+    for container in CONTAINERS:
+        if module == container:
+            return module if "." in module else None
+        if module.startswith(container + "."):
+            return container + "." + module[len(container) + 1 :].split(".")[0]
+    return None
+
+
+def room_arrows(graph: grimp.ImportGraph, modules: Iterable[str]) -> dict[Arrow, list[tuple[str, str]]]:
+    """Every import between two rooms of the same tree, grouped by (importing room, imported room)."""
+    arrows: dict[Arrow, list[tuple[str, str]]] = defaultdict(list)
+    for module in sorted(modules):
+        source = room_of(module)
+        if source is None:
+            continue
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            target = room_of(imported)
+            if target and target != source and target.split(".")[0] == source.split(".")[0]:
+                arrows[(source, target)].append((module, imported))
+    return arrows
+
+
+def _acyclic(arrows: Iterable[Arrow]) -> bool:
+    after: dict[str, set[str]] = defaultdict(set)
+    incoming: dict[str, int] = defaultdict(int)
+    rooms: set[str] = set()
+    for a, b in arrows:
+        if b not in after[a]:
+            after[a].add(b)
+            incoming[b] += 1
+        rooms.update((a, b))
+    ready = [r for r in rooms if incoming[r] == 0]
+    seen = 0
+    while ready:
+        room = ready.pop()
+        seen += 1
+        for nxt in after[room]:
+            incoming[nxt] -= 1
+            if incoming[nxt] == 0:
+                ready.append(nxt)
+    return seen == len(rooms)
+
+
+def _in_circles(arrows: list[Arrow]) -> int:
+    """How many of the arrows lie on a circle (their head reaches their tail)."""
+    after: dict[str, set[str]] = defaultdict(set)
+    for a, b in arrows:
+        after[a].add(b)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in after[todo.pop()]:
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    return sum(1 for a, b in arrows if reaches(b, a))
+
+
+def back_arrows(arrows: dict[Arrow, list[tuple[str, str]]]) -> list[Arrow]:
+    """The arrows that run back up: in each circle of rooms, the fewest whose removal leaves the rooms
+    an order (of equal counts, the set with the fewest module imports)."""
+    found: list[Arrow] = []
+    rooms = sorted({r for arrow in arrows for r in arrow})
+    graph = grimp.ImportGraph()
+    for room in rooms:
+        graph.add_module(room)
+    for a, b in arrows:
+        graph.add_import(importer=a, imported=b)
+    for component in cycles(graph, rooms):
+        inside = [arrow for arrow in arrows if arrow[0] in component and arrow[1] in component]
+        weight = {arrow: len(arrows[arrow]) for arrow in inside}
+        best: list[Arrow] | None = None
+        for size in range(1, min(EXACT_SIZE, len(inside)) + 1):
+            for removed in itertools.combinations(inside, size):
+                rest = [arrow for arrow in inside if arrow not in removed]
+                if _acyclic(rest) and (best is None or sum(map(weight.get, removed)) < sum(map(weight.get, best))):
+                    best = list(removed)
+            if best is not None:
+                break
+        if best is None:  # greedy: drop the arrow whose going leaves the fewest arrows in circles
+            best, rest = [], list(inside)
+            while not _acyclic(rest):
+                drop = min(rest, key=lambda a: (_in_circles([x for x in rest if x != a]), weight[a], a))
+                rest.remove(drop)
+                best.append(drop)
+        found.extend(best)
+    return sorted(found)
+
+
 def long_modules(root: Path) -> list[tuple[Path, int]]:
     """Modules past MAX_LINES whose docstring gives no reason."""
     found = []
@@ -109,11 +224,24 @@ def main() -> int:
         failed = True
         print(f"import cycle among {len(component)} modules: {', '.join(component)}")
         print("  for example: " + " -> ".join(round_trip(graph, component)))
+    arrows = room_arrows(graph, modules)
+    back = back_arrows(arrows)
+    for tree, limit in BACK_ARROWS.items():
+        mine = [arrow for arrow in back if arrow[0].split(".")[0] == tree]
+        print(f"{tree}: {len(mine)} import(s) running back up the rooms' layering (at most {limit})")
+        for source, target in mine:
+            imports = ", ".join(f"{m} -> {n}" for m, n in arrows[(source, target)])
+            print(f"  {source} -> {target}: {imports}")
+        if len(mine) > limit:
+            failed = True
     for path, lines in long_modules(root):
         failed = True
         print(f"{path}: {lines} lines (more than {MAX_LINES}); split it, or say why in its docstring with {REASON!r}")
     if not failed:
-        print(f"no import cycle among {len(modules)} modules; no module past {MAX_LINES} lines without a reason")
+        print(
+            f"no import cycle among {len(modules)} modules; no room importing back up; "
+            f"no module past {MAX_LINES} lines without a reason"
+        )
     return 1 if failed else 0
 
 
