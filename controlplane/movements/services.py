@@ -44,7 +44,7 @@ from controlplane.movements.planner import (
     plan_movements,
     warm_movements,
 )
-from controlplane.movements.quotas import plan_quotas
+from controlplane.movements.quota_pass import plan_quotas
 from controlplane.movements.selectors import warm_candidates
 from controlplane.policies.selectors import snapshot_current
 from controlplane.policies.snapshot import policies_snapshot

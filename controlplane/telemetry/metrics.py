@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 from controlplane import __version__
 from controlplane.directory.choices import NodeState
 from controlplane.directory.selectors import nodes_list
-from controlplane.movements.metrics import MovementsCollector
+from controlplane.movements.collector import MovementsCollector
 from controlplane.policies.snapshot import policies_snapshot
 
 READINESS_FAILURES = Counter(

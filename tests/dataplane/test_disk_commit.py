@@ -16,7 +16,7 @@ import torch
 from dataplane_support import SMALL, key, layout_of
 
 from worker.dataplane.errors import TierFull, TierUnavailable
-from worker.dataplane.tiers.disk import DIRECTORY_SYNC_DELAY_S
+from worker.dataplane.tiers.disk import FOLDER_SYNC_DELAY_S
 
 LAYOUT = layout_of(SMALL, "bfloat16")  # 2 MiB blocks
 
@@ -89,7 +89,7 @@ def test_a_rename_is_synced_in_the_background_without_sync(open_tier, block_cach
     deadline = time.monotonic() + 5
     while ("fsync-dir", block_dir) not in [(kind, inode) for kind, inode, _ in events]:
         assert time.monotonic() < deadline, f"no background sync of the block's directory: {events}"
-        time.sleep(DIRECTORY_SYNC_DELAY_S / 2)
+        time.sleep(FOLDER_SYNC_DELAY_S / 2)
     renamed = [(kind, inode) for kind, inode, _ in events].index(("replace", block_dir))
     assert [(kind, inode) for kind, inode, _ in events].index(("fsync-dir", block_dir)) > renamed
 

@@ -8,11 +8,11 @@ headers.py         the block file header, its sizes, and the cache of parsed hea
 names.py           block and temporary file names, the host token in them
 ledger.py          the capacity ledger shared by every process using the directory
 unlinker.py        background unlinking of deleted files, and their reuse by puts
-directory_sync.py  background directory fsyncs that make renames durable
+folder_sync.py     background fsyncs of the folders that make renames durable
 gds.py             kvikio (GPUDirect Storage) reads and writes of GPU memory
 """
 
-from worker.dataplane.tiers.disk.directory_sync import DIRECTORY_SYNC_DELAY_S
+from worker.dataplane.tiers.disk.folder_sync import FOLDER_SYNC_DELAY_S
 from worker.dataplane.tiers.disk.headers import (
     HEADER_CACHE_ENTRIES,
     MAGIC,
@@ -30,7 +30,7 @@ from worker.dataplane.tiers.disk.tier import DiskTier
 from worker.dataplane.tiers.disk.unlinker import REUSE_DELETED_S
 
 __all__ = [
-    "DIRECTORY_SYNC_DELAY_S",
+    "FOLDER_SYNC_DELAY_S",
     "FOREIGN_TEMP_GRACE_SECONDS",
     "HEADER_CACHE_ENTRIES",
     "HOST_TOKEN_CHARS",

@@ -15,7 +15,7 @@ from worker.dataplane.buffers import DIRECT_IO_ALIGNMENT, aligned_empty, round_u
 from worker.dataplane.checksum import Span, layer_prefix
 from worker.dataplane.errors import BlockMissing
 from worker.dataplane.tiers.base import Tier
-from worker.dataplane.tiers.disk.directory_sync import DirectorySyncer
+from worker.dataplane.tiers.disk.folder_sync import FolderSyncer
 from worker.dataplane.tiers.disk.headers import Header, HeaderCache, Stamp, parse_block_header
 from worker.dataplane.tiers.disk.ledger import Ledger
 from worker.dataplane.tiers.disk.names import block_path, temp_path
@@ -37,7 +37,7 @@ class BlockFiles(Tier):
     _headers: HeaderCache
     _ledger: Ledger
     _dirs: set[Path]
-    _syncer: DirectorySyncer
+    _syncer: FolderSyncer
     _unlinker: Unlinker
 
     def path_of(self, key: uuid.UUID) -> Path:

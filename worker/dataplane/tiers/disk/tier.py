@@ -4,7 +4,7 @@ A block file is ``[header, a multiple of 4 KiB][block bytes, padded to 4 KiB]``;
 the key, the layout, the block and per-layer checksums and a hash of itself. A block is written
 to a temporary name, fdatasync'ed and renamed, so no partial block is ever visible under its
 final name; the directory is fsynced after the rename by a background pass within
-DIRECTORY_SYNC_DELAY_S (one sync covers every rename into that directory meanwhile), or at once
+FOLDER_SYNC_DELAY_S (one sync covers every rename into that directory meanwhile), or at once
 by `sync()`, which a movement calls before it records a copy as READY. Its bytes are hashed on
 the hasher's other thread while they are written, and the header goes last. Reads go
 straight into the destination tensor (no bounce copy), the header with the first piece, in
@@ -45,7 +45,7 @@ from worker.dataplane.checksum import Hasher
 from worker.dataplane.counters import Counters
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.tiers.base import Recount, TierUsage
-from worker.dataplane.tiers.disk.directory_sync import DirectorySyncer, sync_directory
+from worker.dataplane.tiers.disk.folder_sync import FolderSyncer, sync_folder
 from worker.dataplane.tiers.disk.gds import load_kvikio
 from worker.dataplane.tiers.disk.headers import HeaderCache, block_file_bytes, block_header_bytes
 from worker.dataplane.tiers.disk.ledger import LEDGER_NAME, Ledger
@@ -97,7 +97,7 @@ class DiskTier(DiskReads, DiskWrites):
         self._headers = HeaderCache()
         self._ledger = Ledger(self.root / LEDGER_NAME)
         self._dirs: set[Path] = set()
-        self._syncer = DirectorySyncer(sync_directory, tier=name, counters=self.counters)
+        self._syncer = FolderSyncer(sync_folder, tier=name, counters=self.counters)
         self._unlinker = Unlinker(self._ledger, tier=name, keep_s=reuse_deleted_s)
         self.host_token = host_token()
         self.reconcile()
@@ -264,7 +264,7 @@ class DiskTier(DiskReads, DiskWrites):
     def sync(self) -> None:
         """Make every put that returned durable now: fsync the directories blocks were renamed
         into since the last sync (otherwise done in the background within
-        DIRECTORY_SYNC_DELAY_S). Raises TierUnavailable when a directory cannot be synced."""
+        FOLDER_SYNC_DELAY_S). Raises TierUnavailable when a directory cannot be synced."""
         self._syncer.sync()
 
     def close(self) -> None:

@@ -21,8 +21,8 @@ from worker.dataplane.buffers import host_view, is_aligned
 from worker.dataplane.checksum import BlockChecksum
 from worker.dataplane.errors import TierFull, TierUnavailable
 from worker.dataplane.tiers.base import PutResult
-from worker.dataplane.tiers.disk.directory_sync import sync_directory
 from worker.dataplane.tiers.disk.files import BlockFiles
+from worker.dataplane.tiers.disk.folder_sync import sync_folder
 from worker.dataplane.tiers.disk.gds import kvikio_write
 from worker.dataplane.tiers.disk.headers import Stamp, header_of, pack_block_header
 
@@ -222,7 +222,7 @@ class DiskWrites(BlockFiles):
     def _commit(self, staged: Sequence[_Staged]) -> list[PutResult | BaseException]:
         """fdatasync every staged file, rename them into place under one ledger lock, and hand
         their directories to the syncer (a crash before it syncs them can lose a rename `put`
-        already reported: see DIRECTORY_SYNC_DELAY_S). Returns a PutResult or an error per block,
+        already reported: see FOLDER_SYNC_DELAY_S). Returns a PutResult or an error per block,
         in order; a block that fails leaves no temporary file and no reservation behind, and the
         others go on."""
         layout = self.layout
@@ -377,7 +377,7 @@ class DiskWrites(BlockFiles):
         except FileExistsError:
             return
         try:
-            sync_directory(self.root)
+            sync_folder(self.root)
         except OSError:
             self._syncer.add([self.root])
             raise

@@ -1,4 +1,6 @@
-"""Directory fsyncs that make the disk tier's renames durable, gathered in the background."""
+"""fsyncs of the folders the disk tier renames block files into (what makes a rename durable), gathered
+in the background. The filesystem calls these directories; the module is named apart from the block
+directory, which it has nothing to do with."""
 
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ from worker.dataplane.errors import TierUnavailable
 
 log = logging.getLogger(__name__)
 
-_NO_DIRECTORY_SYNC_ERRNOS = {errno.EINVAL, errno.EOPNOTSUPP}
+_NO_FOLDER_SYNC_ERRNOS = {errno.EINVAL, errno.EOPNOTSUPP}
 """fsync of a directory refused this way means the filesystem does not sync directories (some
 FUSE and network filesystems); the rename is then as durable as that filesystem makes it."""
-DIRECTORY_SYNC_DELAY_S = 0.05
+FOLDER_SYNC_DELAY_S = 0.05
 """A rename is made durable (its directory fsynced) at most this long after it, in the background.
 A directory fsync is a journal commit and a device cache flush: synced inside every `put` it
 would cost a large share of a block's write time (benchmarks/README.md); gathered, one flush
@@ -28,20 +30,20 @@ machine may lose the name (the block is then a miss, and the reconciler marks it
 missing), which is why a movement calls `sync()` before it flips a copy to READY."""
 
 
-def sync_directory(directory: Path) -> None:
+def sync_folder(directory: Path) -> None:
     """fsync `directory`, making the names just created or renamed in it durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     except OSError as exc:
-        if exc.errno not in _NO_DIRECTORY_SYNC_ERRNOS:
+        if exc.errno not in _NO_FOLDER_SYNC_ERRNOS:
             raise
     finally:
         os.close(fd)
 
 
-class DirectorySyncer:
-    """fsyncs the directories blocks were renamed into: in the background, DIRECTORY_SYNC_DELAY_S
+class FolderSyncer:
+    """fsyncs the directories blocks were renamed into: in the background, FOLDER_SYNC_DELAY_S
     after the first rename of a quiet spell, or at once in `sync`. One pass at a time, so `sync`
     returns only once every rename before it, including those a background pass was syncing,
     is durable."""
@@ -95,7 +97,7 @@ class DirectorySyncer:
                     self._wake.wait()
                 if self._closed:
                     return  # close() makes the last pass
-            time.sleep(DIRECTORY_SYNC_DELAY_S)  # let the renames of this spell gather
+            time.sleep(FOLDER_SYNC_DELAY_S)  # let the renames of this spell gather
             self._pass()
 
     def _pass(self) -> list[tuple[Path, OSError]]:
