@@ -36,15 +36,15 @@ from controlplane.directory.services import (
     PlacementFlip,
     TierReport,
     blocks_registered_announce,
-    modelprofile_ensure,
-    namespace_ensure,
-    node_heartbeat,
     node_mark_down,
     placement_delete,
-    placement_mark_corrupt,
     placements_delete_many,
     placements_flip_many,
 )
+from controlplane.directory.services import modelprofile_ensure as _modelprofile_ensure
+from controlplane.directory.services import namespace_ensure as _namespace_ensure
+from controlplane.directory.services import node_heartbeat as _node_heartbeat
+from controlplane.directory.services import placement_mark_corrupt as _placement_mark_corrupt
 from controlplane.directory.services import placement_mark_deleting as _placement_mark_deleting
 from controlplane.directory.services import placements_create_pending_many as _placements_create_pending_many
 from controlplane.directory.services.credentials import credential_too_strong
@@ -64,6 +64,7 @@ from controlplane.movements.services import movements_start_many as _movements_s
 from controlplane.policies.dispatch import node_policies
 from controlplane.policies.snapshot import policies_snapshot
 from worker.dataplane.directory import LookupResult
+from worker.dataplane.traffic import TrafficSummary
 
 __all__ = [
     "BlockRecord",
@@ -262,6 +263,12 @@ def copies_by_id(placement_ids: Sequence[int]) -> dict[int, CopyRecord]:
     return {ident: _copy(p) for ident, p in Placement.objects.in_bulk(list(placement_ids)).items()}
 
 
+def placement_mark_corrupt(*, placement_id: int, epoch: int | None = None) -> None:
+    """Mark a copy CORRUPT so it is never served again (guarded by `epoch` when given; StaleEpoch,
+    InvalidTransition, PlacementNotFound when it changed)."""
+    _placement_mark_corrupt(placement_id=placement_id, epoch=epoch)
+
+
 def placement_mark_deleting(*, placement_id: int, epoch: int) -> CopyRecord:
     """Mark a copy DELETING, guarded by its epoch (StaleEpoch, InvalidTransition, PlacementNotFound
     when it changed); the copy as marked, at its next epoch."""
@@ -355,3 +362,45 @@ def policies_in_force() -> tuple[int, dict[str, list[dict[str, object]]]]:
     rules, quotas), as `node.apply_policies` carries them."""
     snapshot = policies_snapshot()
     return snapshot.version, node_policies(snapshot)
+
+
+def modelprofile_ensure(*, profile: Any) -> None:
+    """Record the model profile of a data-plane profile (`worker.dataplane.profile.ModelProfile`)
+    unless the directory has one of that layout: registrations of its blocks name it."""
+    _modelprofile_ensure(profile=profile)
+
+
+def namespace_ensure(*, name: str) -> None:
+    """Create the namespace `name` (with a fresh salt) unless it exists."""
+    _namespace_ensure(name=name)
+
+
+def node_heartbeat(
+    *,
+    name: str,
+    host: str,
+    address: str = "",
+    pid: int | None = None,
+    version: str = "",
+    heartbeat_seconds: float,
+    tiers: list[TierReport],
+    group: str | None = None,
+    engine: str = "strata",
+    engine_address: str = "",
+    traffic: TrafficSummary | None = None,
+) -> None:
+    """Report the node, its tiers and its recent traffic (one transaction, stamped with the
+    database's clock); a stale node comes back up."""
+    _node_heartbeat(
+        name=name,
+        host=host,
+        address=address,
+        pid=pid,
+        version=version,
+        heartbeat_seconds=heartbeat_seconds,
+        tiers=tiers,
+        group=group,
+        engine=engine,
+        engine_address=engine_address,
+        traffic=traffic,
+    )

@@ -10,7 +10,9 @@ while the target is still its own) and never serves it.
 
 This module is the fencing only: the bytes move in the data plane's mover, scrub and reconcile
 live in `scrub.py` and `reconcile.py`, fault injection in `faults.py`, the dashboard's counts in
-`announcer.py`.
+`announcer.py`. The directory and the movement ledger are read and written through
+`controlplane.node_api`, whose answers are plain records (`MovementRecord`, `CopyRecord`,
+`BlockRecord`).
 
 Why one module: reserve, move, flip, free and record are one protocol over one batch's state
 (its reservations, epochs and outcomes); each step's guard is only readable beside the steps it
