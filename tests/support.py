@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from worker.directory import PostgresDirectory
+    from worker.postgres_directory import PostgresDirectory
 
 T = TypeVar("T")
 
@@ -199,7 +199,7 @@ def directory_client(port: int | None = None, **options: Any) -> PostgresDirecto
     from django.db import connection
 
     from worker.dataplane.network import ConnectionOptions
-    from worker.directory import DirectoryOptions, PostgresDirectory
+    from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
     params = connection.settings_dict
     network = ConnectionOptions(connect_timeout_s=2)

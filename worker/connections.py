@@ -1,7 +1,7 @@
 """A node process's own connections: Django's PostgreSQL connection and the Celery broker's, given
 the node's connect and statement timeouts, TCP keepalives and TCP user timeout.
 
-The directory client opens connections of its own with the same options (`worker.directory`);
+The directory client opens connections of its own with the same options (`worker.postgres_directory`);
 these are the rest: heartbeats, policies, movements and the broker the node's tasks come from.
 """
 

@@ -2,7 +2,8 @@
 
 Imports inside functions here are deliberate: the model engine (torch, transformers) and the vLLM
 server load only in a node that serves that engine, and the control-plane services only once the
-worker has set Django up."""
+worker has set Django up. Every read and write of the control plane's data goes through
+`controlplane.node_api`."""
 
 from __future__ import annotations
 
@@ -64,13 +65,13 @@ class NodeRuntime:
         if config.engine == "vllm":
             self._start_vllm()
             return
-        from controlplane.directory.services import modelprofile_ensure, namespace_ensure
+        from controlplane.node_api import modelprofile_ensure, namespace_ensure
         from worker.dataplane.blend.options import BlendOptions
         from worker.dataplane.engine.engine import Engine, EngineOptions
         from worker.dataplane.engine.models import load_model
         from worker.dataplane.engine.server import NodeServer
         from worker.dataplane.store import build_store
-        from worker.directory import DirectoryOptions, PostgresDirectory
+        from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
         model = load_model(config.model, dtype=config.model_dtype or None, cache_dir=config.cache_dir)
         profile = model.profile(config.block_tokens)
@@ -114,7 +115,7 @@ class NodeRuntime:
         """The node of a vLLM engine: the model's profile from its checkpoint (vLLM loads the
         weights), the node's tiers for its worker's movements and its heartbeat, and, unless
         vllm_launch is off, the vLLM server itself."""
-        from controlplane.directory.services import modelprofile_ensure, namespace_ensure
+        from controlplane.node_api import modelprofile_ensure, namespace_ensure
         from worker.dataplane.engine.models import checkpoint_profile
         from worker.dataplane.store import build_store
         from worker.vllm_server import VllmServer
@@ -199,29 +200,27 @@ class NodeRuntime:
     def policies_refresh(self) -> None:
         """Read the policies in force and apply them if they changed (at start, and at each
         heartbeat, so a node that missed a message catches up within one interval)."""
-        from controlplane.policies.dispatch import node_policies
-        from controlplane.policies.snapshot import policies_snapshot
+        from controlplane.node_api import policies_in_force
 
-        snapshot = policies_snapshot()
-        if snapshot.version != self.policy_version:
-            self.apply_policies(version=snapshot.version, **node_policies(snapshot))
+        version, policies = policies_in_force()
+        if version != self.policy_version:
+            self.apply_policies(version=version, **policies)
 
     def policies_announced(self, *, version: int) -> None:
         """A `node.apply_policies` message for `version`: apply what the directory holds. A
         version the directory does not hold (a message forged, or from a rolled-back change) is
         logged and counted, and changes nothing beyond what the directory says."""
-        from controlplane.policies.dispatch import node_policies
-        from controlplane.policies.snapshot import policies_snapshot
+        from controlplane.node_api import policies_in_force
 
-        snapshot = policies_snapshot()
-        if version != snapshot.version:
+        in_force, policies = policies_in_force()
+        if version != in_force:
             log.warning(
                 "policy message for version %r refused: the directory's version in force is %d (applied instead)",
                 version,
-                snapshot.version,
+                in_force,
             )
-        if snapshot.version != self.policy_version:
-            self.apply_policies(version=snapshot.version, **node_policies(snapshot))
+        if in_force != self.policy_version:
+            self.apply_policies(version=in_force, **policies)
 
     def stop_engine(self) -> None:
         if self.vllm is not None:
@@ -286,7 +285,7 @@ class NodeRuntime:
 
     def heartbeat(self) -> None:
         """Report this node to the directory (one transaction)."""
-        from controlplane.directory.services import TierReport, node_heartbeat
+        from controlplane.node_api import TierReport, node_heartbeat
 
         node_heartbeat(
             name=self.config.node_name,
@@ -303,7 +302,7 @@ class NodeRuntime:
         )
 
     def shutdown(self) -> None:
-        from controlplane.directory.services import node_mark_down
+        from controlplane.node_api import node_mark_down
 
         node_mark_down(name=self.config.node_name)
 
@@ -363,7 +362,7 @@ class HeartbeatStep(bootsteps.StartStopStep):
 
 def run_node(app: Celery, config: NodeConfig, *, loglevel: str = "INFO") -> int:
     """Start the node's Celery worker in this process and block until it stops."""
-    from controlplane.directory.services.redis_identity import node_broker_transport_options
+    from controlplane.node_api import node_broker_transport_options
     from controlplane.runtime.redis_check import refuse_evicting_redis
     from worker.connections import broker_options_apply
 

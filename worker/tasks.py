@@ -8,7 +8,7 @@ from typing import Any
 
 from celery import current_app, shared_task
 
-from worker.movements import TRANSIENT_ERRORS, executor_for
+from worker.movement_executor import TRANSIENT_ERRORS, executor_for
 
 _MOVEMENT_TASK: dict[str, Any] = {
     "ignore_result": True,

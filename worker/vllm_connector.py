@@ -44,9 +44,9 @@ class StrataConnector(StrataConnectorBase):
 
     def open_directory(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Directory | None:
         _django()
-        from controlplane.directory.services import modelprofile_ensure, namespace_ensure
+        from controlplane.node_api import modelprofile_ensure, namespace_ensure
         from worker.connections import database_options_apply
-        from worker.directory import DirectoryOptions, PostgresDirectory
+        from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
         database_options_apply(config)  # this process's own queries (models, namespaces, policies)
 
@@ -67,15 +67,13 @@ class StrataConnector(StrataConnectorBase):
         at each heartbeat (the host and disk eviction rules, the quotas, the classes that write
         through to L3); each connector half follows them every heartbeat interval."""
         _django()
-        from controlplane.policies.dispatch import node_policies
-        from controlplane.policies.snapshot import policies_snapshot
+        from controlplane.node_api import policies_in_force
 
         def read() -> tuple[int, Mapping[str, object]]:
             from django.db import close_old_connections
 
             close_old_connections()
-            snapshot = policies_snapshot()
-            return snapshot.version, node_policies(snapshot)
+            return policies_in_force()
 
         return read
 

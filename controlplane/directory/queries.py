@@ -1,7 +1,7 @@
 """The directory's hot SQL, one statement per round trip, runnable on any DB-API cursor.
 
 Selectors and services run these on Django's connection; the node's write-behind Directory
-(worker.directory) runs them on its own psycopg connections, so both paths share one text.
+(worker.postgres_directory) runs them on its own psycopg connections, so both paths share one text.
 Arrays travel as single parameters (unnest ... WITH ORDINALITY), which keeps a 4096-key lookup
 to one statement with one plan. No literal percent signs: Django's cursor formats client-side.
 """

@@ -1,7 +1,7 @@
 """The one writer of registrations (blocks and their READY copies) and of by-key placement changes.
 
 Both the control plane's services (`blocks_register`, `placements_change`, on Django's connection)
-and the node's directory client (`worker.directory`, on its own psycopg connection) write through
+and the node's directory client (`worker.postgres_directory`, on its own psycopg connection) write through
 these functions, so a registration or a change means the same statements whoever sends it. The
 callers differ only in what they do around them: the services refuse a batch that names an
 unknown namespace, model or node; the node keeps such registrations and retries them later.

@@ -9,7 +9,7 @@ from tests.blend.conftest import BLOCK_TOKENS, tokens
 from tests.engine.conftest import make_store, redis_url  # noqa: F401 - fixtures
 from worker.dataplane.blend.options import BlendOptions
 from worker.dataplane.engine.engine import Engine, EngineOptions
-from worker.directory import DirectoryOptions, PostgresDirectory
+from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

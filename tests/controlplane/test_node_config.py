@@ -105,7 +105,7 @@ def test_a_movement_option_from_yaml_is_refused_naming_the_file(tmp_path):
 
 
 def test_movement_options_come_from_the_node_configuration():
-    from worker.movements import MovementOptions  # noqa: PLC0415 - a Django module: the settings are loaded
+    from worker.movement_executor import MovementOptions  # noqa: PLC0415 - a Django module: the settings are loaded
 
     config = load_config(overrides={"move_verify": "header", "reconcile_grace_s": 5}, environ={})
     assert MovementOptions.from_config(config) == MovementOptions(verify="header", reconcile_grace_s=5.0)

@@ -69,7 +69,7 @@ def test_the_options_come_from_the_node_configuration():
 
 @pytest.mark.django_db
 def test_the_directory_clients_connections_carry_them():
-    from worker.directory import DirectoryOptions, PostgresDirectory
+    from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
     options = DirectoryOptions.from_config(load_config(environ=NODE))
     assert options.read_deadline_s == 1.5 and options.write_timeout_ms == 12_500

@@ -13,7 +13,7 @@ import pytest
 from controlplane.directory.models import Block, Placement
 from tests.directory.conftest import node_create
 from worker.dataplane.directory import BlockTouch, DirectoryUnavailable, PlacementChange
-from worker.directory import DirectoryOptions, PostgresDirectory, django_connect
+from worker.postgres_directory import DirectoryOptions, PostgresDirectory, django_connect
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -22,7 +22,7 @@ from controlplane.directory.services import modelprofile_key
 from controlplane.runtime.embedded import EmbeddedPostgres
 from controlplane.runtime.environment import embedded_database_name, load_environment
 from worker.dataplane.directory import BlockRegistration, BlockTouch, DirectoryUnavailable
-from worker.directory import DirectoryOptions, PostgresDirectory
+from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from worker.dataplane.network import ConnectionOptions
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.host import HostTier
 from worker.dataplane.tiers.remote import RemoteTier, redis_client
-from worker.directory import PostgresDirectory
+from worker.postgres_directory import PostgresDirectory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

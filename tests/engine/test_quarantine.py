@@ -9,7 +9,7 @@ import random
 import pytest
 
 from tests.engine.conftest import BLOCK_TOKENS, engine_for, make_store, redis_url  # noqa: F401 - fixtures
-from worker.directory import DirectoryOptions, PostgresDirectory
+from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

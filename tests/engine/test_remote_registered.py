@@ -35,7 +35,7 @@ from worker.dataplane.offload_records import Hit
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.host import HostTier
 from worker.dataplane.tiers.remote import RemoteTier
-from worker.directory import DirectoryOptions, PostgresDirectory
+from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tests.engine.conftest import BLOCK_TOKENS, engine_for
-from worker.directory import DirectoryOptions, PostgresDirectory
+from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

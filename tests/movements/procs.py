@@ -21,7 +21,7 @@ from tests.movements.invariants import InvariantReport, invariants_check
 from tests.support import free_port, node_env, wait_for
 from worker.dataplane.directory import BlockRegistration
 from worker.dataplane.errors import MISSES
-from worker.movements import MovementExecutor, MovementOptions
+from worker.movement_executor import MovementExecutor, MovementOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import worker.dataplane.mover as mover
-import worker.movements.executor as glue
+import worker.movement_executor.executor as glue
 from controlplane.directory.choices import PlacementState
 from controlplane.directory.models import Block, Placement
 from controlplane.directory.services import placement_mark_corrupt
@@ -28,7 +28,7 @@ from tests.movements.conftest import (
     record_moves,
 )
 from tests.movements.invariants import invariants_check
-from worker.movements import MovementExecutor, MovementOptions
+from worker.movement_executor import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES
 pytestmark = pytest.mark.django_db

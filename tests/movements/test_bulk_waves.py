@@ -14,7 +14,7 @@ import torch
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-import worker.movements.executor as glue
+import worker.movement_executor.executor as glue
 from controlplane.directory.choices import PlacementState
 from controlplane.directory.models import Block, Placement
 from controlplane.directory.services import (
@@ -43,7 +43,7 @@ from tests.movements.conftest import (
     record_moves,
 )
 from tests.movements.invariants import invariants_check
-from worker.movements import MovementExecutor
+from worker.movement_executor import MovementExecutor
 
 B = BLOCK_BYTES
 _record = functools.partial(record_moves, policy_version=3)

@@ -30,7 +30,7 @@ from tests.movements.conftest import (
 )
 from tests.movements.invariants import invariants_check
 from worker.dataplane.errors import TierFull, TierUnavailable
-from worker.movements import MovementExecutor, MovementOptions
+from worker.movement_executor import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES
 pytestmark = pytest.mark.django_db
@@ -195,7 +195,7 @@ def test_a_refused_flip_drops_its_target_and_serves_nothing(executor, store, sto
     """Between copy and flip someone else changes the source: the flip is refused by the epoch."""
     block, original = stored_block("host", seed=6)
     m = movement(block, MovementKind.MOVE, "disk")
-    import worker.movements.executor as glue
+    import worker.movement_executor.executor as glue
 
     real_flip = glue.placements_flip_many
 
@@ -217,7 +217,7 @@ def test_a_disk_copy_is_made_durable_before_its_flip(executor, store, stored_blo
     it at once, before the copy is recorded READY (a crash after the flip cannot lose it)."""
     block, _ = stored_block("host", seed=11)
     m = movement(block, MovementKind.MOVE, "disk")
-    import worker.movements.executor as glue
+    import worker.movement_executor.executor as glue
 
     order: list[str] = []
     disk = store.tier("disk")

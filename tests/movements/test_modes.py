@@ -16,7 +16,7 @@ from controlplane.movements.services import movements_plan
 from controlplane.policies.services import mode_activate
 from tests.movements.conftest import BLOCK_BYTES, node_report, random_block
 from tests.movements.invariants import invariants_check
-from worker.movements import MovementExecutor, MovementOptions
+from worker.movement_executor import MovementExecutor, MovementOptions
 
 B = BLOCK_BYTES
 pytestmark = pytest.mark.django_db

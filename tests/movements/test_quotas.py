@@ -131,7 +131,7 @@ def test_the_quota_beat_runs_the_pass(make_blocks, namespaces):
 
 
 def test_a_node_carries_out_the_quota_plan_on_a_real_store(make_blocks, store_factory):
-    from worker.movements import MovementExecutor, MovementOptions
+    from worker.movement_executor import MovementExecutor, MovementOptions
 
     node_report("gpu-0", host=(16 * B, 12 * B), disk=(16 * B, 0))
     store = store_factory(blocks=16, tiers=("host", "disk"))

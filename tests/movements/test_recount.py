@@ -22,7 +22,7 @@ from controlplane.telemetry.metrics import render_metrics
 from tests.movements.conftest import node_report, random_block
 from tests.support import remote_held as held
 from worker.dataplane.errors import TierFull
-from worker.movements import MovementExecutor, MovementOptions
+from worker.movement_executor import MovementExecutor, MovementOptions
 
 pytestmark = pytest.mark.django_db
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@
 The directory is the control plane's ledger of which block is where (PostgreSQL). The data plane
 asks it one thing synchronously - where the blocks of a prompt are - and tells it everything else
 (new blocks, changed copies, accesses) without waiting: writes go out in batches, behind the
-request path. The Django-backed implementation lives in `worker.directory`.
+request path. The Django-backed implementation lives in `worker.postgres_directory`.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class Command(BaseCommand):
         directory's tables, or one that bypasses row-level security), unless told to allow it."""
         from django.db import DatabaseError, connection
 
-        from controlplane.directory.services.credentials import credential_too_strong
+        from controlplane.node_api import credential_too_strong
 
         try:
             problem = credential_too_strong()

@@ -1,8 +1,9 @@
 """The node's directory client: synchronous batched lookups, write-behind registrations, placement
-changes and touches, over its own PostgreSQL connections (the control plane's SQL, no ORM).
+changes and touches, over its own PostgreSQL connections (the control plane's SQL, run through
+`controlplane.node_api`; no ORM).
 
 Lookups run on pooled reader connections with a short statement timeout and a deadline
-(`directory_readers`); from a failure until a background probe reaches the database again, the
+(`postgres_readers`); from a failure until a background probe reaches the database again, the
 client answers DirectoryUnavailable at once, so engines recompute instead of queueing behind a
 dead database. Every write goes to one background writer thread: registrations and placement
 changes are kept in order and retried until the database takes them; touches are summed per
@@ -27,9 +28,7 @@ from typing import Any
 
 import psycopg
 
-from controlplane.directory import queries
-from controlplane.directory.registrations import placement_changes_write, registrations_write, runs
-from controlplane.directory.services import blocks_registered_announce
+from controlplane import node_api
 from worker.dataplane.config import NodeConfig
 from worker.dataplane.directory import (
     BlockRegistration,
@@ -39,7 +38,7 @@ from worker.dataplane.directory import (
     PlacementChange,
 )
 from worker.dataplane.network import ConnectionOptions, Watchdog
-from worker.directory_readers import TRANSIENT, DirectoryReaders
+from worker.postgres_readers import TRANSIENT, DirectoryReaders
 
 log = logging.getLogger("strata.directory")
 
@@ -168,7 +167,7 @@ class PostgresDirectory:
     ) -> None:
         self.options = options or DirectoryOptions()
         self._connect_raw = connect or django_connect(connection=self.options.connection)
-        self._announce = announce if announce is not None else blocks_registered_announce
+        self._announce = announce if announce is not None else node_api.blocks_registered_announce
         self._source = source
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -216,23 +215,23 @@ class PostgresDirectory:
         with self._lock:
             self._counts["lookups"] += 1
         answer = self._read(
-            lambda cur: queries.lookup(
+            lambda cur: node_api.directory_lookup(
                 cur, namespace=namespace, model_key=model_key, node=node, prefix_keys=keys, content_keys=content_keys
             )
         )
-        return queries.lookup_result(answer, prefix_keys=keys, content_keys=content_keys)
+        return node_api.lookup_result(answer, prefix_keys=keys, content_keys=content_keys)
 
     def namespace_salt(self, namespace: str) -> bytes:
         salt = self._salts.get(namespace)
         if salt is None:
-            salt = self._read(lambda cur: queries.namespace_salt(cur, name=namespace))
+            salt = self._read(lambda cur: node_api.namespace_salt(cur, name=namespace))
             self._salts[namespace] = salt
         return salt
 
     def shared_salts(self) -> dict[str, bytes]:
         now = time.monotonic()
         if self._shared is None or now - self._shared[0] >= self.options.shared_refresh_s:
-            self._shared = (now, self._read(queries.shared_salts))
+            self._shared = (now, self._read(node_api.shared_salts))
         return dict(self._shared[1])
 
     def _read(self, query: Callable[[psycopg.Cursor[Any]], Any]) -> Any:
@@ -499,7 +498,7 @@ class PostgresDirectory:
         with self._write_deadline(conn), conn.transaction(), conn.cursor() as cur:
             for kind, run in _kinds(batch):
                 if kind == "register":
-                    written = registrations_write(cur, registrations=run, now=now, all_or_nothing=False)
+                    written = node_api.registrations_write(cur, registrations=run, now=now, all_or_nothing=False)
                     unknown.extend(run[index] for index, _ in written.rejected)
                     counts.update(
                         flushed=written.written,
@@ -508,7 +507,7 @@ class PostgresDirectory:
                         new_placements=written.counts.placements,
                     )
                 else:
-                    changed = placement_changes_write(cur, changes=run, now=now)
+                    changed = node_api.placement_changes_write(cur, changes=run, now=now)
                     counts.update(flushed=len(run), refused_changes=max(len(run) - changed, 0))
         with self._lock:
             self._unannounced.update(
@@ -526,7 +525,7 @@ class PostgresDirectory:
         if not touches:
             return
         rows = [
-            queries.TouchRow(
+            node_api.TouchRow(
                 namespace=ns, model_key=mk, prefix_key=pk, hits=t.hits, at=datetime.fromtimestamp(t.at, tz=UTC)
             )
             for (ns, mk, pk), t in touches.items()
@@ -534,7 +533,7 @@ class PostgresDirectory:
         try:
             conn = self._writer_conn()
             with self._write_deadline(conn), conn.cursor() as cur:
-                queries.touch(cur, rows=rows)
+                node_api.touches_write(cur, rows=rows)
         except psycopg.Error as exc:
             if isinstance(exc, TRANSIENT):
                 self._reset_writer()
@@ -567,4 +566,4 @@ class PostgresDirectory:
 
 def _kinds(batch: list[tuple[str, Any]]) -> list[tuple[str, list[Any]]]:
     """Consecutive writes of one kind, in order: a change never overtakes a registration queued before it."""
-    return [(kind, [item for _, item in run]) for kind, run in runs(batch, key=lambda w: w[0])]
+    return [(kind, [item for _, item in run]) for kind, run in itertools.groupby(batch, key=lambda w: w[0])]

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 
-from controlplane.movements.models import Movement
+from controlplane.node_api import MovementRecord
 from worker.dataplane.config_values import FAULT_POINTS
 
 __all__ = ["FAULT_POINTS", "FaultInjector"]
@@ -29,7 +29,7 @@ class FaultInjector:
         if point:
             log.warning("fault injection armed: movements on node %s will hold at %s (STRATA_FAULT_POINT)", node, point)
 
-    def hold(self, point: str, *movements: Movement) -> None:
+    def hold(self, point: str, *movements: MovementRecord) -> None:
         if self.point != point or not movements:
             return
         for movement in movements:

@@ -10,7 +10,9 @@ while the target is still its own) and never serves it.
 
 This module is the fencing only: the bytes move in the data plane's mover, scrub and reconcile
 live in `scrub.py` and `reconcile.py`, fault injection in `faults.py`, the dashboard's counts in
-`announcer.py`.
+`announcer.py`. The directory and the movement ledger are read and written through
+`controlplane.node_api`, whose answers are plain records (`MovementRecord`, `CopyRecord`,
+`BlockRecord`).
 
 Why one module: reserve, move, flip, free and record are one protocol over one batch's state
 (its reservations, epochs and outcomes); each step's guard is only readable beside the steps it
@@ -28,37 +30,41 @@ from typing import Any
 
 from django.db import close_old_connections, transaction
 
-from controlplane.directory.choices import PlacementState
-from controlplane.directory.errors import InvalidTransition
-from controlplane.directory.models import Block, Placement
-from controlplane.directory.services import (
+from controlplane.node_api import (
+    BlockRecord,
+    CopyRecord,
+    InvalidTransition,
+    MovementKind,
+    MovementRecord,
+    MovementResult,
+    MovementState,
     PendingCopy,
     PlacementFlip,
+    PlacementState,
+    block_get,
+    blocks_by_id,
+    checksum_failures_count,
+    copies_by_id,
+    copy_get,
+    movement_start,
+    movements_finish_many,
+    movements_set_targets,
+    movements_start_many,
     placement_delete,
     placement_mark_deleting,
     placements_create_pending_many,
     placements_delete_many,
     placements_flip_many,
 )
-from controlplane.movements.choices import MovementKind, MovementState
-from controlplane.movements.models import Movement
-from controlplane.movements.services import (
-    MovementResult,
-    checksum_failures_count,
-    movement_start,
-    movements_finish_many,
-    movements_set_targets,
-    movements_start_many,
-)
 from worker.dataplane.mover import CopyStatus, Mover
-from worker.movements.announcer import MovementAnnouncer
-from worker.movements.copies import quarantine
-from worker.movements.errors import FENCED, TRANSIENT_ERRORS, NoStore
-from worker.movements.faults import FaultInjector
-from worker.movements.options import MovementOptions
-from worker.movements.reconcile import Reconciler, ReconcileReport
-from worker.movements.records import Outcome, Reservation, ReservedCopy
-from worker.movements.scrub import ScrubReport, scrub_tier
+from worker.movement_executor.announcer import MovementAnnouncer
+from worker.movement_executor.copies import quarantine
+from worker.movement_executor.errors import FENCED, TRANSIENT_ERRORS, NoStore
+from worker.movement_executor.faults import FaultInjector
+from worker.movement_executor.options import MovementOptions
+from worker.movement_executor.reconcile import Reconciler, ReconcileReport
+from worker.movement_executor.records import Outcome, Reservation, ReservedCopy
+from worker.movement_executor.scrub import ScrubReport, scrub_tier
 
 log = logging.getLogger("strata.movements")
 
@@ -82,7 +88,7 @@ def _waves(ids: Sequence[int], per_wave: int) -> list[Sequence[int]]:
     return [ids[:1], *(middle[start : start + per_wave] for start in range(0, len(middle), per_wave)), ids[-1:]]
 
 
-_Ended = tuple[Movement, MovementResult]
+_Ended = tuple[MovementRecord, MovementResult]
 """A movement and the result to record for it (`MovementExecutor._record` records a wave's at once)."""
 
 
@@ -102,7 +108,13 @@ class MovementExecutor:
 
     @staticmethod
     def _ended(
-        movement: Movement, state: str, *, started: float, detail: str = "", error: str = "", nbytes: int | None = None
+        movement: MovementRecord,
+        state: str,
+        *,
+        started: float,
+        detail: str = "",
+        error: str = "",
+        nbytes: int | None = None,
     ) -> _Ended:
         """The result of a movement that ended now (its duration counted from `started`)."""
         return movement, MovementResult(
@@ -141,7 +153,7 @@ class MovementExecutor:
 
     def _finish(
         self,
-        movement: Movement,
+        movement: MovementRecord,
         state: str,
         *,
         started: float,
@@ -157,7 +169,7 @@ class MovementExecutor:
         Redis away) propagate, so the task retries the batch; finished ones are then skipped."""
         if kind in (MovementKind.MOVE, MovementKind.WARM):
             return self._run_copies(kind, movement_ids)
-        step: Callable[[Movement], Outcome] = {MovementKind.EVICT: self._evict}[kind]  # type: ignore[index]
+        step: Callable[[MovementRecord], Outcome] = {MovementKind.EVICT: self._evict}[kind]  # type: ignore[index]
         outcomes = []
         for ident in movement_ids:
             movement = movement_start(movement_id=ident, node=self.node)
@@ -191,10 +203,10 @@ class MovementExecutor:
         return outcomes
 
     # -- checks -----------------------------------------------------------------------------
-    def _block(self, movement: Movement) -> Block | None:
-        return Block.objects.filter(id=movement.block_id).only("id", "prefix_key", "size_bytes").first()
+    def _block(self, movement: MovementRecord) -> BlockRecord | None:
+        return block_get(movement.block_id)
 
-    def _layout_problem(self, block: Block, *tiers: str) -> str:
+    def _layout_problem(self, block: BlockRecord, *tiers: str) -> str:
         for tier in tiers:
             if tier not in self.store.names:
                 return f"tier: node {self.node} has no {tier} tier (it has {', '.join(self.store.names)})"
@@ -248,7 +260,7 @@ class MovementExecutor:
         with transaction.atomic():
             started = time.perf_counter()
             ended: list[_Ended] = []
-            checked: list[Movement] = []
+            checked: list[MovementRecord] = []
             for ident, movement in zip(ids, movements_start_many(movement_ids=ids, node=self.node), strict=True):
                 if movement is None:
                     outcomes[ident] = Outcome(ident, "skipped", "already finished")
@@ -272,8 +284,8 @@ class MovementExecutor:
                     )
                 else:
                     checked.append(movement)
-            blocks = Block.objects.only("id", "prefix_key", "size_bytes").in_bulk([m.block_id for m in checked])
-            copies = Placement.objects.in_bulk(
+            blocks = blocks_by_id([m.block_id for m in checked])
+            copies = copies_by_id(
                 [m.src_placement_id for m in checked] + [m.dst_placement_id for m in checked if m.dst_placement_id]
             )
             wanted: list[Reservation] = []
@@ -307,11 +319,11 @@ class MovementExecutor:
 
     def _prepare(
         self,
-        movement: Movement,
+        movement: MovementRecord,
         *,
-        block: Block | None,
-        source: Placement | None,
-        target: Placement | None,
+        block: BlockRecord | None,
+        source: CopyRecord | None,
+        target: CopyRecord | None,
         free_source: bool,
         started: float,
     ) -> Reservation | _Ended:
@@ -391,7 +403,7 @@ class MovementExecutor:
                 )
             elif not result.done:
                 if result.status == CopyStatus.SOURCE_CORRUPT:
-                    quarantine(self.store, job.source, movement.src_tier, job.key, found_by="move")
+                    quarantine(self.store, job.source.id, movement.src_tier, job.key, found_by="move")
                 self._drop_target(movement, block_key=job.key, target=job.target, bytes_written=result.written)
                 if result.status == CopyStatus.TARGET_CORRUPT:
                     checksum_failures_count(tier=movement.dst_tier, found_by="move")
@@ -468,7 +480,7 @@ class MovementExecutor:
     def _taken_over(job: ReservedCopy) -> bool:
         """True when a newer attempt reserved this attempt's target again (same row, a later
         epoch, pending or already flipped by it)."""
-        current = Placement.objects.filter(id=job.target.id).only("state", "epoch").first()
+        current = copy_get(job.target.id)
         return (
             current is not None
             and current.epoch > job.target.epoch
@@ -505,7 +517,7 @@ class MovementExecutor:
         two statements (`placements_delete_many`, `movements_finish_many`)."""
         if not moved:
             return {}
-        rows = Placement.objects.in_bulk([job.source.id for job in moved])
+        rows = copies_by_id([job.source.id for job in moved])
         freed: list[tuple[int, int]] = []
         for job in moved:
             current = rows.get(job.source.id)
@@ -551,7 +563,7 @@ class MovementExecutor:
         ]
         try:
             with transaction.atomic():
-                answers: list[Placement | Exception] = list(placements_create_pending_many(copies=copies))
+                answers: list[CopyRecord | Exception] = list(placements_create_pending_many(copies=copies))
         except TRANSIENT_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - no single copy's answer: ask for each alone, so it stays its own
@@ -560,7 +572,7 @@ class MovementExecutor:
         jobs: list[ReservedCopy] = []
         refused: list[_Ended] = []
         for r, answer in zip(wanted, answers, strict=True):
-            if isinstance(answer, Placement):
+            if isinstance(answer, CopyRecord):
                 r.movement.dst_placement_id = answer.id
                 jobs.append(
                     ReservedCopy(
@@ -593,7 +605,7 @@ class MovementExecutor:
         return jobs, refused
 
     @staticmethod
-    def _reserve_one(copy: PendingCopy) -> Placement | Exception:
+    def _reserve_one(copy: PendingCopy) -> CopyRecord | Exception:
         try:
             with transaction.atomic():
                 [answer] = placements_create_pending_many(copies=[copy])
@@ -605,10 +617,10 @@ class MovementExecutor:
 
     def _drop_target(
         self,
-        movement: Movement,
+        movement: MovementRecord,
         *,
         block_key: uuid.UUID | None,
-        target: Placement | None = None,
+        target: CopyRecord | None = None,
         bytes_written: bool = True,
     ) -> None:
         """Remove this attempt's own target copy: only while it is still PENDING at the epoch this
@@ -616,7 +628,7 @@ class MovementExecutor:
         if target is None:
             if not movement.dst_placement_id:
                 return
-            target = Placement.objects.filter(id=movement.dst_placement_id).first()
+            target = copy_get(movement.dst_placement_id)
             if target is None or target.state != PlacementState.PENDING:
                 return
         try:
@@ -630,12 +642,12 @@ class MovementExecutor:
         except FENCED:
             pass
 
-    def _free(self, source: Placement | None, movement: Movement, key: uuid.UUID) -> None:
+    def _free(self, source: CopyRecord | None, movement: MovementRecord, key: uuid.UUID) -> None:
         """Free the source after a flip: bytes first, then the row (a row without bytes would be
         a READY-looking lie only if it were READY; it is DELETING by now)."""
         if source is None:
             return
-        current = Placement.objects.filter(id=source.id).first()
+        current = copy_get(source.id)
         if current is None or current.state != PlacementState.DELETING or current.epoch != source.epoch:
             return  # re-registered or already freed: the bytes are someone else's now
         self.store.tier(movement.src_tier).delete(key)
@@ -645,9 +657,9 @@ class MovementExecutor:
             pass
 
     # -- evictions ----------------------------------------------------------------------------
-    def _evict(self, movement: Movement) -> Outcome:
+    def _evict(self, movement: MovementRecord) -> Outcome:
         started = time.perf_counter()
-        source = Placement.objects.filter(id=movement.src_placement_id).first()
+        source = copy_get(movement.src_placement_id)
         if source is None:
             state = MovementState.DONE if movement.attempts > 1 else MovementState.CANCELLED
             return self._finish(movement, state, started=started, detail="the copy no longer exists")

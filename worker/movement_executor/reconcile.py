@@ -10,12 +10,15 @@ import time
 import uuid
 from typing import Any
 
-from controlplane.directory.choices import TierLevel
-from controlplane.directory.models import Placement
-from controlplane.directory.services import placement_mark_corrupt
-from controlplane.movements.services import checksum_failures_count, tier_recount_record
-from worker.movements.copies import node_copies
-from worker.movements.errors import FENCED
+from controlplane.node_api import (
+    TierLevel,
+    checksum_failures_count,
+    node_copies,
+    node_keys_known,
+    placement_mark_corrupt,
+    tier_recount_record,
+)
+from worker.movement_executor.errors import FENCED
 
 log = logging.getLogger("strata.movements")
 
@@ -58,9 +61,9 @@ class Reconciler:
         now = time.monotonic() if now is None else now
         # Rows first, then bytes: a copy written after the listing cannot look missing.
         ready = [
-            (p.id, p.epoch, p.block.prefix_key)
+            (held.copy.id, held.copy.epoch, held.block.prefix_key)
             for found in node_copies(self.node, tier, batch=self.batch)
-            for p in found
+            for held in found
         ]
         present = set(self.store.tier(tier).keys())
         for ident, epoch, key in ready:
@@ -127,12 +130,4 @@ class Reconciler:
 
     def _known_keys(self, tier: str, keys: set[uuid.UUID]) -> set[uuid.UUID]:
         """Which of `keys` have a placement row of any state in this node's `tier`."""
-        if not keys:
-            return set()
-        ordered = sorted(keys)
-        found: set[uuid.UUID] = set()
-        for start in range(0, len(ordered), 1000):  # the prefix-key index serves each IN list
-            rows = Placement.objects.filter(tier=tier, block__prefix_key__in=ordered[start : start + 1000])
-            rows = rows.filter(node__isnull=True) if tier == TierLevel.REMOTE else rows.filter(node__name=self.node)
-            found.update(rows.values_list("block__prefix_key", flat=True))
-        return found
+        return node_keys_known(self.node, tier, keys)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db import InterfaceError, OperationalError
 
-from controlplane.directory.errors import InvalidTransition, PlacementNotFound, StaleEpoch
+from controlplane.node_api import InvalidTransition, PlacementNotFound, StaleEpoch
 from worker.dataplane.errors import TierUnavailable
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (

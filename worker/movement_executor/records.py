@@ -6,8 +6,7 @@ import dataclasses
 import uuid
 from concurrent.futures import Future
 
-from controlplane.directory.models import Block, Placement
-from controlplane.movements.models import Movement
+from controlplane.node_api import BlockRecord, CopyRecord, MovementRecord
 from worker.dataplane.mover import CopyJob, CopyResult
 
 
@@ -15,10 +14,10 @@ from worker.dataplane.mover import CopyJob, CopyResult
 class Reservation:
     """A started movement whose source checked out: its target copy is still to be reserved."""
 
-    movement: Movement
-    block: Block
-    source: Placement
-    previous: Placement | None
+    movement: MovementRecord
+    block: BlockRecord
+    source: CopyRecord
+    previous: CopyRecord | None
     """The target an earlier attempt of this movement reserved (taken over if still pending)."""
     free_source: bool
     started: float
@@ -29,11 +28,11 @@ class ReservedCopy:
     """One move or warm-up of a batch, from its reserved target to its flip: the mover's future
     result, then what the conclusion turns into directory changes."""
 
-    movement: Movement
-    block: Block
+    movement: MovementRecord
+    block: BlockRecord
     key: uuid.UUID
-    source: Placement
-    target: Placement
+    source: CopyRecord
+    target: CopyRecord
     free_source: bool
     started: float
     copying: Future[CopyResult] | None = None

@@ -6,8 +6,9 @@ import dataclasses
 import logging
 from typing import Any
 
+from controlplane.node_api import node_copies
 from worker.dataplane.errors import BlockCorrupt, BlockMissing
-from worker.movements.copies import node_copies, quarantine
+from worker.movement_executor.copies import quarantine
 
 log = logging.getLogger("strata.movements")
 
@@ -27,12 +28,12 @@ def scrub_tier(*, node: str, store: Any, tier: str, buffer: Any, batch: int) -> 
     report = ScrubReport(tier=tier)
     if tier not in store.names:
         return report
-    for placements in node_copies(node, tier, batch=batch):
-        for placement in placements:
-            if placement.block.size_bytes != store.layout.block_bytes:
+    for held in node_copies(node, tier, batch=batch):
+        for placement, block in ((h.copy, h.block) for h in held):
+            if block.size_bytes != store.layout.block_bytes:
                 continue  # another model's block: not this store's to judge
             report.checked += 1
-            key = placement.block.prefix_key
+            key = block.prefix_key
             problem = ""
             try:
                 read = store.tier(tier).get(key, buffer)
@@ -49,7 +50,7 @@ def scrub_tier(*, node: str, store: Any, tier: str, buffer: Any, batch: int) -> 
             if problem:
                 report.corrupt += 1
                 log.warning("scrub %s: block %s (placement %d): %s", tier, key, placement.id, problem)
-                quarantine(store, placement, tier, key, found_by="scrub")
+                quarantine(store, placement.id, tier, key, found_by="scrub")
     log.info(
         "scrub of %s on node %s: %d copies checked, %d quarantined (%d missing)",
         tier,

@@ -9,9 +9,7 @@ from collections import Counter
 
 from django.db import connection
 
-from controlplane.movements.choices import MovementState
-from controlplane.movements.models import Movement
-from controlplane.movements.services import movements_finished_announce
+from controlplane.node_api import MovementRecord, MovementState, movements_finished_announce
 
 log = logging.getLogger("strata.movements")
 
@@ -28,7 +26,7 @@ class MovementAnnouncer:
         self._sent_at = 0.0
         self._timer: threading.Timer | None = None
 
-    def add(self, *movements: Movement) -> None:
+    def add(self, *movements: MovementRecord) -> None:
         with self._lock:
             for movement in movements:
                 self._counts[movement.state] += 1
