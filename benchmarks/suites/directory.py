@@ -508,7 +508,7 @@ def child(spec: dict[str, Any]) -> None:
     from controlplane.directory.selectors import blocks_lookup
     from controlplane.directory.services import blocks_register
     from controlplane.directory.services.credentials import node_credential_create
-    from worker.directory import DirectoryOptions, PostgresDirectory, django_connect
+    from worker.postgres_directory import DirectoryOptions, PostgresDirectory, django_connect
 
     repeats = spec["repeats"]
     small = spec["scale"] < 0.1

@@ -219,7 +219,7 @@ def _moves(spec: dict[str, Any]) -> None:
     from worker.dataplane.tiers.disk import DiskTier
     from worker.dataplane.tiers.host import HostTier
     from worker.dataplane.tiers.remote import RemoteTier, redis_client
-    from worker.movements import MovementExecutor, MovementOptions
+    from worker.movement_executor import MovementExecutor, MovementOptions
 
     layout = BlockLayout(layers=32, kv_heads=8, head_dim=128, block_tokens=256, dtype="bfloat16")
     blocks = max(2, spec["move_bytes"] // layout.block_bytes)
