@@ -2,8 +2,9 @@
 (`write_back.BlockWriter`: the new blocks into the write-back tier and the device working set).
 
 Why one module: one request's path, from its fingerprints to its last token, with the fragment
-reuse that decides what prefill recomputes; the parts that stand alone (loader, write-back, working
-set, turns, blend) already live in their own modules.
+reuse that decides what prefill recomputes; the parts that stand alone (the layer loader in
+`layer_loader`, the loaded prefix's cache and attention in `prefix`, the model in `models`,
+write-back, the working set, turns, fragment matching in `blend`) live in modules of their own.
 """
 
 from __future__ import annotations
@@ -37,17 +38,17 @@ from worker.dataplane.directory import (
     Directory,
     DirectoryUnavailable,
 )
-from worker.dataplane.engine.cache import LoadDeadline, LoadFailed, StrataCache
-from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
-from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import ClassShare, WorkingSet
 from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
 from worker.dataplane.eviction.rules import Rules
 from worker.dataplane.hashing import Fingerprinter
+from worker.dataplane.layer_loader.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.layout import block_layout
+from worker.dataplane.models.loading import LoadedModel
 from worker.dataplane.offload import REPROBE_SECONDS, OffloadManager
 from worker.dataplane.offload_records import Chain, Hit, RequestTrace, Throughput
+from worker.dataplane.prefix.cache import LoadDeadline, LoadFailed, StrataCache
 from worker.dataplane.store import TieredStore
 from worker.dataplane.traffic import TrafficMeter
 

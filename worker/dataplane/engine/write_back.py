@@ -24,11 +24,11 @@ import torch
 
 from worker.dataplane.blend.matching import content_keys_at, fragment_key, segment_windows
 from worker.dataplane.directory import REMOTE, BlockRegistration
-from worker.dataplane.engine.cache import StrataCache
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.offload_records import Chain, Hit, RequestTrace
+from worker.dataplane.prefix.cache import StrataCache
 from worker.dataplane.store import TieredStore
 
 
