@@ -33,7 +33,7 @@ from benchmarks import blend_base
 
 if TYPE_CHECKING:
     from worker.dataplane.engine.engine import Engine
-    from worker.dataplane.engine.models import LoadedModel
+    from worker.dataplane.models.loading import LoadedModel
 
 BOS, EOS, PAD = blend_base.BOS, blend_base.EOS, blend_base.PAD
 PASSAGE, QUERY, END = blend_base.PASSAGE, blend_base.QUERY, blend_base.END
@@ -292,7 +292,7 @@ def quality_report(
     passage once (in groups, so each passage's KV was computed after other passages), then left
     unchanged while every variant answers the same questions. `check_layer` is deviation
     selection's (BlendOptions' unless given)."""
-    from worker.dataplane.engine.models import load_model  # noqa: PLC0415
+    from worker.dataplane.models.loading import load_model  # noqa: PLC0415
 
     model = load_model(str(model_dir), device="cpu")
     # Chunk-start selection at r = 0 recomputes no fragment token at any layer: the `fused` variant.

@@ -20,8 +20,8 @@ import torch
 
 from benchmarks.throttle import ThrottleUnavailable, throttled_reads
 from worker.dataplane.engine.engine import Engine, EngineOptions
-from worker.dataplane.engine.models import LoadedModel, load_model
 from worker.dataplane.layout import BlockLayout
+from worker.dataplane.models.loading import LoadedModel, load_model
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.base import Tier
 from worker.dataplane.tiers.device import DeviceTier

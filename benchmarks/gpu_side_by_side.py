@@ -478,7 +478,7 @@ def make_checkpoint(path: Path, log: Log) -> Path:
     command = [
         sys.executable,
         "-c",
-        "import sys; from worker.dataplane.engine.models import save_preset; save_preset('bench', sys.argv[1])",
+        "import sys; from worker.dataplane.models.loading import save_preset; save_preset('bench', sys.argv[1])",
         str(path),
     ]
     log.command(command)

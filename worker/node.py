@@ -68,8 +68,8 @@ class NodeRuntime:
         from controlplane.node_api import modelprofile_ensure, namespace_ensure
         from worker.dataplane.blend.options import BlendOptions
         from worker.dataplane.engine.engine import Engine, EngineOptions
-        from worker.dataplane.engine.models import load_model
-        from worker.dataplane.engine.server import NodeServer
+        from worker.dataplane.models.loading import load_model
+        from worker.dataplane.serving.server import NodeServer
         from worker.dataplane.store import build_store
         from worker.postgres_directory import DirectoryOptions, PostgresDirectory
 
@@ -116,7 +116,7 @@ class NodeRuntime:
         weights), the node's tiers for its worker's movements and its heartbeat, and, unless
         vllm_launch is off, the vLLM server itself."""
         from controlplane.node_api import modelprofile_ensure, namespace_ensure
-        from worker.dataplane.engine.models import checkpoint_profile
+        from worker.dataplane.models.loading import checkpoint_profile
         from worker.dataplane.store import build_store
         from worker.vllm_server import VllmServer
 
@@ -148,7 +148,7 @@ class NodeRuntime:
         """The checkpoint directory vLLM loads: the model option's (a directory, or a hub id's
         snapshot in the local hub cache), or for a preset, the preset saved once under
         {var}/checkpoints/<preset> (random weights and the byte tokenizer)."""
-        from worker.dataplane.engine.models import PRESETS, preset_checkpoint, resolve_checkpoint
+        from worker.dataplane.models.loading import PRESETS, preset_checkpoint, resolve_checkpoint
 
         spec = self.config.model
         if spec not in PRESETS:

@@ -215,7 +215,7 @@ def long_prompt_ttft(
     *, preset: str, requests: int, passages: int, passage_tokens: int, percent: float, progress: Callable[[str], None]
 ) -> list[Row]:
     """TTFT where prefill dominates: a random-weight preset on long RAG prompts (speed only)."""
-    from worker.dataplane.engine.models import load_model  # noqa: PLC0415
+    from worker.dataplane.models.loading import load_model  # noqa: PLC0415
 
     model = load_model(preset, device="cpu")
     rng = random.Random(5)
@@ -291,7 +291,7 @@ def run(ctx: Context) -> list[Row]:
         raise FileNotFoundError(
             f"{MODEL_DIR} holds no model; make it with `python -m benchmarks.blend_model train --out {MODEL_DIR}`"
         )
-    from worker.dataplane.engine.models import load_model  # noqa: PLC0415
+    from worker.dataplane.models.loading import load_model  # noqa: PLC0415
 
     percent = float(os.environ.get("STRATA_BENCH_BLEND_PERCENT", "15"))
     scale = min(ctx.scale, 1.0)

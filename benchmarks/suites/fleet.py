@@ -43,8 +43,8 @@ from benchmarks.engine_workloads import _layout, _prompt
 from benchmarks.harness import Context, Row
 from controlplane.runtime.environment import load_environment
 from worker.dataplane.engine.engine import Engine, EngineOptions
-from worker.dataplane.engine.models import LoadedModel, load_model
 from worker.dataplane.engine.turns import Turns
+from worker.dataplane.models.loading import LoadedModel, load_model
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.device import DeviceTier
 from worker.dataplane.tiers.disk import DiskTier

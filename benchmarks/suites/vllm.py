@@ -119,7 +119,7 @@ def scratch_control_plane(ctx: Context) -> Iterator[tuple[dict[str, str], Path, 
     import sys
 
     from controlplane.runtime.environment import REPO_ROOT, load_environment
-    from worker.dataplane.engine.models import preset_checkpoint
+    from worker.dataplane.models.loading import preset_checkpoint
 
     environment = load_environment()
     checkpoint = preset_checkpoint(Shape.at(ctx.scale).preset, environment.var_dir / "checkpoints")

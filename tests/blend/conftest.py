@@ -10,8 +10,8 @@ import pytest
 
 from worker.dataplane.blend.options import BlendOptions
 from worker.dataplane.engine.engine import Engine, EngineOptions
-from worker.dataplane.engine.models import LoadedModel, load_model
 from worker.dataplane.layout import BlockLayout
+from worker.dataplane.models.loading import LoadedModel, load_model
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.device import DeviceTier
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.blend.conftest import BLOCK_TOKENS, blend_engine, tokens
-from worker.dataplane.engine.server import NodeServer
+from worker.dataplane.serving.server import NodeServer
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import pytest
 
 from benchmarks import blend_multihop
 from tests.blend.conftest import MULTIHOP_MODEL, blend_engine
-from worker.dataplane.engine.models import load_model
-from worker.dataplane.engine.server import NAMESPACE_HEADER, NodeServer
+from worker.dataplane.models.loading import load_model
+from worker.dataplane.serving.server import NAMESPACE_HEADER, NodeServer
 
 pytestmark = pytest.mark.skipif(
     not (MULTIHOP_MODEL / "config.json").exists(),

@@ -102,7 +102,7 @@ class Node:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from worker.dataplane.engine.models import save_preset
+    from worker.dataplane.models.loading import save_preset
 
     return save_preset("small", tmp_path_factory.mktemp("checkpoint") / "small-ckpt")
 

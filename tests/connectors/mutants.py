@@ -31,8 +31,8 @@ from worker.dataplane.connectors import staging
 from worker.dataplane.connectors.vllm import connector as connector_module
 from worker.dataplane.connectors.vllm import scheduler_half, sharding
 from worker.dataplane.connectors.vllm.requests import scope_of
-from worker.dataplane.engine.checkpoints import WEIGHT_SUFFIXES
 from worker.dataplane.errors import BlockCorrupt
+from worker.dataplane.models.checkpoints import WEIGHT_SUFFIXES
 from worker.dataplane.offload import OffloadManager
 from worker.vllm_connector import StrataConnector
 

@@ -106,7 +106,7 @@ def metric(url: str, name: str) -> float:
 
 
 def test_two_data_parallel_ranks_share_the_tiers_and_answer_as_vllm_alone(tmp_path, record_property):
-    from worker.dataplane.engine.models import save_preset
+    from worker.dataplane.models.loading import save_preset
 
     checkpoint = save_preset("small", tmp_path / "small")
     with server(checkpoint) as alone:

@@ -364,7 +364,7 @@ def reference(plain, adapters) -> Reference:
 
 # -- moving blocks down the tiers as movements do ----------------------------------------------------
 def profile_of(checkpoint: Path) -> Any:
-    from worker.dataplane.engine.models import checkpoint_profile
+    from worker.dataplane.models.loading import checkpoint_profile
 
     return checkpoint_profile(checkpoint, dtype="float32", block_tokens=BLOCK)
 

@@ -12,8 +12,8 @@ import torch
 from tests.engine.test_checkpoints import COMMIT, OTHER_COMMIT, hub_cache
 from worker.dataplane.config import load_config
 from worker.dataplane.connectors.vllm.runtime import profile_for
-from worker.dataplane.engine.checkpoints import REVISION_FILE
-from worker.dataplane.engine.models import load_model, save_preset
+from worker.dataplane.models.checkpoints import REVISION_FILE
+from worker.dataplane.models.loading import load_model, save_preset
 
 
 def vllm_config(model: str, revision: str | None = None) -> SimpleNamespace:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support import free_port
 from worker.dataplane.connectors.status import StatusServer
-from worker.dataplane.engine.timelines import RECENT
+from worker.dataplane.node_http.timelines import RECENT
 from worker.dataplane.offload_records import RequestTrace
 
 

@@ -81,7 +81,7 @@ def metric(node: Any, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def profile(node) -> Any:
-    from worker.dataplane.engine.models import checkpoint_profile
+    from worker.dataplane.models.loading import checkpoint_profile
 
     return checkpoint_profile(node.checkpoint, dtype="float32", block_tokens=BLOCK)
 

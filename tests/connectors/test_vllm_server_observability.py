@@ -38,7 +38,7 @@ def prompt(seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[dict[str, Any]]:
-    from worker.dataplane.engine.models import save_preset
+    from worker.dataplane.models.loading import save_preset
 
     checkpoint = save_preset("small", tmp_path_factory.mktemp("checkpoint") / "small")
     status, events = free_port(), free_port()

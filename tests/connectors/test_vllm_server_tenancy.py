@@ -25,7 +25,7 @@ KEYS = {"key-of-a": "tenant-a", "key-of-b": "tenant-b"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[dict[str, Any]]:
-    from worker.dataplane.engine.models import save_preset
+    from worker.dataplane.models.loading import save_preset
     from worker.vllm_server import NAMESPACE_MIDDLEWARE
 
     checkpoint = save_preset("small", tmp_path_factory.mktemp("checkpoint") / "small")

@@ -19,7 +19,7 @@ from worker.dataplane.connectors.vllm.metadata import LoadSpec, SaveSpec, Strata
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.worker_half import WorkerHalf
 from worker.dataplane.directory import PlacementChange
-from worker.dataplane.engine.loader import staged_hits
+from worker.dataplane.layer_loader.loader import staged_hits
 from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.offload_records import Hit
 

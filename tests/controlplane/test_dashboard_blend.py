@@ -15,7 +15,7 @@ from rest_framework.test import APIClient
 
 from controlplane.directory.services import TierReport, node_heartbeat
 from tests.blend.conftest import BLOCK_TOKENS, blend_engine, models, tokens  # noqa: F401 - fixture
-from worker.dataplane.engine.server import NodeServer
+from worker.dataplane.serving.server import NodeServer
 
 ADMIN = "blend-nodes-admin-key"
 

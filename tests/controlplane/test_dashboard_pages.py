@@ -18,7 +18,7 @@ from controlplane.dashboard.selectors import requests_summary
 from controlplane.directory.models import Node, Placement
 from controlplane.directory.services import TierReport, node_heartbeat, nodes_mark_stale
 from tests.engine.conftest import engine_for, make_store, models, redis_url  # noqa: F401 - fixtures
-from worker.dataplane.engine.server import NodeServer
+from worker.dataplane.serving.server import NodeServer
 
 PAGES = ["/", "/nodes/", "/blocks/", "/requests/", "/policies/", "/movements/"]
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from dataplane_support import SMALL, key, layout_of
 
-from worker.dataplane.engine.cache import LoadFailed
-from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.errors import MISSES, BlockMissing, BlockUnregistered
+from worker.dataplane.layer_loader.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.offload_records import Hit
+from worker.dataplane.prefix.cache import LoadFailed
 from worker.dataplane.store import TieredStore
 
 LAYOUT = layout_of(SMALL, "bfloat16")

@@ -12,8 +12,8 @@ import redis
 
 from controlplane.runtime.environment import load_environment
 from worker.dataplane.engine.engine import Engine, EngineOptions
-from worker.dataplane.engine.models import LoadedModel, load_model
 from worker.dataplane.layout import BlockLayout
+from worker.dataplane.models.loading import LoadedModel, load_model
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.device import DeviceTier
 from worker.dataplane.tiers.disk import DiskTier

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from worker.dataplane.engine import attention
-from worker.dataplane.engine.models import load_model
+from worker.dataplane.models.loading import load_model
+from worker.dataplane.prefix import attention
 
 
 def _inputs(queries: int, prefix: int, *, heads: int = 8, kv_heads: int = 2, dim: int = 32):

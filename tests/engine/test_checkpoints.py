@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.dataplane.engine import checkpoints
-from worker.dataplane.engine.checkpoints import REVISION_FILE, checkpoint_revision, identity_files
-from worker.dataplane.engine.models import checkpoint_profile, load_model, save_preset
+from worker.dataplane.models import checkpoints
+from worker.dataplane.models.checkpoints import REVISION_FILE, checkpoint_revision, identity_files
+from worker.dataplane.models.loading import checkpoint_profile, load_model, save_preset
 from worker.dataplane.profile import model_key
 
 BLOCK = 16

@@ -24,7 +24,7 @@ from tests.engine.conftest import BLOCK_TOKENS, engine_for, layout_for
 from tests.support import BlackholeProxy, directory_client, postgres_socket, wait_for
 from worker.dataplane.directory import DirectoryUnavailable
 from worker.dataplane.engine.engine import Engine
-from worker.dataplane.engine.models import LoadedModel
+from worker.dataplane.models.loading import LoadedModel
 from worker.dataplane.network import ConnectionOptions
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.host import HostTier

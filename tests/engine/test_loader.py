@@ -13,9 +13,9 @@ import torch
 from tests.engine.conftest import BLOCK_TOKENS, engine_for
 from tests.engine.test_engine import prompt_of
 from worker.dataplane.engine import engine as engine_module
-from worker.dataplane.engine.cache import LayerGate, LoadFailed
-from worker.dataplane.engine.loader import Hit, LayerLoader, PrefixBuffers
+from worker.dataplane.layer_loader.loader import Hit, LayerLoader, PrefixBuffers
 from worker.dataplane.layout import BlockLayout
+from worker.dataplane.prefix.cache import LayerGate, LoadFailed
 from worker.dataplane.tiers.base import resolved
 
 

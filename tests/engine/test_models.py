@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from tests.engine.conftest import BLOCK_TOKENS, engine_for
-from worker.dataplane.engine.models import load_model
-from worker.dataplane.engine.tokenizer import ByteTokenizer
+from worker.dataplane.models.loading import load_model
+from worker.dataplane.models.tokenizer import ByteTokenizer
 
 SENTENCES = [
     "strata keeps the kv cache of every block in tiers",

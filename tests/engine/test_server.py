@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from tests.engine.conftest import engine_for
-from worker.dataplane.engine.server import NAMESPACE_HEADER, NodeServer
-from worker.dataplane.engine.timelines import RECENT
+from worker.dataplane.node_http.timelines import RECENT
 from worker.dataplane.offload_records import RequestTrace
+from worker.dataplane.serving.server import NAMESPACE_HEADER, NodeServer
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.engine.conftest import engine_for
-from worker.dataplane.engine.server import NodeServer
+from worker.dataplane.serving.server import NodeServer
 
 pytestmark = [pytest.mark.slow]
 ADMIN = "fuzz-admin-key"

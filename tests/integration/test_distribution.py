@@ -194,7 +194,7 @@ def test_the_control_plane_from_the_wheel_serves_the_dashboard(installed, subpro
 
 
 def test_vllm_finds_the_connector_by_name_and_serves_from_strata(installed, subprocess_env, tmp_path):
-    from worker.dataplane.engine.models import save_preset
+    from worker.dataplane.models.loading import save_preset
 
     name = f"wheel-{os.getpid()}"
     serve, status = free_port(), free_port()

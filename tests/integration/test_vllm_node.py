@@ -143,7 +143,7 @@ class VllmNode:
 
 @pytest.fixture
 def vllm_node(subprocess_env, python, tmp_path) -> Any:
-    from worker.dataplane.engine.models import save_preset
+    from worker.dataplane.models.loading import save_preset
 
     node = VllmNode(subprocess_env, python, tmp_path, save_preset("small", tmp_path / "small-ckpt"))
     yield node
@@ -257,7 +257,7 @@ def test_a_vllm_node_serves_from_strata_and_outlives_its_worker(vllm_node, setti
     trace = json.loads(node.status("/v1/strata/requests"))["requests"][0]
     assert trace["hit_blocks_by_tier"].get("disk", 0) >= 4 and trace["load_failures"] == 0
     from worker.dataplane.config import load_config
-    from worker.dataplane.engine.models import checkpoint_profile
+    from worker.dataplane.models.loading import checkpoint_profile
     from worker.dataplane.store import build_store
 
     config = load_config(environ=node.env, overrides={"node_name": node.name})

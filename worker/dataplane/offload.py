@@ -160,18 +160,35 @@ class OffloadManager:
         return namespace in self._fingerprinters
 
     def fingerprints(
-        self, tokens: Sequence[int], namespace: str, chain: Chain | None = None, scope: KeyScope | None = None
+        self,
+        tokens: Sequence[int],
+        namespace: str,
+        chain: Chain | None = None,
+        scope: KeyScope | None = None,
+        *,
+        known: Sequence[BlockFingerprint] = (),
     ) -> list[BlockFingerprint]:
         """The prompt's blocks as `chain` keys them: the shared lead, then the namespace's own
         blocks chained on from it (the namespace's own chain from the first block without one),
-        all under the request's `scope`."""
+        all under the request's `scope`.
+
+        `known` are fingerprints of the leading blocks of these same tokens computed before under
+        the same chain and scope (those `lookup_prompt` returned): they are taken as they are and
+        only the blocks after them are hashed, chained on from the last of them, so a write-back
+        of a looked-up prompt hashes nothing again and keys its blocks exactly as the lookup did."""
         own = self.fingerprinter(namespace, scope)
-        if chain is None or not chain.lead:
+        lead = tuple(chain.lead) if chain is not None else ()
+        done = list(known[: len(tokens) // self.layout.block_tokens])
+        if len(done) < len(lead):
+            done = list(lead)
+        if len(done) == len(tokens) // self.layout.block_tokens:
+            return done
+        if not done:
             return own.blocks(tokens)
-        lead = len(chain.lead)
-        skip = lead * self.layout.block_tokens
-        rest = own.blocks(tokens[skip:], parent=chain.lead[-1].prefix_key)
-        return list(chain.lead) + [dataclasses.replace(fp, index=fp.index + lead, start=fp.start + skip) for fp in rest]
+        count = len(done)
+        skip = count * self.layout.block_tokens
+        rest = own.blocks(tokens[skip:], parent=done[-1].prefix_key)
+        return done + [dataclasses.replace(fp, index=fp.index + count, start=fp.start + skip) for fp in rest]
 
     def shared_salts(self, namespace: str) -> dict[str, bytes]:
         """The salts of the shared namespaces other than `namespace` (none without a directory,

@@ -64,7 +64,7 @@ class ModelProfile:
     block_tokens: int = 256
     revision: str = "main"
     """Which weights: a hub checkpoint's commit hash, `content-<digest>` of any other checkpoint
-    directory (`engine.checkpoints.checkpoint_revision`), `random-seed-<n>` of a preset."""
+    directory (`models.checkpoints.checkpoint_revision`), `random-seed-<n>` of a preset."""
     rope_theta: float = 10000.0
     rope_scaling: str = ""
     """Canonical JSON of the RoPE scaling config ('' when none); see `with_rope_scaling`."""

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from worker.dataplane.blend.matching import Fragment
 from worker.dataplane.blend.rope import rotate_half, rotation
-from worker.dataplane.engine.attention import prefix_then_causal
-from worker.dataplane.engine.cache import StrataCache
+from worker.dataplane.prefix.attention import prefix_then_causal
+from worker.dataplane.prefix.cache import StrataCache
 
 LayerSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """Given a layer: that layer of the loaded prefix blocks and of the fragments' blocks, as stored

@@ -25,9 +25,9 @@ from concurrent.futures import Future
 import torch
 
 from worker.dataplane.buffers import aligned_empty
-from worker.dataplane.engine.cache import LoadFailed
 from worker.dataplane.errors import MISSES
 from worker.dataplane.layout import BlockLayout
+from worker.dataplane.prefix.cache import LoadFailed
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.base import ReadResult
 

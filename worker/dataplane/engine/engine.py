@@ -2,8 +2,9 @@
 (`write_back.BlockWriter`: the new blocks into the write-back tier and the device working set).
 
 Why one module: one request's path, from its fingerprints to its last token, with the fragment
-reuse that decides what prefill recomputes; the parts that stand alone (loader, write-back, working
-set, turns, blend) already live in their own modules.
+reuse that decides what prefill recomputes; the parts that stand alone (the layer loader in
+`layer_loader`, the loaded prefix's cache and attention in `prefix`, the model in `models`,
+write-back, the working set, turns, fragment matching in `blend`) live in modules of their own.
 """
 
 from __future__ import annotations
@@ -37,17 +38,17 @@ from worker.dataplane.directory import (
     Directory,
     DirectoryUnavailable,
 )
-from worker.dataplane.engine.cache import LoadDeadline, LoadFailed, StrataCache
-from worker.dataplane.engine.loader import LayerLoader, PrefixBuffers
-from worker.dataplane.engine.models import LoadedModel
 from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import ClassShare, WorkingSet
 from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
 from worker.dataplane.eviction.rules import Rules
-from worker.dataplane.hashing import Fingerprinter
+from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
+from worker.dataplane.layer_loader.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.layout import block_layout
+from worker.dataplane.models.loading import LoadedModel
 from worker.dataplane.offload import REPROBE_SECONDS, OffloadManager
 from worker.dataplane.offload_records import Chain, Hit, RequestTrace, Throughput
+from worker.dataplane.prefix.cache import LoadDeadline, LoadFailed, StrataCache
 from worker.dataplane.store import TieredStore
 from worker.dataplane.traffic import TrafficMeter
 
@@ -359,21 +360,28 @@ class Engine:
         copies: list[Future[None]],
     ) -> tuple[list[int], torch.Tensor, StrataCache]:
         start = time.perf_counter()
+        fingerprints: list[BlockFingerprint] = []
         hits: list[Hit] = []
         chain = Chain()
         if use_cache:
-            hits, chain, use_cache = self._look_up(prompt, namespace, trace)
+            fingerprints, hits, chain, use_cache = self._look_up(prompt, namespace, trace)
         trace.lookup_s = time.perf_counter() - start
         with self._turns.hold(Step.PREFILL), torch.inference_mode():
-            cache, logits, hits, fragments, percent, exact_until, chain = self._first_token(
+            cache, logits, hits, fragments, percent, exact_until, kept = self._first_token(
                 prompt, namespace, use_cache, trace, use_blend, segments, looked_up=(hits, chain, start)
             )
+        if len(kept.lead) < len(chain.lead):
+            # A shared block failed to load: the blocks from it on are keyed as the request's own.
+            fingerprints = fingerprints[: len(kept.lead)]
+        chain = kept
         # The prompt's blocks are stored before decoding starts, so a request over the same
         # document that prefills between this one's decode steps already finds them.
         early = use_cache and write_back and not use_blend
         if early:
             with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
-                if copy := self.writer.write_back(prompt, hits, cache, namespace, trace, chain=chain):
+                if copy := self.writer.write_back(
+                    prompt, hits, cache, namespace, trace, chain=chain, fingerprints=fingerprints
+                ):
                     copies.append(copy)
         output = self._decode(cache, logits, max_tokens, trace, stop_ids, on_token, sampler)
         with self._turns.hold(Step.WRITE_BACK), torch.inference_mode():
@@ -392,6 +400,7 @@ class Engine:
                     fragments_too=use_blend,
                     stored_until=len(prompt) if early else 0,
                     chain=chain,
+                    fingerprints=fingerprints,
                 )
                 if copy is not None:
                     copies.append(copy)
@@ -400,20 +409,23 @@ class Engine:
                 self.on_trace(trace)
         return output, logits, cache
 
-    def _look_up(self, prompt: list[int], namespace: str, trace: RequestTrace) -> tuple[list[Hit], Chain, bool]:
-        """The prompt's hits and the chain its blocks are stored under (`OffloadManager.lookup_prompt`),
+    def _look_up(
+        self, prompt: list[int], namespace: str, trace: RequestTrace
+    ) -> tuple[list[BlockFingerprint], list[Hit], Chain, bool]:
+        """The prompt's fingerprints (write-back keys its blocks with them, hashing none again), its
+        hits and the chain its blocks are stored under (`OffloadManager.lookup_prompt`),
         looked up before the request takes its turn at the model, so that a slow directory or L3
         delays this request only. A lookup that may wait on the network runs on a lookup thread,
         waited for at most `lookup_deadline_s`: past it the request is served without hits
         (counted ``lookup_deadlines``), its blocks still stored when its namespace's salt is
-        known. The third value is False when the request must be served uncached: without the
+        known. The last value is False when the request must be served uncached: without the
         namespace's salt nothing can be matched or stored."""
         if self.offload.directory is None and REMOTE not in self.store.names:
-            _, hits, chain = self.offload.lookup_prompt(prompt, namespace)  # the node's memory and files only
-            return hits, chain, True
+            fingerprints, hits, chain = self.offload.lookup_prompt(prompt, namespace)  # memory and files only
+            return fingerprints, hits, chain, True
         lookup = self._lookups.submit(self.offload.lookup_prompt, prompt, namespace)
         try:
-            _, hits, chain = lookup.result(timeout=self.options.lookup_deadline_s)
+            fingerprints, hits, chain = lookup.result(timeout=self.options.lookup_deadline_s)
         except TimeoutError:
             lookup.cancel()
             self.counters.add("lookup_deadlines")
@@ -422,12 +434,12 @@ class Engine:
                 trace.request_id,
                 self.options.lookup_deadline_s,
             )
-            return [], Chain(), self.offload.knows_salt(namespace)
+            return [], [], Chain(), self.offload.knows_salt(namespace)
         except DirectoryUnavailable as exc:
             log.warning("request %s runs without the cache: %s", trace.request_id, exc)
             self.counters.add("lookup_failures")
-            return [], Chain(), False
-        return hits, chain, True
+            return [], [], Chain(), False
+        return fingerprints, hits, chain, True
 
     def _first_token(
         self,

@@ -6,6 +6,10 @@ that fragment matching reads.
     block buffer -> device working set (LRU) and/or the write-back tier (`store_block`, hashed)
     -> register (one batch) + touch the hits
 
+The fingerprints are the ones the request's lookup computed for its prompt: its blocks are stored
+under exactly the keys they were looked up by, and only the blocks the generated tokens complete
+are fingerprinted here (a long prompt is not hashed twice per request).
+
 A block the request read from L3 is kept in the write-back tier as well (the node's next turn of
 the same conversation reads it locally), and is not written back to L3.
 
@@ -24,11 +28,12 @@ import torch
 
 from worker.dataplane.blend.matching import content_keys_at, fragment_key, segment_windows
 from worker.dataplane.directory import REMOTE, BlockRegistration
-from worker.dataplane.engine.cache import StrataCache
 from worker.dataplane.engine.working_set import WorkingSet
+from worker.dataplane.hashing import BlockFingerprint
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.offload_records import Chain, Hit, RequestTrace
+from worker.dataplane.prefix.cache import StrataCache
 from worker.dataplane.store import TieredStore
 
 
@@ -93,6 +98,7 @@ class BlockWriter:
         fragments_too: bool = False,
         stored_until: int = 0,
         chain: Chain | None = None,
+        fingerprints: Sequence[BlockFingerprint] = (),
     ) -> Future[None] | None:
         """Copy full new blocks to the write-back tier (and the device pool) and register them in one batch.
 
@@ -104,11 +110,14 @@ class BlockWriter:
 
         The blocks are keyed as `chain` says: a shared namespace's leading blocks are that
         namespace's (kept in the device pool at most, never stored or registered as this
-        namespace's), and the request's own blocks chain on from them.
+        namespace's), and the request's own blocks chain on from them. `fingerprints` are those the
+        request's lookup computed for the prompt's blocks under `chain` (`lookup_prompt`): the
+        blocks are stored under exactly those keys, and only blocks past them (the generated
+        tokens') are hashed here.
 
         Returns the future of the batch's write-through to L3 (None when nothing goes there)."""
         fp = self.offload.fingerprinter(namespace)
-        fingerprints = self.offload.fingerprints(tokens, namespace, chain)
+        blocks = self.offload.fingerprints(tokens, namespace, chain, known=fingerprints)
         lead = len(chain.lead) if chain is not None else 0
         size = self.layout.block_tokens
         model_key = self.offload.model_key
@@ -118,7 +127,7 @@ class BlockWriter:
         registrations: list[BlockRegistration] = []
         with torch.inference_mode(False):
             block = self.layout.empty()
-        for fingerprint in fingerprints:
+        for fingerprint in blocks:
             if fingerprint.start + size > exact:
                 break
             if fingerprint.start + size <= stored_until:
@@ -141,7 +150,7 @@ class BlockWriter:
             )
         if fragments_too:
             offsets = segment_windows(segments, block_tokens=size, limit=len(tokens))
-            offsets += [p.start for p in fingerprints if p.start + size > exact]
+            offsets += [p.start for p in blocks if p.start + size > exact]
             content = content_keys_at(
                 tokens, sorted(set(offsets)), ns_salt=fp.ns_salt, model_key=model_key, block_tokens=size
             )

@@ -27,9 +27,9 @@ from worker.dataplane.connectors.pages import PagedKV
 from worker.dataplane.connectors.staging import LoadKeys, Piece, StagedLoads
 from worker.dataplane.connectors.vllm.metadata import LoadReport, LoadSpec
 from worker.dataplane.connectors.vllm.sharding import Shard
-from worker.dataplane.engine.cache import LoadFailed
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.offload import OffloadManager
+from worker.dataplane.prefix.cache import LoadFailed
 from worker.dataplane.store import TieredStore
 
 log = logging.getLogger("strata.vllm")

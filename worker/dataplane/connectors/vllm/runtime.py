@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from worker.dataplane.config import NodeConfig, load_config
 from worker.dataplane.directory import Directory
-from worker.dataplane.engine.models import checkpoint_profile
 from worker.dataplane.layout import ModelProfile
+from worker.dataplane.models.loading import checkpoint_profile
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.store import TieredStore
 

@@ -38,8 +38,8 @@ from worker.dataplane.connectors.vllm.metadata import (
 from worker.dataplane.connectors.vllm.runtime import Runtime
 from worker.dataplane.connectors.vllm.saving import BlockSaves
 from worker.dataplane.connectors.vllm.sharding import Gather, Shard
-from worker.dataplane.engine.cache import LoadFailed
 from worker.dataplane.layout import block_layout
+from worker.dataplane.prefix.cache import LoadFailed
 
 log = logging.getLogger("strata.vllm")
 

@@ -23,16 +23,16 @@ from transformers import (
     Qwen2Config,
 )
 
-from worker.dataplane.engine.attention import register as register_attention
-from worker.dataplane.engine.checkpoints import (
+from worker.dataplane.layout import ModelProfile, dtype_name, parse_dtype
+from worker.dataplane.models.checkpoints import (
     Checkpoint,
     checkpoint_revision,
     hub_checkpoint,
     is_repo_id,
     local_checkpoint,
 )
-from worker.dataplane.engine.tokenizer import BYTE_OFFSET, ByteTokenizer, byte_level_tokenizer
-from worker.dataplane.layout import ModelProfile, dtype_name, parse_dtype
+from worker.dataplane.models.tokenizer import BYTE_OFFSET, ByteTokenizer, byte_level_tokenizer
+from worker.dataplane.prefix.attention import register as register_attention
 
 log = logging.getLogger("strata.engine")
 

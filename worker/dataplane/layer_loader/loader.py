@@ -24,10 +24,10 @@ from concurrent.futures import Future
 import torch
 
 from worker.dataplane.buffers import aligned_empty, runs
-from worker.dataplane.engine.cache import LayerGate, LoadDeadline, LoadFailed
 from worker.dataplane.errors import MISSES
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.offload_records import Hit, TierLoad
+from worker.dataplane.prefix.cache import LayerGate, LoadDeadline, LoadFailed
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tiers.base import ReadResult
 
