@@ -20,6 +20,7 @@ from celery import Celery, bootsteps
 
 from worker.dataplane import native
 from worker.dataplane.config import NodeConfig
+from worker.dataplane.tier_names import DEVICE, DISK, HOST, REMOTE
 
 log = logging.getLogger("strata.node")
 
@@ -88,7 +89,7 @@ class NodeRuntime:
             directory=self.directory,
             options=EngineOptions(
                 block_tokens=config.block_tokens,
-                write_back_tier="host" if "host" in self.store.names else self.store.names[-1],
+                write_back_tier=HOST if HOST in self.store.names else self.store.names[-1],
                 blend=BlendOptions.from_config(config),
                 lookup_deadline_s=config.lookup_deadline_seconds,
                 load_deadline_s=config.load_deadline_seconds,
@@ -131,7 +132,7 @@ class NodeRuntime:
         namespace_ensure(name=config.default_namespace)
         for namespace in set(config.api_keys.values()):
             namespace_ensure(name=namespace)
-        tiers = [name for name in config.tiers if name != "device"]  # vLLM's own pages are L1
+        tiers = [name for name in config.tiers if name != DEVICE]  # vLLM's own pages are L1
         below = dataclasses.replace(config, tiers=type(config.tiers)(tiers))
         self.store = build_store(below, profile=profile, environ=self._tier_environ())
         self.status_address = f"{config.serve_host}:{config.node_status_port}"
@@ -273,14 +274,14 @@ class NodeRuntime:
             return reports
         c = self.config
         return [
-            {"tier": "device", "capacity_bytes": c.device_bytes, "used_bytes": 0},
-            {"tier": "host", "capacity_bytes": c.host_bytes, "used_bytes": 0},
+            {"tier": DEVICE, "capacity_bytes": c.device_bytes, "used_bytes": 0},
+            {"tier": HOST, "capacity_bytes": c.host_bytes, "used_bytes": 0},
             {
-                "tier": "disk",
+                "tier": DISK,
                 "capacity_bytes": c.disk_bytes,
                 "used_bytes": min(_dir_bytes(c.node_disk_path), c.disk_bytes) if c.disk_bytes else 0,
             },
-            {"tier": "remote", "capacity_bytes": c.remote_bytes, "used_bytes": 0},
+            {"tier": REMOTE, "capacity_bytes": c.remote_bytes, "used_bytes": 0},
         ]
 
     def heartbeat(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from celery import current_app, shared_task
 
+from worker.dataplane.tier_names import DEVICE, REMOTE
 from worker.movement_executor import TRANSIENT_ERRORS, executor_for
 
 _MOVEMENT_TASK: dict[str, Any] = {
@@ -63,9 +64,9 @@ def _tiers(tiers: list[str] | None, include_remote: bool) -> list[str]:
     store = current_app.strata_runtime.store
     if store is None:
         return tiers or []
-    chosen = tiers or [t for t in store.names if t not in ("device", "remote")]
-    if include_remote and "remote" in store.names and "remote" not in chosen:
-        chosen.append("remote")
+    chosen = tiers or [t for t in store.names if t not in (DEVICE, REMOTE)]
+    if include_remote and REMOTE in store.names and REMOTE not in chosen:
+        chosen.append(REMOTE)
     return chosen
 
 

@@ -4,18 +4,19 @@ batch limit and the default class."""
 from django.db import models
 
 from worker.dataplane import directory as protocol
+from worker.dataplane import tier_names
 
 
 class TierLevel(models.TextChoices):
-    """Storage tier levels, fastest first (the data plane's `directory.TIER_ORDER`)."""
+    """Storage tier levels, fastest first: the data plane's tier names (`tier_names`)."""
 
-    DEVICE = "device", "L1 device (GPU memory)"
-    HOST = "host", "L2 host (CPU DRAM)"
-    DISK = "disk", "L2 disk (NVMe)"
-    REMOTE = "remote", "L3 remote (distributed store)"
+    DEVICE = tier_names.DEVICE, "L1 device (GPU memory)"
+    HOST = tier_names.HOST, "L2 host (CPU DRAM)"
+    DISK = tier_names.DISK, "L2 disk (NVMe)"
+    REMOTE = tier_names.REMOTE, "L3 remote (distributed store)"
 
 
-TIER_ORDER: tuple[TierLevel, ...] = tuple(TierLevel(name) for name in protocol.TIER_ORDER)
+TIER_ORDER: tuple[TierLevel, ...] = tuple(TierLevel(name) for name in tier_names.TIER_ORDER)
 """Tier levels, fastest first: the data plane's order, every one a TierLevel."""
 
 

@@ -78,7 +78,8 @@ WHERE p.node_id IS NULL AND p.tier = '{TierLevel.REMOTE.value}' AND p.state = '{
   AND (%(any_block)s OR p.block_id = ANY(%(block_ids)s::bigint[]))
   AND (%(namespace_id)s::bigint IS NULL OR b.namespace_id = %(namespace_id)s::bigint)
   AND NOT EXISTS (SELECT 1 FROM {PLACEMENT_TABLE} l
-                  WHERE l.block_id = p.block_id AND l.node_id = %(node_id)s AND l.tier IN ('host', 'disk'))
+                  WHERE l.block_id = p.block_id AND l.node_id = %(node_id)s
+                    AND l.tier IN ('{TierLevel.HOST.value}', '{TierLevel.DISK.value}'))
   AND NOT EXISTS (SELECT 1 FROM movements_movement m WHERE m.block_id = p.block_id AND m.state IN {_IN_FLIGHT_SQL})
 ORDER BY b.access_count DESC, b.last_access_at DESC, p.block_id
 LIMIT %(limit)s

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from controlplane.directory.choices import DEFAULT_CLASS
+from controlplane.directory.choices import DEFAULT_CLASS, TierLevel
 
 ALGORITHMS = ("lru", "lfu", "s3fifo", "cost-aware")
 
@@ -17,7 +17,7 @@ REMOTE_WRITES = ("on-demotion", "write-through")
 (on-demotion), or at write-back, beside the node's own copy (write-through), so that every node
 of the fleet finds them at once."""
 
-QUOTA_TIERS = ("host", "disk", "remote")
+QUOTA_TIERS: tuple[str, ...] = (TierLevel.HOST.value, TierLevel.DISK.value, TierLevel.REMOTE.value)
 """Tiers a namespace's bytes can be capped in (host and disk per node; remote for the fleet)."""
 
 

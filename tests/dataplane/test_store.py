@@ -10,11 +10,11 @@ import torch
 from dataplane_support import SMALL, key, layout_of
 
 from worker.dataplane.config import ConfigError, load_config
-from worker.dataplane.directory import TIER_ORDER
 from worker.dataplane.errors import BlockMissing, TierFull, TierUnavailable
 from worker.dataplane.hashing import model_key
 from worker.dataplane.layout import ModelProfile, block_layout
 from worker.dataplane.store import LEVEL_MEDIUMS, TieredStore, build_store
+from worker.dataplane.tier_names import TIER_ORDER
 from worker.dataplane.tiers.remote import RemoteTier
 
 PROFILE = ModelProfile(model_id="test/small", dtype="bf16", **SMALL)

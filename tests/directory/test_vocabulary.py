@@ -4,12 +4,13 @@ from controlplane.directory.choices import DEFAULT_CLASS, MAX_BATCH, TIER_ORDER,
 from controlplane.movements.choices import DEMOTION_ORDER
 from controlplane.policies.specs import PolicySnapshot
 from worker.dataplane import directory as protocol
+from worker.dataplane import tier_names
 from worker.dataplane.profile import KV_DTYPES
 
 
 def test_tier_levels_are_the_data_planes_tiers_in_its_order():
     assert tuple(TierLevel) == TIER_ORDER
-    assert tuple(TIER_ORDER) == protocol.TIER_ORDER
+    assert tuple(TIER_ORDER) == tier_names.TIER_ORDER
     assert DEMOTION_ORDER == ("host", "disk", "remote")
 
 

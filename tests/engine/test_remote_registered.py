@@ -173,7 +173,7 @@ def test_a_forged_l3_block_fails_its_load_is_quarantined_and_counted(stores, dir
 
     reader = manager(stores(), "gpu-b", directory)
     assert reader.verifies_remote
-    hits = reader.lookup(prints, "default")
+    hits = reader.find_prefix(prints, "default")
     assert [(h.tier, h.checksum) for h in hits] == [("remote", s) for s in sums]
 
     forged = forge(writer.store.tier("remote"), keys[1], seed=99)  # type: ignore[arg-type]
@@ -199,7 +199,7 @@ def test_a_forged_l3_block_fails_its_load_is_quarantined_and_counted(stores, dir
     loader.wait_all()
     assert_loaded(buffers, [0])
     # The quarantined block is no hit any more; the prefix before it still is.
-    assert [(h.key, h.tier) for h in reader.lookup(prints, "default")] == [(keys[0], "remote")]
+    assert [(h.key, h.tier) for h in reader.find_prefix(prints, "default")] == [(keys[0], "remote")]
 
 
 def test_a_copy_this_node_lost_is_read_from_l3_only_as_registered(stores, directory):
@@ -212,7 +212,7 @@ def test_a_copy_this_node_lost_is_read_from_l3_only_as_registered(stores, direct
     node.store.delete(keys[0], tier="host")
     assert registered(keys[0])["host"][1] == "ready"  # stale: the directory does not know yet
 
-    hits = node.lookup(prints, "default")
+    hits = node.find_prefix(prints, "default")
     assert [(h.tier, h.checksum) for h in hits] == [
         ("remote", registered(keys[0])["remote"][0]),
         ("host", ""),
@@ -237,7 +237,7 @@ def test_without_a_directory_l3_copies_are_checked_against_themselves(stores, di
     forge(writer.store.tier("remote"), prints[1].prefix_key, seed=97)  # type: ignore[arg-type]
     alone = manager(stores(), "gpu-c", None)
     assert not alone.verifies_remote
-    hits = alone.lookup(prints, "default")
+    hits = alone.find_prefix(prints, "default")
     assert [(h.tier, h.checksum) for h in hits] == [("remote", ""), ("remote", "")]
     loader, buffers = load(alone.store, hits, verify=alone.verifies_remote)
     loader.wait_all()

@@ -69,7 +69,7 @@ def tokens_of(length: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("scope", SCOPES, ids=["plain", "lora", "salt", "lora+salt"])
 def test_write_back_keys_are_the_lookups_and_hash_nothing_again(manager, hashes, scope):
     prompt = tokens_of(5 * BLOCK_TOKENS + 7, seed=1)
-    looked_up, _, chain = manager.lookup_prompt(prompt, "tenant", scope)
+    looked_up, _, chain = manager.find_prompt(prompt, "tenant", scope)
     assert len(looked_up) == 5
 
     before = hashes.count
@@ -92,7 +92,7 @@ def test_write_back_keys_are_the_lookups_and_hash_nothing_again(manager, hashes,
 def test_other_namespace_salt_scope_or_model_keys_differently(manager):
     prompt = tokens_of(3 * BLOCK_TOKENS, seed=3)
     keys = {
-        (namespace, scope): tuple(fp.prefix_key for fp in manager.lookup_prompt(prompt, namespace, scope)[0])
+        (namespace, scope): tuple(fp.prefix_key for fp in manager.find_prompt(prompt, namespace, scope)[0])
         for namespace in ("tenant", "other")
         for scope in SCOPES
     }
@@ -129,14 +129,14 @@ def test_engine_write_back_stores_under_the_looked_up_keys(models, make_store, h
     model = models("tiny")
     engine = engine_for(model, make_store(model, ("host",)))
     looked_up: list[list[BlockFingerprint]] = []
-    lookup_prompt = engine.offload.lookup_prompt
+    find_prompt = engine.offload.find_prompt
 
     def recording_lookup(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        found = lookup_prompt(*args, **kwargs)
+        found = find_prompt(*args, **kwargs)
         looked_up.append(found[0])
         return found
 
-    engine.offload.lookup_prompt = recording_lookup  # type: ignore[method-assign]
+    engine.offload.find_prompt = recording_lookup  # type: ignore[method-assign]
     stored: list[uuid.UUID] = []
     store_block = engine.offload.store_block
 

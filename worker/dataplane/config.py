@@ -49,7 +49,7 @@ from worker.dataplane.config_values import (
     parse_str,
     parse_tiers,
 )
-from worker.dataplane.directory import TIER_ORDER
+from worker.dataplane.tier_names import DISK, REMOTE, TIER_ORDER
 
 
 class ConfigError(ValueError):
@@ -329,7 +329,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "async_load_tiers",
         parse_tiers,
-        TierList(("disk", "remote")),
+        TierList((DISK, REMOTE)),
         "vLLM connector: tiers whose hits load outside vLLM's engine step (the request waits for its KV while the "
         "others compute); a hit held in none of them loads layer by layer inside the step. Empty: every hit inside.",
     ),
@@ -567,7 +567,7 @@ class NodeConfig:
     vllm_launch: bool = True
     load_staging_bytes: int = 512 * 1024**2
     save_staging_bytes: int = 256 * 1024**2
-    async_load_tiers: TierList = TierList(("disk", "remote"))
+    async_load_tiers: TierList = TierList((DISK, REMOTE))
     load_deadline_seconds: float = 30.0
     lookup_deadline_seconds: float = 5.0
     status_port: int = 0

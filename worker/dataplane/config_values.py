@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from worker.dataplane.blend.options import SELECTIONS
-from worker.dataplane.directory import ENGINES, TIER_ORDER
+from worker.dataplane.directory import ENGINES
+from worker.dataplane.tier_names import TIER_ORDER
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {

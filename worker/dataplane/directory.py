@@ -16,10 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal, Protocol
 
 from worker.dataplane.errors import DataplaneError
-
-TIER_ORDER: tuple[str, ...] = ("device", "host", "disk", "remote")
-"""Tier codes, fastest first: a lookup prefers the earliest tier holding a READY copy. The control
-plane's tier order (`controlplane.directory.choices.TIER_ORDER`) is this one."""
+from worker.dataplane.tier_names import REMOTE, TIER_ORDER
 
 ENGINES: tuple[str, ...] = ("strata", "vllm")
 """The engines a node can serve with (its `engine` option, recorded on its directory row)."""
@@ -27,8 +24,6 @@ ENGINES: tuple[str, ...] = ("strata", "vllm")
 DEFAULT_CLASS = "default"
 """The priority class of every namespace that no class names."""
 
-REMOTE = "remote"
-"""The one tier shared by every node: its placements belong to no node."""
 
 PLACEMENT_STATES: tuple[str, ...] = ("pending", "ready", "corrupt", "deleting")
 

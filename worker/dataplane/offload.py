@@ -1,11 +1,12 @@
-"""The offload manager: lookup, the load-or-recompute decision, write-back and quarantine, for every engine.
+"""The offload manager: finding a prompt's blocks, the load-or-recompute decision, write-back and quarantine,
+for every engine.
 
 Both engines call it: Strata's own transformers engine (`engine.engine.Engine`) and the vLLM
 connector (`connectors.vllm`). It decides and records; the bytes it moves are whole blocks handed
 to a tier on write-back. Loading into an engine's memory is that engine's loader, and where a
 block goes after write-back is the control plane's business (movements).
 
-    fingerprints -> lookup (local tiers, then one directory round trip) -> decide -> [engine loads]
+    fingerprints -> find_prompt (local tiers, then one directory lookup) -> decide -> [engine loads]
     [engine computes] -> store_block (write-back tier; a full host or disk tier evicts by its
         policy, `eviction.local`) ... -> register (one batch, then the evictions) + touch
     a failed load -> quarantine (the directory marks the copy corrupt at once)
@@ -43,11 +44,11 @@ from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.offload_records import Chain, Decision, Hit, Throughput, TierLoad
 from worker.dataplane.remote_write import RemoteWritePolicy, RemoteWriter
 from worker.dataplane.store import TieredStore
+from worker.dataplane.tier_names import DEVICE, EVICTING_TIERS, HOST
 from worker.dataplane.tiers.base import PutResult, Tier
 
 log = logging.getLogger("strata.engine")
 
-EVICTING_TIERS = ("host", "disk")
 """Write-back tiers that make room by evicting at once on the node (the device tier is the
 working set's; the shared remote tier is the planner's)."""
 
@@ -83,7 +84,7 @@ class OffloadManager:
         namespace_salt: Callable[[str], bytes] | None = None,
         counters: Counters | None = None,
         decide: bool = True,
-        write_back_tier: str = "host",
+        write_back_tier: str = HOST,
         reprobe_seconds: float | None = REPROBE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -173,7 +174,7 @@ class OffloadManager:
         all under the request's `scope`.
 
         `known` are fingerprints of the leading blocks of these same tokens computed before under
-        the same chain and scope (those `lookup_prompt` returned): they are taken as they are and
+        the same chain and scope (those `find_prompt` returned): they are taken as they are and
         only the blocks after them are hashed, chained on from the last of them, so a write-back
         of a looked-up prompt hashes nothing again and keys its blocks exactly as the lookup did."""
         own = self.fingerprinter(namespace, scope)
@@ -203,7 +204,7 @@ class OffloadManager:
             return {}
         return {name: salt for name, salt in salts.items() if name != namespace}
 
-    # -- lookup ----------------------------------------------------------------------------------
+    # -- finding a prompt's blocks (the directory's `lookup` is one round trip of it) --------------
     @property
     def local_tiers(self) -> tuple[str, ...]:
         return tuple(name for name in self.store.names if name != REMOTE)
@@ -288,7 +289,7 @@ class OffloadManager:
             hits.append(Hit(index=fp.index, key=fp.prefix_key, tier=tier, checksum=checksum))
         return hits
 
-    def lookup(self, fingerprints: Sequence[BlockFingerprint], namespace: str) -> list[Hit]:
+    def find_prefix(self, fingerprints: Sequence[BlockFingerprint], namespace: str) -> list[Hit]:
         """The longest run of prompt blocks held somewhere: the node's own tiers first, then one
         directory round trip (or the remote tier itself) for the blocks after the first local miss."""
         found = self.locate_local([fp.prefix_key for fp in fingerprints])
@@ -298,7 +299,7 @@ class OffloadManager:
             found.setdefault(key, REMOTE)  # a block the node's own tiers hold is read from them
         return self.prefix_hits(fingerprints, found, remote)
 
-    def lookup_prompt(
+    def find_prompt(
         self, tokens: Sequence[int], namespace: str, scope: KeyScope | None = None
     ) -> tuple[list[BlockFingerprint], list[Hit], Chain]:
         """The longest run of the prompt's blocks held anywhere the namespace may read: its own
@@ -310,7 +311,7 @@ class OffloadManager:
         requests without a cache salt (a salted request shares KV with its own salt alone, as in
         vLLM), and only those of the request's own adapter."""
         fingerprints = self.fingerprints(tokens, namespace, scope=scope)
-        hits = self.lookup(fingerprints, namespace)
+        hits = self.find_prefix(fingerprints, namespace)
         best = (fingerprints, hits, Chain())
         if len(hits) == len(fingerprints) or (scope is not None and scope.salt):
             return best
@@ -320,12 +321,12 @@ class OffloadManager:
                 ns_salt=salt, model_key=self.model_key, block_tokens=self.layout.block_tokens
             ).scoped(lead_scope)
             lead_prints = printer.blocks(tokens)
-            lead_hits = self.lookup(lead_prints, namespace)
+            lead_hits = self.find_prefix(lead_prints, namespace)
             if not lead_hits:
                 continue
             chain = Chain(shared=shared, lead=tuple(lead_prints[: len(lead_hits)]))
             chained = self.fingerprints(tokens, namespace, chain, scope=scope)
-            own_hits = self.lookup(chained[len(lead_hits) :], namespace)
+            own_hits = self.find_prefix(chained[len(lead_hits) :], namespace)
             found = [dataclasses.replace(hit, namespace=shared) for hit in lead_hits] + own_hits
             if len(found) > len(best[1]):
                 best = (chained, found, chain)
@@ -558,7 +559,7 @@ class OffloadManager:
         for exc in causes:
             if isinstance(exc, BlockUnregistered):
                 self._drop_unregistered(exc)
-        corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != "device"})
+        corrupt = sorted({exc.tier for exc in causes if isinstance(exc, BlockCorrupt) and exc.tier != DEVICE})
         for tier in corrupt:
             self.evictor.forget(tier, key)
             self._removed(tier, key)

@@ -26,10 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from worker.dataplane.counters import Counters
-from worker.dataplane.directory import REMOTE, BlockRegistration
+from worker.dataplane.directory import BlockRegistration
 from worker.dataplane.errors import MISSES, TierFull
 from worker.dataplane.layout import BlockLayout
 from worker.dataplane.store import TieredStore
+from worker.dataplane.tier_names import REMOTE
 
 log = logging.getLogger("strata.engine")
 

@@ -21,11 +21,12 @@ import torch
 from worker.dataplane.checksum import BlockChecksum, Hasher
 from worker.dataplane.config import ConfigError, NodeConfig
 from worker.dataplane.counters import Counters
-from worker.dataplane.directory import REMOTE, TIER_ORDER, check_checksum
+from worker.dataplane.directory import check_checksum
 from worker.dataplane.errors import MISSES, BlockMissing, BlockUnregistered, TierUnavailable
 from worker.dataplane.hashing import model_key
 from worker.dataplane.layout import BlockLayout, ModelProfile, block_layout
 from worker.dataplane.network import ConnectionOptions
+from worker.dataplane.tier_names import DEVICE, DISK, HOST, REMOTE, TIER_ORDER
 from worker.dataplane.tiers.base import (
     PutResult,
     ReadResult,
@@ -448,12 +449,12 @@ def _remote_medium(setting: StoreSetting) -> Medium:
 
 
 LEVEL_MEDIUMS: Mapping[str, Callable[[StoreSetting], Medium]] = {
-    "device": _device_medium,
-    "host": _host_medium,
-    "disk": _disk_medium,
-    "remote": _remote_medium,
+    DEVICE: _device_medium,
+    HOST: _host_medium,
+    DISK: _disk_medium,
+    REMOTE: _remote_medium,
 }
-"""The medium of each tier level (`directory.TIER_ORDER`), from the store's setting."""
+"""The medium of each tier level (`tier_names.TIER_ORDER`), from the store's setting."""
 
 
 def build_store(

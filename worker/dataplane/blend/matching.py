@@ -15,9 +15,10 @@ from collections.abc import Iterable, Sequence
 
 from worker.dataplane.blend.options import BlendError
 from worker.dataplane.hashing import _content_key_raw, encode_tokens
+from worker.dataplane.tier_names import TIER_ORDER
 
 _PERSON_FRAGMENT = b"strata/fragmnt/1"
-TIER_RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
+TIER_RANK = {tier: rank for rank, tier in enumerate(TIER_ORDER)}
 
 
 @dataclasses.dataclass(frozen=True)

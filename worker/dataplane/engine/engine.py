@@ -50,6 +50,7 @@ from worker.dataplane.offload import REPROBE_SECONDS, OffloadManager
 from worker.dataplane.offload_records import Chain, Hit, RequestTrace, Throughput
 from worker.dataplane.prefix.cache import LoadDeadline, LoadFailed, StrataCache
 from worker.dataplane.store import TieredStore
+from worker.dataplane.tier_names import DEVICE, HOST
 from worker.dataplane.traffic import TrafficMeter
 
 log = logging.getLogger("strata.engine")
@@ -93,7 +94,7 @@ class Sampler:
 class EngineOptions:
     block_tokens: int = 256
     layerwise: bool = True
-    write_back_tier: str = "host"
+    write_back_tier: str = HOST
     keep_in_device: bool = True
     """Keep new and reused blocks in the device pool (LRU within its capacity)."""
     decide: bool = True
@@ -169,7 +170,7 @@ class Engine:
         self._lookups = ThreadPoolExecutor(4, thread_name_prefix="strata-lookup")
         self._ids = itertools.count(1)
         # L1: the blocks kept in the device tier, each priority class within its share.
-        self.working_set = WorkingSet(store.tier("device"), counters=self.counters) if "device" in store.names else None
+        self.working_set = WorkingSet(store.tier(DEVICE), counters=self.counters) if DEVICE in store.names else None
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
         # Arrivals, prompt lengths, requests in flight and L1 pressure, for the heartbeat.
         self.traffic = TrafficMeter(pressure=self.l1_pressure)
@@ -222,7 +223,7 @@ class Engine:
         rules = self.offload.apply_policies(classes=classes, tiers=tiers, quotas=quotas, node_group=node_group)
         if self.working_set is not None:
             self.working_set.set_shares(shares, version=version)
-            self.working_set.set_rule(rules.tier("device"), weights=rules.weights, default_weight=rules.default_weight)
+            self.working_set.set_rule(rules.tier(DEVICE), weights=rules.weights, default_weight=rules.default_weight)
         return rules
 
     def generate(
@@ -413,7 +414,7 @@ class Engine:
         self, prompt: list[int], namespace: str, trace: RequestTrace
     ) -> tuple[list[BlockFingerprint], list[Hit], Chain, bool]:
         """The prompt's fingerprints (write-back keys its blocks with them, hashing none again), its
-        hits and the chain its blocks are stored under (`OffloadManager.lookup_prompt`),
+        hits and the chain its blocks are stored under (`OffloadManager.find_prompt`),
         looked up before the request takes its turn at the model, so that a slow directory or L3
         delays this request only. A lookup that may wait on the network runs on a lookup thread,
         waited for at most `lookup_deadline_s`: past it the request is served without hits
@@ -421,9 +422,9 @@ class Engine:
         known. The last value is False when the request must be served uncached: without the
         namespace's salt nothing can be matched or stored."""
         if self.offload.directory is None and REMOTE not in self.store.names:
-            fingerprints, hits, chain = self.offload.lookup_prompt(prompt, namespace)  # memory and files only
+            fingerprints, hits, chain = self.offload.find_prompt(prompt, namespace)  # memory and files only
             return fingerprints, hits, chain, True
-        lookup = self._lookups.submit(self.offload.lookup_prompt, prompt, namespace)
+        lookup = self._lookups.submit(self.offload.find_prompt, prompt, namespace)
         try:
             fingerprints, hits, chain = lookup.result(timeout=self.options.lookup_deadline_s)
         except TimeoutError:
@@ -454,7 +455,7 @@ class Engine:
     ) -> tuple[StrataCache, torch.Tensor, list[Hit], list[Fragment], float, int | None, Chain]:
         """The load-or-recompute decision and the prefill, after the lookup (`looked_up`: its
         hits, chain and start): the logits of the first token, and the chain of keys the
-        prompt's blocks are stored under (`OffloadManager.lookup_prompt`)."""
+        prompt's blocks are stored under (`OffloadManager.find_prompt`)."""
         hits, chain, start = looked_up
         self.counters.add("lookup_tokens", len(prompt))
         hits, decision = self.offload.decide(hits, prompt_tokens=len(prompt), request=trace.request_id)
@@ -735,7 +736,7 @@ class Engine:
         making layer-wise loading slower than loading first (benchmarks/README.md). On a GPU
         they are copies on
         the tier's stream, and the loader thread overlaps them with compute."""
-        return self.model.device.type == "cpu" and all(hit.tier == "device" for hit in hits)
+        return self.model.device.type == "cpu" and all(hit.tier == DEVICE for hit in hits)
 
     def _observe_load(self, loader: LayerLoader) -> None:
         """Learn each tier's speed from a finished load, one tier or many (see
@@ -780,7 +781,7 @@ class Engine:
         """A hit that could not be loaded. A device copy leaves the working set; a copy that failed
         its checksum (the tier has already dropped its bytes) is quarantined in the directory at
         once, so no node is sent to it again before the reconciler runs."""
-        if hit.tier == "device" and self.working_set is not None:
+        if hit.tier == DEVICE and self.working_set is not None:
             self.working_set.forget(hit.key)
         self.offload.quarantine(hit.key, cause, namespace)
 

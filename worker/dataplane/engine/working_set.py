@@ -29,6 +29,7 @@ from worker.dataplane.directory import DEFAULT_CLASS
 from worker.dataplane.errors import TierFull
 from worker.dataplane.eviction.ledger import BlockStat
 from worker.dataplane.eviction.rules import Rules, TierRule, victim_order
+from worker.dataplane.tier_names import DEVICE
 from worker.dataplane.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class WorkingSet:
         self._class_of: dict[str, str] = {}
         self.version = 0
         self.clock = clock
-        self.rule = TierRule(tier="device")
+        self.rule = TierRule(tier=DEVICE)
         self._rules = Rules()
         self._stats: dict[uuid.UUID, BlockStat] = {}
 

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 import torch
 
 from worker.dataplane.blend.matching import content_keys_at, fragment_key, segment_windows
-from worker.dataplane.directory import REMOTE, BlockRegistration
+from worker.dataplane.directory import BlockRegistration
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.hashing import BlockFingerprint
 from worker.dataplane.layout import BlockLayout
@@ -35,6 +35,7 @@ from worker.dataplane.offload import OffloadManager
 from worker.dataplane.offload_records import Chain, Hit, RequestTrace
 from worker.dataplane.prefix.cache import StrataCache
 from worker.dataplane.store import TieredStore
+from worker.dataplane.tier_names import DEVICE, REMOTE
 
 
 class ContentIndex:
@@ -177,9 +178,9 @@ class BlockWriter:
     ) -> None:
         """A shared namespace's block the request reused: kept in the device pool like the
         request's own (under the shared namespace's priority class), stored nowhere else."""
-        if hit_tiers.get(key) == "device":
+        if hit_tiers.get(key) == DEVICE:
             self._device_touch(key)
-        elif self.keep_in_device and "device" in self.store.names and self.offload.target.name != "device":
+        elif self.keep_in_device and DEVICE in self.store.names and self.offload.target.name != DEVICE:
             self._copy_block(block, cache, start)
             self._device_put(key, block, shared)
 
@@ -200,12 +201,12 @@ class BlockWriter:
         tier (registered) and the device pool; True if some tier holds it afterwards. A block read
         from L3 (`already` remote) gets a copy in a local write-back tier too."""
         target = self.offload.target
-        if already == "device":
+        if already == DEVICE:
             self._device_touch(key)
             return True
         local_copy = already is None or (already == REMOTE and target.name != REMOTE)
         to_target = local_copy and not target.contains(key)
-        to_device = self.keep_in_device and target.name != "device" and "device" in self.store.names
+        to_device = self.keep_in_device and target.name != DEVICE and DEVICE in self.store.names
         if not to_target and not to_device:
             return True
         self._copy_block(block, cache, start)
@@ -213,7 +214,7 @@ class BlockWriter:
             self._device_put(key, block, namespace)
         if not to_target:
             return True
-        if target.name == "device":
+        if target.name == DEVICE:
             # L1 is the node's working set, not registered in the directory: LRU within capacity.
             if self._device_put(key, block, namespace):
                 trace.written_blocks += 1

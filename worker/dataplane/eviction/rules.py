@@ -25,11 +25,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from worker.dataplane.directory import DEFAULT_CLASS, TIER_ORDER
+from worker.dataplane.directory import DEFAULT_CLASS
 from worker.dataplane.eviction.ledger import BlockStat
+from worker.dataplane.tier_names import EVICTING_TIERS, REMOTE, TIER_ORDER
 
 ALGORITHMS = ("lru", "lfu", "s3fifo", "cost-aware")
-QUOTA_TIERS = ("host", "disk")
+QUOTA_TIERS = EVICTING_TIERS
 """Tiers whose quotas a node enforces itself at write-back (remote quotas are the planner's)."""
 REASONS = ("pressure", "quota", "ttl")
 
@@ -130,7 +131,7 @@ def parse_rules(
         if not namespace:
             raise ValueError(f"quotas[{i}].namespace: a quota needs a namespace")
         tier = _field(item, "tier", f"quotas[{i}]", str, "")
-        if tier not in (*QUOTA_TIERS, "remote"):
+        if tier not in (*QUOTA_TIERS, REMOTE):
             raise ValueError(f"quotas[{i}].tier: a quota is for host, disk or remote, got {tier!r}")
         nbytes = item.get("bytes")
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:

@@ -1,7 +1,7 @@
 """The storage tiers of a node behind one interface (see `base.Tier`).
 
 base.py     the Tier interface, and its result records (the levels themselves, fastest first, are
-            `directory.TIER_ORDER`)
+            `tier_names.TIER_ORDER`)
 mediums.py  one spec per medium, each opening its tier; a level's medium is configuration
 device.py   pages of GPU memory
 host/       a shared-memory pool every process of the node maps

@@ -1,6 +1,6 @@
 """One spec per storage medium, each with the function that opens it as a tier.
 
-A tier *level* (`directory.TIER_ORDER`: device, host, disk, remote) is configuration: the store's
+A tier *level* (`tier_names.TIER_ORDER`: device, host, disk, remote) is configuration: the store's
 factory maps each configured level to the spec of the medium that serves it, and the level's
 name becomes the tier's name. The mediums:
 

@@ -38,6 +38,7 @@ from worker.dataplane.directory import Directory
 from worker.dataplane.layout import ModelProfile
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.store import build_store
+from worker.dataplane.tier_names import DEVICE, HOST
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,7 +117,7 @@ class StrataConnectorBase(KVConnectorBase_V1):
         )
 
     def _open(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Runtime:
-        tiers = [name for name in config.tiers if name != "device"]  # vLLM's pages are L1
+        tiers = [name for name in config.tiers if name != DEVICE]  # vLLM's pages are L1
         if not tiers:
             raise ValueError("StrataConnector: tiers lists no tier below L1 (host, disk or remote)")
         config = dataclasses.replace(config, tiers=type(config.tiers)(tiers))
@@ -127,7 +128,7 @@ class StrataConnectorBase(KVConnectorBase_V1):
             if directory is not None:
                 directory.close()
             raise
-        write_back = "host" if "host" in store.names else store.names[0]
+        write_back = HOST if HOST in store.names else store.names[0]
         manager = OffloadManager(
             store=store, profile=profile, node=config.node_name, directory=directory, write_back_tier=write_back
         )

@@ -42,6 +42,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from worker.dataplane.hashing import BlockFingerprint
+from worker.dataplane.tier_names import REMOTE
 
 log = logging.getLogger("strata.vllm")
 
@@ -49,7 +50,6 @@ STORED, REMOVED = "stored", "removed"
 PAYLOADS = 1 << 13
 """Blocks whose payload is kept, newest first: a block stored since is announced stored and later removed."""
 MEDIUM_PREFIX = "strata-"
-REMOTE = "remote"
 
 TierChange = tuple[str, str, uuid.UUID]
 """(STORED or REMOVED, tier, block key)."""

@@ -55,6 +55,7 @@ from worker.dataplane.directory import DirectoryUnavailable
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, KeyScope
 from worker.dataplane.metrics import EngineMetrics
 from worker.dataplane.offload_records import Decision, Hit, RequestTrace, TierLoad
+from worker.dataplane.tier_names import DISK, HOST, REMOTE
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.vllm")
 
-HIT_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+HIT_SOURCES = {HOST: CacheHitSource.HOST, DISK: CacheHitSource.DISK, REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 """vLLM's name for the tier that served a hit (it has none for a distributed store)."""
 
 
@@ -269,7 +270,7 @@ class SchedulerHalf:
         if tracked.scope is not None and manager.knows_salt(namespace):
             fingerprints = manager.fingerprints(tokens, namespace, scope=tracked.scope)
             found = manager.locate_local([fp.prefix_key for fp in fingerprints])
-            alone = "remote" not in manager.store.names and manager.directory is None
+            alone = REMOTE not in manager.store.names and manager.directory is None
             if manager.first_miss(fingerprints, found) == len(fingerprints) or alone:
                 done: Future[Plan] = Future()
                 done.set_result(self._plan(tracked, fingerprints, found, time.perf_counter()))
@@ -284,7 +285,7 @@ class SchedulerHalf:
                 tracked.scope = scope_of(tracked.request, self.adapters, wait=True)
             # The namespace's own chain, or a shared namespace's blocks leading the prompt; the
             # blocks saved later continue whichever chain won (`_continue`).
-            fingerprints, held, _ = self.manager.lookup_prompt(tokens, namespace, scope=tracked.scope)
+            fingerprints, held, _ = self.manager.find_prompt(tokens, namespace, scope=tracked.scope)
         except AdapterUnreadable as exc:
             log.warning("request %s runs without the cache: %s", tracked.request.request_id, exc)
             self._uncached(tracked.trace, "adapter")
