@@ -24,11 +24,11 @@ import torch
 from tests.engine.conftest import BLOCK_TOKENS, engine_for, layout_for, redis_url  # noqa: F401 - fixtures
 from worker.dataplane.directory import Directory
 from worker.dataplane.engine.engine import Engine
+from worker.dataplane.engine_metrics import EngineMetrics
 from worker.dataplane.errors import BlockUnregistered
 from worker.dataplane.hashing import BlockFingerprint
 from worker.dataplane.layer_loader.loader import LayerLoader, PrefixBuffers
 from worker.dataplane.layout import ModelProfile, block_layout
-from worker.dataplane.metrics import EngineMetrics
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.offload_records import Hit
 from worker.dataplane.prefix.cache import LoadFailed

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.engine.conftest import BLOCK_TOKENS, layout_for
+from worker.dataplane.engine_metrics import EngineMetrics
 from worker.dataplane.errors import TierFull, TierUnavailable
 from worker.dataplane.eviction.local import MAX_FAILED_DELETES
 from worker.dataplane.eviction.rules import Rules, TierRule, parse_rules
-from worker.dataplane.metrics import EngineMetrics
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.offload_records import Hit
 from worker.dataplane.store import TieredStore

@@ -1,5 +1,4 @@
-"""The offload manager: finding a prompt's blocks, the load-or-recompute decision, write-back and quarantine,
-for every engine.
+"""The offload manager of every engine: finding a prompt's blocks, load or recompute, write-back, quarantine.
 
 Both engines call it: Strata's own transformers engine (`engine.engine.Engine`) and the vLLM
 connector (`connectors.vllm`). It decides and records; the bytes it moves are whole blocks handed

@@ -19,7 +19,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
-from worker.dataplane.metrics import EngineMetrics
+from worker.dataplane.engine_metrics import EngineMetrics
 from worker.dataplane.node_http import access, timelines
 from worker.dataplane.offload_records import RequestTrace
 

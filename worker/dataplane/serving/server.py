@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from worker.dataplane.blend.options import BlendError, check_namespace_key, check_percent
 from worker.dataplane.engine.engine import Engine, RequestTrace
-from worker.dataplane.metrics import EngineMetrics
+from worker.dataplane.engine_metrics import EngineMetrics
 from worker.dataplane.node_http import access, timelines
 from worker.dataplane.serving.fields import ApiError, check_unicode, float_field, int_field, stop_field
 

@@ -52,8 +52,8 @@ from worker.dataplane.connectors.vllm.stats import FollowedGauges, StatsTap, mer
 from worker.dataplane.connectors.vllm.tenancy import NamespacePolicy
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import DirectoryUnavailable
+from worker.dataplane.engine_metrics import EngineMetrics
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, KeyScope
-from worker.dataplane.metrics import EngineMetrics
 from worker.dataplane.offload_records import Decision, Hit, RequestTrace, TierLoad
 from worker.dataplane.tier_names import DISK, HOST, REMOTE
 
