@@ -9,8 +9,8 @@ with a query marker and a key that occurs in exactly one passage; the answer is 
 its key. Passages are as long as RAG chunks are (128 tokens), and prompts of 16 passages are 2K
 tokens long: long enough that prefill, not bookkeeping, is what a CPU spends its time on.
 
-    python -m benchmarks.blend_model train --out tests/fixtures/blend-model   # ~12 min on 2 cores
-    python -m benchmarks.blend_model quality --model tests/fixtures/blend-model
+    python -m benchmarks.models.blend train --out tests/fixtures/blend-model   # ~12 min on 2 cores
+    python -m benchmarks.models.blend quality --model tests/fixtures/blend-model
 
 Training is reproducible: fixed seed, data drawn from a seeded generator, a fixed thread count;
 the same command gives the same weights with the same torch build.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks import blend_base
+from benchmarks.models import training as blend_base
 
 if TYPE_CHECKING:
     from worker.dataplane.engine.engine import Engine
@@ -253,7 +253,7 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 
 TASKS = ("lookup", "multihop")
-"""The quality tasks: this module's key-value lookup and benchmarks/blend_multihop.py's bindings."""
+"""The quality tasks: this module's key-value lookup and benchmarks/models/multihop.py's bindings."""
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 FIXTURE_DIRS = {"lookup": FIXTURES / "blend-model", "multihop": FIXTURES / "blend-multihop"}
 PERCENTS = (0, 5, 15, 30, 60)
@@ -267,7 +267,7 @@ def task_questions(task: str, *, passages: int, seed: int) -> tuple[list[Any], C
         corpus = make_corpus(4 * passages, seed=seed)
         return corpus, lambda rng: make_question(rng, rng.sample(corpus, passages))
     if task == "multihop":
-        from benchmarks import blend_multihop  # noqa: PLC0415
+        from benchmarks.models import multihop as blend_multihop  # noqa: PLC0415
 
         multihop = blend_multihop.make_corpus(blend_multihop.MAX_CORPUS, seed=seed)
         return multihop, lambda rng: blend_multihop.draw_question(rng, multihop, passages)
@@ -368,7 +368,7 @@ def quality_report(
 def main(argv: Sequence[str] | None = None) -> int:
     from worker.dataplane.blend.options import BlendError, BlendOptions  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.blend_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models.blend", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the model and save it")
     t.add_argument("--out", type=Path, required=True)
@@ -415,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BlendError as exc:
         parser.error(f"--check-layer: {exc}")
     for name in tasks:
-        from benchmarks import blend_multihop  # noqa: PLC0415
+        from benchmarks.models import multihop as blend_multihop  # noqa: PLC0415
 
         model = args.model or FIXTURE_DIRS[name]
         passages = args.passages or (MAX_PASSAGES if name == "lookup" else blend_multihop.MAX_PASSAGES)
@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report))
         if args.save:
             command = (
-                f"python -m benchmarks.blend_model quality --task {name} --passages {passages} "
+                f"python -m benchmarks.models.blend quality --task {name} --passages {passages} "
                 f"--questions {args.questions} --percents {args.percents} --selections {args.selections}"
                 f" --check-layer {args.check_layer}"
             )

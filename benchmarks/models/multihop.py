@@ -1,7 +1,7 @@
 """The multi-hop blend quality model: a small Llama trained on a task where one passage's tokens must
 attend to another passage for the answer to be reachable.
 
-The lookup task of benchmarks/blend_model.py never needs a passage to see another one, so fused KV
+The lookup task of benchmarks/models/blend.py never needs a passage to see another one, so fused KV
 answers it at r = 0. Here a passage holds facts (one token per key and value, as there) and
 bindings: one token per (name, key), "name := the value of key". Every key is defined twice in the
 corpus, in two passages, with different values; a binding takes the value of the definition before
@@ -17,8 +17,8 @@ from the binding's hidden state, which saw the earlier definition alone. KV of t
 passage computed without that definition before it, as fragment reuse at r = 0 serves it, holds
 the wrong value or none.
 
-    python -m benchmarks.blend_multihop train --out tests/fixtures/blend-multihop   # ~30 min on 2 cores
-    python -m benchmarks.blend_model quality --task multihop --save
+    python -m benchmarks.models.multihop train --out tests/fixtures/blend-multihop   # ~30 min on 2 cores
+    python -m benchmarks.models.blend quality --task multihop --save
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import blend_base
+from benchmarks.models import training as blend_base
 
 BOS, PASSAGE, QUERY, END = blend_base.BOS, blend_base.PASSAGE, blend_base.QUERY, blend_base.END
 PAD = blend_base.PAD
@@ -305,7 +305,7 @@ def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50, check
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.blend_multihop", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models.multihop", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the model and save it")
     t.add_argument("--out", type=Path, required=True)
