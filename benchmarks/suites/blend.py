@@ -254,20 +254,20 @@ def multihop_quality(*, questions: int, percent: float) -> list[Row]:
     """Accuracy lost on the multi-hop task (tests/fixtures/blend-multihop), whose bindings take
     their value from another passage: fused KV with nothing recomputed lacks it (the `fused`
     variant: r = 0 and no check layer), blend at the default r recomputes it."""
-    from benchmarks.models import multihop as blend_multihop  # noqa: PLC0415
+    from benchmarks.models import multihop as multihop_task  # noqa: PLC0415
 
     report = task.quality_report(
         MULTIHOP_DIR,
         task="multihop",
         questions=questions,
-        passages=blend_multihop.MAX_PASSAGES,
+        passages=multihop_task.MAX_PASSAGES,
         percents=[percent],
         selections=("deviation",),
     )
     full = 100 * report["full"]["accuracy"]
     at_r = report[f"blend_r{percent:g}"]
     at_0 = report["fused"]
-    note = f"{questions} questions, {blend_multihop.MAX_PASSAGES} passages of {blend_multihop.PASSAGE_TOKENS} tokens"
+    note = f"{questions} questions, {multihop_task.MAX_PASSAGES} passages of {multihop_task.PASSAGE_TOKENS} tokens"
     return [
         Row("blend.multihop.full.accuracy_pct", full, "%", note=note),
         Row(
