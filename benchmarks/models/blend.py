@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks.models import training as blend_base
+from benchmarks.models import training
 
 if TYPE_CHECKING:
     from worker.dataplane.engine.engine import Engine
     from worker.dataplane.engine.models import LoadedModel
 
-BOS, EOS, PAD = blend_base.BOS, blend_base.EOS, blend_base.PAD
-PASSAGE, QUERY, END = blend_base.PASSAGE, blend_base.QUERY, blend_base.END
-Question = blend_base.Question
+BOS, EOS, PAD = training.BOS, training.EOS, training.PAD
+PASSAGE, QUERY, END = training.PASSAGE, training.QUERY, training.END
+Question = training.Question
 VALUES = range(8, 16)
 KEYS = range(16, 528)
 WORDS = range(528, 784)
@@ -164,7 +164,7 @@ def curriculum(rng: random.Random, step: int, steps: int) -> dict[str, int]:
 
 
 def model_config() -> Any:
-    return blend_base.model_config(VOCAB)
+    return training.model_config(VOCAB)
 
 
 def init_embeddings(model: Any) -> None:
@@ -191,8 +191,8 @@ def step_batch(rng: random.Random, step: int, steps: int) -> tuple[torch.Tensor,
 
 
 def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50) -> dict[str, object]:
-    """Train the lookup model from scratch with a fixed seed and save it (`blend_base.train`)."""
-    return blend_base.train(
+    """Train the lookup model from scratch with a fixed seed and save it (`training.train`)."""
+    return training.train(
         out,
         steps=steps,
         seed=seed,
@@ -267,10 +267,10 @@ def task_questions(task: str, *, passages: int, seed: int) -> tuple[list[Any], C
         corpus = make_corpus(4 * passages, seed=seed)
         return corpus, lambda rng: make_question(rng, rng.sample(corpus, passages))
     if task == "multihop":
-        from benchmarks.models import multihop as blend_multihop  # noqa: PLC0415
+        from benchmarks.models import multihop as multihop_task  # noqa: PLC0415
 
-        multihop = blend_multihop.make_corpus(blend_multihop.MAX_CORPUS, seed=seed)
-        return multihop, lambda rng: blend_multihop.draw_question(rng, multihop, passages)
+        multihop = multihop_task.make_corpus(multihop_task.MAX_CORPUS, seed=seed)
+        return multihop, lambda rng: multihop_task.draw_question(rng, multihop, passages)
     raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {task!r}")
 
 
@@ -415,10 +415,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BlendError as exc:
         parser.error(f"--check-layer: {exc}")
     for name in tasks:
-        from benchmarks.models import multihop as blend_multihop  # noqa: PLC0415
+        from benchmarks.models import multihop as multihop_task  # noqa: PLC0415
 
         model = args.model or FIXTURE_DIRS[name]
-        passages = args.passages or (MAX_PASSAGES if name == "lookup" else blend_multihop.MAX_PASSAGES)
+        passages = args.passages or (MAX_PASSAGES if name == "lookup" else multihop_task.MAX_PASSAGES)
         arguments = {
             "task": name,
             "questions": args.questions,
