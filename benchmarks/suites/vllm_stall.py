@@ -25,7 +25,7 @@ from benchmarks.runtime.servers import Server, vllm_cpu_server
 from benchmarks.runtime.throttle import throttled_reads
 from benchmarks.suites.vllm import scratch_control_plane
 from benchmarks.workloads.sessions import Shape, tokens
-from benchmarks.workloads.vllm_api import drive
+from benchmarks.workloads.vllm_api import complete, drive
 
 DESCRIPTION = "vLLM + Strata: decoding clients' TPOT while a long document loads from a throttled disk"
 
@@ -46,18 +46,7 @@ EXPECTED_ROWS = [
 def stream(client: Any, model: str, prompt: list[int], max_tokens: int) -> list[float]:
     """When each token of a streamed completion arrived (perf_counter)."""
     arrivals: list[float] = []
-    answer = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    for chunk in answer:
-        for choice in chunk.choices:
-            ids = (choice.model_extra or {}).get("token_ids") or []
-            arrivals.extend([time.perf_counter()] * max(1, len(ids)) if (ids or choice.text) else [])
+    complete(client, model, prompt, max_tokens, arrivals=arrivals)
     return arrivals
 
 

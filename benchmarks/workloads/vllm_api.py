@@ -38,8 +38,11 @@ from worker.workload import Outcome
 CONFIGS = ("vllm", "example", "strata_host", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2", "floor_tp2")
 
 
-def complete(client: Any, model: str, prompt: list[int], max_tokens: int) -> tuple[Outcome, list[int]]:
-    """One streamed completion of token ids: its timings and the answer's ids."""
+def complete(
+    client: Any, model: str, prompt: list[int], max_tokens: int, *, arrivals: list[float] | None = None
+) -> tuple[Outcome, list[int]]:
+    """One streamed completion of token ids: its timings and the answer's ids; `arrivals` gets the
+    time (perf_counter) each token arrived, for the gaps between them."""
     sent = time.perf_counter()
     first: float | None = None
     answer: list[int] = []
@@ -58,8 +61,11 @@ def complete(client: Any, model: str, prompt: list[int], max_tokens: int) -> tup
             usage = chunk.usage
         for choice in chunk.choices:
             ids = (choice.model_extra or {}).get("token_ids") or []
-            if (ids or choice.text) and first is None:
-                first = time.perf_counter()
+            if ids or choice.text:
+                now = time.perf_counter()
+                first = first or now
+                if arrivals is not None:
+                    arrivals.extend([now] * max(1, len(ids)))
             answer.extend(ids)
     done = time.perf_counter()
     details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
