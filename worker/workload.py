@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -71,7 +72,6 @@ class _Schedule(Generic[Prompt]):
     """The sessions' steps ready to be sent, shared by the clients of one `drive`."""
 
     sessions: Iterator[Sequence[Step[Prompt]]]
-    interleave: bool
     ready: collections.deque[_Place[Prompt]] = dataclasses.field(default_factory=collections.deque)
     lock: threading.Condition = dataclasses.field(default_factory=threading.Condition)
     in_flight: int = 0
@@ -98,7 +98,7 @@ def drive(
     (the sessions may be endless). `stop` ends the run early; `pause` is each client's wait after
     a request; `limit` the requests each client sends at most. The first error a step or `send`
     raises stops every client and is raised here."""
-    schedule: _Schedule[Prompt] = _Schedule(sessions=iter(sessions), interleave=interleave)
+    schedule: _Schedule[Prompt] = _Schedule(sessions=iter(sessions))
     if interleave:
         schedule.ready.extend((session, 0, None) for session in schedule.sessions)
     halt = stop or threading.Event()
@@ -107,6 +107,8 @@ def drive(
     def take(own: _Place[Prompt] | None) -> _Place[Prompt] | None:
         """The step this client sends next (None: no more): in turn order, or its own session's next."""
         with schedule.lock:
+            if halt.is_set():
+                return None
             if not interleave:
                 if own is not None and own[1] < len(own[0]) and not schedule.errors:
                     return own
@@ -346,16 +348,20 @@ def run_client(
     pause: float,
     stop: threading.Event,
     limit: int | None,
-) -> int:
+) -> None:
     """One demo client: its sessions, one request at a time, `pause` seconds apart, until `stop`
-    or `limit` requests; returns the requests answered."""
-    try:
-        outcomes, _wall = drive(
-            sessions, client.sender(kind, stop), clients=1, interleave=False, stop=stop, pause=pause, limit=limit
+    or `limit` requests (each request logs its own line, no outcome is kept)."""
+    with contextlib.suppress(Stopped):
+        drive(
+            sessions,
+            client.sender(kind, stop),
+            clients=1,
+            interleave=False,
+            stop=stop,
+            pause=pause,
+            limit=limit,
+            keep=False,
         )
-    except Stopped:
-        return 0
-    return len(outcomes)
 
 
 def main(argv: list[str] | None = None) -> int:
