@@ -254,7 +254,7 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 TASKS = ("lookup", "multihop")
 """The quality tasks: this module's key-value lookup and benchmarks/models/multihop.py's bindings."""
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 FIXTURE_DIRS = {"lookup": FIXTURES / "blend-model", "multihop": FIXTURES / "blend-multihop"}
 PERCENTS = (0, 5, 15, 30, 60)
 SELECTION_PREFIX = {"deviation": "blend", "chunk-start": "chunk_start"}
