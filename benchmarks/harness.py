@@ -19,7 +19,6 @@ working is a failure, not a shorter table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import fnmatch
@@ -32,11 +31,10 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-from urllib.parse import quote
 
 from rich.console import Console
 from rich.progress import (
@@ -145,30 +143,6 @@ def run_child(
     if child.wait() != 0:
         raise RuntimeError(f"the benchmark process {module} failed (exit {child.returncode})")
     return rows
-
-
-@contextlib.contextmanager
-def bench_database(server: dict[str, Any], name: str) -> Iterator[str]:
-    """A fresh database for the benchmark on the configured server; yields its DATABASE_URL."""
-    import psycopg
-
-    with psycopg.connect(dbname="postgres", autocommit=True, **server) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{name}"')
-    user = quote(server.get("user", "postgres"), safe="")
-    password = quote(server.get("password", ""), safe="")
-    auth = f"{user}:{password}@" if password else f"{user}@"
-    host = server.get("host", "")
-    if host.startswith("/"):
-        url = f"postgresql://{auth}/{name}?host={quote(host, safe='/')}"
-    else:
-        url = f"postgresql://{auth}{host or '127.0.0.1'}:{server.get('port', 5432)}/{name}"
-    try:
-        yield url
-    finally:
-        if os.environ.get("STRATA_BENCH_KEEP_DB") != "1":
-            with psycopg.connect(dbname="postgres", autocommit=True, **server) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def discover() -> list[str]:

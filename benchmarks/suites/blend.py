@@ -2,7 +2,7 @@
 prefix-only caching and full prefill, on a RAG and a contract workload.
 
 Quality, reuse and TTFT are measured on the trained model of tests/fixtures/blend-model (8 layers,
-hidden 128; `python -m benchmarks.blend_model train` makes it): a RAG request is a 64-token system
+hidden 128; `python -m benchmarks.models.blend train` makes it): a RAG request is a 64-token system
 header, k = 16 passages of 128 tokens drawn from a corpus of 48 in random order, then a question
 whose answer is in one passage (2,114 tokens); 32-token blocks. The contract workload draws 6
 clauses (passages) from a library of 24 in random order, with unique party text (8-24 tokens)
@@ -22,7 +22,7 @@ prompts of 16 passages x 256 tokens after a 256-token header (4.4K tokens, 256-t
 - blend.multihop.accuracy_delta_pts and blend.multihop.r0_accuracy_delta_pts: accuracy lost at the
   default r and with nothing recomputed (r = 0, no check layer) on the multi-hop task of
   tests/fixtures/blend-multihop (8 passages of 32 tokens whose bindings take their value from another
-  passage; `python -m benchmarks.blend_multihop`).
+  passage; `python -m benchmarks.models.multihop`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import blend_model as task
 from benchmarks.harness import Context, Row
+from benchmarks.models import blend as task
 
 DESCRIPTION = "Fragment reuse: reused tokens vs prefix-only, TTFT vs full prefill, accuracy delta (trained model)"
 EXPECTED_ROWS = ("blend.rag.*", "blend.contract.*", "blend.multihop.*", "blend.long_small.*", "blend.long_small_deep.*")
@@ -254,20 +254,20 @@ def multihop_quality(*, questions: int, percent: float) -> list[Row]:
     """Accuracy lost on the multi-hop task (tests/fixtures/blend-multihop), whose bindings take
     their value from another passage: fused KV with nothing recomputed lacks it (the `fused`
     variant: r = 0 and no check layer), blend at the default r recomputes it."""
-    from benchmarks import blend_multihop  # noqa: PLC0415
+    from benchmarks.models import multihop as multihop_task  # noqa: PLC0415
 
     report = task.quality_report(
         MULTIHOP_DIR,
         task="multihop",
         questions=questions,
-        passages=blend_multihop.MAX_PASSAGES,
+        passages=multihop_task.MAX_PASSAGES,
         percents=[percent],
         selections=("deviation",),
     )
     full = 100 * report["full"]["accuracy"]
     at_r = report[f"blend_r{percent:g}"]
     at_0 = report["fused"]
-    note = f"{questions} questions, {blend_multihop.MAX_PASSAGES} passages of {blend_multihop.PASSAGE_TOKENS} tokens"
+    note = f"{questions} questions, {multihop_task.MAX_PASSAGES} passages of {multihop_task.PASSAGE_TOKENS} tokens"
     return [
         Row("blend.multihop.full.accuracy_pct", full, "%", note=note),
         Row(
@@ -289,7 +289,7 @@ def multihop_quality(*, questions: int, percent: float) -> list[Row]:
 def run(ctx: Context) -> list[Row]:
     if not (MODEL_DIR / "config.json").exists():
         raise FileNotFoundError(
-            f"{MODEL_DIR} holds no model; make it with `python -m benchmarks.blend_model train --out {MODEL_DIR}`"
+            f"{MODEL_DIR} holds no model; make it with `python -m benchmarks.models.blend train --out {MODEL_DIR}`"
         )
     from worker.dataplane.models.loading import load_model  # noqa: PLC0415
 
@@ -313,7 +313,7 @@ def run(ctx: Context) -> list[Row]:
         ctx.step("multi-hop quality done")
     else:
         ctx.step(
-            f"multi-hop quality skipped: {MULTIHOP_DIR} holds no model (python -m benchmarks.blend_multihop train)"
+            f"multi-hop quality skipped: {MULTIHOP_DIR} holds no model (python -m benchmarks.models.multihop train)"
         )
     rows += contract_workload(model, requests=requests, percent=percent, progress=ctx.log)
     ctx.step("contracts done")

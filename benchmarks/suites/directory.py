@@ -80,25 +80,16 @@ TARGETS = {
 
 
 def run(ctx: Any) -> list[Any]:
-    from benchmarks.harness import bench_database, run_child
-    from controlplane.runtime.environment import load_environment
+    from benchmarks.harness import run_child
+    from benchmarks.runtime.database import scratch_database
 
     # At least twice the chains a 16-chain prompt spans across every namespace and model.
     blocks = max(CHAIN * NAMESPACES * MODELS * 32, int(FULL_BLOCKS * ctx.scale) // CHAIN * CHAIN)
-    database = load_environment().database
-    server = {
-        "host": database.host or None,
-        "port": database.port or None,
-        "user": database.user or "postgres",
-        "password": database.password or None,
-        **database.options,
-    }
-    server = {k: v for k, v in server.items() if v is not None}
     spec = {"blocks": blocks, "repeats": ctx.repeats, "scale": ctx.scale, "scratch": str(ctx.scratch)}
     # One database per run, so two runs at once (two engineers, one server) never drop each other's.
     name = f"{BENCH_DB_PREFIX}_{os.getpid()}"
     ctx.params.update(blocks=blocks, database=name)
-    with bench_database(server, name) as url:
+    with scratch_database(name) as url:
         env = {
             **os.environ,
             "DATABASE_URL": url,

@@ -30,8 +30,6 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -39,8 +37,8 @@ from pathlib import Path
 
 import redis
 
-from benchmarks.engine_workloads import _layout, _prompt
 from benchmarks.harness import Context, Row
+from benchmarks.workloads.engine import block_layout, engine_send, random_prompt
 from controlplane.runtime.environment import load_environment
 from worker.dataplane.engine.engine import Engine, EngineOptions
 from worker.dataplane.engine.turns import Turns
@@ -50,6 +48,7 @@ from worker.dataplane.tiers.device import DeviceTier
 from worker.dataplane.tiers.disk import DiskTier
 from worker.dataplane.tiers.host import HostTier
 from worker.dataplane.tiers.remote import RemoteTier
+from worker.workload import Outcome, Step, drive
 
 DESCRIPTION = "Cross-node reuse through L3: two nodes, round-robin turns, vs one node and vs no sharing"
 SETUPS = ("one_node", "two_nodes.round_robin.sharing", "two_nodes.round_robin.no_sharing")
@@ -70,7 +69,7 @@ ON_DEMOTION = [{"name": "default", "namespaces": [], "remote_write": "on-demotio
 @contextmanager
 def _nodes(model: LoadedModel, count: int, *, sharing: bool, redis_url: str) -> Iterator[list[Engine]]:
     """`count` engines, each with its own device, host and disk tiers, sharing one L3 prefix."""
-    layout = _layout(model)
+    layout = block_layout(model)
     capacity = 4096 * layout.block_bytes
     prefix = f"strata-bench-fleet-{uuid.uuid4().hex[:8]}"
     pools: list[str] = []
@@ -116,43 +115,35 @@ def _nodes(model: LoadedModel, count: int, *, sharing: bool, redis_url: str) -> 
             client.close()
 
 
-def _drive(engines: list[Engine], conversations: int, turns: int, make: Callable[[int, int, list[int]], list[int]]):
-    """Run the conversations, `CLIENTS` at a time, turn t of conversation i on engine (i + t) mod
-    len(engines); the TTFTs of every request and the cached prompt tokens in all."""
-    ttfts: list[float] = []
-    cached = [0, 0]  # prompt tokens served from the cache, and computed
-    lock = threading.Lock()
-    queue = list(range(conversations))
+Routed = tuple[int, list[int]]
+"""A fleet request: the index of the engine that serves it, and its token ids."""
 
-    def client() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                index = queue.pop(0)
-            history: list[int] = []
-            for turn in range(turns):
-                engine = engines[(index + turn) % len(engines)]
-                prompt = make(index, turn, history)
-                first: list[float] = []
-                sent = time.perf_counter()
-                result = engine.generate(
-                    prompt,
-                    max_tokens=ANSWER_TOKENS,
-                    on_token=lambda _t, first=first: bool(first.append(time.perf_counter())),
-                )
-                history = prompt + result.output_ids
-                with lock:
-                    ttfts.append(first[0] - sent)
-                    cached[0] += result.trace.cached_tokens
-                    cached[1] += result.trace.prompt_tokens - result.trace.cached_tokens
 
-    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return ttfts, cached[0], cached[1]
+def _drive(
+    engines: list[Engine], conversations: int, turns: int, make: Callable[[int, int, list[int] | None], list[int]]
+) -> tuple[list[float], int, int]:
+    """Run the conversations, `CLIENTS` at a time (worker.workload.drive, each client one
+    conversation to its end), turn t of conversation i on engine (i + t) mod len(engines); the
+    TTFTs of every request, and the prompt tokens served from the cache and computed, in all."""
+    sends = [engine_send(engine) for engine in engines]
+
+    def conversation(index: int) -> list[Step[Routed]]:
+        def turn(number: int) -> Step[Routed]:
+            def routed(history: Routed | None) -> tuple[Routed, int]:
+                tokens = make(index, number, history[1] if history is not None else None)
+                return ((index + number) % len(engines), tokens), ANSWER_TOKENS
+
+            return routed
+
+        return [turn(number) for number in range(turns)]
+
+    def send(request: Routed, max_tokens: int) -> tuple[Outcome, Routed]:
+        outcome, history = sends[request[0]](request[1], max_tokens)
+        return outcome, (request[0], history)
+
+    outcomes, _wall = drive([conversation(i) for i in range(conversations)], send, clients=CLIENTS, interleave=False)
+    cached = sum(o.cached_tokens for o in outcomes)
+    return [o.ttft_s for o in outcomes], cached, sum(o.prompt_tokens for o in outcomes) - cached
 
 
 def run(ctx: Context) -> list[Row]:
@@ -171,10 +162,10 @@ def run(ctx: Context) -> list[Row]:
         answer_tokens=ANSWER_TOKENS,
         turns=turns,
     )
-    system = _prompt(system_tokens, seed=100)
+    system = random_prompt(system_tokens, seed=100)
 
-    def make(index: int, turn: int, history: list[int]) -> list[int]:
-        return (history or system) + _prompt(USER_TOKENS + 1, seed=1000 * index + turn)[1:]
+    def make(index: int, turn: int, history: list[int] | None) -> list[int]:
+        return (history or system) + random_prompt(USER_TOKENS + 1, seed=1000 * index + turn)[1:]
 
     ctx.plan(ctx.repeats * len(SETUPS))
     means: dict[str, list[float]] = {setup: [] for setup in SETUPS}

@@ -55,19 +55,10 @@ EXPECTED_ROWS = (*(f"movements.move_gbps_{src}_{dst}_vs_raw" for src, dst in ROU
 
 
 def run(ctx: Any) -> list[Any]:
-    from benchmarks.harness import bench_database, run_child
+    from benchmarks.harness import run_child
+    from benchmarks.runtime.database import scratch_database
     from benchmarks.suites.tiers import private_redis
-    from controlplane.runtime.environment import load_environment
 
-    database = load_environment().database
-    server = {
-        "host": database.host or None,
-        "port": database.port or None,
-        "user": database.user or "postgres",
-        "password": database.password or None,
-        **database.options,
-    }
-    server = {k: v for k, v in server.items() if v is not None}
     spec = {
         "scale": ctx.scale,
         "repeats": ctx.repeats,
@@ -78,7 +69,7 @@ def run(ctx: Any) -> list[Any]:
     }
     name = f"strata_bench_movements_{os.getpid()}"
     ctx.params.update(database=name, blocks=spec["blocks"], move_bytes=spec["move_bytes"])
-    with bench_database(server, name) as url, private_redis(ctx.scratch) as redis_url:
+    with scratch_database(name) as url, private_redis(ctx.scratch) as redis_url:
         spec["redis_url"] = redis_url
         env = {
             **os.environ,

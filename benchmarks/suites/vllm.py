@@ -5,7 +5,7 @@ The checkpoint is the `bench` preset saved as one (hidden 1024, 8 layers, bf16, 
 tokenizer; the smoke serves `small` in float32), under var/checkpoints. vLLM's KV space is 96
 pages of 128 tokens (12288 tokens; requests up to 11264), so the workloads' sessions overflow it
 as HBM overflows on a GPU node.
-Each configuration is a fresh server (see benchmarks.vllm_serving); the Strata ones run as nodes
+Each configuration is a fresh server (see benchmarks.workloads.vllm_api); the Strata ones run as nodes
 of a scratch control-plane database (`strata_node --engine vllm`); the servers' logs are kept in
 var/bench-logs/vllm/. Every workload runs once per configuration and the ratios divide the same
 workload's numbers in the same run.
@@ -18,7 +18,7 @@ conversation's first turn is cold in every configuration: `...floor.ttft_vs_vllm
 any KV offload can reach on these workloads, and `...ttft_vs_floor` is how far Strata is from it.
 `...ttft_later_turns_vs_vllm` compares the turns after the first, the requests a cache can serve.
 
-ExampleConnector does not run the long documents (benchmarks.vllm_serving.SKIPPED says why). A
+ExampleConnector does not run the long documents (benchmarks.workloads.vllm_api.SKIPPED says why). A
 configuration that fails is reported (params.failed) and the others' rows are kept.
 `vllm_tp2` and `strata_host_tp2` serve at tensor parallel 2 (one core per rank), compared with
 each other; then a one-rank server of strata_host_tp2's node serves its 4-client multi-turn
@@ -41,8 +41,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.harness import Context, Row, bench_database
-from benchmarks.vllm_serving import CONFIGS, SKIPPED, Server, Shape, run_config
+from benchmarks.harness import Context, Row
+from benchmarks.runtime.database import scratch_database
+from benchmarks.runtime.servers import Server, vllm_cpu_server
+from benchmarks.workloads.sessions import Shape
+from benchmarks.workloads.vllm_api import CONFIGS, SKIPPED, run_config
 
 DESCRIPTION = "vLLM + Strata (host, disk) vs vLLM alone and vs ExampleConnector: multi-turn, long docs, no reuse"
 
@@ -123,17 +126,8 @@ def scratch_control_plane(ctx: Context) -> Iterator[tuple[dict[str, str], Path, 
 
     environment = load_environment()
     checkpoint = preset_checkpoint(Shape.at(ctx.scale).preset, environment.var_dir / "checkpoints")
-    database = environment.database
-    server = {
-        "host": database.host or None,
-        "port": database.port or None,
-        "user": database.user or "postgres",
-        "password": database.password or None,
-        **database.options,
-    }
-    server = {k: v for k, v in server.items() if v is not None}
     logs = environment.var_dir / "bench-logs" / "vllm"
-    with bench_database(server, f"strata_bench_vllm_{os.getpid()}") as url:
+    with scratch_database(f"strata_bench_vllm_{os.getpid()}") as url:
         env = {
             **os.environ,
             "DATABASE_URL": url,
@@ -175,7 +169,7 @@ def run(ctx: Context) -> list[Row]:
         for config in [c for c in ORDER if c in chosen]:
             # One configuration failing (its server dying) must not lose the others' numbers.
             try:
-                with Server(
+                with vllm_cpu_server(
                     config,
                     checkpoint=checkpoint,
                     shape=shape,
@@ -206,7 +200,7 @@ def from_tp2(
 ) -> dict[str, dict[str, float]]:
     """A one-rank server of `before`'s node (stopped: its pool and disk kept) serves the 4-client
     multi-turn sessions again, from the blocks the two ranks stored."""
-    with Server(
+    with vllm_cpu_server(
         "strata_host",
         label=FROM_TP2,
         after=before,

@@ -1,5 +1,5 @@
 """Suite `vllm_stall`: a slow tier delays only the request that waits for it. vLLM with Strata
-writing back to the disk tier, whose reads the kernel holds to RATE (benchmarks.throttle: a
+writing back to the disk tier, whose reads the kernel holds to RATE (benchmarks.runtime.throttle: a
 network volume, a busy SSD), serves four clients decoding long answers while a long document,
 stored on that disk and gone from vLLM's KV space, is asked again: its load takes seconds.
 
@@ -21,9 +21,11 @@ import time
 from typing import Any
 
 from benchmarks.harness import Context, Row
+from benchmarks.runtime.servers import Server, vllm_cpu_server
+from benchmarks.runtime.throttle import throttled_reads
 from benchmarks.suites.vllm import scratch_control_plane
-from benchmarks.throttle import throttled_reads
-from benchmarks.vllm_serving import Server, Shape, tokens
+from benchmarks.workloads.sessions import Shape, tokens
+from benchmarks.workloads.vllm_api import complete, drive
 
 DESCRIPTION = "vLLM + Strata: decoding clients' TPOT while a long document loads from a throttled disk"
 
@@ -44,18 +46,7 @@ EXPECTED_ROWS = [
 def stream(client: Any, model: str, prompt: list[int], max_tokens: int) -> list[float]:
     """When each token of a streamed completion arrived (perf_counter)."""
     arrivals: list[float] = []
-    answer = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    for chunk in answer:
-        for choice in chunk.choices:
-            ids = (choice.model_extra or {}).get("token_ids") or []
-            arrivals.extend([time.perf_counter()] * max(1, len(ids)) if (ids or choice.text) else [])
+    complete(client, model, prompt, max_tokens, arrivals=arrivals)
     return arrivals
 
 
@@ -101,8 +92,6 @@ def decoders(server: Server, seed: int, *, document: list[int] | None, delay_s: 
 
 
 def run_mode(server: Server, shape: Shape, progress: Any) -> dict[str, float]:
-    from benchmarks.vllm_serving import drive
-
     document = [1, *tokens(shape.document_tokens, seed=700)]
     progress(f"vllm_stall: {server.label}: warming up, then the document stored and pushed out of vLLM's pages")
     drive(server.base, server.model, [[lambda _h: ([1, *tokens(300, seed=701)], 8)]], clients=1)
@@ -140,7 +129,7 @@ def run(ctx: Context) -> list[Row]:
             # The servers start inside the throttle: their processes' reads of the disk are held to RATE.
             with throttled_reads(ctx.scratch, RATE) as throttle:
                 ctx.params["throttle"] = throttle
-                with Server(
+                with vllm_cpu_server(
                     "strata_disk",
                     label=f"stall_{mode}",
                     checkpoint=checkpoint,

@@ -1,4 +1,4 @@
-"""The multi-hop task's data (benchmarks/blend_multihop.py), without a model: every key is defined
+"""The multi-hop task's data (benchmarks/models/multihop.py), without a model: every key is defined
 twice, a binding takes the definition before it, a question's answer changes with the order of
 the passages, and training hides that order from the positions."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from benchmarks import blend_multihop as task
+from benchmarks.models import multihop as task
 
 
 def test_every_key_is_defined_twice_and_bindings_point_elsewhere():

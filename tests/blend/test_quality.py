@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from benchmarks import blend_model
+from benchmarks.models import blend as blend_model
 from tests.blend.conftest import FIXTURE_MODEL
 
 pytestmark = pytest.mark.skipif(
     not (FIXTURE_MODEL / "config.json").exists(),
-    reason="the trained fixture model is missing (python -m benchmarks.blend_model train)",
+    reason="the trained fixture model is missing (python -m benchmarks.models.blend train)",
 )
 
 

@@ -8,13 +8,14 @@ import json
 
 import pytest
 
-from benchmarks import blend_model, blend_multihop
+from benchmarks.models import blend as blend_model
+from benchmarks.models import multihop as blend_multihop
 from tests.blend.conftest import MULTIHOP_MODEL
 from worker.dataplane.blend.options import BlendOptions
 
 pytestmark = pytest.mark.skipif(
     not (MULTIHOP_MODEL / "config.json").exists(),
-    reason="the trained multi-hop fixture model is missing (python -m benchmarks.blend_multihop train)",
+    reason="the trained multi-hop fixture model is missing (python -m benchmarks.models.multihop train)",
 )
 
 DEFAULT = BlendOptions()

@@ -12,14 +12,14 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from benchmarks import blend_multihop
+from benchmarks.models import multihop as blend_multihop
 from tests.blend.conftest import MULTIHOP_MODEL, blend_engine
 from worker.dataplane.models.loading import load_model
 from worker.dataplane.serving.server import NAMESPACE_HEADER, NodeServer
 
 pytestmark = pytest.mark.skipif(
     not (MULTIHOP_MODEL / "config.json").exists(),
-    reason="the trained multi-hop fixture model is missing (python -m benchmarks.blend_multihop train)",
+    reason="the trained multi-hop fixture model is missing (python -m benchmarks.models.multihop train)",
 )
 ADMIN_KEY = "multihop-admin"
 LOW, CEILING = 0.0, 5.0

@@ -130,7 +130,7 @@ def adapters(tmp_path_factory) -> dict[str, str]:
 
 def questions(count: int, seed: int) -> list[tuple[tuple[int, ...], int]]:
     """Multi-hop questions (259 tokens: 8 passages, QUERY, a binding) and their answers."""
-    from benchmarks.blend_multihop import MAX_CORPUS, MAX_PASSAGES, draw_question, make_corpus
+    from benchmarks.models.multihop import MAX_CORPUS, MAX_PASSAGES, draw_question, make_corpus
 
     rng = random.Random(seed)
     corpus = make_corpus(MAX_CORPUS, rng=rng)

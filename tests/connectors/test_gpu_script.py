@@ -14,17 +14,17 @@ from typing import Any
 
 import pytest
 
-from benchmarks.vllm_serving import Shape
+from benchmarks.workloads.sessions import Shape
 from worker.dataplane.config import OPTIONS, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "benchmarks" / "gpu_side_by_side.py"
+SCRIPT = "benchmarks.scripts.gpu_side_by_side"
 CONFIGS = ("vllm", "offloading", "lmcache", "strata")
 
 
 def script(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+        [sys.executable, "-m", SCRIPT, *args], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
     )
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.throttle import CGROUP_ROOT, ThrottleUnavailable, throttled_reads, whole_disk
+from benchmarks.runtime.throttle import CGROUP_ROOT, ThrottleUnavailable, throttled_reads, whole_disk
 
 
 def _groups() -> str:

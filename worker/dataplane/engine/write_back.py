@@ -112,7 +112,7 @@ class BlockWriter:
         The blocks are keyed as `chain` says: a shared namespace's leading blocks are that
         namespace's (kept in the device pool at most, never stored or registered as this
         namespace's), and the request's own blocks chain on from them. `fingerprints` are those the
-        request's lookup computed for the prompt's blocks under `chain` (`lookup_prompt`): the
+        request's lookup computed for the prompt's blocks under `chain` (`find_prompt`): the
         blocks are stored under exactly those keys, and only blocks past them (the generated
         tokens') are hashed here.
 

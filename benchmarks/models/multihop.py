@@ -1,7 +1,7 @@
 """The multi-hop blend quality model: a small Llama trained on a task where one passage's tokens must
 attend to another passage for the answer to be reachable.
 
-The lookup task of benchmarks/blend_model.py never needs a passage to see another one, so fused KV
+The lookup task of benchmarks/models/blend.py never needs a passage to see another one, so fused KV
 answers it at r = 0. Here a passage holds facts (one token per key and value, as there) and
 bindings: one token per (name, key), "name := the value of key". Every key is defined twice in the
 corpus, in two passages, with different values; a binding takes the value of the definition before
@@ -17,8 +17,8 @@ from the binding's hidden state, which saw the earlier definition alone. KV of t
 passage computed without that definition before it, as fragment reuse at r = 0 serves it, holds
 the wrong value or none.
 
-    python -m benchmarks.blend_multihop train --out tests/fixtures/blend-multihop   # ~30 min on 2 cores
-    python -m benchmarks.blend_model quality --task multihop --save
+    python -m benchmarks.models.multihop train --out tests/fixtures/blend-multihop   # ~30 min on 2 cores
+    python -m benchmarks.models.blend quality --task multihop --save
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from benchmarks import blend_base
+from benchmarks.models import training
 
-BOS, PASSAGE, QUERY, END = blend_base.BOS, blend_base.PASSAGE, blend_base.QUERY, blend_base.END
-PAD = blend_base.PAD
+BOS, PASSAGE, QUERY, END = training.BOS, training.PASSAGE, training.QUERY, training.END
+PAD = training.PAD
 VALUES = range(8, 16)
 KEYS = range(16, 80)
 NAMES = range(80, 96)
@@ -142,9 +142,7 @@ def answerable(passages: Sequence[Passage]) -> list[tuple[int, int]]:
     return [(bind(name, key), value) for name, key, value in bound(passages)]
 
 
-def make_question(
-    rng: random.Random, passages: Sequence[Passage], *, header: Sequence[int] = ()
-) -> blend_base.Question:
+def make_question(rng: random.Random, passages: Sequence[Passage], *, header: Sequence[int] = ()) -> training.Question:
     """BOS, an optional header, the passages in the given order, then QUERY and a binding's token:
     "what did this binding take?". The passages must hold an answerable binding (see `answerable`)."""
     pool = answerable(passages)
@@ -156,10 +154,10 @@ def make_question(
         segments.append((len(prompt), len(prompt) + len(passage.tokens)))
         prompt += passage.tokens
     token, value = rng.choice(pool)
-    return blend_base.Question(prompt=[*prompt, QUERY, token], answer=value, segments=segments)
+    return training.Question(prompt=[*prompt, QUERY, token], answer=value, segments=segments)
 
 
-def draw_question(rng: random.Random, corpus: Sequence[Passage], passages: int) -> blend_base.Question:
+def draw_question(rng: random.Random, corpus: Sequence[Passage], passages: int) -> training.Question:
     """A question over `passages` of `corpus` in a random order that has an answerable binding."""
     while True:
         chosen = rng.sample(list(corpus), passages)
@@ -269,7 +267,7 @@ def batches(rng: random.Random, step: int, steps: int) -> tuple[Any, Any, dict[s
 def model_config() -> Any:
     """The lookup model's shape (8 layers, hidden 128) with this task's vocabulary and 4 heads of
     32 (a question reads a binding while other heads find the facts)."""
-    config = blend_base.model_config(VOCAB)
+    config = training.model_config(VOCAB)
     config.num_attention_heads = config.num_key_value_heads = 4
     config.head_dim = config.hidden_size // 4
     return config
@@ -289,9 +287,9 @@ def init_embeddings(model: Any) -> None:
 
 
 def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50, check_every: int = 200) -> dict[str, object]:
-    """Train from scratch with a fixed seed and save (`blend_base.train`); every `check_every`
+    """Train from scratch with a fixed seed and save (`training.train`); every `check_every`
     steps the log shows full-prefill accuracy on held-out questions of 8 passages."""
-    return blend_base.train(
+    return training.train(
         out,
         steps=steps,
         seed=seed,
@@ -305,7 +303,7 @@ def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50, check
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.blend_multihop", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models.multihop", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the model and save it")
     t.add_argument("--out", type=Path, required=True)

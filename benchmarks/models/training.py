@@ -1,5 +1,5 @@
 """What the blend quality models share: the special tokens, a question, the model's shape and the
-training loop (benchmarks/blend_model.py's lookup task and benchmarks/blend_multihop.py's bindings
+training loop (benchmarks/models/blend.py's lookup task and benchmarks/models/multihop.py's bindings
 each bring their data, embeddings and vocabulary)."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def train(
     """Train from scratch with a fixed seed and save with save_pretrained (safetensors; the
     weights are stored in float16 to keep the fixture small and load as float32). `config`,
     `init` and `batches` make the model, shape its first embeddings and draw each step's data
-    (benchmarks/blend_model.py's lookup task and benchmarks/blend_multihop.py's bindings). `check`,
+    (benchmarks/models/blend.py's lookup task and benchmarks/models/multihop.py's bindings). `check`,
     when given, measures the model every `check_every` steps and at the end (held-out accuracy): its
     results go to the log and to training.json."""
     from safetensors.torch import save_file  # noqa: PLC0415
@@ -97,7 +97,7 @@ def train(
     history = []
     for step in range(steps):
         x, labels, shape = batches(rng, step, steps)
-        # Inputs, or inputs and their position ids (benchmarks/blend_multihop.py shuffles them).
+        # Inputs, or inputs and their position ids (benchmarks/models/multihop.py shuffles them).
         x, positions = x if isinstance(x, tuple) else (x, None)
         # Labels of the last layer's output, and optionally of layer `readout_layer`'s (a step that
         # must be done by then, read through the final norm and the output head).

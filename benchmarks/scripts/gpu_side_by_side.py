@@ -4,15 +4,15 @@ Each serves the same multi-turn and long-document workloads through vLLM's OpenA
 
 On the GPU machine (PyPI reachable), from the repository root, two commands:
 
-    python3 benchmarks/gpu_side_by_side.py install   # about 3-6 min: a venv at /tmp/strata-gpu-venv
-    python3 benchmarks/gpu_side_by_side.py run       # at most 8 min (--minutes), then one table
+    python3 -m benchmarks.scripts.gpu_side_by_side install   # about 3-6 min: a venv at /tmp/strata-gpu-venv
+    python3 -m benchmarks.scripts.gpu_side_by_side run       # at most 8 min (--minutes), then one table
 
 Expected total: under 15 minutes. `run` re-executes itself under the venv's python; neither command
 needs a terminal. Both print every command they run and a progress line at least every 15 s; `run`
 prints the path of its results JSON first and writes it again after each configuration; it exits
 0 when every configuration was measured, else 1 (the table says why).
-`python3 benchmarks/gpu_side_by_side.py plan` prints the servers' commands and environment without
-starting anything (checked on CPU by tests/connectors/test_gpu_script.py).
+`python3 -m benchmarks.scripts.gpu_side_by_side plan` prints the servers' commands and environment
+without starting anything (checked on CPU by tests/connectors/test_gpu_script.py).
 
 Configurations (one fresh server each, in turn, on the same checkpoint and KV space; each with
 the same CPU capacity, --cpu-gib):
@@ -24,11 +24,12 @@ the same CPU capacity, --cpu-gib):
 
 The checkpoint is the `bench` preset (hidden 1024, 8 layers, 4 kv heads, bf16, random weights, a
 byte-level tokenizer: nothing downloaded), 8 KiB of KV per token, on FLASH_ATTN. vLLM's KV space
-holds as many tokens as the CPU suite's (benchmarks/vllm_serving.Shape.pages, pages of 128 tokens
-there), in pages of 16, so that the sessions overflow it as a full HBM does; `plan` prints it. The
-workloads are benchmarks/vllm_serving.py's at scale 1: a warm-up of untimed prompts no workload
-shares, multi-turn (Shape's conversations and turns, 4 clients), then the long documents asked once
-and again after the others pushed them out of the KV space, the second asks measured.
+holds as many tokens as the CPU suite's (benchmarks.workloads.sessions.Shape.pages, pages of 128
+tokens there), in pages of 16, so that the sessions overflow it as a full HBM does; `plan` prints
+it. The workloads are benchmarks/workloads/sessions.py's at scale 1, sent by the `vllm` suite's
+driver (benchmarks.workloads.vllm_api.drive): a warm-up of untimed prompts no workload shares,
+multi-turn (Shape's conversations and turns, 4 clients), then the long documents asked once and
+again after the others pushed them out of the KV space, the second asks measured.
 
 Budget: a configuration starts only while the time left covers the longest one so far (a guess
 before the first); the rest are skipped, saying so. A configuration still running when the budget
@@ -41,39 +42,26 @@ runs at tensor parallel 2 with CUDA graphs on (--tensor-parallel, --no-cuda-grap
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.metadata
 import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):
-    # Run by its path (python3 benchmarks/gpu_side_by_side.py), the repository is not on sys.path.
-    sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.runtime.servers import REPO_ROOT, Server, ServerSpec, StartFailed, error_line, free_port, tail
+from benchmarks.workloads.sessions import Shape, TokenStep, longdoc_sessions, multiturn_sessions, summary, tokens
+from benchmarks.workloads.vllm_api import drive
 
-from benchmarks.vllm_serving import (  # noqa: E402
-    Shape,
-    Step,
-    drive,
-    free_port,
-    longdoc_sessions,
-    multiturn_sessions,
-    summary,
-    tokens,
-)
-
+MODULE = "benchmarks.scripts.gpu_side_by_side"
+"""How the script runs: `python3 -m` this, from the repository root."""
 CONFIGS = ("vllm", "offloading", "lmcache", "strata")
 DESCRIPTIONS = {
     "vllm": "vLLM alone (prefix caching on)",
@@ -156,17 +144,6 @@ class Ticker:
 
 
 # -- the configurations ------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ServerSpec:
-    """How one configuration's server starts: its command, the variables it adds to the
-    environment, and the /dev/shm files it can leave behind (removed after its run)."""
-
-    config: str
-    command: list[str]
-    env: dict[str, str]
-    shm_leftovers: tuple[str, ...] = ()
-
-
 def server_spec(
     config: str,
     *,
@@ -283,136 +260,18 @@ def parse_configs(value: str) -> list[str]:
     return names
 
 
-# -- a server's life -------------------------------------------------------------------------------
-class StartFailed(RuntimeError):
-    """The server exited or did not answer in time; the message says which."""
-
-
-class Server:
-    """One configuration's server in a process group of its own, its output in `log_path`."""
-
-    def __init__(self, spec: ServerSpec, log_path: Path, port: int) -> None:
-        self.spec, self.log_path = spec, log_path
-        self.base = f"http://127.0.0.1:{port}"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.started_at = 0.0
-        self.killed_for_budget = False
-
-    def start(self, timeout: float, log: Log) -> str:
-        """Start it and wait for /v1/models; the model id it serves."""
-        log.command(self.spec.command, self.spec.env)
-        log.say(f"{self.spec.config}: log {self.log_path}")
-        self.started_at = time.time()
-        with open(self.log_path, "wb") as output:
-            self.process = subprocess.Popen(
-                self.spec.command,
-                cwd=REPO_ROOT,
-                env={**os.environ, **self.spec.env},
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        began = time.monotonic()
-        with Ticker(
-            log,
-            lambda: (
-                f"{self.spec.config}: starting ({time.monotonic() - began:.0f} s); log: "
-                f"{last_line(self.log_path)[:110]}"
-            ),
-        ):
-            while time.monotonic() - began < timeout:
-                if self.process.poll() is not None:
-                    raise StartFailed(f"exited at start (code {self.process.returncode})")
-                try:
-                    with urllib.request.urlopen(self.base + "/v1/models", timeout=2) as answer:
-                        model = str(json.loads(answer.read())["data"][0]["id"])
-                    log.say(f"{self.spec.config}: serving after {time.monotonic() - began:.0f} s")
-                    return model
-                except OSError:
-                    time.sleep(1)
-        raise StartFailed(f"did not answer /v1/models within {timeout:.0f} s")
-
-    def kill_for_budget(self) -> None:
-        self.killed_for_budget = True
-        self._signal(signal.SIGKILL)
-
-    def stop(self) -> None:
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                process.wait()
-        # The engine core and its workers are in the group too and hold the GPU: the next server
-        # starts only once none of them is left.
-        patience, deadline = time.monotonic() + 10, time.monotonic() + 30
-        while group_alive(process.pid) and time.monotonic() < deadline:
-            if time.monotonic() > patience:
-                self._signal(signal.SIGKILL)
-            time.sleep(0.5)
-        for pattern in self.spec.shm_leftovers:
-            for path in Path("/dev/shm").glob(pattern):
-                with contextlib.suppress(FileNotFoundError):
-                    if path.stat().st_mtime >= self.started_at - 1:  # never another run's files
-                        path.unlink()
-
-    def _signal(self, signum: int) -> None:
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signum)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (zombies, which hold nothing, do not count)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def last_line(path: Path) -> str:
-    lines = tail(path, 1)
-    return lines[-1] if lines else ""
-
-
-def tail(path: Path, count: int = 25) -> list[str]:
-    try:
-        return [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-count:]
-    except OSError:
-        return []
-
-
-def error_line(path: Path) -> str:
-    """The log's last line that names an error, else its last line: the reason a row shows."""
-    lines = tail(path, 200)
-    for line in reversed(lines):
-        if "Error" in line or "Exception" in line or "error:" in line:
-            return line.strip()
-    return lines[-1].strip() if lines else ""
-
-
 # -- the workloads -----------------------------------------------------------------------------------
 class Counted:
     """A workload's sessions, counting the requests sent (each step called is one request)."""
 
-    def __init__(self, sessions: Sequence[Sequence[Step]]) -> None:
+    def __init__(self, sessions: Sequence[Sequence[TokenStep]]) -> None:
         self.total = sum(len(session) for session in sessions)
         self.sent = 0
         self.lock = threading.Lock()
         self.sessions = [[self._counting(step) for step in session] for session in sessions]
 
-    def _counting(self, step: Step) -> Step:
-        def counted(history: list[int]) -> tuple[list[int], int]:
+    def _counting(self, step: TokenStep) -> TokenStep:
+        def counted(history: list[int] | None) -> tuple[list[int], int]:
             with self.lock:
                 self.sent += 1
             return step(history)
@@ -420,7 +279,7 @@ class Counted:
         return counted
 
 
-def single(prompt: list[int], max_tokens: int) -> list[Step]:
+def single(prompt: list[int], max_tokens: int) -> list[TokenStep]:
     return [lambda _history: (prompt, max_tokens)]
 
 
@@ -428,7 +287,7 @@ def measure(server: Server, model: str, log: Log) -> dict[str, dict[str, float]]
     """The warm-up, then the measured workloads; per workload, its summary."""
     name = server.spec.config
 
-    def workload(label: str, sessions: Sequence[Sequence[Step]], clients: int) -> tuple[list[Any], float]:
+    def workload(label: str, sessions: Sequence[Sequence[TokenStep]], clients: int) -> tuple[list[Any], float]:
         counted = Counted(sessions)
         log.say(f"{name}: {label} ({counted.total} requests, {clients} clients)")
         with Ticker(log, lambda: f"{name}: {label}: {counted.sent}/{counted.total} requests sent"):
@@ -533,14 +392,16 @@ def run_one(
         tensor_parallel=tensor_parallel,
     )
     log.say(f"== {config}: {DESCRIPTIONS[config]}")
-    server = Server(spec, scratch / f"{config}.log", port)
+    server = Server(spec, log_path=scratch / f"{config}.log", port=port, stop_grace=15.0)
+    log.command(spec.command, spec.env)
+    log.say(f"{config}: log {server.log_path}")
     row: dict[str, Any] = {"status": "ok", "command": spec.command, "env": spec.env, "log": str(server.log_path)}
     watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), server.kill_for_budget)
     watchdog.daemon = True
     watchdog.start()
     began = time.monotonic()
     try:
-        model = server.start(min(START_TIMEOUT_S, deadline - time.monotonic()), log)
+        model = server.start(min(START_TIMEOUT_S, deadline - time.monotonic()), log.say)
         row["start_s"] = time.monotonic() - began
         row["workloads"] = measure(server, model, log)
     except Exception as exc:  # noqa: BLE001 - one configuration failing must not stop the others
@@ -553,7 +414,7 @@ def run_one(
         log.say(f"{config}: {row['reason']}\n    " + "\n    ".join(row["log_tail"]))
     finally:
         watchdog.cancel()
-        server.stop()
+        server.close()
     row["wall_s"] = time.monotonic() - began
     log.say(f"{config}: {row['status']} after {row['wall_s']:.0f} s")
     return row
@@ -625,11 +486,10 @@ def in_venv(venv: Path, log: Log) -> None:
         return
     python = venv / "bin" / "python"
     if not python.exists():
-        raise SystemExit(
-            f"--venv {venv}: no python there; run `python3 {Path(__file__).relative_to(REPO_ROOT)} install` first"
-        )
-    command = [str(python), str(Path(__file__).resolve()), *sys.argv[1:]]
+        raise SystemExit(f"--venv {venv}: no python there; run `python3 -m {MODULE} install` first")
+    command = [str(python), "-m", MODULE, *sys.argv[1:]]
     log.command(command)
+    os.chdir(REPO_ROOT)  # where `-m` finds the benchmarks package
     os.execv(command[0], command)
 
 
@@ -775,10 +635,7 @@ def install(args: argparse.Namespace) -> int:
     )
     if not cuda:
         log.say("torch in the venv sees no GPU (driver too old for its CUDA build?): `run` cannot serve")
-    log.say(
-        f"installed in {venv} in {time.monotonic() - log.started:.0f} s; next: "
-        f"python3 {Path(__file__).relative_to(REPO_ROOT)} run"
-    )
+    log.say(f"installed in {venv} in {time.monotonic() - log.started:.0f} s; next: python3 -m {MODULE} run")
     return 0 if cuda else 1
 
 

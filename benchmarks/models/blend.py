@@ -9,8 +9,8 @@ with a query marker and a key that occurs in exactly one passage; the answer is 
 its key. Passages are as long as RAG chunks are (128 tokens), and prompts of 16 passages are 2K
 tokens long: long enough that prefill, not bookkeeping, is what a CPU spends its time on.
 
-    python -m benchmarks.blend_model train --out tests/fixtures/blend-model   # ~12 min on 2 cores
-    python -m benchmarks.blend_model quality --model tests/fixtures/blend-model
+    python -m benchmarks.models.blend train --out tests/fixtures/blend-model   # ~12 min on 2 cores
+    python -m benchmarks.models.blend quality --model tests/fixtures/blend-model
 
 Training is reproducible: fixed seed, data drawn from a seeded generator, a fixed thread count;
 the same command gives the same weights with the same torch build.
@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks import blend_base
+from benchmarks.models import training
 
 if TYPE_CHECKING:
     from worker.dataplane.engine.engine import Engine
     from worker.dataplane.models.loading import LoadedModel
 
-BOS, EOS, PAD = blend_base.BOS, blend_base.EOS, blend_base.PAD
-PASSAGE, QUERY, END = blend_base.PASSAGE, blend_base.QUERY, blend_base.END
-Question = blend_base.Question
+BOS, EOS, PAD = training.BOS, training.EOS, training.PAD
+PASSAGE, QUERY, END = training.PASSAGE, training.QUERY, training.END
+Question = training.Question
 VALUES = range(8, 16)
 KEYS = range(16, 528)
 WORDS = range(528, 784)
@@ -164,7 +164,7 @@ def curriculum(rng: random.Random, step: int, steps: int) -> dict[str, int]:
 
 
 def model_config() -> Any:
-    return blend_base.model_config(VOCAB)
+    return training.model_config(VOCAB)
 
 
 def init_embeddings(model: Any) -> None:
@@ -191,8 +191,8 @@ def step_batch(rng: random.Random, step: int, steps: int) -> tuple[torch.Tensor,
 
 
 def train(out: Path, *, steps: int, seed: int = SEED, log_every: int = 50) -> dict[str, object]:
-    """Train the lookup model from scratch with a fixed seed and save it (`blend_base.train`)."""
-    return blend_base.train(
+    """Train the lookup model from scratch with a fixed seed and save it (`training.train`)."""
+    return training.train(
         out,
         steps=steps,
         seed=seed,
@@ -253,8 +253,8 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 
 TASKS = ("lookup", "multihop")
-"""The quality tasks: this module's key-value lookup and benchmarks/blend_multihop.py's bindings."""
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+"""The quality tasks: this module's key-value lookup and benchmarks/models/multihop.py's bindings."""
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 FIXTURE_DIRS = {"lookup": FIXTURES / "blend-model", "multihop": FIXTURES / "blend-multihop"}
 PERCENTS = (0, 5, 15, 30, 60)
 SELECTION_PREFIX = {"deviation": "blend", "chunk-start": "chunk_start"}
@@ -267,10 +267,10 @@ def task_questions(task: str, *, passages: int, seed: int) -> tuple[list[Any], C
         corpus = make_corpus(4 * passages, seed=seed)
         return corpus, lambda rng: make_question(rng, rng.sample(corpus, passages))
     if task == "multihop":
-        from benchmarks import blend_multihop  # noqa: PLC0415
+        from benchmarks.models import multihop as multihop_task  # noqa: PLC0415
 
-        multihop = blend_multihop.make_corpus(blend_multihop.MAX_CORPUS, seed=seed)
-        return multihop, lambda rng: blend_multihop.draw_question(rng, multihop, passages)
+        multihop = multihop_task.make_corpus(multihop_task.MAX_CORPUS, seed=seed)
+        return multihop, lambda rng: multihop_task.draw_question(rng, multihop, passages)
     raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {task!r}")
 
 
@@ -368,7 +368,7 @@ def quality_report(
 def main(argv: Sequence[str] | None = None) -> int:
     from worker.dataplane.blend.options import BlendError, BlendOptions  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.blend_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models.blend", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the model and save it")
     t.add_argument("--out", type=Path, required=True)
@@ -415,10 +415,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BlendError as exc:
         parser.error(f"--check-layer: {exc}")
     for name in tasks:
-        from benchmarks import blend_multihop  # noqa: PLC0415
+        from benchmarks.models import multihop as multihop_task  # noqa: PLC0415
 
         model = args.model or FIXTURE_DIRS[name]
-        passages = args.passages or (MAX_PASSAGES if name == "lookup" else blend_multihop.MAX_PASSAGES)
+        passages = args.passages or (MAX_PASSAGES if name == "lookup" else multihop_task.MAX_PASSAGES)
         arguments = {
             "task": name,
             "questions": args.questions,
@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report))
         if args.save:
             command = (
-                f"python -m benchmarks.blend_model quality --task {name} --passages {passages} "
+                f"python -m benchmarks.models.blend quality --task {name} --passages {passages} "
                 f"--questions {args.questions} --percents {args.percents} --selections {args.selections}"
                 f" --check-layer {args.check_layer}"
             )
