@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import math
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
@@ -95,8 +96,9 @@ CONTAINERS = ("worker.dataplane", "worker", "controlplane", "benchmarks")
 """Packages whose direct children are rooms; the first that holds a module names its room."""
 BACK_ARROWS = {"worker": 0, "controlplane": 0, "benchmarks": 0}
 """The most imports running back up the rooms' layering each tree may have."""
-EXACT_SIZE = 3
-"""Up to this many arrows to remove, the fewest are found by trying every choice; past it, greedily."""
+EXACT_CHOICES = 200_000
+"""The fewest arrows to remove are found by trying every choice of 1, 2, ... arrows while the choices
+of that many number at most this; past it, greedily."""
 
 Arrow = tuple[str, str]
 
@@ -180,7 +182,9 @@ def back_arrows(arrows: dict[Arrow, list[tuple[str, str]]]) -> list[Arrow]:
         inside = [arrow for arrow in arrows if arrow[0] in component and arrow[1] in component]
         weight = {arrow: len(arrows[arrow]) for arrow in inside}
         best: list[Arrow] | None = None
-        for size in range(1, min(EXACT_SIZE, len(inside)) + 1):
+        for size in range(1, len(inside) + 1):
+            if math.comb(len(inside), size) > EXACT_CHOICES:
+                break
             for removed in itertools.combinations(inside, size):
                 rest = [arrow for arrow in inside if arrow not in removed]
                 if _acyclic(rest) and (best is None or sum(map(weight.get, removed)) < sum(map(weight.get, best))):
