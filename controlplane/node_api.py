@@ -26,10 +26,12 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from controlplane.directory import queries
 from controlplane.directory.choices import PlacementState, TierLevel
 from controlplane.directory.errors import DirectoryError, InvalidTransition, PlacementNotFound, StaleEpoch
 from controlplane.directory.models import Block, Node, Placement
+from controlplane.directory.queries import LookupAnswer, TouchRow, lookup_result, namespace_salt, shared_salts
+from controlplane.directory.queries import lookup as directory_lookup
+from controlplane.directory.queries import touch as touches_write
 from controlplane.directory.registrations import RegistrationsWritten, placement_changes_write, registrations_write
 from controlplane.directory.services import (
     PendingCopy,
@@ -63,7 +65,6 @@ from controlplane.movements.services import movements_finish_many as _movements_
 from controlplane.movements.services import movements_start_many as _movements_start_many
 from controlplane.policies.dispatch import node_policies
 from controlplane.policies.snapshot import policies_snapshot
-from worker.dataplane.directory import LookupResult
 from worker.dataplane.traffic import TrafficSummary
 
 __all__ = [
@@ -122,9 +123,6 @@ __all__ = [
     "tier_recount_record",
     "touches_write",
 ]
-
-LookupAnswer = queries.LookupAnswer
-TouchRow = queries.TouchRow
 
 
 # -- records: the rows a node reads, as plain data ---------------------------------------------------
@@ -315,45 +313,6 @@ def node_keys_known(node: str, tier: str, keys: set[uuid.UUID]) -> set[uuid.UUID
         rows = rows.filter(node__isnull=True) if tier == TierLevel.REMOTE else rows.filter(node__name=node)
         found.update(rows.values_list("block__prefix_key", flat=True))
     return found
-
-
-# -- the directory client's statements, on the node's own psycopg connections -----------------------
-def directory_lookup(
-    cursor: Any,
-    *,
-    namespace: str | None,
-    model_key: uuid.UUID | None,
-    node: str | None,
-    prefix_keys: Sequence[uuid.UUID],
-    content_keys: Sequence[uuid.UUID] = (),
-) -> LookupAnswer:
-    """One lookup statement on `cursor`; turn its answer into the data plane's view with
-    `lookup_result` (outside the read, so the connection goes back sooner)."""
-    return queries.lookup(
-        cursor, namespace=namespace, model_key=model_key, node=node, prefix_keys=prefix_keys, content_keys=content_keys
-    )
-
-
-def lookup_result(
-    answer: LookupAnswer, *, prefix_keys: Sequence[uuid.UUID], content_keys: Sequence[uuid.UUID]
-) -> LookupResult:
-    """The data plane's view of a lookup: one location or None per asked key, in order."""
-    return queries.lookup_result(answer, prefix_keys=prefix_keys, content_keys=content_keys)
-
-
-def namespace_salt(cursor: Any, *, name: str) -> bytes:
-    """The salt of a namespace (UnknownNamespace when there is none of that name)."""
-    return queries.namespace_salt(cursor, name=name)
-
-
-def shared_salts(cursor: Any) -> dict[str, bytes]:
-    """The salt of every shared namespace, by name."""
-    return queries.shared_salts(cursor)
-
-
-def touches_write(cursor: Any, *, rows: Sequence[TouchRow]) -> int:
-    """Add summed hits and the latest access time to blocks, one statement."""
-    return queries.touch(cursor, rows=rows)
 
 
 # -- the node runtime ----------------------------------------------------------------------------------

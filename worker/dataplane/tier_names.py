@@ -20,7 +20,5 @@ REMOTE = "remote"
 TIER_ORDER: tuple[str, ...] = (DEVICE, HOST, DISK, REMOTE)
 """Tier codes, fastest first: a lookup prefers the earliest tier holding a READY copy."""
 
-NODE_TIERS: tuple[str, ...] = (DEVICE, HOST, DISK)
-"""The tiers a node holds itself."""
 EVICTING_TIERS: tuple[str, ...] = (HOST, DISK)
 """The node's tiers below L1 that evict by policy when full (quotas and eviction rules apply)."""
