@@ -20,8 +20,17 @@ measures in a child process whose Django points at that database:
   that also carries the dashboard's websockets); ``rest_unpooled_lookup64`` through daphne with
   ``STRATA_DB_POOL_MAX=0`` (a new database connection per request), to show what the pool saves.
 * ``register``: the ``blocks_register`` service, 4096 new blocks (with one copy each) per call,
-  and the WAL the server wrote per block meanwhile; ``register_2writers``: two callers at once,
-  each on its own connection (several nodes flushing together); ``writebehind``: the same blocks
+  and the WAL the server wrote per block meanwhile (``register_burst_wal``: a burst of 40 calls,
+  whatever the checkpoints did before it); ``register_2writers``: two callers at once, each on its
+  own connection (several nodes flushing together); ``register_4writers``: four processes at once,
+  right after a CHECKPOINT, registering a fifth of the directory's size between them: their rate,
+  and ``register_wal``, the WAL per block over that stretch, split into full-page images and the
+  records themselves (pg_walinspect, where the server has it). After a checkpoint the first change
+  to each page logs the whole page; with keys that are hashes every index page of the two key
+  indexes is touched again soon, so a short burst pays an image of most of those pages and a long
+  stretch spreads them over many blocks: the figure over the stretch is an upper bound of the
+  average over a whole checkpoint cycle at that rate. The machine's CPU time per block over the
+  stretch (every process's, from /proc/stat) says how many cores a rate needs; ``writebehind``: the same blocks
   through the Directory client, enqueue to durable; ``node_role_writebehind`` on the node's own
   role (row-level security checks every copy's node).
 
@@ -73,7 +82,13 @@ TARGETS = {
     "directory.lookup64_p99_ms": "target <= 2 ms at 10M blocks",
     "directory.rest_lookup64_p99_ms": "target <= 15 ms at 10M blocks",
     "directory.register_blocks_per_s": "target >= 50K blocks/s",
+    "directory.register_4writers_blocks_per_s": "target >= 100K blocks/s at 10M blocks",
+    "directory.register_wal_bytes_per_block": "target <= 1500 bytes at 10M blocks",
 }
+WRITERS = 4
+"""Processes registering at once in the `register_4writers` row."""
+SUSTAINED_SHARE = 0.2
+"""Blocks the four writers register after the checkpoint, as a share of the seeded directory."""
 
 
 # -- the harness side ------------------------------------------------------------------------------
@@ -444,6 +459,108 @@ def _registration(namespace: str, model_key: uuid.UUID, i: int, **extra: Any) ->
     )
 
 
+def _writer_process(namespace: str, model_key: str, batches: int, barrier: Any, failures: Any) -> None:
+    """One of `register_4writers`' processes: builds its registrations, waits for the others,
+    then calls `blocks_register` once per batch of 4096 on its own connection."""
+    import django
+
+    django.setup()
+    from django.db import connection
+
+    from controlplane.directory.services import blocks_register
+
+    calls = [
+        [_registration(namespace, uuid.UUID(model_key), i, checksum=secrets.token_hex(16)) for i in range(4096)]
+        for _ in range(batches)
+    ]
+    try:
+        connection.ensure_connection()
+        barrier.wait(timeout=600)
+        for regs in calls:
+            blocks_register(registrations=regs, source="bench")
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+        failures.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        connection.close()
+
+
+def _writers(world: World, ns_index: int, writers: int, batches: int) -> tuple[float, int]:
+    """Blocks per second registered by `writers` processes at once (each `batches` calls of 4096
+    new blocks on its own connection), and the blocks they registered: a fleet's nodes flushing
+    together, the Python of each caller on its own core where there is one."""
+    import multiprocessing
+    import queue
+
+    from django.db import connections
+
+    connections.close_all()
+    spawn = multiprocessing.get_context("spawn")
+    barrier = spawn.Barrier(writers + 1)
+    failures = spawn.Queue()
+    processes = [
+        spawn.Process(
+            target=_writer_process,
+            args=(world.namespace_names[ns_index], str(world.model_keys[w % MODELS]), batches, barrier, failures),
+        )
+        for w in range(writers)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        barrier.wait(timeout=600)
+        began = time.perf_counter()
+        for process in processes:
+            process.join()
+        elapsed = time.perf_counter() - began
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    with contextlib.suppress(queue.Empty):
+        raise RuntimeError(f"a registering process failed: {failures.get(timeout=1)}")
+    if any(process.exitcode for process in processes):
+        raise RuntimeError(f"a registering process exited with {[p.exitcode for p in processes]}")
+    blocks = writers * batches * 4096
+    return blocks / elapsed, blocks
+
+
+def _cpu_seconds() -> float | None:
+    """CPU time every process of this machine has used (user and system, from /proc/stat), or None
+    off Linux."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system = (int(v) for v in fields[:3])
+    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
+
+
+def _checkpoint() -> str:
+    """A CHECKPOINT, then the WAL position: what follows pays the full-page images of a new cycle."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("CHECKPOINT")
+    return _wal_position()
+
+
+def _wal_images(start: str) -> int | None:
+    """Bytes of full-page images in the WAL since `start` (pg_walinspect), or None where the
+    server lacks the extension, the role may not read WAL, or the segments were recycled."""
+    from django.db import connection
+
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            cursor.execute(
+                "SELECT coalesce(sum(fpi_size), 0) FROM pg_get_wal_stats(%s::pg_lsn, pg_current_wal_lsn())", [start]
+            )
+            return int(cursor.fetchone()[0])
+    except Exception as exc:  # noqa: BLE001 - the split is optional; the total is measured anyway
+        _emit(log=f"no full-page image split of the WAL: {exc}")
+        return None
+
+
 def _two_writers(world: World, ns_index: int, batches: int) -> float:
     """Blocks per second registered by two threads at once, each with its own database
     connection and `batches` calls of 4096 new blocks: what the directory takes when several
@@ -504,6 +621,7 @@ def child(spec: dict[str, Any]) -> None:
     repeats = spec["repeats"]
     small = spec["scale"] < 0.1
     n64, n1024, nrest, batches = (300, 40, 200, 8) if small else (2000, 200, 1000, 40)
+    sustained_batches = max(batches // WRITERS, -(-int(spec["blocks"] * SUSTAINED_SHARE) // (WRITERS * 4096)))
     _emit(plan=4 + 4 * repeats)
     call_command("migrate", verbosity=0, interactive=False)
     _emit(step="migrated")
@@ -618,8 +736,21 @@ def child(spec: dict[str, Any]) -> None:
             for regs in regs_batches:
                 blocks_register(registrations=regs, source="bench")
             record("register", batches * 4096 / (time.perf_counter() - began))
-            record("register_wal", _wal_bytes_since(wal_before) / (batches * 4096))
+            record("register_burst_wal", _wal_bytes_since(wal_before) / (batches * 4096))
             record("register_2writers", _two_writers(world, ns_index, batches))
+            wal_before = _checkpoint()
+            cpu_before = _cpu_seconds()
+            rate, registered = _writers(world, ns_index, WRITERS, sustained_batches)
+            cpu_after = _cpu_seconds()
+            if cpu_before is not None and cpu_after is not None:
+                record("register_4writers_cpu_us", (cpu_after - cpu_before) / registered * 1e6)
+            wal = _wal_bytes_since(wal_before)
+            images = _wal_images(wal_before)
+            record("register_4writers", rate)
+            record("register_wal", wal / registered)
+            if images is not None:
+                record("register_wal_images", images / registered)
+                record("register_wal_records", (wal - images) / registered)
             for name, client in (("writebehind", node), ("node_role_writebehind", own)):
                 regs = [
                     _registration(world.namespace_names[ns_index], world.model_keys[1], i)
@@ -668,15 +799,45 @@ def child(spec: dict[str, Any]) -> None:
                 **params,
             )
     _row("directory.register_blocks_per_s", median["register"], "blocks/s", batch=4096, batches=batches, **params)
-    _row("directory.register_wal_bytes_per_block", median["register_wal"], "bytes", batch=4096, **params)
     _row(
-        "directory.register_2writers_blocks_per_s",
-        median["register_2writers"],
-        "blocks/s",
+        "directory.register_burst_wal_bytes_per_block",
+        median["register_burst_wal"],
+        "bytes",
         batch=4096,
         batches=batches,
-        writers=2,
-        note="two callers at once, each on its own connection: the directory's capacity when nodes register together",
+        note="one caller's 40 calls, wherever the last checkpoint fell: mostly full-page images when it was recent",
+        **params,
+    )
+    sustained: dict[str, Any] = {
+        "batch": 4096,
+        "writers": WRITERS,
+        "blocks_registered": WRITERS * sustained_batches * 4096,
+        "cores": os.cpu_count(),
+    }
+    if "register_4writers_cpu_us" in median:
+        # Includes the writers' own Python and the processes setting them up: an upper bound.
+        sustained["machine_cpu_us_per_block"] = round(median["register_4writers_cpu_us"], 1)
+    _row(
+        "directory.register_4writers_blocks_per_s",
+        median["register_4writers"],
+        "blocks/s",
+        note=f"{WRITERS} processes at once, each on its own connection, right after a checkpoint",
+        **sustained,
+        **params,
+    )
+    split = {}
+    if "register_wal_images" in median:
+        split = {
+            "image_bytes_per_block": round(median["register_wal_images"], 1),
+            "record_bytes_per_block": round(median["register_wal_records"], 1),
+        }
+    _row(
+        "directory.register_wal_bytes_per_block",
+        median["register_wal"],
+        "bytes",
+        note=f"WAL over the {WRITERS} writers' stretch after a checkpoint, full-page images included",
+        **sustained,
+        **split,
         **params,
     )
     _row("directory.writebehind_blocks_per_s", median["writebehind"], "blocks/s", **params)
