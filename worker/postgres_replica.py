@@ -213,6 +213,8 @@ class ReplicaReads:
                 log.warning("could not measure the read replica's staleness: %s", exc)
 
     def _measure(self) -> None:
+        if self._primary.down:
+            return  # nothing to measure against; the last measurement ages
         t0 = time.monotonic()
         try:
             written = self._primary.read(lambda cur: cur.execute("SELECT pg_current_wal_lsn()::text").fetchone())
