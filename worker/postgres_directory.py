@@ -11,8 +11,8 @@ block and dropped (counted) when they cannot be written. A write that gets no an
 deadline has its connection cut and is retried like any failed write. Every connection carries
 the node's connect timeout, TCP keepalives and TCP user timeout (`network.ConnectionOptions`).
 
-With a read replica (`DirectoryOptions.replica`), lookups and salts go to a streaming standby while its
-measured staleness is within `replica_max_lag_s`, to the primary otherwise or when the standby
+With a read replica (`DirectoryOptions.replica`), lookups and salts go to a streaming standby
+while its measured staleness is within its bound, to the primary otherwise or when the standby
 fails (`postgres_replica`); every write goes to the primary.
 """
 
