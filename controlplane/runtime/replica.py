@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,14 @@ _MATCH_PRIMARY = (
 
 class StreamingStandby:
     """A hot standby of the primary reached with `primary` (libpq keywords: host, port, user; the
-    user may connect for replication), data and socket under `root`."""
+    user may connect for replication), data and socket under `root`, started with `settings`
+    (server settings by name, e.g. the embedded server's `server_settings` for a benchmark)."""
 
-    def __init__(self, *, primary: dict[str, Any], root: Path, port: int = 5432) -> None:
+    def __init__(
+        self, *, primary: dict[str, Any], root: Path, port: int = 5432, settings: Mapping[str, str] | None = None
+    ) -> None:
         self.primary = dict(primary)
+        self.settings = dict(settings or {})
         self.root = root
         self.data = root / "data"
         self.sockets = root / "sockets"
@@ -81,7 +85,8 @@ class StreamingStandby:
         _private_socket_dir(self.sockets, self._user)
         if not (self.data / "PG_VERSION").exists():
             self._copy_primary()
-        settings = " ".join(f"-c {name}={value}" for name, value in self._primary_settings().items())
+        chosen = {"shared_buffers": "128MB", **self.settings, **self._primary_settings()}
+        settings = " ".join(f"-c {name}={value}" for name, value in chosen.items())
         result = self._pg_ctl(
             "-w",
             "-t",
@@ -90,7 +95,7 @@ class StreamingStandby:
             str(self.log),
             "-o",
             f"-p {self.port} -c listen_addresses='' -k {self.sockets} -c unix_socket_permissions=0770 "
-            f"-c hot_standby=on -c shared_buffers=128MB {settings}",
+            f"-c hot_standby=on {settings}",
             "start",
         )
         if result.returncode != 0:
@@ -161,12 +166,16 @@ class StreamingStandby:
 
 
 @contextlib.contextmanager
-def streaming_standby(primary: EmbeddedPostgres, *, root: Path | None = None) -> Iterator[StreamingStandby]:
+def streaming_standby(
+    primary: EmbeddedPostgres, *, root: Path | None = None, settings: Mapping[str, str] | None = None
+) -> Iterator[StreamingStandby]:
     """A started standby of an embedded server (its private socket, its `postgres` user); stopped,
     and its files removed when `root` was not given, on the way out."""
     own = root is None
     where = Path(tempfile.mkdtemp(prefix="strata-standby-")) if root is None else root
-    standby = StreamingStandby(primary={"host": str(primary.sockets), "user": "postgres"}, root=where)
+    standby = StreamingStandby(
+        primary={"host": str(primary.sockets), "user": "postgres"}, root=where, settings=settings
+    )
     try:
         standby.start()
         yield standby
