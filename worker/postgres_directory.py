@@ -10,6 +10,10 @@ changes are kept in order and retried until the database takes them; touches are
 block and dropped (counted) when they cannot be written. A write that gets no answer by its
 deadline has its connection cut and is retried like any failed write. Every connection carries
 the node's connect timeout, TCP keepalives and TCP user timeout (`network.ConnectionOptions`).
+
+With a read replica (`DirectoryOptions.replica`), lookups and salts go to a streaming standby
+while its measured staleness is within its bound, to the primary otherwise or when the standby
+fails (`postgres_replica`); every write goes to the primary.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from worker.dataplane.directory import (
 )
 from worker.dataplane.network import ConnectionOptions, Watchdog
 from worker.postgres_readers import TRANSIENT, DirectoryReaders
+from worker.postgres_replica import ReplicaOptions, ReplicaReads
 
 log = logging.getLogger("strata.directory")
 
@@ -83,6 +88,9 @@ class DirectoryOptions:
     unknown_retry_s: float = 1.0
     shared_refresh_s: float = 5.0
     """How long the list of shared namespaces is reused before it is read again."""
+    replica: ReplicaOptions | None = None
+    """A streaming standby that answers lookups and salts within its staleness bound; None: all
+    reads go to the primary."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -109,6 +117,7 @@ class DirectoryOptions:
             "connection": connection,
             "write_timeout_ms": connection.statement_timeout_ms(),
             "read_deadline_s": config.lookup_deadline_seconds,
+            "replica": ReplicaOptions.from_config(config),
         }
         return cls(**{**fields, **overrides})
 
@@ -191,6 +200,14 @@ class PostgresDirectory:
             retry_s=self.options.unavailable_s,
             count=self._count,
         )
+        self._replica: ReplicaReads | None = None
+        if (replica := self.options.replica) is not None:
+            self._replica = ReplicaReads(
+                options=replica,
+                open_connection=lambda: self._open(timeout_ms=self.options.lookup_timeout_ms, connect=replica.connect),
+                primary=self._readers,
+                count=self._count,
+            )
         self._salts: dict[str, bytes] = {}
         self._shared: tuple[float, dict[str, bytes]] | None = None
         self._writer: psycopg.Connection[Any] | None = None
@@ -235,16 +252,20 @@ class PostgresDirectory:
         return dict(self._shared[1])
 
     def _read(self, query: Callable[[psycopg.Cursor[Any]], Any]) -> Any:
-        return self._readers.read(query)
+        if self._replica is not None:
+            return self._replica.read(query)
+        answer = self._readers.read(query)
+        self._count("primary_reads")
+        return answer
 
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
 
-    def _open(self, *, timeout_ms: int) -> psycopg.Connection[Any]:
+    def _open(self, *, timeout_ms: int, connect: Connect | None = None) -> psycopg.Connection[Any]:
         """A new connection (within the connect timeout) with its statement timeout set (within
         the read deadline: the path may have failed since the connection opened)."""
-        conn = self._connect_raw()
+        conn = (connect or self._connect_raw)()
         token = self._watchdog.arm(conn.fileno(), self.options.read_deadline_s, what="a new directory connection")
         try:
             conn.autocommit = True
@@ -341,6 +362,11 @@ class PostgresDirectory:
                 read_deadlines=c["read_deadlines"],
                 write_deadlines=c["write_deadlines"],
                 deferred=len(self._parked),
+                primary_reads=c["primary_reads"],
+                replica_reads=c["replica_reads"],
+                replica_lag_fallbacks=c["replica_lag_fallbacks"],
+                replica_failure_fallbacks=c["replica_failure_fallbacks"],
+                replica_staleness_s=None if self._replica is None else self._replica.staleness_s(),
             )
 
     def close(self, *, timeout: float = 5.0) -> None:
@@ -349,6 +375,8 @@ class PostgresDirectory:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout=timeout)
+        if self._replica is not None:
+            self._replica.close()
         self._readers.close()
         self._watchdog.close()
         with self._lock:

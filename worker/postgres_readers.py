@@ -41,9 +41,13 @@ class DirectoryReaders:
         statement_ms: int,
         retry_s: float,
         count: Callable[[str], None],
+        down_note: str = "directory database unreachable: lookups are misses until it answers again",
+        up_note: str = "directory database answers again: lookups go to it",
     ) -> None:
         self._open = open_connection
-        self._watchdog = watchdog
+        self._down_note = down_note
+        self._up_note = up_note
+        self.watchdog = watchdog
         self.deadline_s = deadline_s
         self.statement_ms = statement_ms
         self.retry_s = retry_s
@@ -68,12 +72,12 @@ class DirectoryReaders:
             raise DirectoryUnavailable("the directory database was unreachable a moment ago")
         for attempt in (1, 2):
             conn, fresh = self._take()
-            token = self._watchdog.arm(conn.fileno(), self.deadline_s, what="a directory lookup")
+            token = self.watchdog.arm(conn.fileno(), self.deadline_s, what="a directory lookup")
             try:
                 with conn.cursor() as cur:
                     answer = query(cur)
             except TRANSIENT as exc:
-                in_time = self._watchdog.disarm(token)
+                in_time = self.watchdog.disarm(token)
                 if in_time and isinstance(exc, psycopg.errors.QueryCanceled):
                     # The server's statement timeout: the connection itself is fine.
                     self._give_back(conn)
@@ -93,12 +97,12 @@ class DirectoryReaders:
                     raise DirectoryUnavailable(f"directory database unreachable: {exc}") from exc
                 continue
             except BaseException:
-                if self._watchdog.disarm(token):
+                if self.watchdog.disarm(token):
                     self._give_back(conn)  # an error of the query's own (an unknown namespace)
                 else:
                     self._discard(conn)
                 raise
-            if self._watchdog.disarm(token):
+            if self.watchdog.disarm(token):
                 self._give_back(conn)
             else:
                 self._discard(conn)  # cut just as the answer came: the connection is gone
@@ -154,7 +158,7 @@ class DirectoryReaders:
             if self._closed:
                 return
             if not self._down:
-                log.warning("directory database unreachable: lookups are misses until it answers again")
+                log.warning(self._down_note)
             self._down = True
             # The idle connections share the path that failed: a probe opens a fresh one.
             stale, self._idle = self._idle, []
@@ -180,14 +184,14 @@ class DirectoryReaders:
                 conn = self._open()
             except TRANSIENT:
                 continue
-            token = self._watchdog.arm(conn.fileno(), self.deadline_s, what="a directory probe")
+            token = self.watchdog.arm(conn.fileno(), self.deadline_s, what="a directory probe")
             try:
                 conn.execute("SELECT 1")
             except TRANSIENT:
-                self._watchdog.disarm(token)
+                self.watchdog.disarm(token)
                 conn.close()
                 continue
-            if not self._watchdog.disarm(token):
+            if not self.watchdog.disarm(token):
                 conn.close()
                 continue
             with self._lock:
@@ -197,5 +201,5 @@ class DirectoryReaders:
                 self._open_conns.add(conn)
                 self._idle.append(conn)
                 self._down = False
-            log.info("directory database answers again: lookups go to it")
+            log.info(self._up_note)
             return

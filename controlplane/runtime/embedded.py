@@ -85,6 +85,17 @@ def _private_socket_dir(path: Path, user: str | None) -> None:
     path.chmod(0o770)
 
 
+def _run_as(args: list[str], user: str | None) -> subprocess.CompletedProcess[str]:
+    """Run a PostgreSQL program as `user` (None: as ourselves), its output captured."""
+    if user is None:
+        return subprocess.run(args, text=True, capture_output=True)
+    # Drop root's group too: a directory's group bits (root, ---) would win over its other bits.
+    entry = pwd.getpwnam(user)
+    return subprocess.run(
+        args, text=True, capture_output=True, user=entry.pw_uid, group=entry.pw_gid, extra_groups=[], cwd="/"
+    )
+
+
 def _ensure_traversable(path: Path) -> None:
     """Let the PostgreSQL system user reach its data directory through every parent."""
     for parent in [path, *path.parents]:
@@ -135,9 +146,10 @@ def server_settings(memory_bytes: int) -> dict[str, str]:
 
 
 HBA = """# Written by Strata's embedded runtime (controlplane/runtime/embedded.py).
-# TYPE  DATABASE  USER      METHOD
-local   all       postgres  trust
-local   all       all       scram-sha-256
+# TYPE  DATABASE     USER      METHOD
+local   all          postgres  trust
+local   replication  postgres  trust
+local   all          all       scram-sha-256
 """
 
 
@@ -151,13 +163,7 @@ class EmbeddedPostgres:
         self.sockets = socket_dir(env.var_dir)
 
     def _run(self, args: list[str], user: str | None) -> subprocess.CompletedProcess[str]:
-        if user is None:
-            return subprocess.run(args, text=True, capture_output=True)
-        # Drop root's group too: a directory's group bits (root, ---) would win over its other bits.
-        entry = pwd.getpwnam(user)
-        return subprocess.run(
-            args, text=True, capture_output=True, user=entry.pw_uid, group=entry.pw_gid, extra_groups=[], cwd="/"
-        )
+        return _run_as(args, user)
 
     def _reachable(self, user: str | None) -> None:
         # Another tool (pytest resets its temp root to 0700) may have closed a parent since start.
@@ -233,8 +239,9 @@ class EmbeddedPostgres:
 
     def _write_hba(self) -> bool:
         """Socket connections only: the server's own user (the control plane) without a password,
-        every other role (the nodes' own, `strata_node_credential`) with its password. True when
-        the file changed."""
+        also for replication (a streaming standby, `runtime.replica`, copies the server through
+        the same private socket directory), every other role (the nodes' own,
+        `strata_node_credential`) with its password. True when the file changed."""
         path = self.data / "pg_hba.conf"
         if path.exists() and path.read_text() == HBA:
             return False

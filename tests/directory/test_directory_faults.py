@@ -5,89 +5,17 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
-import psycopg
 import pytest
-from django.db import connection
 
-from controlplane.directory.models import Block, ModelProfile, Namespace, Node, Placement, salt_new
-from controlplane.directory.services import modelprofile_key
-from controlplane.runtime.embedded import EmbeddedPostgres
-from controlplane.runtime.environment import embedded_database_name, load_environment
+from controlplane.directory.models import Block, Placement
 from worker.dataplane.directory import BlockRegistration, BlockTouch, DirectoryUnavailable
 from worker.postgres_directory import DirectoryOptions, PostgresDirectory
-
-
-@pytest.fixture
-def private_var():
-    """A var/ directory outside pytest's tmp_path: as root the server runs as another user, who
-    must traverse every parent, and each pytest session resets pytest-of-<user> to mode 700
-    (a test session started meanwhile by someone else would lock our server out)."""
-    path = Path(tempfile.mkdtemp(prefix="strata-private-pg-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def private_pg(private_var, db):
-    """A PostgreSQL of this test's own (stopped and started at will), with the directory's tables,
-    one namespace, one model profile and one node; yields (server, connect, model_key)."""
-    server = EmbeddedPostgres(load_environment({"STRATA_VAR_DIR": str(private_var / "var")}))
-    server.start()
-
-    def connect():
-        return psycopg.connect(
-            host=str(server.sockets), dbname=embedded_database_name(), user="postgres", connect_timeout=2
-        )
-
-    try:
-        # The tables as the models define them, created by plain SQL (no Django alias to register).
-        with connection.schema_editor(collect_sql=True, atomic=False) as editor:
-            for model in (Node, Namespace, ModelProfile, Block, Placement):
-                editor.create_model(model)
-        key, layout = modelprofile_key(
-            model_id="m/private",
-            layers=1,
-            kv_heads=1,
-            head_dim=8,
-            dtype="float16",
-            block_tokens=16,
-            revision="main",
-            rope_theta=10000.0,
-            rope_scaling="",
-        )
-        with connect() as conn:
-            for statement in editor.collected_sql:
-                conn.execute(statement)
-            conn.execute(
-                "INSERT INTO directory_namespace (name, salt, shared, description, created_at) "
-                "VALUES ('tenant-a', %s, false, '', now())",
-                (salt_new(),),
-            )
-            conn.execute(
-                "INSERT INTO directory_modelprofile (name, model_id, revision, dtype, layers, kv_heads, "
-                "head_dim, block_tokens, rope_theta, rope_scaling, model_key, created_at) VALUES "
-                "('private', %(model_id)s, %(revision)s, %(dtype)s, %(layers)s, %(kv_heads)s, %(head_dim)s, "
-                "%(block_tokens)s, %(rope_theta)s, %(rope_scaling)s, %(key)s, now())",
-                {**layout, "key": key},
-            )
-            conn.execute(
-                "INSERT INTO directory_node (name, host, address, state, version, heartbeat_seconds, "
-                "heartbeats, registered_at, last_seen, stale_after) "
-                "VALUES ('gpu-0', 'h', '', 'up', '', 5, 0, now(), now(), now())"
-            )
-        yield server, connect, key
-    finally:
-        server.stop()
 
 
 def _count(connect, table):

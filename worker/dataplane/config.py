@@ -43,6 +43,7 @@ from worker.dataplane.config_values import (
     parse_node_name,
     parse_path,
     parse_pool_name,
+    parse_postgres_url,
     parse_seconds,
     parse_selection,
     parse_size,
@@ -352,6 +353,22 @@ OPTIONS: tuple[Option, ...] = (
         check_positive,
     ),
     Option(
+        "directory_replica_url",
+        parse_postgres_url,
+        "",
+        "postgresql:// URL of a streaming read replica (hot standby) of the directory's database; empty: none. "
+        "Lookups and salts go to it while its measured staleness is within directory_replica_max_lag_seconds, to "
+        "the primary otherwise or when it fails; writes always go to the primary.",
+    ),
+    Option(
+        "directory_replica_max_lag_seconds",
+        parse_seconds,
+        1.0,
+        "The most the read replica may lag the primary and still answer lookups (measured, not assumed): a block "
+        "registered this recently may be a miss there (recomputed), never a wrong hit.",
+        check_positive,
+    ),
+    Option(
         "status_port",
         parse_int,
         0,
@@ -570,6 +587,8 @@ class NodeConfig:
     async_load_tiers: TierList = TierList((DISK, REMOTE))
     load_deadline_seconds: float = 30.0
     lookup_deadline_seconds: float = 5.0
+    directory_replica_url: str = dataclasses.field(default="", repr=False)
+    directory_replica_max_lag_seconds: float = 1.0
     status_port: int = 0
     block_tokens: int = 256
     serve_host: str = "127.0.0.1"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,23 @@ def parse_bool(value: Any) -> bool:
 
 def parse_str(value: Any) -> str:
     return str(value)
+
+
+def parse_postgres_url(value: Any) -> str:
+    """A libpq URL (postgresql:// or postgres://) naming a database, or empty for none."""
+    text = str(value).strip()
+    if not text:
+        return ""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        raise ValueError(f"expected a postgresql:// URL, got an unreadable one ({exc})") from None
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise ValueError(f"expected a postgresql:// URL, got scheme {parts.scheme or 'none'!r}")
+    if not parts.path.strip("/"):
+        raise ValueError("expected a postgresql:// URL naming its database (postgresql://user@host/dbname)")
+    return text
 
 
 def parse_path(value: Any) -> Path:

@@ -246,6 +246,17 @@ class DirectoryStats:
     """Writes cut because no answer came by their deadline (retried)."""
     deferred: int = 0
     """Registrations held because they name a namespace, model or node not known yet (retried)."""
+    primary_reads: int = 0
+    """Reads (lookups, salts) answered by the primary database."""
+    replica_reads: int = 0
+    """Reads answered by the read replica (within its staleness bound)."""
+    replica_lag_fallbacks: int = 0
+    """Reads sent to the primary because the replica's measured staleness was over the bound."""
+    replica_failure_fallbacks: int = 0
+    """Reads sent to the primary because the replica failed or was unreachable."""
+    replica_staleness_s: float | None = None
+    """How far behind the primary the replica may be, at most, as last measured (inf before the
+    first measurement; None without a replica)."""
 
 
 class Directory(Protocol):
