@@ -62,6 +62,11 @@ class DirectoryOptions:
     """Writes held before the client counts itself over capacity (registrations are still kept)."""
     touch_capacity: int = 100_000
     """Distinct blocks with pending touches; touches of further blocks are dropped."""
+    touch_interval_s: float = 2.0
+    """How long a block's touches are summed on the node before one update carries them all (a
+    flush, or pending touches of half `touch_capacity` blocks, sends them sooner). A block every
+    request hits (a shared system prompt) is then updated once per interval per node, not once
+    per write batch; the planner reads access counts at minutes' scale."""
     lookup_timeout_ms: int = 250
     """Statement timeout of lookups: past it the engine is better off recomputing."""
     write_timeout_ms: int = 30_000
@@ -101,6 +106,7 @@ class DirectoryOptions:
             "shared_refresh_s",
             "read_deadline_s",
             "write_grace_s",
+            "touch_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be greater than zero")
@@ -183,6 +189,7 @@ class PostgresDirectory:
         self._done = threading.Condition(self._lock)
         self._writes: collections.deque[tuple[str, Any]] = collections.deque()
         self._touches: dict[tuple[str, uuid.UUID, uuid.UUID], _Touch] = {}
+        self._touches_since = 0.0  # when the oldest pending touch arrived
         self._accepted = 0  # writes ever accepted; with _settled they tell flush() when it is done
         self._settled = 0
         self._touch_epoch = 0
@@ -314,6 +321,7 @@ class PostgresDirectory:
     def touch(self, *, touches: Sequence[BlockTouch]) -> None:
         with self._lock:
             if touches and not self._touches:
+                self._touches_since = time.monotonic()
                 self._wake.notify()
             for t in touches:
                 self._counts["queued"] += 1
@@ -399,11 +407,13 @@ class PostgresDirectory:
                     self._writes.extend(self._parked)
                     self._accepted += len(self._parked)
                     self._parked = []
-                if not (self._stopping or self._flush_now or self._writes or self._touches):
-                    # Idle: sleep until something arrives, parked writes are due, or registered
-                    # blocks wait to be announced.
+                if not (self._stopping or self._flush_now or self._writes or self._touches_due()):
+                    # Idle: sleep until something arrives, parked writes or pending touches are
+                    # due, or registered blocks wait to be announced.
                     waits = [self.options.unknown_retry_s] if self._parked else []
                     waits += [self.options.announce_every_s] if self._unannounced["blocks"] else []
+                    if self._touches:
+                        waits.append(max(0.0, self._touches_since + self.options.touch_interval_s - time.monotonic()))
                     self._wake.wait(min(waits) if waits else None)
                 deadline = time.monotonic() + self.options.flush_interval_s
                 while not (self._stopping or self._flush_now or len(self._writes) >= self.options.batch_size):
@@ -414,10 +424,13 @@ class PostgresDirectory:
                 if self._stopping:
                     self._reset_writer()
                     return
-                self._flush_now = False
+                flushing, self._flush_now = self._flush_now, False
                 batch = list(itertools.islice(self._writes, self.options.batch_size))
-                touches, self._touches = self._touches, {}
-                touch_epoch = self._touch_epoch
+                touches: dict[tuple[str, uuid.UUID, uuid.UUID], _Touch] = {}
+                touch_epoch = self._touch_settled
+                if flushing or self._touches_due():
+                    touches, self._touches = self._touches, {}
+                    touch_epoch = self._touch_epoch
             ok = self._write_batch(batch) if batch else True
             if ok:
                 backoff = self.options.retry_initial_s
@@ -436,6 +449,15 @@ class PostgresDirectory:
                         self._wake.wait(remaining)
                 backoff = min(backoff * 2, self.options.retry_max_s)
             self._maybe_announce()
+
+    def _touches_due(self) -> bool:
+        """Pending touches go out now: the oldest waited its interval, or they fill half the
+        room for them (or the client flushes or stops; the caller checks those). Under the lock."""
+        return bool(self._touches) and (
+            self._stopping
+            or time.monotonic() - self._touches_since >= self.options.touch_interval_s
+            or len(self._touches) >= max(1, self.options.touch_capacity // 2)
+        )
 
     def _writer_conn(self) -> psycopg.Connection[Any]:
         if self._writer is None or self._writer.closed:

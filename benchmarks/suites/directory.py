@@ -769,12 +769,24 @@ def child(spec: dict[str, Any]) -> None:
         raise RuntimeError("no lookup found anything: the seed or the lookup is broken")
     median = {name: statistics.median(values) for name, values in results.items()}
     params = {"blocks": world.blocks, "repeats": repeats}
+
+    def spread(name: str) -> dict[str, Any]:
+        """The rounds' least and greatest value: the spread beside the median."""
+        return {"min": round(min(results[name]), 4), "max": round(max(results[name]), 4)}
+
     _row("directory.lookup64_p50_ms", median["lookup64_p50"], "ms", samples=n64, **params)
     _row("directory.lookup64_p99_ms", median["lookup64_p99"], "ms", samples=n64, **params)
     _row("directory.lookup1024_p99_ms", median["lookup1024_p99"], "ms", samples=n1024, **params)
     _row("directory.lookup1024_p50_ms", median["lookup1024_p50"], "ms", samples=n1024, **params)
     _row("directory.node_lookup64_p50_ms", median["node_lookup64_p50"], "ms", samples=n64, **params)
-    _row("directory.node_lookup64_p99_ms", median["node_lookup64_p99"], "ms", samples=n64, **params)
+    _row(
+        "directory.node_lookup64_p99_ms",
+        median["node_lookup64_p99"],
+        "ms",
+        samples=n64,
+        **spread("node_lookup64_p99"),
+        **params,
+    )
     for pct in ("p50", "p99"):
         _row(
             f"directory.node_role_lookup64_{pct}_ms",
@@ -822,6 +834,7 @@ def child(spec: dict[str, Any]) -> None:
         median["register_4writers"],
         "blocks/s",
         note=f"{WRITERS} processes at once, each on its own connection, right after a checkpoint",
+        **spread("register_4writers"),
         **sustained,
         **params,
     )
@@ -836,6 +849,7 @@ def child(spec: dict[str, Any]) -> None:
         median["register_wal"],
         "bytes",
         note=f"WAL over the {WRITERS} writers' stretch after a checkpoint, full-page images included",
+        **spread("register_wal"),
         **sustained,
         **split,
         **params,

@@ -185,6 +185,53 @@ def test_touches_over_capacity_are_dropped_and_counted(registration, profile):
         assert client.stats().dropped_touches == 3
 
 
+def _accesses(prefix_key: uuid.UUID) -> int:
+    return Block.objects.get(prefix_key=prefix_key).access_count
+
+
+def test_touches_of_a_block_are_summed_on_the_node_for_the_touch_interval(registration, profile):
+    """Touches wait out `touch_interval_s` and reach the table as one update per block (hot blocks
+    are not updated once per write batch); registrations meanwhile go out at once."""
+    reg = registration()
+    options = DirectoryOptions(flush_interval_s=0.02, touch_interval_s=1.5)
+    with PostgresDirectory(options=options, announce=lambda **_: None) as client:
+        client.register(blocks=[reg])
+        assert client.flush(timeout=10)
+        touch = BlockTouch(namespace="tenant-a", model_key=profile.model_key, prefix_key=reg.prefix_key, hits=2)
+        began = time.monotonic()
+        client.touch(touches=[touch])
+        client.touch(touches=[touch, touch])
+        later = registration()
+        client.register(blocks=[later])
+        deadline = time.monotonic() + 10
+        while not Block.objects.filter(prefix_key=later.prefix_key).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert Block.objects.filter(prefix_key=later.prefix_key).exists()
+        if time.monotonic() - began < 1.0:  # a slow machine may have taken the interval already
+            assert _accesses(reg.prefix_key) == 0
+        while _accesses(reg.prefix_key) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _accesses(reg.prefix_key) == 6
+        assert time.monotonic() - began >= 1.4
+        assert client.stats().flushed == 5  # two registrations and three touches
+
+
+def test_a_flush_sends_pending_touches_at_once(registration, profile):
+    reg = registration()
+    with PostgresDirectory(options=DirectoryOptions(touch_interval_s=600), announce=lambda **_: None) as client:
+        client.register(blocks=[reg])
+        client.touch(touches=[BlockTouch(namespace="tenant-a", model_key=profile.model_key, prefix_key=reg.prefix_key)])
+        began = time.monotonic()
+        assert client.flush(timeout=10)
+        assert time.monotonic() - began < 5
+        assert _accesses(reg.prefix_key) == 1
+
+
+def test_the_touch_interval_must_be_positive():
+    with pytest.raises(ValueError, match="touch_interval_s: must be greater than zero"):
+        DirectoryOptions(touch_interval_s=0)
+
+
 def test_lookups_fail_fast_when_the_database_is_unreachable(tmp_path):
     def unreachable():
         return psycopg.connect(host=str(tmp_path), dbname="strata", user="postgres", connect_timeout=2)
