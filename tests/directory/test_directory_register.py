@@ -14,7 +14,7 @@ from controlplane.directory.services import blocks_register
 
 pytestmark = pytest.mark.django_db
 
-BLOCK_INDEXES = {"directory_block_pkey", "block_prefix_uniq", "block_content_idx", "block_ns_model_idx"}
+BLOCK_INDEXES = {"directory_block_pkey", "block_prefix_uniq", "block_content_hash", "block_ns_model_idx"}
 """Every index of directory_block and the queries that need it (see Block's docstring)."""
 
 

@@ -369,7 +369,7 @@ def test_every_hot_statement_is_an_index_scan(registration, profile, node):
         print(f"--- {name}\n{plan}")
         assert "Seq Scan on directory_block" not in plan, name
         assert "Seq Scan on directory_placement" not in plan, name
-    assert "block_prefix_uniq" in plans["lookup"] and "block_content_idx" in plans["lookup"]
+    assert "block_prefix_uniq" in plans["lookup"] and "block_content_hash" in plans["lookup"]
     assert "placement_block_tier_node_uniq" in plans["lookup"]
     assert "block_prefix_uniq" in plans["register placements"]
     assert "Tuples Inserted: 64" in plans["register placements"]
