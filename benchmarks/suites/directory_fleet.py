@@ -37,9 +37,12 @@ its engine's. The nodes connect as the database's owner (no node roles, no row-l
 the `directory` suite measures what those cost) and announce nothing to the dashboard.
 
 Setups (`SETUPS`): ``primary``, every node's reads and writes on the one server. A setup is the
-database endpoints it gives the nodes (`Endpoints`, from its `provision` context) and the client
-each node builds on them (`_client`); a setup whose reads go to a standby adds a `Setup` whose
-`provision` starts the standby and yields its address as ``read_url``.
+database endpoints it gives the nodes (`Endpoints`: ``write_url``, ``read_url``), yielded by its
+`provision` context for as long as its ramp runs; each node's client is built on them by
+`_client`, which hands the client its connection factories. A setup whose lookups go to a standby
+is a `Setup` whose `provision` starts the standby and yields its address as ``read_url``, and
+`_client` gives that address to the client as its reader connections; its rows are
+``directory_fleet.<setup>.*`` and the connection room is counted per server.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ KEEP_UP = 0.95
 GENERATOR_KEEP_UP = 0.9
 """Requests sent over those offered below which the generator, not the directory, is the limit."""
 CONNECTIONS_PER_NODE = 2
-"""A node's client holds one reader connection (its lookups are one at a time) and one writer."""
+"""A node's client holds one reader connection (its lookups are one at a time) and one writer,
+both on one server when its reads and writes go to one."""
 BLOCK_TOKENS = 256
 DEFAULT_REQUESTS_PER_S = 16.0
 SAMPLE_CHAINS = 4096
@@ -299,6 +303,14 @@ def _connection_room(url: str) -> int:
     return limit - reserved - in_use - 4
 
 
+def _nodes_room(endpoints: Endpoints) -> int:
+    """Nodes whose clients the servers can still connect: each holds a writer on `write_url` and
+    a reader on `read_url`."""
+    if endpoints.read_url == endpoints.write_url:
+        return _connection_room(endpoints.write_url) // CONNECTIONS_PER_NODE
+    return min(_connection_room(endpoints.write_url), _connection_room(endpoints.read_url))
+
+
 def _ramp(limit: int) -> Iterator[int]:
     """1, 2, 4, ... up to `limit`, ending at `limit` itself when the doubling passes it."""
     nodes = 1
@@ -456,15 +468,19 @@ def child(spec: dict[str, Any]) -> None:
             }
         )
     offered = spec["offered"]
-    common = {"blocks": world.blocks, "window_s": window_s, "windows": repeats, "warmup_s": warmup_s}
+    common = {
+        "blocks": world.blocks,
+        "window_s": window_s,
+        "windows": repeats,
+        "warmup_s": warmup_s,
+        **Offered(**offered).params(),
+    }
     registered: set[str] = set()
     for setup in SETUPS:
         steps: list[Step] = []
         limited_by = f"STRATA_BENCH_FLEET_MAX_NODES ({spec['max_nodes']})"
         with setup.provision(spec["url"]) as endpoints:
-            room = _connection_room(endpoints.write_url) // CONNECTIONS_PER_NODE
-            if endpoints.read_url != endpoints.write_url:
-                room = min(room, _connection_room(endpoints.read_url))
+            room = _nodes_room(endpoints)
             limit = min(spec["max_nodes"], room)
             if room < spec["max_nodes"]:
                 limited_by = f"connections: the server has room for {room} nodes' clients"
