@@ -8,12 +8,14 @@ own directory client (``worker.postgres_directory.PostgresDirectory``, the code 
 reader connection for lookups, its own write-behind writer for registrations and touches). Per
 request a node looks up a prompt's keys, touches the hits it found and registers the blocks it
 saved, at Poisson arrivals of its request rate. A step measures, as the nodes see it, the lookup
-latency (p50, p99), the registrations the directory took per second against those offered, and the
-write-behind backlog left in the clients. The ramp stops at the first step whose lookup p99 passes
-2 ms or whose registrations fall behind; `directory_fleet.<setup>.max_nodes` is the largest N
+latency (p50, p99), the registrations the directory took per second against those the nodes
+queued (and the mean offered), and the write-behind backlog left in the clients. The ramp stops at
+the first step whose lookup p99 passes 2 ms (or one lookup failed) or whose registrations fall
+behind (under 95% of those queued taken); `directory_fleet.<setup>.max_nodes` is the largest N
 before it. The ramp also stops where another doubling would not fit the server's
 ``max_connections`` (two connections a node; it then tries the largest N that fits), where the
-load generator cannot send what the nodes offer, or at ``STRATA_BENCH_FLEET_MAX_NODES``.
+load generator cannot send what the nodes offer, or at ``STRATA_BENCH_FLEET_MAX_NODES`` (default
+1024; 4 below scale 0.05, as the smoke runs it).
 
 Where the rates come from (every row's params name the source of each):
 
@@ -87,6 +89,7 @@ CONNECTIONS_PER_NODE = 2
 both on one server when its reads and writes go to one."""
 BLOCK_TOKENS = 256
 DEFAULT_REQUESTS_PER_S = 16.0
+SMALL_SCALE = 0.05
 SAMPLE_CHAINS = 4096
 """Seeded chains handed to the nodes to look up (their leading blocks are the hits)."""
 TARGETS = {"max_nodes": f"lookup p99 <= {LOOKUP_P99_TARGET_MS:g} ms and registrations keeping up"}
@@ -152,7 +155,7 @@ def run(ctx: Any) -> list[Any]:
         "repeats": ctx.repeats,
         "scale": ctx.scale,
         "offered": dataclasses.asdict(offered),
-        "max_nodes": int(os.environ.get("STRATA_BENCH_FLEET_MAX_NODES", "1024")),
+        "max_nodes": int(os.environ.get("STRATA_BENCH_FLEET_MAX_NODES", str(max_nodes_default(ctx.scale)))),
         "processes": int(os.environ.get("STRATA_BENCH_FLEET_PROCESSES", str(2 * (os.cpu_count() or 1)))),
     }
     ctx.params.update(blocks=blocks, database=name, **offered.params())
@@ -169,6 +172,12 @@ def run(ctx: Any) -> list[Any]:
         spec["url"] = url
         notes = {f"directory_fleet.{setup.name}.max_nodes": TARGETS["max_nodes"] for setup in SETUPS}
         return run_child(ctx, "benchmarks.suites.directory_fleet", spec, env, notes=notes)
+
+
+def max_nodes_default(scale: float) -> int:
+    """Where the ramp ends at the latest: 1024 nodes; 4 below scale 0.05, where a run (the smoke)
+    checks that the suite runs whole, not how far it goes."""
+    return 1024 if scale >= SMALL_SCALE else 4
 
 
 def offered_per_node() -> Offered:
