@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -81,16 +82,17 @@ FULL_BLOCKS = 1_000_000
 BENCH_DB_PREFIX = "strata_bench_directory_fleet"
 LOOKUP_P99_TARGET_MS = 2.0
 KEEP_UP = 0.95
-"""Registrations taken per second over those offered, at least, for a step to count as kept up."""
+"""Registrations taken over those the nodes queued, at least, for a step to count as kept up."""
 GENERATOR_KEEP_UP = 0.9
-"""Requests sent over those offered below which the generator, not the directory, is the limit."""
+"""Requests sent over those due (their Poisson arrivals in the windows) below which the generator,
+not the directory, is the limit."""
 CONNECTIONS_PER_NODE = 2
 """A node's client holds one reader connection (its lookups are one at a time) and one writer,
 both on one server when its reads and writes go to one."""
 BLOCK_TOKENS = 256
 DEFAULT_REQUESTS_PER_S = 16.0
 SMALL_SCALE = 0.05
-SAMPLE_CHAINS = 4096
+SAMPLE_CHAINS = 1024
 """Seeded chains handed to the nodes to look up (their leading blocks are the hits)."""
 TARGETS = {"max_nodes": f"lookup p99 <= {LOOKUP_P99_TARGET_MS:g} ms and registrations keeping up"}
 
@@ -105,6 +107,8 @@ class Endpoints:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
+    """One way of deploying the directory for the fleet: its rows are `directory_fleet.<name>.*`."""
+
     name: str
     describe: str
     provision: Callable[[str], contextlib.AbstractContextManager[Endpoints]]
@@ -122,7 +126,8 @@ SETUPS = (Setup("primary", "lookups and writes on the one primary", _primary),)
 @dataclasses.dataclass(frozen=True)
 class Offered:
     """What one node offers: requests per second, and per request the keys it looks up, the hits
-    it touches and the blocks it saves (means; each request rounds them at random)."""
+    it touches (one touch a hit) and the blocks it saves (means; each request rounds them at
+    random)."""
 
     requests_per_s: float
     keys_per_lookup: float
@@ -446,6 +451,42 @@ def _step(
     )
 
 
+def _ramp_setup(
+    setup: Setup, endpoints: Endpoints, *, max_nodes: int, registered: set[str], step: Callable[[int], Step]
+) -> tuple[list[Step], str]:
+    """The steps of one setup's ramp, up to the first that misses, and what ended the ramp."""
+    steps: list[Step] = []
+    room = _nodes_room(endpoints)
+    limited_by = f"STRATA_BENCH_FLEET_MAX_NODES ({max_nodes})"
+    if room < max_nodes:
+        limited_by = f"connections: the server has room for {room} nodes' clients"
+    for nodes in _ramp(min(max_nodes, room)):
+        names = [f"fleet-{i}" for i in range(nodes) if f"fleet-{i}" not in registered]
+        _heartbeat(names)
+        registered.update(names)
+        measured = step(nodes)
+        steps.append(measured)
+        _emit(
+            step=f"{setup.name} {nodes} nodes: p99 {measured.lookup_p99_ms:.2f} ms, "
+            f"{measured.registered_per_s:.0f}/{measured.queued_registrations_per_s:.0f} registrations/s"
+        )
+        _emit(log=f"directory_fleet {setup.name}: {json.dumps(measured.params())}")
+        if not measured.generator_kept_up:
+            return steps, (
+                f"the load generator: {measured.lookups_per_s:.0f} of {measured.scheduled_lookups_per_s:.0f} "
+                f"requests/s sent at {nodes} nodes, the machine {measured.machine_busy_cores:.2f} of "
+                f"{os.cpu_count()} cores busy"
+            )
+        if not measured.within_target:
+            return steps, f"lookup p99 {measured.lookup_p99_ms:.2f} ms at {nodes} nodes"
+        if not measured.kept_up:
+            return steps, (
+                f"registrations: {measured.registered_per_s:.0f} of {measured.queued_registrations_per_s:.0f}/s "
+                f"at {nodes} nodes"
+            )
+    return steps, limited_by
+
+
 def child(spec: dict[str, Any]) -> None:
     import django
 
@@ -473,7 +514,7 @@ def child(spec: dict[str, Any]) -> None:
             {
                 "namespace": world.namespace_names[ns],
                 "model_key": str(world.model_keys[model]),
-                "keys": [str(world.prefix_key(chain * CHAIN + b)) for b in range(16)],
+                "keys": [str(world.prefix_key(chain * CHAIN + b)) for b in range(CHAIN)],
             }
         )
     offered = spec["offered"]
@@ -486,50 +527,24 @@ def child(spec: dict[str, Any]) -> None:
     }
     registered: set[str] = set()
     for setup in SETUPS:
-        steps: list[Step] = []
-        limited_by = f"STRATA_BENCH_FLEET_MAX_NODES ({spec['max_nodes']})"
         with setup.provision(spec["url"]) as endpoints:
-            room = _nodes_room(endpoints)
-            limit = min(spec["max_nodes"], room)
-            if room < spec["max_nodes"]:
-                limited_by = f"connections: the server has room for {room} nodes' clients"
-            for nodes in _ramp(limit):
-                names = [f"fleet-{i}" for i in range(nodes) if f"fleet-{i}" not in registered]
-                _heartbeat(names)
-                registered.update(names)
-                step = _step(
+            steps, limited_by = _ramp_setup(
+                setup,
+                endpoints,
+                max_nodes=spec["max_nodes"],
+                registered=registered,
+                step=functools.partial(
+                    _step,
                     setup.name,
                     endpoints,
-                    nodes,
                     processes=spec["processes"],
                     offered=offered,
                     chains=chains,
                     warmup_s=warmup_s,
                     window_s=window_s,
                     windows=repeats,
-                )
-                steps.append(step)
-                _emit(
-                    step=f"{setup.name} {nodes} nodes: p99 {step.lookup_p99_ms:.2f} ms, "
-                    f"{step.registered_per_s:.0f}/{step.offered_registrations_per_s:.0f} registrations/s"
-                )
-                _emit(log=f"directory_fleet {setup.name}: {json.dumps(step.params())}")
-                if not step.generator_kept_up:
-                    limited_by = (
-                        f"the load generator: {step.lookups_per_s:.0f} of {step.scheduled_lookups_per_s:.0f} "
-                        f"requests/s sent at {nodes} nodes, the machine {step.machine_busy_cores:.2f} of "
-                        f"{os.cpu_count()} cores busy"
-                    )
-                    break
-                if not step.within_target:
-                    limited_by = f"lookup p99 {step.lookup_p99_ms:.2f} ms at {nodes} nodes"
-                    break
-                if not step.kept_up:
-                    limited_by = (
-                        f"registrations: {step.registered_per_s:.0f} of {step.queued_registrations_per_s:.0f}/s "
-                        f"at {nodes} nodes"
-                    )
-                    break
+                ),
+            )
         passing = [s for s in steps if s.within_target and s.kept_up and s.generator_kept_up]
         best = passing[-1] if passing else None
         for step in steps:
