@@ -38,13 +38,16 @@ a lookup latency here includes the generator's own scheduling delays, as a node'
 its engine's. The nodes connect as the database's owner (no node roles, no row-level security;
 the `directory` suite measures what those cost) and announce nothing to the dashboard.
 
-Setups (`SETUPS`): ``primary``, every node's reads and writes on the one server. A setup is the
-database endpoints it gives the nodes (`Endpoints`: ``write_url``, ``read_url``), yielded by its
-`provision` context for as long as its ramp runs; each node's client is built on them by
-`_client`, which hands the client its connection factories. A setup whose lookups go to a standby
-is a `Setup` whose `provision` starts the standby and yields its address as ``read_url``, and
-`_client` gives that address to the client as its reader connections; its rows are
-``directory_fleet.<setup>.*`` and the connection room is counted per server.
+Setups (`SETUPS`; ``STRATA_BENCH_FLEET_SETUPS=primary`` runs one): ``primary``, every node's reads
+and writes on the one server; ``replica``, the nodes' lookups on a streaming standby of it
+(`controlplane.runtime.replica`, started with `pg_basebackup` once the directory is seeded, tuned
+like the embedded primary) through the client's read-replica option (staleness bound 1 s), their
+writes on the primary. Both servers share this machine's cores, so the replica row says what the
+standby costs and whether it serves, not what a second machine adds; its steps carry the share of
+reads the standby served. A setup is the database endpoints it gives the nodes (`Endpoints`:
+``write_url``, ``read_url``), yielded by its `provision` context for as long as its ramp runs; each
+node's client is built on them by `_client`; its rows are ``directory_fleet.<setup>.*`` and the
+connection room is counted per server.
 """
 
 from __future__ import annotations
@@ -71,12 +74,16 @@ from typing import Any
 from benchmarks.suites.directory import CHAIN, MODELS, NAMESPACES, World, _percentile, _scope, _seed
 
 DESCRIPTION = "largest fleet of simulated nodes one directory serves within lookup p99 <= 2 ms (1M blocks)"
-EXPECTED_ROWS = (
-    "directory_fleet.primary.max_nodes",
-    "directory_fleet.primary.n1.lookup_p99_ms",
-    "directory_fleet.primary.n1.registered_per_s",
-)
-"""Per setup: the largest fleet within the target, and at least the first step of its ramp."""
+
+
+def expected_rows(ctx: Any) -> list[str]:
+    """Per setup run: the largest fleet within the target, and at least the first step of its ramp."""
+    return [
+        f"directory_fleet.{name}.{row}"
+        for name in setups_chosen()
+        for row in ("max_nodes", "n1.lookup_p99_ms", "n1.registered_per_s")
+    ]
+
 
 FULL_BLOCKS = 1_000_000
 BENCH_DB_PREFIX = "strata_bench_directory_fleet"
@@ -120,7 +127,47 @@ def _primary(url: str) -> Iterator[Endpoints]:
     yield Endpoints(write_url=url, read_url=url)
 
 
-SETUPS = (Setup("primary", "lookups and writes on the one primary", _primary),)
+@contextlib.contextmanager
+def _replica(url: str) -> Iterator[Endpoints]:
+    """A streaming standby of the embedded server the scratch database is on, for lookups."""
+    import urllib.parse
+
+    from controlplane.runtime.embedded import EmbeddedPostgres, _memory_bytes, server_settings
+    from controlplane.runtime.environment import load_environment
+    from controlplane.runtime.replica import streaming_standby
+
+    environ = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    server = EmbeddedPostgres(load_environment(environ))
+    dbname = urllib.parse.unquote(urllib.parse.urlsplit(url).path.lstrip("/"))
+    with streaming_standby(server, settings=server_settings(_memory_bytes())) as standby:
+        yield Endpoints(write_url=url, read_url=standby.url(dbname))
+
+
+SETUPS = (
+    Setup("primary", "lookups and writes on the one primary", _primary),
+    Setup("replica", "lookups on a streaming standby (1 s staleness bound), writes on the primary", _replica),
+)
+
+
+def setups_chosen() -> list[str]:
+    """The setups this run measures: STRATA_BENCH_FLEET_SETUPS (comma-separated), else all; the
+    replica needs the embedded server (it copies its data directory)."""
+    from controlplane.runtime.environment import load_environment
+
+    known = [setup.name for setup in SETUPS]
+    raw = os.environ.get("STRATA_BENCH_FLEET_SETUPS", "")
+    chosen = [name.strip() for name in raw.split(",") if name.strip()] or known
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        raise ValueError(f"STRATA_BENCH_FLEET_SETUPS: unknown setup {unknown[0]!r} (known: {', '.join(known)})")
+    if "replica" in chosen and not load_environment().embedded_postgres:
+        if raw:
+            raise ValueError(
+                "STRATA_BENCH_FLEET_SETUPS: the replica setup starts a standby of the embedded PostgreSQL; "
+                "with DATABASE_URL set, choose primary"
+            )
+        chosen.remove("replica")
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +209,7 @@ def run(ctx: Any) -> list[Any]:
         "offered": dataclasses.asdict(offered),
         "max_nodes": int(os.environ.get("STRATA_BENCH_FLEET_MAX_NODES", str(max_nodes_default(ctx.scale)))),
         "processes": int(os.environ.get("STRATA_BENCH_FLEET_PROCESSES", str(2 * (os.cpu_count() or 1)))),
+        "setups": setups_chosen(),
     }
     ctx.params.update(blocks=blocks, database=name, **offered.params())
     with scratch_database(name) as url:
@@ -175,7 +223,7 @@ def run(ctx: Any) -> list[Any]:
             "PYTHONUNBUFFERED": "1",
         }
         spec["url"] = url
-        notes = {f"directory_fleet.{setup.name}.max_nodes": TARGETS["max_nodes"] for setup in SETUPS}
+        notes = {f"directory_fleet.{name}.max_nodes": TARGETS["max_nodes"] for name in spec["setups"]}
         return run_child(ctx, "benchmarks.suites.directory_fleet", spec, env, notes=notes)
 
 
@@ -286,6 +334,8 @@ class Step:
     dropped_touches: int
     generator_cores: float
     machine_busy_cores: float
+    replica_read_share: float
+    """Reads (lookups and salts) the standby served, over all the nodes' reads; 0 without one."""
 
     @property
     def within_target(self) -> bool:
@@ -322,7 +372,9 @@ def _nodes_room(endpoints: Endpoints) -> int:
     a reader on `read_url`."""
     if endpoints.read_url == endpoints.write_url:
         return _connection_room(endpoints.write_url) // CONNECTIONS_PER_NODE
-    return min(_connection_room(endpoints.write_url), _connection_room(endpoints.read_url))
+    # With a replica the primary still holds the writer and a reader (the staleness probe's, and
+    # the reads' fallback); the standby one reader.
+    return min(_connection_room(endpoints.write_url) // CONNECTIONS_PER_NODE, _connection_room(endpoints.read_url))
 
 
 def _ramp(limit: int) -> Iterator[int]:
@@ -448,6 +500,10 @@ def _step(
         dropped_touches=sum(r["dropped_touches"] for r in reports),
         generator_cores=median["generator"],
         machine_busy_cores=median["machine"],
+        replica_read_share=(
+            sum(r["replica_reads"] for r in reports)
+            / max(1, sum(r["replica_reads"] + r["primary_reads"] for r in reports))
+        ),
     )
 
 
@@ -499,7 +555,8 @@ def child(spec: dict[str, Any]) -> None:
     # A step: a warm-up, then `repeats` windows long enough for a stable p99 of the fleet's lookups.
     window_s = min(20.0, max(3.0, 20.0 * scale))
     warmup_s = min(5.0, max(1.0, 5.0 * scale))
-    _emit(plan=3 + len(SETUPS) * 8)
+    setups = [setup for setup in SETUPS if setup.name in spec["setups"]]
+    _emit(plan=3 + len(setups) * 8)
     call_command("migrate", verbosity=0, interactive=False)
     _emit(step="migrated")
     world = World(spec["blocks"])
@@ -526,7 +583,7 @@ def child(spec: dict[str, Any]) -> None:
         **Offered(**offered).params(),
     }
     registered: set[str] = set()
-    for setup in SETUPS:
+    for setup in setups:
         with setup.provision(spec["url"]) as endpoints:
             steps, limited_by = _ramp_setup(
                 setup,
@@ -575,10 +632,11 @@ def _client(endpoints: Endpoints) -> Any:
 
     from worker.dataplane.network import ConnectionOptions
     from worker.postgres_directory import DirectoryOptions, PostgresDirectory
+    from worker.postgres_replica import ReplicaOptions
 
-    if endpoints.read_url != endpoints.write_url:
-        raise ValueError("PostgresDirectory reads and writes on one database: no setup may split them yet")
     options = DirectoryOptions()
+    if endpoints.read_url != endpoints.write_url:
+        options = DirectoryOptions(replica=ReplicaOptions(url=endpoints.read_url, max_lag_s=1.0, probe_s=0.2))
     libpq = ConnectionOptions().libpq()
     return PostgresDirectory(
         connect=lambda: psycopg.connect(endpoints.write_url, **libpq),
@@ -719,11 +777,13 @@ def drive_nodes(spec: dict[str, Any]) -> None:
             }
         )
     backlog = pending[-1]
-    dropped = 0
+    totals = {"dropped_touches": 0, "replica_reads": 0, "primary_reads": 0}
     for node in nodes:
-        dropped += node.client.stats().dropped_touches
+        stats = node.client.stats()
+        for name in totals:
+            totals[name] += getattr(stats, name)
         node.client.close(timeout=30)
-    print(json.dumps({"windows": report_windows, "backlog": backlog, "dropped_touches": dropped}), flush=True)
+    print(json.dumps({"windows": report_windows, "backlog": backlog, **totals}), flush=True)
 
 
 if __name__ == "__main__":
