@@ -29,8 +29,9 @@ measures in a child process whose Django points at that database:
   to each page logs the whole page; with keys that are hashes every index page of the two key
   indexes is touched again soon, so a short burst pays an image of most of those pages and a long
   stretch spreads them over many blocks: the figure over the stretch is an upper bound of the
-  average over a whole checkpoint cycle at that rate. The machine's CPU time per block over the
-  stretch (every process's, from /proc/stat) says how many cores a rate needs; ``writebehind``: the same blocks
+  average over a whole checkpoint cycle at that rate. The CPU time per block over the stretch,
+  the machine's (every process's, from /proc/stat) less the writers' own, says how many of the
+  database server's cores a rate needs; ``writebehind``: the same blocks
   through the Directory client, enqueue to durable; ``node_role_writebehind`` on the node's own
   role (row-level security checks every copy's node).
 
@@ -46,6 +47,7 @@ with other settings keeps them until it restarts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -459,9 +461,10 @@ def _registration(namespace: str, model_key: uuid.UUID, i: int, **extra: Any) ->
     )
 
 
-def _writer_process(namespace: str, model_key: str, batches: int, barrier: Any, failures: Any) -> None:
+def _writer_process(namespace: str, model_key: str, batches: int, barrier: Any, failures: Any, cpu: Any) -> None:
     """One of `register_4writers`' processes: builds its registrations, waits for the others,
-    then calls `blocks_register` once per batch of 4096 on its own connection."""
+    then calls `blocks_register` once per batch of 4096 on its own connection; puts the CPU
+    seconds those calls took in `cpu`."""
     import django
 
     django.setup()
@@ -476,18 +479,33 @@ def _writer_process(namespace: str, model_key: str, batches: int, barrier: Any, 
     try:
         connection.ensure_connection()
         barrier.wait(timeout=600)
+        began = time.process_time()
         for regs in calls:
             blocks_register(registrations=regs, source="bench")
+        cpu.put(time.process_time() - began)
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         failures.put(f"{type(exc).__name__}: {exc}")
     finally:
         connection.close()
 
 
-def _writers(world: World, ns_index: int, writers: int, batches: int) -> tuple[float, int]:
-    """Blocks per second registered by `writers` processes at once (each `batches` calls of 4096
-    new blocks on its own connection), and the blocks they registered: a fleet's nodes flushing
-    together, the Python of each caller on its own core where there is one."""
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What `_writers` measured."""
+
+    blocks: int
+    seconds: float
+    machine_cpu_s: float | None
+    """CPU time of every process on the machine meanwhile (None off Linux)."""
+    writers_cpu_s: float
+    """CPU time of the registering processes themselves (their Python and psycopg)."""
+
+
+def _writers(world: World, ns_index: int, writers: int, batches: int) -> Written:
+    """`writers` processes registering at once, each `batches` calls of 4096 new blocks on its
+    own connection (a fleet's nodes flushing together, each caller's Python on its own core
+    where there is one): the time from their common start to the last one's end, and the CPU
+    the machine and they used meanwhile."""
     import multiprocessing
     import queue
 
@@ -497,10 +515,11 @@ def _writers(world: World, ns_index: int, writers: int, batches: int) -> tuple[f
     spawn = multiprocessing.get_context("spawn")
     barrier = spawn.Barrier(writers + 1)
     failures = spawn.Queue()
+    cpu = spawn.Queue()
     processes = [
         spawn.Process(
             target=_writer_process,
-            args=(world.namespace_names[ns_index], str(world.model_keys[w % MODELS]), batches, barrier, failures),
+            args=(world.namespace_names[ns_index], str(world.model_keys[w % MODELS]), batches, barrier, failures, cpu),
         )
         for w in range(writers)
     ]
@@ -508,10 +527,12 @@ def _writers(world: World, ns_index: int, writers: int, batches: int) -> tuple[f
         process.start()
     try:
         barrier.wait(timeout=600)
+        machine_before = _cpu_seconds()
         began = time.perf_counter()
         for process in processes:
             process.join()
         elapsed = time.perf_counter() - began
+        machine_after = _cpu_seconds()
     finally:
         for process in processes:
             if process.is_alive():
@@ -520,8 +541,12 @@ def _writers(world: World, ns_index: int, writers: int, batches: int) -> tuple[f
         raise RuntimeError(f"a registering process failed: {failures.get(timeout=1)}")
     if any(process.exitcode for process in processes):
         raise RuntimeError(f"a registering process exited with {[p.exitcode for p in processes]}")
-    blocks = writers * batches * 4096
-    return blocks / elapsed, blocks
+    return Written(
+        blocks=writers * batches * 4096,
+        seconds=elapsed,
+        machine_cpu_s=None if machine_before is None or machine_after is None else machine_after - machine_before,
+        writers_cpu_s=sum(cpu.get(timeout=10) for _ in processes),
+    )
 
 
 def _cpu_seconds() -> float | None:
@@ -739,11 +764,11 @@ def child(spec: dict[str, Any]) -> None:
             record("register_burst_wal", _wal_bytes_since(wal_before) / (batches * 4096))
             record("register_2writers", _two_writers(world, ns_index, batches))
             wal_before = _checkpoint()
-            cpu_before = _cpu_seconds()
-            rate, registered = _writers(world, ns_index, WRITERS, sustained_batches)
-            cpu_after = _cpu_seconds()
-            if cpu_before is not None and cpu_after is not None:
-                record("register_4writers_cpu_us", (cpu_after - cpu_before) / registered * 1e6)
+            written = _writers(world, ns_index, WRITERS, sustained_batches)
+            rate, registered = written.blocks / written.seconds, written.blocks
+            record("register_4writers_writers_cpu_us", written.writers_cpu_s / registered * 1e6)
+            if written.machine_cpu_s is not None:
+                record("register_4writers_cpu_us", written.machine_cpu_s / registered * 1e6)
             wal = _wal_bytes_since(wal_before)
             images = _wal_images(wal_before)
             record("register_4writers", rate)
@@ -826,9 +851,14 @@ def child(spec: dict[str, Any]) -> None:
         "blocks_registered": WRITERS * sustained_batches * 4096,
         "cores": os.cpu_count(),
     }
+    sustained["writers_cpu_us_per_block"] = round(median["register_4writers_writers_cpu_us"], 1)
     if "register_4writers_cpu_us" in median:
-        # Includes the writers' own Python and the processes setting them up: an upper bound.
-        sustained["machine_cpu_us_per_block"] = round(median["register_4writers_cpu_us"], 1)
+        # The rest is the database server's (and whatever else ran): what a rate costs its cores.
+        machine = median["register_4writers_cpu_us"]
+        database = machine - median["register_4writers_writers_cpu_us"]
+        sustained["machine_cpu_us_per_block"] = round(machine, 1)
+        sustained["database_cpu_us_per_block"] = round(database, 1)
+        sustained["database_cores_for_100k_per_s"] = round(database * 1e-6 * 100_000, 2)
     _row(
         "directory.register_4writers_blocks_per_s",
         median["register_4writers"],
@@ -852,6 +882,16 @@ def child(spec: dict[str, Any]) -> None:
         **spread("register_wal"),
         **sustained,
         **split,
+        **params,
+    )
+    _row(
+        "directory.register_2writers_blocks_per_s",
+        median["register_2writers"],
+        "blocks/s",
+        batch=4096,
+        batches=batches,
+        writers=2,
+        note="two callers at once, each on its own connection: the directory's capacity when nodes register together",
         **params,
     )
     _row("directory.writebehind_blocks_per_s", median["writebehind"], "blocks/s", **params)
