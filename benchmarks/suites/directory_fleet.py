@@ -10,9 +10,11 @@ request a node looks up a prompt's keys, touches the hits it found and registers
 saved, at Poisson arrivals of its request rate. A step measures, as the nodes see it, the lookup
 latency (p50, p99), the registrations the directory took per second against those the nodes
 queued (and the mean offered), and the write-behind backlog left in the clients. The ramp stops at
-the first step whose lookup p99 passes 2 ms (or one lookup failed) or whose registrations fall
-behind (under 95% of those queued taken); `directory_fleet.<setup>.max_nodes` is the largest N
-before it. The ramp also stops where another doubling would not fit the server's
+the first step whose registrations fall behind (under 95% of those queued taken), where a lookup
+failed or the lookup p99 passed 20 ms; `directory_fleet.<setup>.max_nodes` is the largest N whose
+lookup p99 was within 2 ms with everything kept up (a step over 2 ms below it does not end the
+ramp: on a shared machine one noisy window can miss, and the p99 falls as the server stops going
+idle between lookups). The ramp also stops where another doubling would not fit the server's
 ``max_connections`` (two connections a node; it then tries the largest N that fits), where the
 load generator cannot send what the nodes offer, or at ``STRATA_BENCH_FLEET_MAX_NODES`` (default
 1024; 4 below scale 0.05, as the smoke runs it).
@@ -88,6 +90,10 @@ def expected_rows(ctx: Any) -> list[str]:
 FULL_BLOCKS = 1_000_000
 BENCH_DB_PREFIX = "strata_bench_directory_fleet"
 LOOKUP_P99_TARGET_MS = 2.0
+LOOKUP_P99_CEILING_MS = 20.0
+"""Past this lookup p99 the ramp stops: the fleet is far past its target. Below it a step that
+misses the target does not end the ramp (on a shared machine one noisy window can; the next,
+larger fleet may still meet it): `max_nodes` is the largest fleet that met it."""
 KEEP_UP = 0.95
 """Registrations taken over those the nodes queued, at least, for a step to count as kept up."""
 GENERATOR_KEEP_UP = 0.9
@@ -533,8 +539,10 @@ def _ramp_setup(
                 f"requests/s sent at {nodes} nodes, the machine {measured.machine_busy_cores:.2f} of "
                 f"{os.cpu_count()} cores busy"
             )
-        if not measured.within_target:
-            return steps, f"lookup p99 {measured.lookup_p99_ms:.2f} ms at {nodes} nodes"
+        if measured.lookup_failures or measured.lookup_p99_ms > LOOKUP_P99_CEILING_MS:
+            return steps, (
+                f"lookups: p99 {measured.lookup_p99_ms:.2f} ms, {measured.lookup_failures} failed, at {nodes} nodes"
+            )
         if not measured.kept_up:
             return steps, (
                 f"registrations: {measured.registered_per_s:.0f} of {measured.queued_registrations_per_s:.0f}/s "
