@@ -50,3 +50,19 @@ def scratch_database(name: str) -> Iterator[str]:
         if os.environ.get("STRATA_BENCH_KEEP_DB") != "1":
             with psycopg.connect(dbname="postgres", autocommit=True, **server) as admin:
                 admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def django_child_env(url: str) -> dict[str, str]:
+    """The environment of a suite's child process whose Django runs on the scratch database at
+    `url` with the production settings (a throwaway secret key, no HTTPS redirect, warnings only)."""
+    import secrets
+
+    return {
+        **os.environ,
+        "DATABASE_URL": url,
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
+        "STRATA_SECRET_KEY": secrets.token_urlsafe(60),
+        "STRATA_SSL_REDIRECT": "false",
+        "STRATA_LOG_LEVEL": "WARNING",
+        "PYTHONUNBUFFERED": "1",
+    }

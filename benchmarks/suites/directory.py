@@ -98,7 +98,7 @@ SUSTAINED_SHARE = 0.2
 
 def run(ctx: Any) -> list[Any]:
     from benchmarks.harness import run_child
-    from benchmarks.runtime.database import scratch_database
+    from benchmarks.runtime.database import django_child_env, scratch_database
 
     # At least twice the chains a 16-chain prompt spans across every namespace and model.
     blocks = max(CHAIN * NAMESPACES * MODELS * 32, int(FULL_BLOCKS * ctx.scale) // CHAIN * CHAIN)
@@ -107,15 +107,7 @@ def run(ctx: Any) -> list[Any]:
     name = f"{BENCH_DB_PREFIX}_{os.getpid()}"
     ctx.params.update(blocks=blocks, database=name)
     with scratch_database(name) as url:
-        env = {
-            **os.environ,
-            "DATABASE_URL": url,
-            "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
-            "STRATA_SECRET_KEY": secrets.token_urlsafe(60),
-            "STRATA_SSL_REDIRECT": "false",
-            "STRATA_LOG_LEVEL": "WARNING",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = django_child_env(url)
         rows = run_child(ctx, "benchmarks.suites.directory", spec, env, notes=TARGETS)
     return rows
 

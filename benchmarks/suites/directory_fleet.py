@@ -62,7 +62,6 @@ import math
 import os
 import random
 import resource
-import secrets
 import statistics
 import subprocess
 import sys
@@ -203,7 +202,7 @@ class Offered:
 
 def run(ctx: Any) -> list[Any]:
     from benchmarks.harness import run_child
-    from benchmarks.runtime.database import scratch_database
+    from benchmarks.runtime.database import django_child_env, scratch_database
 
     blocks = max(CHAIN * NAMESPACES * MODELS * 32, int(FULL_BLOCKS * ctx.scale) // CHAIN * CHAIN)
     offered = offered_per_node()
@@ -219,15 +218,7 @@ def run(ctx: Any) -> list[Any]:
     }
     ctx.params.update(blocks=blocks, database=name, **offered.params())
     with scratch_database(name) as url:
-        env = {
-            **os.environ,
-            "DATABASE_URL": url,
-            "DJANGO_SETTINGS_MODULE": "controlplane.settings.prod",
-            "STRATA_SECRET_KEY": secrets.token_urlsafe(60),
-            "STRATA_SSL_REDIRECT": "false",
-            "STRATA_LOG_LEVEL": "WARNING",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = django_child_env(url)
         spec["url"] = url
         notes = {f"directory_fleet.{name}.max_nodes": TARGETS["max_nodes"] for name in spec["setups"]}
         return run_child(ctx, "benchmarks.suites.directory_fleet", spec, env, notes=notes)
