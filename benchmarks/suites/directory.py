@@ -541,15 +541,21 @@ def _writers(world: World, ns_index: int, writers: int, batches: int) -> Written
     )
 
 
-def _cpu_seconds() -> float | None:
-    """CPU time every process of this machine has used (user and system, from /proc/stat), or None
-    off Linux."""
+def machine_jiffies() -> tuple[float, float] | None:
+    """(busy, total) CPU jiffies of the whole machine since boot, every process's (/proc/stat:
+    user to steal; busy is all but idle and iowait), or None off Linux."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     except OSError:
         return None
-    user, nice, system = (int(v) for v in fields[:3])
-    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
+    total = sum(fields)
+    return total - fields[3] - fields[4], total
+
+
+def _cpu_seconds() -> float | None:
+    """CPU seconds every process of this machine has used since boot, or None off Linux."""
+    jiffies = machine_jiffies()
+    return None if jiffies is None else jiffies[0] / os.sysconf("SC_CLK_TCK")
 
 
 def _checkpoint() -> str:

@@ -72,7 +72,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suites.directory import CHAIN, MODELS, NAMESPACES, World, _percentile, _scope, _seed
+from benchmarks.suites.directory import (
+    CHAIN,
+    MODELS,
+    NAMESPACES,
+    World,
+    _percentile,
+    _scope,
+    _seed,
+    machine_jiffies,
+)
 
 DESCRIPTION = "largest fleet of simulated nodes one directory serves within lookup p99 <= 2 ms (1M blocks)"
 
@@ -384,13 +393,6 @@ def _ramp(limit: int) -> Iterator[int]:
         yield limit
 
 
-def _busy_cores_counter() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine since boot (/proc/stat)."""
-    fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle, sum(fields)
-
-
 def _heartbeat(names: list[str]) -> None:
     from controlplane.directory.services import TierReport, node_heartbeat
 
@@ -454,7 +456,7 @@ def _step(
         delay = start_at + warmup_s + k * window_s - time.time()
         if delay > 0:
             time.sleep(delay)
-        machine.append(_busy_cores_counter())
+        machine.append(machine_jiffies() or (0.0, 0.0))
     reports = []
     for process in children:
         out = process.stdout.read() if process.stdout else ""
