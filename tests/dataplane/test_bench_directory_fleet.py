@@ -42,3 +42,25 @@ def test_the_request_rate_comes_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("STRATA_BENCH_FLEET_REQUESTS_PER_S", "0")
     with pytest.raises(ValueError, match="STRATA_BENCH_FLEET_REQUESTS_PER_S"):
         directory_fleet.offered_per_node()
+
+
+def test_the_setups_run_are_chosen_by_name_and_an_unknown_one_is_refused(monkeypatch) -> None:
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.setenv("STRATA_BENCH_FLEET_SETUPS", "primary")
+    assert directory_fleet.setups_chosen() == ["primary"]
+    monkeypatch.setenv("STRATA_BENCH_FLEET_SETUPS", "primary,standby")
+    with pytest.raises(ValueError, match="STRATA_BENCH_FLEET_SETUPS: unknown setup 'standby'"):
+        directory_fleet.setups_chosen()
+    monkeypatch.delenv("STRATA_BENCH_FLEET_SETUPS")
+    assert directory_fleet.setups_chosen() == ["primary", "replica"]
+
+
+def test_the_replica_setup_needs_the_embedded_server(monkeypatch) -> None:
+    """Another server (DATABASE_URL) has no data directory to copy: asked for, the replica setup is
+    refused by name; by default only the primary runs."""
+    monkeypatch.setenv("DATABASE_URL", "postgresql://strata@db.example.com:5432/strata")
+    monkeypatch.delenv("STRATA_BENCH_FLEET_SETUPS", raising=False)
+    assert directory_fleet.setups_chosen() == ["primary"]
+    monkeypatch.setenv("STRATA_BENCH_FLEET_SETUPS", "replica")
+    with pytest.raises(ValueError, match="the replica setup starts a standby of the embedded PostgreSQL"):
+        directory_fleet.setups_chosen()
