@@ -16,8 +16,13 @@ CONNECTOR_MODULE = "worker.vllm_connector"
 
 
 def register() -> None:
-    """Register StrataConnector under its name (a no-op where it is already registered)."""
+    """Register StrataConnector under its name (a no-op where it is already registered), and have
+    vLLM's model runners note the model they load (fragment blending computes over it)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from worker.dataplane.connectors.vllm.blend_model import remember_loaded_models
+
+    remember_loaded_models()
 
     if CONNECTOR_NAME in KVConnectorFactory._registry:  # noqa: SLF001 - the factory's only membership test
         return

@@ -13,6 +13,9 @@ prints the path of its results JSON first and writes it again after each configu
 0 when every configuration was measured, else 1 (the table says why).
 `python3 -m benchmarks.scripts.gpu_side_by_side plan` prints the servers' commands and environment
 without starting anything (checked on CPU by tests/connectors/test_gpu_script.py).
+`python3 -m benchmarks.scripts.gpu_side_by_side checks` (after `install`, under a minute) runs the
+connector's tests that need CUDA (`CUDA_CHECKS`: the order of a GPU's layer-wise save copies
+against the next step's kernels, the page geometry of CUDA tensors); it exits 1 without a GPU.
 
 Configurations (one fresh server each, in turn, on the same checkpoint and KV space; each with
 the same CPU capacity, --cpu-gib):
@@ -73,9 +76,11 @@ VLLM_VERSION = "0.32.0"
 LMCACHE_VERSION = "0.5.6"
 """The LMCache release installed: its vLLM adapter's imports all exist in vLLM 0.32 (checked by
 reading them; `install` imports it and says so if it does not load)."""
-RUNTIME_DEPS = ("xxhash", "psutil", "PyYAML", "prometheus-client", "numpy", "rich", "openai", "redis")
+RUNTIME_DEPS = ("xxhash", "psutil", "PyYAML", "prometheus-client", "numpy", "rich", "openai", "redis", "pytest")
 """What this driver imports beyond vLLM's and Strata's own dependencies; the repository itself goes
 in with its dependencies' ranges, held to the torch and vLLM that vLLM brought (the constraints)."""
+CUDA_CHECKS = ("tests/connectors/test_gpu_ordering.py",)
+"""The connector's test modules whose CUDA cases `checks` runs (each needs no conftest)."""
 DEFAULT_VENV = Path("/tmp/strata-gpu-venv")
 DEFAULT_SCRATCH = Path("/tmp/strata-gpu-bench")
 
@@ -577,6 +582,20 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def checks(args: argparse.Namespace) -> int:
+    """The connector's tests that need CUDA, under the venv's python; 1 without a GPU."""
+    log = Log()
+    in_venv(args.venv, log)
+    import torch
+
+    if not torch.cuda.is_available():
+        log.say("checks: torch sees no CUDA GPU here; these tests need one")
+        return 1
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "--noconftest", "-p", "no:cacheprovider", *CUDA_CHECKS]
+    log.command(command)
+    return subprocess.run(command, cwd=REPO_ROOT).returncode
+
+
 def install(args: argparse.Namespace) -> int:
     log = Log()
     venv: Path = args.venv
@@ -646,10 +665,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("install", "create the GPU venv: vLLM (CUDA), LMCache, this repository"),
         ("run", "start each configuration's server in turn and measure it"),
         ("plan", "print the servers' commands and environment; start nothing"),
+        ("checks", "run the connector's tests that need CUDA"),
     ):
         sub = commands.add_parser(name, help=helped)
         sub.add_argument("--venv", type=Path, default=DEFAULT_VENV, help=f"the GPU venv (default {DEFAULT_VENV})")
-        if name == "install":
+        if name in ("install", "checks"):
             continue
         sub.add_argument(
             "--configs",
@@ -687,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sub.add_argument("--minutes", type=positive, default=8.0, help="wall-time budget of the run (default 8)")
             sub.add_argument("--out", type=Path, help="results JSON (default: in the run's scratch folder)")
     args = parser.parse_args(argv)
-    return {"install": install, "run": run, "plan": plan}[args.command](args)
+    return {"install": install, "run": run, "plan": plan, "checks": checks}[args.command](args)
 
 
 if __name__ == "__main__":

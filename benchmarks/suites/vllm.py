@@ -26,7 +26,9 @@ sessions again (`strata_host_from_tp2`): every hit is a block two ranks wrote. `
 the floor at two ranks, the bound of `strata_host_tp2`'s ratios.
 
 STRATA_BENCH_VLLM_CONFIGS (default: all) runs some of vllm, strata_host, example, strata_disk, floor,
-vllm_tp2, strata_host_tp2, floor_tp2; the ratios of configurations left out are not reported.
+vllm_tp2, strata_host_tp2, floor_tp2; STRATA_BENCH_VLLM_WORKLOADS (default: all) some of
+multiturn.c4, multiturn.c8, longdoc, nohit (strata_host_from_tp2 runs with multiturn.c4 only). The
+rows and ratios of what is left out are not reported.
 
 Sizes at scale 1: multi-turn with 4 and with 8 clients, 10 conversations x 6 turns (60 requests),
 each a 1536-token private context, 160-token user turns and 32-token answers; long documents: 3 of
@@ -45,7 +47,7 @@ from benchmarks.harness import Context, Row
 from benchmarks.runtime.database import scratch_database
 from benchmarks.runtime.servers import Server, vllm_cpu_server
 from benchmarks.workloads.sessions import Shape
-from benchmarks.workloads.vllm_api import CONFIGS, SKIPPED, run_config
+from benchmarks.workloads.vllm_api import CONFIGS, SKIPPED, WORKLOADS, run_config
 
 DESCRIPTION = "vLLM + Strata (host, disk) vs vLLM alone and vs ExampleConnector: multi-turn, long docs, no reuse"
 
@@ -81,9 +83,33 @@ def chosen_configs() -> list[str]:
     return [c for c in ORDER if c in chosen]
 
 
+def chosen_workloads() -> list[str]:
+    """The workloads each configuration runs (STRATA_BENCH_VLLM_WORKLOADS, default all), in order."""
+    chosen = [w.strip() for w in os.environ.get("STRATA_BENCH_VLLM_WORKLOADS", ",".join(WORKLOADS)).split(",")]
+    chosen = [w for w in chosen if w]
+    unknown = sorted(set(chosen) - set(WORKLOADS))
+    if unknown or not chosen:
+        raise ValueError(
+            f"STRATA_BENCH_VLLM_WORKLOADS: unknown workload(s) {', '.join(unknown) or '(none given)'}; "
+            f"expected some of {', '.join(WORKLOADS)}"
+        )
+    return [w for w in WORKLOADS if w in chosen]
+
+
 def expected_rows(ctx: Context) -> list[str]:
-    """Every chosen configuration's own numbers on each workload it serves, and each ratio whose
-    two configurations both ran."""
+    """Every chosen configuration's own numbers on each chosen workload it serves, and each ratio
+    whose two configurations both ran it."""
+    workloads = chosen_workloads()
+    return [row for row in _expected_rows() if _workload_of(row) in workloads]
+
+
+def _workload_of(row: str) -> str:
+    """The workload of a row named `vllm.<workload>.<config>...` (a multi-turn one names its clients)."""
+    parts = row.split(".")
+    return ".".join(parts[1:3]) if parts[1] == "multiturn" else parts[1]
+
+
+def _expected_rows() -> list[str]:
     chosen = chosen_configs()
     patterns = [f"vllm.multiturn.c{clients}.{config}.ttft_mean_s" for config in chosen for clients in (4, 8)]
     patterns += [f"vllm.longdoc.{config}.ttft_mean_s" for config in chosen if "longdoc" not in SKIPPED.get(config, {})]
@@ -151,6 +177,7 @@ def scratch_control_plane(ctx: Context) -> Iterator[tuple[dict[str, str], Path, 
 
 def run(ctx: Context) -> list[Row]:
     chosen = chosen_configs()
+    workloads = chosen_workloads()
     shape = Shape.at(ctx.scale)
     ctx.params.update(
         pages=shape.pages,
@@ -177,8 +204,8 @@ def run(ctx: Context) -> list[Row]:
                     env=env,
                     logs=logs,
                 ) as served:
-                    results[config] = run_config(served, shape, ctx.log)
-                    if config == "strata_host_tp2":
+                    results[config] = run_config(served, shape, ctx.log, workloads=workloads)
+                    if config == "strata_host_tp2" and "multiturn.c4" in workloads:
                         served.stop()
                         try:
                             results[FROM_TP2] = from_tp2(served, checkpoint, shape, ctx, env, logs)

@@ -19,7 +19,7 @@ Configurations, each a fresh server on the same checkpoint and KV space
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from benchmarks.runtime.servers import Server
@@ -105,10 +105,19 @@ SKIPPED = {
 """Workloads a configuration cannot serve, and why."""
 
 
+WORKLOADS = ("multiturn.c4", "multiturn.c8", "longdoc", "nohit")
+"""The workloads of a `vllm` suite configuration, in the order they run."""
+
+
 def run_config(
-    server: Server, shape: Shape, progress: Callable[[str], None], *, replay: bool = False
+    server: Server,
+    shape: Shape,
+    progress: Callable[[str], None],
+    *,
+    replay: bool = False,
+    workloads: Collection[str] = WORKLOADS,
 ) -> dict[str, dict[str, float]]:
-    """Every workload against one server; per workload, its summary. A fresh server compiles its
+    """The `workloads` (default: every one) against one server; per workload, its summary. A fresh server compiles its
     kernels for the shapes it meets first: a few untimed requests of the workloads' sizes (prompts
     no workload shares) go first. With `replay`, only the 4-client multi-turn sessions, which a
     server of the same node served before (`Server(after=...)`)."""
@@ -124,6 +133,8 @@ def run_config(
         results["multiturn.c4"] = summary(*drive(server.base, server.model, multiturn_sessions(shape, seed=14), 4))
         return results
     for clients in (4, 8):
+        if f"multiturn.c{clients}" not in workloads:
+            continue
         sessions = multiturn_sessions(shape, seed=10 + clients)
         progress(
             f"vllm: {server.label}: multi-turn, {clients} clients, {shape.conversations} conversations x "
@@ -131,7 +142,9 @@ def run_config(
         )
         results[f"multiturn.c{clients}"] = summary(*drive(server.base, server.model, sessions, clients))
     skipped = SKIPPED.get(server.config, {})
-    if "longdoc" in skipped:
+    if "longdoc" not in workloads:
+        pass
+    elif "longdoc" in skipped:
         progress(f"vllm: {server.label}: long documents not run: {skipped['longdoc']}")
     else:
         progress(
@@ -142,8 +155,9 @@ def run_config(
         results["longdoc"] = summary(
             *drive(server.base, server.model, longdoc_sessions(shape, seed=30, ask=1), clients=1)
         )
-    progress(f"vllm: {server.label}: {shape.nohit_requests} prompts with nothing to reuse")
-    results["nohit"] = summary(*drive(server.base, server.model, nohit_sessions(shape, seed=40), clients=4))
+    if "nohit" in workloads:
+        progress(f"vllm: {server.label}: {shape.nohit_requests} prompts with nothing to reuse")
+        results["nohit"] = summary(*drive(server.base, server.model, nohit_sessions(shape, seed=40), clients=4))
     kept = server.keep_traces()
     if kept is not None:
         progress(f"vllm: {server.label}: the connector's request timelines are in {kept}")

@@ -160,6 +160,8 @@ def node(directory_db, checkpoint) -> Iterator[Node]:
             "status_port": free_port(),
             "node_admin_key": f"admin-{name}",
             "client_namespaces": True,  # the tests name tenants' namespaces in kv_transfer_params
+            # STRATA_TEST_BLEND=1: the same tests with fragment reuse on (prefix hits keep their exact path).
+            "blend": os.environ.get("STRATA_TEST_BLEND") == "1",
         }
         yield Node(name=name, extra=extra, remote=remote, checkpoint=checkpoint)
     finally:
@@ -216,3 +218,24 @@ def strata(node, vllm_environment) -> Iterator[Any]:
     llm = _llm(node.checkpoint, node_env(vllm_environment, node.name), transfer)
     yield llm
     llm.llm_engine.engine_core.shutdown()
+
+
+def host_only_transfer(node_name: str, pool: str, **extra: Any) -> Any:
+    """A KVTransferConfig of StrataConnector on the host tier alone (no directory): `extra` adds or
+    overrides node options (`host_bytes` 8MiB and `block_tokens` 64 unless given)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="StrataConnectorBase",
+        kv_connector_module_path="worker.dataplane.connectors.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "node_name": node_name,
+            "tiers": "host",
+            "host_pool_name": pool,
+            "host_bytes": "8MiB",
+            "block_tokens": 64,
+            **extra,
+        },
+    )

@@ -62,7 +62,6 @@ def run_round(llm: Any, asks: Sequence[Ask], lora_paths: dict[str, str]) -> list
 
 
 def _generate(llm: Any, asks: Sequence[Ask], lora_paths: dict[str, str]) -> list[Answer]:
-    from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     adapters = {
@@ -74,30 +73,30 @@ def _generate(llm: Any, asks: Sequence[Ask], lora_paths: dict[str, str]) -> list
         if ask.salt:
             prompt["cache_salt"] = ask.salt
         prompts.append(prompt)
-        extra = {"kv_transfer_params": dict(ask.params)} if ask.params else None
-        params.append(
-            SamplingParams(
-                max_tokens=ask.max_tokens,
-                temperature=0,
-                ignore_eos=True,
-                logprobs=TOP_K,
-                detokenize=False,
-                extra_args=extra,
-            )
-        )
+        params.append(sampling(ask))
         loras.append(adapters[ask.adapter] if ask.adapter else None)
     outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-    answers = []
-    for output in outputs:
-        completion = output.outputs[0]
-        answers.append(
-            Answer(
-                tokens=list(completion.token_ids),
-                logprobs=[{token: float(lp.logprob) for token, lp in step.items()} for step in completion.logprobs],
-                cached=int(output.num_cached_tokens or 0),
-            )
-        )
-    return answers
+    return [answer_of(output) for output in outputs]
+
+
+def sampling(ask: Ask) -> Any:
+    """The sampling parameters of every request of the protocol: greedy, top-k logprobs."""
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": dict(ask.params)} if ask.params else None
+    return SamplingParams(
+        max_tokens=ask.max_tokens, temperature=0, ignore_eos=True, logprobs=TOP_K, detokenize=False, extra_args=extra
+    )
+
+
+def answer_of(output: Any) -> Answer:
+    """A finished vLLM RequestOutput as an Answer."""
+    completion = output.outputs[0]
+    return Answer(
+        tokens=list(completion.token_ids),
+        logprobs=[{token: float(lp.logprob) for token, lp in step.items()} for step in completion.logprobs],
+        cached=int(output.num_cached_tokens or 0),
+    )
 
 
 def deviation(reference: Answer, other: Answer) -> float:
@@ -191,3 +190,34 @@ class Sharing:
         for ask in asks:
             self.seen.setdefault(ask.scope, []).append(ask.prompt)
         return problems
+
+
+class Reference:
+    """vLLM alone's answers to each round, and how far vLLM alone strays from them when it serves
+    the rounds again (its own prefix cache, other batches): the tolerance of every comparison."""
+
+    def __init__(self, llm: Any, adapters: dict[str, str]) -> None:
+        self.llm = llm
+        self.adapters = adapters
+        self.answers: dict[str, list[Answer]] = {}
+        self.noise = 0.0
+
+    def of(self, name: str, asks: list[Ask]) -> list[Answer]:
+        if name not in self.answers:
+            self.answers[name] = run_round(self.llm, asks, self.adapters)
+        return self.answers[name]
+
+    def measure(self, rounds: dict[str, list[Ask]]) -> float:
+        """Serve every round once more, and a few of its requests twice in a row (the second time
+        from vLLM's own prefix cache: the rounds are larger than its pages, so they rarely hit
+        there), and keep the largest deviation from the first answers."""
+        for name, asks in rounds.items():
+            first = self.of(name, asks)
+            again = run_round(self.llm, asks, self.adapters)
+            self.noise = max(self.noise, *(deviation(a, b) for a, b in zip(first, again, strict=True)))
+            warm = asks[:3]
+            run_round(self.llm, warm, self.adapters)
+            cached = run_round(self.llm, warm, self.adapters)
+            assert any(answer.cached for answer in cached), "vLLM's own prefix cache was meant to serve these"
+            self.noise = max(self.noise, *(deviation(a, b) for a, b in zip(first, cached, strict=False)))
+        return tolerance(self.noise)

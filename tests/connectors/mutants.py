@@ -29,7 +29,7 @@ from typing import Any
 
 from worker.dataplane.connectors import staging
 from worker.dataplane.connectors.vllm import connector as connector_module
-from worker.dataplane.connectors.vllm import scheduler_half, sharding
+from worker.dataplane.connectors.vllm import lookups, sharding
 from worker.dataplane.connectors.vllm.requests import scope_of
 from worker.dataplane.errors import BlockCorrupt
 from worker.dataplane.models.checkpoints import WEIGHT_SUFFIXES
@@ -70,7 +70,7 @@ class LoraKeyingOff(FaultyStrataConnector):
             scope = scope_of(request, adapters, wait=wait)
             return None if scope is None else dataclasses.replace(scope, adapter="")
 
-        scheduler_half.scope_of = without_adapter  # type: ignore[attr-defined]
+        lookups.scope_of = without_adapter  # type: ignore[attr-defined]
 
 
 class SaltKeyingOff(FaultyStrataConnector):
@@ -79,7 +79,7 @@ class SaltKeyingOff(FaultyStrataConnector):
             scope = scope_of(request, adapters, wait=wait)
             return None if scope is None else dataclasses.replace(scope, salt="")
 
-        scheduler_half.scope_of = without_salt  # type: ignore[attr-defined]
+        lookups.scope_of = without_salt  # type: ignore[attr-defined]
 
 
 def metadata_revision(path: Path) -> str:

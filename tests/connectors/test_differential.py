@@ -36,8 +36,8 @@ import pytest
 
 from tests.connectors.conftest import environment
 from tests.connectors.differential import (
-    Answer,
     Ask,
+    Reference,
     Sharing,
     compare,
     deviation,
@@ -322,37 +322,6 @@ def plain(checkpoints, adapters, vllm_environment) -> Iterator[Any]:
     llm = engine(checkpoints.x, vllm_environment, adapters)
     yield llm
     shutdown(llm)
-
-
-class Reference:
-    """vLLM alone's answers to each round, and how far vLLM alone strays from them when it serves
-    the rounds again (its own prefix cache, other batches): the tolerance of every comparison."""
-
-    def __init__(self, llm: Any, adapters: dict[str, str]) -> None:
-        self.llm = llm
-        self.adapters = adapters
-        self.answers: dict[str, list[Answer]] = {}
-        self.noise = 0.0
-
-    def of(self, name: str, asks: list[Ask]) -> list[Answer]:
-        if name not in self.answers:
-            self.answers[name] = run_round(self.llm, asks, self.adapters)
-        return self.answers[name]
-
-    def measure(self, rounds: dict[str, list[Ask]]) -> float:
-        """Serve every round once more, and a few of its requests twice in a row (the second time
-        from vLLM's own prefix cache: the rounds are larger than its pages, so they rarely hit
-        there), and keep the largest deviation from the first answers."""
-        for name, asks in rounds.items():
-            first = self.of(name, asks)
-            again = run_round(self.llm, asks, self.adapters)
-            self.noise = max(self.noise, *(deviation(a, b) for a, b in zip(first, again, strict=True)))
-            warm = asks[:3]
-            run_round(self.llm, warm, self.adapters)
-            cached = run_round(self.llm, warm, self.adapters)
-            assert any(answer.cached for answer in cached), "vLLM's own prefix cache was meant to serve these"
-            self.noise = max(self.noise, *(deviation(a, b) for a, b in zip(first, cached, strict=False)))
-        return tolerance(self.noise)
 
 
 @pytest.fixture(scope="module")

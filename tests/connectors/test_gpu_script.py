@@ -135,3 +135,11 @@ def test_configs_refuses_a_bad_list_naming_it(configs, named):
     assert done.returncode == 2
     assert "--configs" in done.stderr
     assert named in done.stderr
+
+
+def test_checks_refuse_to_pass_without_a_gpu():
+    """`checks` runs the connector's CUDA tests; on a machine without CUDA it says so and fails,
+    never passing on tests that were skipped."""
+    done = script("checks", "--venv", sys.prefix)
+    assert done.returncode == 1
+    assert "torch sees no CUDA GPU here" in done.stdout + done.stderr

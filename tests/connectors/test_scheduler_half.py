@@ -62,8 +62,40 @@ class Request:
 
     num_output_tokens = 0
 
+    finished: bool = False
+    status: Any = None
+    num_computed_tokens: int = 0
+
+    def is_finished(self) -> bool:
+        return self.finished
+
     def get_finished_reason(self) -> str:
         return "length"
+
+
+class PrefixCache:
+    """What the scheduler half uses of vLLM's KV cache manager: the pages it takes out of the
+    prefix cache, and those it puts back."""
+
+    def __init__(self) -> None:
+        self.evicted: list[set[int]] = []
+        self.tables: dict[str, list[int]] = {}
+        self.cached: list[tuple[str, int, int]] = []
+        self.block_pool = SimpleNamespace(cache_full_blocks=self.cache_full_blocks)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.evicted.append(set(block_ids))
+
+    def get_blocks(self, request_id: str) -> Any:
+        hashed = set().union(*self.evicted) if self.evicted else set()
+        table = [
+            SimpleNamespace(block_id=page, block_hash=None if page in hashed else b"h")
+            for page in self.tables[request_id]
+        ]
+        return SimpleNamespace(blocks=(table,))
+
+    def cache_full_blocks(self, request, blocks, first, end, page_tokens, group) -> None:  # noqa: ANN001
+        self.cached.append((request.request_id, first, end))
 
 
 class Directory:
@@ -118,6 +150,7 @@ def make_half(tmp_path: Path, shm_name: str, directory: Any = None, **options: A
     scheduler = SchedulerHalf(
         Runtime(config=config, profile=PROFILE, store=store, directory=None, manager=manager), page_tokens=16
     )
+    scheduler.bind_prefix_cache(PrefixCache())  # type: ignore[arg-type]
     return scheduler, directory, store
 
 
@@ -614,3 +647,120 @@ def test_a_request_whose_load_failed_is_offered_nothing_more(async_half):
     failed = LoadReport([], [], 0.1, [], {"host": 2}, failure="layer 0: block 1 could not be loaded")
     scheduler.update(SimpleNamespace(kv_connector_worker_meta=StrataWorkerMeta(loads={hit.request_id: failed})))
     assert scheduler.matched_tokens(hit, 0) == 0 and not scheduler.asynchronous(hit)
+
+
+def test_the_pages_a_synchronous_load_fills_leave_vllm_s_prefix_cache_at_once(half):
+    """vLLM caches a synchronous load's pages as it allocates them, before the load has run: they
+    leave its prefix cache at once (so no request scheduled meanwhile is handed them as a local
+    hit), from the first page the load fills to the request's last; vLLM's own hit stays."""
+    scheduler, _ = half
+    cache = scheduler.loaded_pages.kv_cache_manager
+    hit = Request(uuid.uuid4().hex, prompt(3 * 32 + 5))
+    stored(scheduler, hit, 3)
+    for _ in range(200):  # vLLM's own cache held the first page (16 tokens)
+        answer = scheduler.matched_tokens(hit, 16)
+        if answer is not None:
+            break
+        threading.Event().wait(0.01)
+    assert answer == 3 * 32 - 16 and not scheduler.asynchronous(hit)
+    table = [40, 41, 42, 43, 44, 45, 46, 47]
+    scheduler.allocated(hit, answer, table)  # type: ignore[arg-type]
+    assert cache.evicted == [set(table[1:])]
+
+
+def test_a_load_reported_whole_puts_its_pages_back_and_a_failed_one_never(half):
+    """Once the worker reports a synchronous load whole, its pages (full ones, as far as the
+    request has computed) go back into vLLM's prefix cache; a failed load's pages never do, nor
+    those of a request that no longer runs on the same pages."""
+    from vllm.v1.request import RequestStatus
+
+    from worker.dataplane.connectors.vllm.metadata import LoadReport, StrataWorkerMeta
+
+    scheduler, _ = half
+    cache = scheduler.loaded_pages.kv_cache_manager
+    outcomes = {}
+    for label, failure, moved in (
+        ("whole", "", False),
+        ("failed", "block 1: checksum mismatch", False),
+        ("moved", "", True),
+    ):
+        hit = Request(uuid.uuid4().hex, prompt(3 * 32 + 5), status=RequestStatus.RUNNING)
+        stored(scheduler, hit, 3)
+        assert answer_of(scheduler, hit) == 3 * 32
+        table = [10, 11, 12, 13, 14, 15, 16]
+        cache.tables[hit.request_id] = [99, *table[1:]] if moved else table
+        scheduler.allocated(hit, 3 * 32, table)  # type: ignore[arg-type]
+        hit.num_computed_tokens = 3 * 32 + 5  # the step computed the rest of the prompt
+        report = LoadReport([], [], 0.1, [], {"host": 3}, failure=failure)
+        before = len(cache.cached)
+        scheduler.update(SimpleNamespace(kv_connector_worker_meta=StrataWorkerMeta(loads={hit.request_id: report})))
+        outcomes[label] = cache.cached[before:]
+    assert [(first, end) for _, first, end in outcomes["whole"]] == [(0, 6)]  # 101 tokens: 6 full pages
+    assert outcomes["failed"] == [] and outcomes["moved"] == []
+
+
+def test_an_asynchronous_load_s_pages_stay_with_vllm_which_caches_them_once_loaded(async_half):
+    scheduler = async_half
+    hit = Request(uuid.uuid4().hex, prompt(2 * 32 + 5))
+    stored(scheduler, hit, 2)
+    assert answer_of(scheduler, hit) == 2 * 32 and scheduler.asynchronous(hit)
+    scheduler.allocated(hit, 2 * 32, [1, 2, 3, 4, 5])  # type: ignore[arg-type]
+    assert scheduler.loaded_pages.kv_cache_manager.evicted == []
+
+
+def test_until_vllm_binds_its_cache_manager_every_load_runs_outside_the_step(tmp_path: Path, shm_name: str):
+    scheduler, directory, store = make_half(tmp_path, shm_name)
+    try:
+        directory.release.set()
+        scheduler.loaded_pages = None
+        hit = Request(uuid.uuid4().hex, prompt(2 * 32 + 5))
+        stored(scheduler, hit, 2)
+        assert answer_of(scheduler, hit) == 2 * 32 and scheduler.asynchronous(hit)
+    finally:
+        scheduler.close()
+        store.close()
+
+
+def test_each_step_is_numbered_with_the_last_report_its_plan_had_read(half):
+    from worker.dataplane.connectors.vllm.metadata import StrataWorkerMeta
+
+    scheduler, _ = half
+    first, second = scheduler.build(output_of()), scheduler.build(output_of())
+    assert (first.step, first.reported, second.step, second.reported) == (1, 0, 2, 0)
+    scheduler.update(SimpleNamespace(kv_connector_worker_meta=StrataWorkerMeta(step=1)))
+    third = scheduler.refused(output_of(), "the step could not be planned")
+    assert (third.step, third.reported) == (3, 1)
+    scheduler.update(SimpleNamespace(kv_connector_worker_meta=StrataWorkerMeta(step=3)))
+    scheduler.update(SimpleNamespace(kv_connector_worker_meta=StrataWorkerMeta(step=2)))  # late: changes nothing
+    assert scheduler.build(output_of()).reported == 3
+
+
+def test_a_request_that_ends_while_its_load_runs_is_named_to_the_worker(async_half):
+    """vLLM frees the pages of a request that ended while its asynchronous load runs only once the
+    worker reports that load finished: the next step names it, and the worker gives it up."""
+    scheduler = async_half
+    hit = Request(uuid.uuid4().hex, prompt(2 * 32 + 5))
+    stored(scheduler, hit, 2)
+    assert answer_of(scheduler, hit) == 2 * 32
+    scheduler.allocated(hit, 2 * 32, [1, 2, 3, 4, 5])  # type: ignore[arg-type]
+    assert [load.request_id for load in scheduler.build(output_of()).loads] == [hit.request_id]
+    hit.finished = True
+    scheduler.finished(hit)  # type: ignore[arg-type]
+    assert scheduler.build(output_of()).aborted == [hit.request_id]
+    assert scheduler.build(output_of()).aborted == []
+
+
+def test_a_request_that_ended_before_its_load_was_handed_over_is_refused_not_read(async_half):
+    scheduler = async_half
+    hit = Request(uuid.uuid4().hex, prompt(2 * 32 + 5))
+    stored(scheduler, hit, 2)
+    assert answer_of(scheduler, hit) == 2 * 32
+    scheduler.allocated(hit, 2 * 32, [1, 2, 3, 4, 5])  # type: ignore[arg-type]
+    hit.finished = True
+    scheduler.finished(hit)  # type: ignore[arg-type]
+    (load,) = scheduler.build(output_of()).loads
+    assert (load.asynchronous, load.refused, load.pages) == (
+        True,
+        "the request ended before its load started",
+        [1, 2, 3, 4, 5],
+    )

@@ -5,6 +5,7 @@ rank would save), and serve one, two and four ranks, and two stages."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import uuid
 from collections.abc import Callable
@@ -84,7 +85,7 @@ def halves(runtime: Runtime, kv: dict[str, torch.Tensor], ranks: int, stages: in
         )
         half = WorkerHalf(runtime, shard=shard, gather=None if shard.whole else group.gather_for(index))
         own = rank_pages(kv, shard)
-        half.register(own, dict.fromkeys(own, "CPU_ATTN"), lambda name: int(name.split(".")[2]))
+        half.register(own, dict.fromkeys(own, "cpu-vec"), lambda name: int(name.split(".")[2]))
         result.append(half)
     return result
 
@@ -130,7 +131,7 @@ def loading(keys: list[uuid.UUID], pages: list[int], end: int) -> StrataMetadata
 
 
 def whole_blocks(kv: dict[str, torch.Tensor], keys: list[uuid.UUID], pages: list[int]) -> list[torch.Tensor]:
-    paged = PagedKV(list(kv.values()), kind="rows", layout=LAYOUT)
+    paged = PagedKV(list(kv.values()), kind="cpu-vec", layout=LAYOUT)
     blocks = []
     for index in range(len(keys)):
         block = LAYOUT.empty()
@@ -187,7 +188,7 @@ def test_blocks_written_at_two_ranks_serve_one_two_and_four(runtime, readers):
         paged = half.paged
         assert paged is not None
         shard = half.shard
-        theirs = PagedKV(list(rank_pages(source, shard).values()), kind="rows", layout=half.share_layout)
+        theirs = PagedKV(list(rank_pages(source, shard).values()), kind="cpu-vec", layout=half.share_layout)
         for layer in range(LAYOUT.layers):
             assert torch.equal(paged.k[layer][pages], theirs.k[layer][:8])
             assert torch.equal(paged.v[layer][pages], theirs.v[layer][:8])
@@ -207,6 +208,47 @@ def test_a_rank_that_cannot_copy_its_share_stores_nothing_and_stalls_no_one(runt
     step(ranks, saving(keys, list(range(4))))
     assert not runtime.store.tier("host").contains(keys[0])
     assert runtime.manager.counters.get("write_back.incomplete") == 1
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_block_computed_over_pages_one_rank_failed_to_load_is_stored_by_no_rank(runtime, layerwise):
+    """Only the rank whose read failed knows, when the step ends, that its pages hold the wrong KV:
+    it marks its share of the step's new block poisoned, and the first rank stores none of it."""
+    kv = model_pages()
+    present = [uuid.uuid4()]
+    ranks = halves(runtime, kv, 2)
+    step(ranks, saving(present, list(range(4))))
+    for half in ranks:
+        half.layerwise_saves = layerwise
+    failing = ranks[1]
+    real_read = failing.manager.store.get_layers
+
+    def corrupt_here(keys, **kwargs):  # noqa: ANN001, ANN003 - this rank's copy fails its checksum
+        from concurrent.futures import Future
+
+        from worker.dataplane.errors import BlockCorrupt
+
+        futures = real_read(keys, **kwargs)
+        for i, key in enumerate(keys):
+            futures[i].exception()
+            failed: Future = Future()
+            failed.set_exception(BlockCorrupt(key, tier="host", reason="checksum mismatch on this rank"))
+            futures[i] = failed
+        return futures
+
+    failing.manager = copy.copy(failing.manager)
+    failing.manager.store = copy.copy(failing.manager.store)
+    failing.manager.store.get_layers = corrupt_here  # type: ignore[method-assign]
+    meta = loading(present, list(range(8, 16)), LAYOUT.block_tokens)
+    new = uuid.uuid4()
+    meta.saves = [
+        SaveSpec(request_id="q", namespace="default", pages=list(range(8, 16)), blocks=[(1, new, uuid.uuid4())])
+    ]
+    meta.step = 2
+    step(ranks, meta)
+    assert failing.take_invalid() == set(range(8, 12)) and ranks[0].take_invalid() == set()
+    assert not runtime.store.tier("host").contains(new)
+    assert runtime.manager.counters.get("write_back.poisoned") >= 1
 
 
 def test_a_load_that_failed_on_one_rank_failed_for_the_step():
@@ -287,7 +329,7 @@ def test_blocks_written_at_one_rank_serve_two_stages_of_two_ranks(runtime):
         assert half.take_report().loads["q"].failure == ""
         paged = half.paged
         assert paged is not None
-        theirs = PagedKV(list(rank_pages(source, half.shard).values()), kind="rows", layout=half.share_layout)
+        theirs = PagedKV(list(rank_pages(source, half.shard).values()), kind="cpu-vec", layout=half.share_layout)
         assert len(paged.k) == 1  # the stage's one layer
         assert torch.equal(paged.k[0][pages], theirs.k[0][:8])
         assert torch.equal(paged.v[0][pages], theirs.v[0][:8])
@@ -301,4 +343,4 @@ def test_a_rank_s_kv_caches_must_be_its_stage_s_layers(runtime):
     )
     wrong = rank_pages(model_pages(), Shard(rank=0, ranks=1, kv_heads=4, stage=0, stages=STAGES))
     with pytest.raises(ValueError, match=r"KV caches are of layers \[0\], its pipeline stage holds layers 1..1"):
-        half.register(wrong, dict.fromkeys(wrong, "CPU_ATTN"), lambda name: int(name.split(".")[2]))
+        half.register(wrong, dict.fromkeys(wrong, "cpu-vec"), lambda name: int(name.split(".")[2]))

@@ -97,6 +97,8 @@ def test_the_tap_gives_what_grew_since_vllm_last_asked():
         ("write_back.host.stored", "vllm:strata_saved_blocks", ("host",)),
         ("write_back.host.full", "vllm:strata_dropped_saves", ("full",)),
         ("write_back.incomplete", "vllm:strata_dropped_saves", ("incomplete",)),
+        ("write_back.poisoned", "vllm:strata_dropped_saves", ("poisoned",)),
+        ("uncached.unplaced", "vllm:strata_uncached_requests", ("unplaced",)),
         ("write_back.inline", "vllm:strata_inline_saves", ()),
         ("eviction.disk.ttl", "vllm:strata_evictions", ("disk", "ttl")),
         ("uncached.field.kv_hints", "vllm:strata_uncached_requests", ("field.kv_hints",)),

@@ -43,7 +43,7 @@ def engine_pages(pages: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
 def worker_for(runtime: Runtime, kv: dict[str, torch.Tensor], **options) -> WorkerHalf:
     """A worker half on `kv` as vLLM registers it (CPU_ATTN pages)."""
     half = WorkerHalf(runtime, **options)
-    half.register(kv, dict.fromkeys(kv, "CPU_ATTN"), lambda name: int(name.split(".")[2]))
+    half.register(kv, dict.fromkeys(kv, "cpu-vec"), lambda name: int(name.split(".")[2]))
     return half
 
 
@@ -84,7 +84,7 @@ def test_saved_blocks_hold_the_pages_bytes(runtime, layerwise):
         ),
     )
     assert half.take_report().saved == {"r": 2}
-    expected = PagedKV(list(kv.values()), kind="rows", layout=LAYOUT)
+    expected = PagedKV(list(kv.values()), kind="cpu-vec", layout=LAYOUT)
     for index, key in enumerate(keys):
         want, got = LAYOUT.empty(), LAYOUT.empty()
         expected.gather(want, index=index, pages=pages)
@@ -166,14 +166,14 @@ def test_loads_scatter_every_layer_and_report_the_stalls(runtime):
     report = reader.take_report()
     assert report.loads["q"].failure == "" and len(report.loads["q"].stalls) == LAYOUT.layers
     assert reader.take_invalid() == set()
-    got = PagedKV(list(target.values()), kind="rows", layout=LAYOUT)
-    want = PagedKV(list(source.values()), kind="rows", layout=LAYOUT)
+    got = PagedKV(list(target.values()), kind="cpu-vec", layout=LAYOUT)
+    want = PagedKV(list(source.values()), kind="cpu-vec", layout=LAYOUT)
     for layer in range(LAYOUT.layers):
         for token in (8, 31, 32, 60):
             page_got, page_want = pages[token // PAGE], token // PAGE
             assert torch.equal(got.k[layer][page_got, token % PAGE], want.k[layer][page_want, token % PAGE])
             assert torch.equal(got.v[layer][page_got, token % PAGE], want.v[layer][page_want, token % PAGE])
-    untouched = PagedKV(list(engine_pages(seed=2).values()), kind="rows", layout=LAYOUT)
+    untouched = PagedKV(list(engine_pages(seed=2).values()), kind="cpu-vec", layout=LAYOUT)
     assert torch.equal(got.k[0][30], untouched.k[0][30])  # the engine's own page
     assert torch.equal(got.k[0][17, 5:], untouched.k[0][17, 5:])  # token 61 on: computed by the engine
     assert torch.equal(got.v[0][17, 5:], untouched.v[0][17, 5:])
@@ -251,7 +251,7 @@ def test_a_block_read_from_l3_must_carry_the_checksum_the_scheduler_sent(tmp_pat
         assert runtime.manager.verifies_remote
         remote = runtime.store.tier("remote")
         source = engine_pages(seed=3)
-        want = PagedKV(list(source.values()), kind="rows", layout=LAYOUT)
+        want = PagedKV(list(source.values()), kind="cpu-vec", layout=LAYOUT)
         keys, sums = [uuid.uuid4(), uuid.uuid4()], []
         for index, key in enumerate(keys):
             block = LAYOUT.empty()
@@ -279,7 +279,7 @@ def test_a_block_read_from_l3_must_carry_the_checksum_the_scheduler_sent(tmp_pat
 
         genuine = load(sums)
         assert genuine.take_invalid() == set() and genuine.take_report().loads["q"].failure == ""
-        got = PagedKV(list(target.values()), kind="rows", layout=LAYOUT)
+        got = PagedKV(list(target.values()), kind="cpu-vec", layout=LAYOUT)
         for layer in range(LAYOUT.layers):
             for token in (0, 33, 62):
                 page_got, page_want = pages[token // PAGE], token // PAGE
@@ -381,13 +381,13 @@ def test_a_load_larger_than_the_staging_budget_goes_in_pieces(tmp_path: Path, sh
         reader.finish_step()
         assert reader.take_invalid() == set()
         assert reader.take_report().loads["q"].failure == ""
-        got = PagedKV(list(target.values()), kind="rows", layout=LAYOUT)
-        want = PagedKV(list(source.values()), kind="rows", layout=LAYOUT)
+        got = PagedKV(list(target.values()), kind="cpu-vec", layout=LAYOUT)
+        want = PagedKV(list(source.values()), kind="cpu-vec", layout=LAYOUT)
         for layer in range(LAYOUT.layers):
             assert torch.equal(got.k[layer][pages[1:]], want.k[layer][1:12])
             assert torch.equal(got.v[layer][pages[1:]], want.v[layer][1:12])
         assert torch.equal(
-            got.k[0][20], PagedKV(list(engine_pages(seed=2).values()), kind="rows", layout=LAYOUT).k[0][20]
+            got.k[0][20], PagedKV(list(engine_pages(seed=2).values()), kind="cpu-vec", layout=LAYOUT).k[0][20]
         )
 
 
@@ -439,8 +439,8 @@ def test_an_asynchronous_load_fills_the_pages_beside_the_steps(runtime):
     ended(reader, "q")
     assert reader.take_invalid() == set()
     assert reader.take_report().loads["q"].failure == ""
-    got = PagedKV(list(target.values()), kind="rows", layout=LAYOUT)
-    want = PagedKV(list(source.values()), kind="rows", layout=LAYOUT)
+    got = PagedKV(list(target.values()), kind="cpu-vec", layout=LAYOUT)
+    want = PagedKV(list(source.values()), kind="cpu-vec", layout=LAYOUT)
     for layer in range(LAYOUT.layers):
         assert torch.equal(got.k[layer][pages], want.k[layer][:8])
         assert torch.equal(got.v[layer][pages], want.v[layer][:8])
@@ -507,7 +507,7 @@ def test_saved_blocks_are_stored_outside_the_step_from_the_copy_taken_in_it(runt
     host = runtime.store.tier("host")
     gate, entered = held_puts(monkeypatch, runtime)
     kv = engine_pages()
-    want = PagedKV([page.clone() for page in kv.values()], kind="rows", layout=LAYOUT)
+    want = PagedKV([page.clone() for page in kv.values()], kind="cpu-vec", layout=LAYOUT)
     half = worker_for(runtime, kv)
     keys = [uuid.uuid4(), uuid.uuid4()]
     half.bind(saving("r", keys, pages=list(range(8))))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -117,3 +119,20 @@ def test_every_suite_declares_the_rows_it_must_produce() -> None:
         module = harness.load(name)  # raises when a suite declares none
         context = harness.Context(scale=harness.SMOKE_SCALE, repeats=1, scratch=Path("."))
         assert harness.expected_rows(module, context), name
+
+
+def test_the_vllm_suite_runs_the_workloads_chosen_and_refuses_an_unknown_one_by_name(monkeypatch) -> None:
+    from benchmarks.suites import vllm as suite
+
+    monkeypatch.setenv("STRATA_BENCH_VLLM_CONFIGS", "vllm_tp2,strata_host_tp2")
+    monkeypatch.setenv("STRATA_BENCH_VLLM_WORKLOADS", "multiturn.c8")
+    assert suite.expected_rows(None) == [  # type: ignore[arg-type]
+        "vllm.multiturn.c8.vllm_tp2.ttft_mean_s",
+        "vllm.multiturn.c8.strata_host_tp2.ttft_mean_s",
+        "vllm.multiturn.c8.strata_host_tp2.ttft_vs_vllm_tp2",
+    ]
+    monkeypatch.setenv("STRATA_BENCH_VLLM_WORKLOADS", "nohit, multiturn.c9")
+    with pytest.raises(ValueError, match=r"unknown workload\(s\) multiturn\.c9; expected some of multiturn\.c4"):
+        suite.chosen_workloads()
+    monkeypatch.delenv("STRATA_BENCH_VLLM_WORKLOADS")
+    assert suite.chosen_workloads() == ["multiturn.c4", "multiturn.c8", "longdoc", "nohit"]

@@ -8,6 +8,7 @@ non-overlapping set that reuses the most blocks, the faster tiers winning ties.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import uuid
@@ -44,6 +45,33 @@ class Fragment:
     @property
     def shift(self) -> int:
         return self.start - self.source_position
+
+
+class ContentIndex:
+    """Content key -> (storage key, position it was computed at) of the blocks this node stored,
+    the least recently used forgotten first beyond `entries`."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._stored: collections.OrderedDict[uuid.UUID, tuple[uuid.UUID, int]] = collections.OrderedDict()
+
+    def __contains__(self, content_key: object) -> bool:
+        return content_key in self._stored
+
+    def __getitem__(self, content_key: uuid.UUID) -> tuple[uuid.UUID, int]:
+        return self._stored[content_key]
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def touch(self, content_key: uuid.UUID) -> None:
+        self._stored.move_to_end(content_key)
+
+    def remember(self, content_key: uuid.UUID, stored: uuid.UUID, position: int) -> None:
+        self._stored[content_key] = (stored, position)
+        self._stored.move_to_end(content_key)
+        while len(self._stored) > self.entries:
+            self._stored.popitem(last=False)
 
 
 def content_keys_at(
@@ -151,3 +179,15 @@ def segment_windows(segments: Sequence[tuple[int, int]], *, block_tokens: int, l
             offsets.append(position)
             position += block_tokens
     return offsets
+
+
+def gaps(chosen: Sequence[Fragment], *, start: int, end: int) -> list[tuple[int, int]]:
+    """The [from, to) stretches of [start, end) that no chosen fragment covers."""
+    found, position = [], start
+    for fragment in chosen:
+        if fragment.start > position:
+            found.append((position, fragment.start))
+        position = max(position, fragment.end)
+    if position < end:
+        found.append((position, end))
+    return found

@@ -22,10 +22,12 @@ import torch
 
 from worker.dataplane.blend.fusion import BlendPlan, blend_prefill
 from worker.dataplane.blend.matching import (
+    ContentIndex,
     Fragment,
     check_segments,
     choose,
     content_keys_at,
+    gaps,
     segment_windows,
 )
 from worker.dataplane.blend.options import BlendOptions
@@ -40,7 +42,7 @@ from worker.dataplane.directory import (
 )
 from worker.dataplane.engine.turns import Step, Turns
 from worker.dataplane.engine.working_set import ClassShare, WorkingSet
-from worker.dataplane.engine.write_back import BlockWriter, ContentIndex
+from worker.dataplane.engine.write_back import BlockWriter
 from worker.dataplane.eviction.rules import Rules
 from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
 from worker.dataplane.layer_loader.loader import LayerLoader, PrefixBuffers
@@ -525,7 +527,7 @@ class Engine:
         chosen = choose(candidates, start=start, end=end)
         rest = [
             offset
-            for gap_start, gap_end in _gaps(chosen, start=start, end=end)
+            for gap_start, gap_end in gaps(chosen, start=start, end=end)
             for offset in range(gap_start, gap_end - size + 1)
             if offset not in likely
         ]
@@ -784,15 +786,3 @@ class Engine:
         if hit.tier == DEVICE and self.working_set is not None:
             self.working_set.forget(hit.key)
         self.offload.quarantine(hit.key, cause, namespace)
-
-
-def _gaps(chosen: Sequence[Fragment], *, start: int, end: int) -> list[tuple[int, int]]:
-    """The [from, to) stretches of [start, end) that no chosen fragment covers."""
-    gaps, position = [], start
-    for fragment in chosen:
-        if fragment.start > position:
-            gaps.append((position, fragment.start))
-        position = max(position, fragment.end)
-    if position < end:
-        gaps.append((position, end))
-    return gaps

@@ -19,14 +19,13 @@ fused fragment) are stored as well, under fragment keys that only a content matc
 
 from __future__ import annotations
 
-import collections
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
 
-from worker.dataplane.blend.matching import content_keys_at, fragment_key, segment_windows
+from worker.dataplane.blend.matching import ContentIndex, content_keys_at, fragment_key, segment_windows
 from worker.dataplane.directory import BlockRegistration
 from worker.dataplane.engine.working_set import WorkingSet
 from worker.dataplane.hashing import BlockFingerprint
@@ -36,33 +35,6 @@ from worker.dataplane.offload_records import Chain, Hit, RequestTrace
 from worker.dataplane.prefix.cache import StrataCache
 from worker.dataplane.store import TieredStore
 from worker.dataplane.tier_names import DEVICE, REMOTE
-
-
-class ContentIndex:
-    """Content key -> (storage key, position it was computed at) of the blocks this node stored,
-    the least recently used forgotten first beyond `entries`."""
-
-    def __init__(self, entries: int) -> None:
-        self.entries = entries
-        self._stored: collections.OrderedDict[uuid.UUID, tuple[uuid.UUID, int]] = collections.OrderedDict()
-
-    def __contains__(self, content_key: object) -> bool:
-        return content_key in self._stored
-
-    def __getitem__(self, content_key: uuid.UUID) -> tuple[uuid.UUID, int]:
-        return self._stored[content_key]
-
-    def __len__(self) -> int:
-        return len(self._stored)
-
-    def touch(self, content_key: uuid.UUID) -> None:
-        self._stored.move_to_end(content_key)
-
-    def remember(self, content_key: uuid.UUID, stored: uuid.UUID, position: int) -> None:
-        self._stored[content_key] = (stored, position)
-        self._stored.move_to_end(content_key)
-        while len(self._stored) > self.entries:
-            self._stored.popitem(last=False)
 
 
 class BlockWriter:

@@ -67,12 +67,17 @@ class Preset:
     vocab_size: int
     max_position_embeddings: int
     dtype: str
+    sliding_window: int | None = None
+    """Attention over the last `sliding_window` tokens only, on every layer (mistral family)."""
 
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("llama", 64, 2, 4, 2, 128, 512, 4096, "float32"),
     "tiny-qwen2": Preset("qwen2", 64, 2, 4, 2, 128, 512, 4096, "float32"),
     "tiny-mistral": Preset("mistral", 64, 2, 4, 2, 128, 512, 4096, "float32"),
+    # Sliding-window attention on every layer, a window of 64 tokens: a KV cache vLLM keeps in
+    # part only, which the vLLM connector refuses at start.
+    "tiny-sliding": Preset("mistral", 64, 2, 4, 2, 128, 512, 4096, "float32", sliding_window=64),
     "small": Preset("llama", 256, 4, 8, 2, 688, 4096, 16384, "float32"),
     "small-deep": Preset("llama", 256, 16, 8, 2, 688, 4096, 16384, "float32"),
     "bench": Preset("llama", 1024, 8, 16, 4, 2816, 32000, 16384, "bfloat16"),
@@ -200,6 +205,13 @@ def checkpoint_profile(
     )
 
 
+def checkpoint_config(spec: str | Path, *, revision: str | None = None) -> dict[str, Any]:
+    """The config of a checkpoint (a directory or a hub id, `resolve_checkpoint`) as its
+    config.json gives it, through transformers."""
+    checkpoint = resolve_checkpoint(spec, revision=revision)
+    return dict(AutoConfig.from_pretrained(checkpoint.path, local_files_only=True).to_dict())
+
+
 def preset_checkpoint(name: str, directory: str | Path) -> Path:
     """The checkpoint of preset `name` under `directory` (`directory/name`), saved there the first
     time (`save_preset`); processes that ask at once save it once."""
@@ -268,7 +280,7 @@ def preset_config(name: str, *, dtype: str | None = None) -> PretrainedConfig:
     preset = PRESETS[name]
     # The config classes take these (their fields, and attn_implementation as an extra keyword);
     # typed as PretrainedConfig, which declares none of them.
-    return _CONFIGS[preset.family](  # type: ignore[call-arg]
+    config = _CONFIGS[preset.family](  # type: ignore[call-arg]
         hidden_size=preset.hidden_size,
         num_hidden_layers=preset.num_hidden_layers,
         num_attention_heads=preset.num_attention_heads,
@@ -283,6 +295,9 @@ def preset_config(name: str, *, dtype: str | None = None) -> PretrainedConfig:
         dtype=dtype or preset.dtype,
         attn_implementation=register_attention(),
     )
+    if preset.sliding_window is not None:
+        config.sliding_window = preset.sliding_window
+    return config
 
 
 def _checkpoint_tokenizer(path: Path, vocab_size: int) -> Any:

@@ -1,4 +1,5 @@
-"""The fused copy-and-hash routine (copyhash.c), built into the package when it is installed.
+"""The fused copy-and-hash routine (copyhash.c), built into the package when it is installed, and
+the copies between vLLM's CPU attention pages and Strata's blocks (kvpages.c, `kv_pages`).
 
 The hasher calls it for every verified copy: one call per batch of spans, with the
 interpreter lock released for its whole length, shared with the library's own helper threads
@@ -95,6 +96,32 @@ class PoolGeometry(ctypes.Structure):
     ]
 
 
+class KvGeometry(ctypes.Structure):
+    """One engine's CPU KV pages and the blocks they are copied from or to (see `kv_pages`): bytes
+    per element, kv heads, head_dim, tokens per page, the bytes from a page to the next and from
+    a head's K (or V) to the next head's, and on the block side the tokens per block, the bytes
+    from a block to the next and from a token to the next."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "elem",
+            "heads",
+            "dim",
+            "page_tokens",
+            "page_stride",
+            "head_stride",
+            "block_tokens",
+            "block_stride",
+            "token_stride",
+        )
+    ]
+
+
+KV_LAYOUTS = {"cpu-vec": 0, "cpu-amx": 1}
+"""The page layouts `kv_pages` copies (pages.py describes them), by their number in kvpages.c."""
+
+
 READ_OK, READ_UNSETTLED, READ_TORN, READ_SIZE, READ_BLOCK_SUM = 0, -1, -2, -3, -4
 """`pool_read` statuses; a positive status is 1 + the layer whose checksum did not match."""
 _WITH_HELPERS = 4
@@ -180,6 +207,18 @@ def _load(choice: str) -> ctypes.CDLL | None:
         ctypes.c_char_p,  # block checksums out
     ]
     pool_filler.restype = ctypes.c_int
+    kv_pages = library.strata_kv_pages
+    kv_pages.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(KvGeometry),
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+    ]
+    kv_pages.restype = ctypes.c_int
     return library
 
 
@@ -468,3 +507,24 @@ class ReadBatch:
                 k = len(digests)
                 digests.append(raw[16 * k : 16 * k + 16] if whole else b"")
         return got, digests
+
+
+def kv_pages(
+    layout: str, part: str, *, to_pages: bool, geometry: KvGeometry, pages: int, tokens: int, skip: int, count: int
+) -> bool:
+    """Copy `count` tokens of K or V (`part`) between consecutive pages of one layer (`pages`: the
+    first page's address, at the part's offset) and tokens [skip, skip + count) of the block side
+    (`tokens`: the address of a block's first token), to the pages with `to_pages`, else from them;
+    without the interpreter lock. False where the library is not built (the caller copies with
+    torch); ValueError for a geometry the layout cannot have."""
+    if _library is None:
+        return False
+    status = _library.strata_kv_pages(
+        KV_LAYOUTS[layout], 0 if part == "k" else 1, int(to_pages), ctypes.byref(geometry), pages, tokens, skip, count
+    )
+    if status != 0:
+        raise ValueError(
+            f"{layout} pages: no such geometry ({geometry.elem}-byte elements, {geometry.page_tokens} "
+            f"tokens a page, head_dim {geometry.dim})"
+        )
+    return True

@@ -19,6 +19,9 @@
  * call: the slot checks before and after the copy, the copy and hash, and the comparisons with
  * the stored checksums, with no interpreter step per block or per layer.
  *
+ * strata_kv_pages (kvpages.c) copies K and V between vLLM's CPU attention pages, as its kernels
+ * lay them out, and Strata's blocks.
+ *
  * Digests are the canonical (big-endian) XXH3 128-bit form, byte for byte what Python's
  * xxhash.xxh3_128(prefix + data).digest() returns. */
 
@@ -627,3 +630,6 @@ int strata_pool_fill(const struct strata_pool_geometry *g, size_t count, const u
     strata_spans_free(&spans);
     return result;
 }
+
+/* The copies between vLLM's CPU pages and Strata's blocks. */
+#include "kvpages.c"

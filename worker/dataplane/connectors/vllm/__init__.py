@@ -6,11 +6,12 @@ directory). vLLM runs the connector twice, in two processes, and each module hol
 
     connector.py        StrataConnectorBase: vLLM's hooks, each guarded, handed to the half of
                         the role the process runs
-    scheduler_half.py   the scheduler's half: lookups (never waiting on the database), the
-                        load-or-recompute decision, each step's loads and saves, the request
-                        timelines
+    scheduler_half.py   the scheduler's half: each request's load-or-recompute answer, each step's
+                        loads and saves, the request timelines
+    lookups.py          the scheduler half's lookups, never waiting on the database
     worker_half.py      the worker's half: layer-wise loads into vLLM's pages, saves from them
                         into the write-back tier, load errors, the step's measurements
+    failed_pages.py     the pages failed loads left, and the saves they poison
     sharding.py         tensor parallel: a rank's kv heads of a block, the gather of the
                         ranks' shares to the first rank, which stores the block
     metadata.py         what the halves send each other every step (pickled)

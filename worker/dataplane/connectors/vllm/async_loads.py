@@ -150,12 +150,38 @@ class AsyncLoads:
                 load.staged.stop()
             load.done.set()
 
+    def give_up(self, request_id: str, reason: str) -> bool:
+        """Give up the running load of `request_id` (it ended, or its step's loads failed): it
+        writes nothing more into the pages and is settled as failed by the next `settle`. False
+        when no load of it runs."""
+        load = self.running.get(request_id)
+        if load is None:
+            return False
+        load.give_up(LoadFailed(load.scattered_layers, 0, RuntimeError(reason)))
+        return True
+
+    def give_up_all(
+        self, manager: OffloadManager, *, invalidate: Callable[[LoadSpec], None], cause: BaseException
+    ) -> list[tuple[LoadSpec, LoadReport]]:
+        """After an error settling them: every running load given up, its pages invalidated, and
+        reported failed, so that no request waits for its load forever."""
+        ended = []
+        for request_id, load in list(self.running.items()):
+            del self.running[request_id]
+            load.give_up(LoadFailed(load.scattered_layers, 0, cause))
+            invalidate(load.spec)
+            manager.counters.add("load_failures")
+            ended.append((load.spec, LoadReport([], [], 0.0, [], {}, failure=f"given up: {cause}")))
+        return ended
+
     def finished(self, now: float | None = None) -> list[AsyncLoad]:
-        """The loads done since the last call, and those given up now for their deadline."""
+        """The loads done or given up since the last call, and those given up now for their deadline."""
         now = time.perf_counter() if now is None else now
         ended = []
         for request_id, load in list(self.running.items()):
-            if not load.done.is_set() and now - load.started > self.deadline_s:
+            if load.done.is_set() or load.given_up:
+                pass  # a load given up writes nothing more into its pages: it ends now
+            elif now - load.started > self.deadline_s:
                 load.give_up(
                     LoadFailed(
                         load.scattered_layers,
@@ -163,7 +189,7 @@ class AsyncLoads:
                         TimeoutError(f"not loaded within load_deadline_seconds ({self.deadline_s:g} s)"),
                     )
                 )
-            elif not load.done.is_set():
+            else:
                 continue
             del self.running[request_id]
             ended.append(load)

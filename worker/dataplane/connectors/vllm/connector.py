@@ -19,7 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from worker.dataplane.blend.options import BlendOptions
 from worker.dataplane.config import NodeConfig
+from worker.dataplane.connectors.pages import layout_of
+from worker.dataplane.connectors.vllm.blend_model import blend_start_problem
+from worker.dataplane.connectors.vllm.fragments import FragmentFinder
 from worker.dataplane.connectors.vllm.kv_events import BlockEvents, TierChanges
 from worker.dataplane.connectors.vllm.metadata import StrataMetadata
 from worker.dataplane.connectors.vllm.runtime import (
@@ -27,6 +31,7 @@ from worker.dataplane.connectors.vllm.runtime import (
     PolicyRead,
     Runtime,
     check_engine,
+    check_kv_cache,
     node_options,
     profile_for,
 )
@@ -77,6 +82,7 @@ class StrataConnectorBase(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_engine(vllm_config)
+        check_kv_cache(kv_cache_config, vllm_config.model_config.model)
         config = node_options(self._kv_transfer_config.kv_connector_extra_config or {})
         profile = profile_for(vllm_config, config)
         self.runtime = self._open(config, profile, role)
@@ -106,6 +112,8 @@ class StrataConnectorBase(KVConnectorBase_V1):
             self.worker = WorkerHalf(
                 self.runtime, shard=shard, gather=gather, changes=TierChanges() if publishes else None
             )
+        if config.blend and role == KVConnectorRole.SCHEDULER:
+            self._start_blending(vllm_config, config, profile)
         log.info(
             "StrataConnector (%s) for %s on node %s: tiers %s, write-back to %s, directory %s",
             role.name.lower(),
@@ -114,6 +122,37 @@ class StrataConnectorBase(KVConnectorBase_V1):
             ",".join(self.runtime.store.names),
             self.runtime.manager.write_back_tier,
             "on" if self.runtime.directory is not None else "off",
+        )
+
+    def _start_blending(self, vllm_config: VllmConfig, config: NodeConfig, profile: ModelProfile) -> None:
+        """Fragment reuse, where this vLLM server's model and layout can be blended; else one line
+        saying why not, and the node reuses prefixes only."""
+        import vllm  # noqa: PLC0415 - the version this server runs
+
+        parallel = vllm_config.parallel_config
+        architecture = (vllm_config.model_config.architectures or ["(none)"])[0]
+        problem = blend_start_problem(
+            architecture,
+            vllm_version=vllm.__version__,
+            tensor_parallel=parallel.tensor_parallel_size,
+            pipeline_parallel=parallel.pipeline_parallel_size,
+        )
+        if problem is not None:
+            log.warning(
+                "StrataConnector on node %s: fragment reuse refused (%s); this node reuses prefixes only",
+                config.node_name,
+                problem,
+            )
+            return
+        options = BlendOptions.from_config(config)
+        assert self.scheduler is not None  # the scheduler's role built it
+        self.scheduler.fragments = FragmentFinder(self.runtime.manager, options, model=profile.model_id)
+        log.info(
+            "StrataConnector on node %s: fragment reuse on (r %g%%, %s selection, check layer %d)",
+            config.node_name,
+            options.recompute_percent,
+            options.selection,
+            options.check_layer,
         )
 
     def _open(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Runtime:
@@ -179,7 +218,10 @@ class StrataConnectorBase(KVConnectorBase_V1):
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self.scheduler is not None and self.scheduler.events is not None:
+        if self.scheduler is None:
+            return
+        self.scheduler.bind_prefix_cache(kv_cache_manager)
+        if self.scheduler.events is not None:
             # The block size vLLM hashes requests by (its pages' unless a model mixes page sizes).
             self.scheduler.events.hash_block_tokens = kv_cache_manager.block_pool.hash_block_size
 
@@ -195,7 +237,7 @@ class StrataConnectorBase(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        pages = blocks.get_block_ids()[0] if num_external_tokens and self.scheduler.asynchronous(request) else ()
+        pages = blocks.get_block_ids()[0] if num_external_tokens else ()
         self.scheduler.allocated(request, num_external_tokens, pages)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -241,8 +283,15 @@ class StrataConnectorBase(KVConnectorBase_V1):
 
         assert self.worker is not None
         context = self._vllm_config.compilation_config.static_forward_context
-        backends = {name: context[name].attn_backend.get_name() for name in kv_caches}
-        self.worker.register(kv_caches, backends, extract_layer_index)
+        # vLLM's CPU attention picks its kernels' instruction set per model (and marks its layers
+        # with it) before the KV caches are registered: each keeps its pages in its own layout.
+        layouts = {
+            name: layout_of(context[name].attn_backend.get_name(), getattr(context[name], "isa", None))
+            for name in kv_caches
+        }
+        self.worker.register(
+            kv_caches, layouts, extract_layer_index, block_size=self._vllm_config.cache_config.block_size
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -253,17 +302,17 @@ class StrataConnectorBase(KVConnectorBase_V1):
         assert self.worker is not None
         try:
             self.worker.start_loads()
-        except Exception:  # noqa: BLE001 - never an engine error: the step's loads are recomputed
+        except Exception as exc:  # noqa: BLE001 - never an engine error: the step's loads are recomputed
             log.exception("this step's loads could not start; vLLM recomputes them")
-            self.worker.abandon_loads()
+            self.worker.abandon_loads(exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self.worker is not None
         try:
             self.worker.wait_layer(layer_name)
-        except Exception:  # noqa: BLE001 - never an engine error (a rank that raised would stall the others)
+        except Exception as exc:  # noqa: BLE001 - never an engine error (a rank that raised would stall the others)
             log.exception("layer %s of this step's loads failed; vLLM recomputes them", layer_name)
-            self.worker.abandon_loads()
+            self.worker.abandon_loads(exc)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any

@@ -12,6 +12,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from worker.dataplane.blend.matching import Fragment
+
+
+@dataclasses.dataclass
+class BlendSpec:
+    """A load assembled by selective recompute (`blend_load`): the prompt's tokens up to the load's
+    end, its exact prefix [0, prefix_len) (whole blocks: those in `prefix` read from the tiers,
+    the others from the request's pages), the fragments, and r, selection and check layer."""
+
+    tokens: list[int]
+    prefix_len: int
+    prefix: dict[int, tuple[uuid.UUID, str, str]]
+    """Block index -> (key, tier, checksum) of the prefix blocks vLLM's pages do not hold."""
+    fragments: list[Fragment]
+    percent: float
+    selection: str
+    check_layer: int
+
 
 @dataclasses.dataclass
 class LoadSpec:
@@ -34,6 +52,9 @@ class LoadSpec:
     asynchronous: bool = False
     """Loaded outside the engine step (the request waits in vLLM until the worker reports it
     finished), not layer by layer inside it."""
+    blend: BlendSpec | None = None
+    """Tokens [start, end) assembled from the prefix and fragments by selective recompute,
+    whole, before the step's forward pass (`keys` is then empty)."""
 
 
 @dataclasses.dataclass
@@ -55,6 +76,14 @@ class StrataMetadata(KVConnectorMetadata):
     prefills_done: list[str] = dataclasses.field(default_factory=list)
     """Requests whose prefill this step completes (echoed back: their first token is out then)."""
     scheduled_tokens: int = 0
+    step: int = 0
+    """This step's number (1, 2, ... in the order the scheduler half planned them)."""
+    reported: int = 0
+    """The last step whose worker report the scheduler half had read when it planned this one: a
+    load that failed in a later step was unknown to this plan (`failed_pages`)."""
+    aborted: list[str] = dataclasses.field(default_factory=list)
+    """Requests that ended while their asynchronous load runs: the worker gives the load up, so
+    that vLLM frees their pages now."""
 
 
 @dataclasses.dataclass
@@ -85,6 +114,8 @@ class StrataWorkerMeta(KVConnectorWorkerMetadata):
     tier_changes: list[tuple[str, str, uuid.UUID]] = dataclasses.field(default_factory=list)
     """The copies it stored or dropped since its last report, in order: (stored or removed, tier,
     key); only where vLLM publishes KV events (`kv_events`)."""
+    step: int = 0
+    """The step this report ends (`StrataMetadata.step`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Fold another rank's report of the same step into this one. The ranks of a tensor-parallel
@@ -94,6 +125,7 @@ class StrataWorkerMeta(KVConnectorWorkerMetadata):
         stores blocks (`saved`, `tier_changes`; a block quarantined on several ranks counts once)."""
         if not isinstance(other, StrataWorkerMeta):
             return self
+        self.step = max(self.step, other.step)
         for request_id, theirs in other.loads.items():
             mine = self.loads.get(request_id)
             if mine is None or (theirs.failure and not mine.failure):

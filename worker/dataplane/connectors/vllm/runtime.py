@@ -1,11 +1,14 @@
 """What one half of the connector opens (`Runtime`: the node's options, the model's profile, its
 tiers, the directory and the offload manager), and the checks of vLLM's settings made before it
-opens: the model's profile, the parallelism and load-failure policy it can serve, the options
-the connector's kv_connector_extra_config gives."""
+opens: the model's profile (keyed by the model as vLLM runs it, overrides included), the KV
+cache layouts, parallelism and load-failure policy it can serve, the options the connector's
+kv_connector_extra_config gives."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -14,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 from worker.dataplane.config import NodeConfig, load_config
 from worker.dataplane.directory import Directory
 from worker.dataplane.layout import ModelProfile
-from worker.dataplane.models.loading import checkpoint_profile
+from worker.dataplane.models.loading import checkpoint_config, checkpoint_profile
 from worker.dataplane.offload import OffloadManager
 from worker.dataplane.store import TieredStore
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 log = logging.getLogger("strata.vllm")
 
@@ -129,20 +133,127 @@ class PolicyFollower:
 
 def profile_for(vllm_config: VllmConfig, config: NodeConfig) -> ModelProfile:
     """The profile of the model vLLM serves (a checkpoint directory, or a hub id at vLLM's
-    revision, from the local hub cache), as Strata's own engine would key the same checkpoint."""
+    revision, from the local hub cache), as Strata's own engine would key the same checkpoint,
+    plus what vLLM runs differently from the checkpoint (`runtime_settings`): two servers of one
+    checkpoint share blocks only where those settings are the same."""
     model = vllm_config.model_config
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise ValueError(
             f"StrataConnector: kv cache dtype {vllm_config.cache_config.cache_dtype} is not stored; "
             f"run with --kv-cache-dtype auto"
         )
-    return checkpoint_profile(
+    profile = checkpoint_profile(
         model.model,
         dtype=model.dtype,
         block_tokens=config.block_tokens,
         revision=model.revision,
         cache_dir=config.cache_dir,
     )
+    settings = runtime_settings(model, checkpoint_config(model.model, revision=model.revision))
+    if not settings:
+        return profile
+    digest = hashlib.blake2b(_canonical(settings).encode(), digest_size=16, person=b"strata-runtime").hexdigest()
+    log.info(
+        "StrataConnector: %s runs with settings that change its KV (%s): its blocks are keyed apart from the "
+        "checkpoint's as it is on disk",
+        profile.model_id,
+        ", ".join(sorted(settings)),
+    )
+    return dataclasses.replace(profile, revision=f"{profile.revision}+runtime-{digest}")
+
+
+LENGTH_DEPENDENT_ROPE = frozenset({"longrope", "su"})
+"""RoPE types whose factors vLLM picks by max_model_len (Phi-3's LongRoPE: the long factors
+whenever max_model_len exceeds original_max_position_embeddings)."""
+
+
+def runtime_settings(model: ModelConfig, on_disk: Mapping[str, Any]) -> dict[str, Any]:
+    """What vLLM runs differently from the checkpoint on disk, in ways that change the KV: every
+    field of the model config (as vLLM uses it, after --hf-overrides) that differs from the
+    checkpoint's config.json, the quantization method, and for a RoPE whose factors depend on it
+    whether max_model_len selects the long factors. Empty when vLLM runs the checkpoint as it is."""
+    runs = model.hf_config.to_dict()
+    settings: dict[str, Any] = {}
+    changed = {
+        name: runs.get(name)
+        for name in sorted(set(runs) | set(on_disk))
+        if _canonical(runs.get(name)) != _canonical(on_disk.get(name))
+    }
+    if changed:
+        settings["hf_config"] = changed
+    if model.quantization:
+        settings["quantization"] = str(model.quantization)
+    rope = runs.get("rope_parameters") or runs.get("rope_scaling") or {}
+    ropes = list(rope.values()) if rope and all(isinstance(v, Mapping) for v in rope.values()) else [rope]
+    if any(r.get("rope_type", r.get("type")) in LENGTH_DEPENDENT_ROPE for r in ropes if isinstance(r, Mapping)):
+        original = runs.get("original_max_position_embeddings") or runs.get("max_position_embeddings")
+        settings["long_rope"] = original is not None and model.max_model_len > int(original)
+    return settings
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+SERVED_KV = "full attention"
+
+
+def check_kv_cache(kv_cache_config: KVCacheConfig | None, model: str) -> None:
+    """Refuse, in one line naming the layer kind and the model, a KV cache Strata cannot key and
+    move exactly: anything but one group of full-attention layers. Strata reads and writes every
+    token of every layer's pages; a sliding window (whose out-of-window pages vLLM gives up to its
+    null page), a state-space layer, a latent (MLA) or cross-attention cache would be stored or
+    loaded half right."""
+    if kv_cache_config is None:
+        return
+    groups = kv_cache_config.kv_cache_groups
+    kinds = sorted({kind for group in groups for kind in _kinds(group.kv_cache_spec)} - {SERVED_KV})
+    if kinds:
+        odd = [name for group in groups if _kinds(group.kv_cache_spec) != {SERVED_KV} for name in group.layer_names]
+        what = f"{' and '.join(kinds)} layers ({_some(odd)})"
+    elif len(groups) > 1:
+        what = f"its layers in {len(groups)} KV cache groups ({_some([g.layer_names[0] for g in groups])}, ...)"
+    else:
+        return
+    raise ValueError(
+        f"StrataConnector: model {model} has {what}; Strata serves one group of {SERVED_KV} KV caches only: "
+        "serve this model without the connector"
+    )
+
+
+def _some(names: Sequence[str]) -> str:
+    return ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+
+
+def _kinds(spec: KVCacheSpec) -> set[str]:
+    """The layer kinds of a KV cache group's spec, in words."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return {kind for inner in spec.kv_cache_specs.values() for kind in _kinds(inner)}
+    if type(spec) is FullAttentionSpec:
+        if spec.sliding_window is not None:
+            return {"sliding-window attention (allocated as full attention)"}
+        if spec.attention_chunk_size is not None:
+            return {"chunked local attention (allocated as full attention)"}
+        return {SERVED_KV}
+    return {LAYER_KINDS.get(type(spec).__name__, type(spec).__name__)}
+
+
+LAYER_KINDS = {
+    "SlidingWindowSpec": "sliding-window attention",
+    "SlidingWindowMLASpec": "sliding-window latent attention (MLA)",
+    "ChunkedLocalAttentionSpec": "chunked local attention",
+    "MLAAttentionSpec": "multi-head latent attention (MLA)",
+    "HiddenStateCacheSpec": "hidden-state cache",
+    "MambaSpec": "Mamba (state-space)",
+    "CrossAttentionSpec": "cross-attention",
+    "EncoderOnlyAttentionSpec": "encoder-only attention",
+    "SinkFullAttentionSpec": "attention-sink",
+    "RSWASpec": "sliding-window attention",
+    "CircularBufferSpec": "circular-buffer attention",
+}
+"""vLLM's KV cache spec classes, by name, as the refusal names them (another class is named as is)."""
 
 
 SUPPORTED_VLLM = ((0, 32), (0, 34))

@@ -50,6 +50,42 @@ class PendingSave:
 Source = torch.Tensor | Callable[[torch.Tensor], BlockChecksum]
 """A block's bytes for the write-back tier: a whole block, or a fill writing it (`store_block`)."""
 
+Poisoned = Callable[[SaveSpec, int], bool]
+"""Whether block `index` of a save was computed over a page a failed load left (`failed_pages`)."""
+
+
+def never_poisoned(spec: SaveSpec, index: int) -> bool:
+    return False
+
+
+class CudaStreams:
+    """The CUDA streams and events the layer-wise copies are ordered with (a test stands in its own
+    on the CPU to check the order)."""
+
+    def applies(self, device: torch.device) -> bool:
+        """Whether pages on `device` are copied on a stream of their own."""
+        return device.type == "cuda"
+
+    def side(self, device: torch.device) -> Any:
+        """A stream of its own for the copies out of the pages."""
+        return torch.cuda.Stream(device)
+
+    def compute(self, device: torch.device) -> Any:
+        """The stream the engine computes on."""
+        return torch.cuda.current_stream(device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Queue the work inside on `stream`."""
+        return torch.cuda.stream(stream)
+
+
+POISONED_SHARE = 2
+"""In a rank's row of copy flags: the share was not copied because this rank's load of the block's
+prefix failed (1: copied, 0: not copied)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Saving:
@@ -75,8 +111,10 @@ class BlockSaves:
         budget: int,
         deadline_s: float,
         layerwise: bool | None = None,
+        streams: CudaStreams | None = None,
     ) -> None:
         self.manager = manager
+        self.streams = streams or CudaStreams()
         self.layout = layout
         self.shard = shard
         self.gather = gather
@@ -104,23 +142,24 @@ class BlockSaves:
         self.paged = paged
         if self.layerwise is None:
             self.layerwise = paged.device.type == "cuda"
-        if paged.device.type == "cuda":
-            self._stream = torch.cuda.Stream(paged.device)
+        if self.streams.applies(paged.device):
+            self._stream = self.streams.side(paged.device)
 
     def begin(self) -> None:
         """A new step: nothing copied layer by layer yet."""
         self.gathering = None
 
-    def finish(self, saves: Sequence[SaveSpec]) -> None:
+    def finish(self, saves: Sequence[SaveSpec], poisoned: Poisoned = never_poisoned) -> None:
         """After the forward pass: copy the step's blocks (those not copied layer by layer) and
-        hand them over. Under tensor or pipeline parallel this runs whatever the step's loads did
-        (every rank must hand over the gather)."""
+        hand them over, except those `poisoned` says were computed over a page a failed load left
+        (counted `write_back.poisoned`). Under tensor or pipeline parallel this runs whatever the
+        step's loads did (every rank must hand over the gather)."""
         if not self.shard.whole:
-            self._save_shares(saves)
+            self._save_shares(saves, poisoned)
         elif self.layerwise:
-            self._commit_layerwise(saves)
+            self._commit_layerwise(saves, poisoned)
         elif saves and self.paged is not None:
-            self._save(saves)
+            self._save(saves, poisoned)
 
     def take_saved(self) -> collections.Counter[str]:
         """Blocks stored since the last call, by request (by either path)."""
@@ -148,11 +187,11 @@ class BlockSaves:
             return
         stream = self._stream
         if stream is not None:
-            written = torch.cuda.Event()
-            written.record()  # on the compute stream, after this layer's attention
+            written = self.streams.event()
+            written.record(self.streams.compute(paged.device))  # after this layer's attention
             stream.wait_event(written)
         local = self.shard.local(layer, self.layout)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with self.streams.on(stream) if stream is not None else contextlib.nullcontext():
             for save in self.gathering:
                 k_dst, v_dst = self.share_layout.kv_views(save.buffer)[local]
                 paged.gather_layer(
@@ -188,9 +227,10 @@ class BlockSaves:
         with contextlib.suppress(IndexError):  # the save queue's thread hands buffers back meanwhile
             return self._free_buffers.pop()
         with torch.inference_mode(False):
-            return self.share_layout.empty(pin=self._stream is not None)
+            pinned = self.paged is not None and self.paged.device.type == "cuda"
+            return self.share_layout.empty(pin=pinned)
 
-    def _save(self, saves: Sequence[SaveSpec]) -> None:
+    def _save(self, saves: Sequence[SaveSpec], poisoned: Poisoned) -> None:
         """The CPU path: copy each new block out of the pages into a buffer the save queue has
         room for, and hand them over; a block past its budget is gathered straight into the
         write-back tier's slot inside the step."""
@@ -200,6 +240,9 @@ class BlockSaves:
         inline: list[Saving] = []
         nbytes = self.layout.block_bytes
         for spec, index, key, content_key in self._unheld(saves):
+            if poisoned(spec, index):
+                self.manager.counters.add("write_back.poisoned")
+                continue
             if self.queue.reserve(nbytes):
                 buffer = self._buffer()
                 try:
@@ -265,7 +308,7 @@ class BlockSaves:
         with self._saved_lock:
             self._saved.update(saved)
 
-    def _commit_layerwise(self, saves: Sequence[SaveSpec]) -> None:
+    def _commit_layerwise(self, saves: Sequence[SaveSpec], poisoned: Poisoned) -> None:
         """Store the blocks gathered layer by layer in this step, once their copies are done: on
         the save queue's thread (it waits for the copies) as far as its budget goes, the rest
         here. A block missing a layer is not stored, and counted (`write_back.incomplete`): so is
@@ -282,17 +325,17 @@ class BlockSaves:
                 )
         if not pending:
             return
+        copied = self._copies_done()
         whole: list[Saving] = []
         for save in pending:
-            if len(save.layers) == len(self.layers):
+            if poisoned(save.spec, save.index):
+                self.manager.counters.add("write_back.poisoned")
+                self._free_buffers.append(save.buffer)
+            elif len(save.layers) == len(self.layers):
                 whole.append(Saving(save.spec, save.index, save.key, save.content_key, save.buffer))
             else:  # a layer the model never handed over (a step without attention metadata)
                 self.manager.counters.add("write_back.incomplete")
                 self._free_buffers.append(save.buffer)
-        copied = None
-        if self._stream is not None:
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
         nbytes = self.share_layout.block_bytes
         queued: list[Saving] = []
         inline: list[Saving] = []
@@ -308,13 +351,28 @@ class BlockSaves:
             finally:
                 self._free_buffers.extend(block.source for block in inline if isinstance(block.source, torch.Tensor))
 
-    def _save_shares(self, saves: Sequence[SaveSpec]) -> None:
+    def _copies_done(self) -> Any:
+        """After the step's layer-wise copies were queued on the save stream: an event the save
+        queue's thread waits for before it reads them, and which the compute stream waits for
+        before its next work (None on the CPU, where the copies are done when queued). vLLM hands
+        a page to another request once the step ends, and the next step's kernels write it: they
+        must not run before the copy out of it has read it."""
+        if self._stream is None:
+            return None
+        assert self.paged is not None
+        copied = self.streams.event()
+        copied.record(self._stream)
+        self.streams.compute(self.paged.device).wait_event(copied)
+        return copied
+
+    def _save_shares(self, saves: Sequence[SaveSpec], poisoned: Poisoned) -> None:
         """Tensor or pipeline parallel: every rank copies its share of each block the step saves
         now, and hands the save queue a gather of the copies to the first rank, which stores the
         whole blocks on its queue's thread (`sharding`). Every rank hands one gather over for a
         step with saves, whatever failed on it: a rank that skipped it would stall the others. A
         block whose share some rank could not copy is not stored, and counted
-        (`write_back.incomplete`)."""
+        (`write_back.incomplete`); nor is one that some rank computed over a page its failed load
+        left (`write_back.poisoned`: only that rank knows of its failure when the step ends)."""
         planned = [(spec, index, key, content_key) for spec in saves for index, key, content_key in spec.blocks]
         if not planned:
             return
@@ -323,7 +381,7 @@ class BlockSaves:
         nbytes = (len(planned) + 1) * self.shard.share_bytes(self.layout)
         self.queue.hold(nbytes, timeout=self.deadline_s)
         rows = torch.zeros(len(planned) + 1, nbytes // (len(planned) + 1), dtype=torch.uint8)
-        # The last row: whether each share was copied.
+        # The last row: whether each share was copied (1), not copied (0), or poisoned here.
         if pending is None and self.layerwise and not self._warned_no_layers:
             self._warned_no_layers = True
             log.warning(
@@ -335,13 +393,18 @@ class BlockSaves:
                 if self._stream is not None:
                     self._stream.synchronize()
                 for row, save in enumerate(pending or ()):
-                    if len(save.layers) == len(self.layers):
+                    if poisoned(save.spec, save.index):
+                        rows[-1, row] = POISONED_SHARE
+                    elif len(save.layers) == len(self.layers):
                         rows[row, :mine].copy_(save.buffer)
                         rows[-1, row] = 1
                     self._free_buffers.append(save.buffer)
             else:
                 assert self.paged is not None
                 for row, (spec, index, _, _) in enumerate(planned):
+                    if poisoned(spec, index):
+                        rows[-1, row] = POISONED_SHARE
+                        continue
                     self.paged.gather(rows[row, :mine], index=index, pages=spec.pages)
                     rows[-1, row] = 1
         except Exception:  # noqa: BLE001 - the shares not copied are not stored; the gather still runs
@@ -353,10 +416,13 @@ class BlockSaves:
             shares = gather(rows)
             if shares is None:  # not the first rank: it stores nothing
                 return
-            whole = [all(bool(share[-1, row]) for share in shares) for row in range(len(planned))]
-            missing = whole.count(False)
-            if missing:
-                self.manager.counters.add("write_back.incomplete", missing)
+            flags = [[int(share[-1, row]) for share in shares] for row in range(len(planned))]
+            whole = [all(flag == 1 for flag in row) for row in flags]
+            poisoned_rows = sum(POISONED_SHARE in row for row in flags)
+            if poisoned_rows:
+                self.manager.counters.add("write_back.poisoned", poisoned_rows)
+            if whole.count(False) > poisoned_rows:
+                self.manager.counters.add("write_back.incomplete", whole.count(False) - poisoned_rows)
             self._store(
                 [
                     Saving(spec, index, key, content_key, self._assembler(key, [share[row] for share in shares]))

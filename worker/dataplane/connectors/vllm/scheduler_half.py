@@ -7,8 +7,14 @@ batched directory lookup; answer None ("ask again next step") while that lookup 
 so the scheduler loop never waits on the database. The offload manager decides load or
 recompute. A request Strata cannot key (prompt embeddings, multimodal inputs, a field it does
 not know, an adapter it cannot read) is served uncached and counted.
+update_state_after_alloc: the pages a synchronous load fills (and every later page of the
+request) are taken out of vLLM's prefix cache at once, and put back once the worker reports the
+load whole (`shared_pages`): until then no other request may be handed pages a failed load would
+leave wrong (`failed_pages` says why this keeps every failure to the request that loaded).
+Asynchronous loads need nothing: vLLM caches their pages only once they are loaded.
 build_connector_meta: per scheduled request, the blocks to load this step (tokens, keys,
-tiers, pages) and the full blocks its step completes, to save. Each request's part is built on
+tiers, pages) and the full blocks its step completes, to save; each step numbered, with the last
+step whose report was read when it was planned. Each request's part is built on
 its own: a request whose part fails loses its own saves, and a load vLLM was promised is
 always handed over, if need be as a refused one, so that the worker reports its pages and
 vLLM recomputes them (pages promised and never filled would be served as they are).
@@ -24,16 +30,16 @@ import collections
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request as VllmRequest
 
 from worker.dataplane.connectors.status import StatusServer
+from worker.dataplane.connectors.vllm.fragments import FragmentFinder
 from worker.dataplane.connectors.vllm.kv_events import BlockEvents
+from worker.dataplane.connectors.vllm.lookups import Lookups, Plan, Tracked
 from worker.dataplane.connectors.vllm.metadata import (
     LoadSpec,
     SaveSpec,
@@ -42,22 +48,22 @@ from worker.dataplane.connectors.vllm.metadata import (
 )
 from worker.dataplane.connectors.vllm.requests import (
     AdapterDigests,
-    AdapterUnreadable,
-    scope_of,
     uncached_reason,
     unknown_fields,
 )
 from worker.dataplane.connectors.vllm.runtime import Runtime
+from worker.dataplane.connectors.vllm.shared_pages import LoadedPages
 from worker.dataplane.connectors.vllm.stats import FollowedGauges, StatsTap, merged
-from worker.dataplane.connectors.vllm.tenancy import NamespacePolicy
+from worker.dataplane.connectors.vllm.tenancy import NamespacePolicy, Unplaced
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import DirectoryUnavailable
 from worker.dataplane.engine_metrics import EngineMetrics
-from worker.dataplane.hashing import BlockFingerprint, Fingerprinter, KeyScope
-from worker.dataplane.offload_records import Decision, Hit, RequestTrace, TierLoad
+from worker.dataplane.hashing import BlockFingerprint, Fingerprinter
+from worker.dataplane.offload_records import Decision, RequestTrace, TierLoad
 from worker.dataplane.tier_names import DISK, HOST, REMOTE
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -66,49 +72,6 @@ log = logging.getLogger("strata.vllm")
 
 HIT_SOURCES = {HOST: CacheHitSource.HOST, DISK: CacheHitSource.DISK, REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 """vLLM's name for the tier that served a hit (it has none for a distributed store)."""
-
-
-@dataclasses.dataclass
-class Plan:
-    """What a lookup found for a request: its blocks' keys, how many leading blocks some tier
-    holds, and the hits the manager decided to load."""
-
-    fingerprints: list[BlockFingerprint]
-    held: int
-    hits: list[Hit]
-    decision: Decision
-    lookup_s: float
-
-
-@dataclasses.dataclass
-class Tracked:
-    """A request as the scheduler's half follows it, from its first lookup to its end."""
-
-    request: Request
-    namespace: str | None
-    """None: the request is served uncached (`trace.uncached` says why)."""
-    trace: RequestTrace
-    scope: KeyScope | None = None
-    """Its adapter and cache salt, once known (the adapter's digest may take a lookup thread)."""
-    fingerprints: list[BlockFingerprint] = dataclasses.field(default_factory=list)
-    plan: Plan | None = None
-    pending: Future[Plan] | None = None
-    pending_since: float = 0.0
-    """When its lookup started (perf_counter): past `lookup_deadline_seconds` it is given up."""
-    load_tokens: int = 0
-    load: LoadSpec | None = None
-    stored: int = 0
-    """Leading blocks known to be stored (held before, or saved since)."""
-    pages: list[int] = dataclasses.field(default_factory=list)
-    scheduled: bool = False
-    first_step_at: float = 0.0
-    prefilled: bool = False
-    hit_end: int = 0
-    """Where the tokens Strata can load end (the last lookup's answer)."""
-    asynchronous: bool = False
-    """Its load runs outside the engine step (a hit in an `async_load_tiers` tier)."""
-    recompute: bool = False
-    """A load of it failed: it loads nothing more (vLLM recomputes it)."""
 
 
 class SchedulerHalf:
@@ -127,6 +90,7 @@ class SchedulerHalf:
             default_namespace=runtime.config.default_namespace,
             client_namespaces=runtime.config.client_namespaces,
             namespace_secret=runtime.config.namespace_secret,
+            placed=bool(runtime.config.api_keys or runtime.config.namespace_header),
         )
         self.adapters = AdapterDigests()
         self.unknown_fields = frozenset(unknown_fields(VllmRequest))
@@ -138,7 +102,7 @@ class SchedulerHalf:
             )
         self.requests: dict[str, Tracked] = {}
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=200)
-        self.lookups = ThreadPoolExecutor(2, thread_name_prefix="strata-lookup")
+        self.lookups = Lookups(self.manager, self.adapters, uncached=self._uncached)
         self.worker_store_events = Counters()
         self.metrics = EngineMetrics(
             self.manager,
@@ -159,6 +123,18 @@ class SchedulerHalf:
         self.lookup_deadline_s = runtime.config.lookup_deadline_seconds
         self.async_ready: list[Tracked] = []
         """Requests whose asynchronous load vLLM has made room for: handed to the worker in the next step."""
+        self.loaded_pages: LoadedPages | None = None
+        """vLLM's prefix cache as synchronous loads use it (None until vLLM binds its KV cache
+        manager: till then every load runs asynchronously)."""
+        self.page_tokens = page_tokens
+        self.step = 0
+        """The last step planned."""
+        self.reported = 0
+        """The last step whose worker report has been read."""
+        self.aborted: list[str] = []
+        """Requests that ended while their asynchronous load runs, for the next step's worker."""
+        self.fragments: FragmentFinder | None = None
+        """Fragment reuse (`fragments`), where the node blends and vLLM's model can be blended."""
 
     def serve_status(self, *, data_parallel_rank: int = 0) -> None:
         """Serve the status endpoints: on the node's status port, plus the data-parallel rank (each
@@ -181,7 +157,7 @@ class SchedulerHalf:
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
-        self.lookups.shutdown(wait=False, cancel_futures=True)
+        self.lookups.close()
 
     # -- lookups ---------------------------------------------------------------------------------
     def _track(self, request: Request) -> Tracked:
@@ -198,6 +174,9 @@ class SchedulerHalf:
             if not reason:
                 try:
                     namespace = self.policy.namespace_of(request.kv_transfer_params)
+                except Unplaced as exc:
+                    log.info("request %s runs without the cache: %s", request.request_id, exc)
+                    reason = "unplaced"
                 except ValueError as exc:
                     log.warning("request %s runs without the cache: %s", request.request_id, exc)
                     reason = "namespace"
@@ -224,10 +203,11 @@ class SchedulerHalf:
         if tracked.scheduled:
             # Preempted and back: its pages are gone and its tokens grew; look it up anew.
             tracked.plan, tracked.scheduled, tracked.load, tracked.load_tokens = None, False, None, 0
+            tracked.blend, tracked.blend_checked = None, False
         if tracked.plan is None:
             if tracked.pending is None:
                 tracked.pending_since = time.perf_counter()
-                tracked.pending = self._start_lookup(tracked)
+                tracked.pending = self.lookups.start(tracked)
             if not tracked.pending.done():
                 waited = time.perf_counter() - tracked.pending_since
                 if waited < self.lookup_deadline_s:
@@ -245,72 +225,34 @@ class SchedulerHalf:
             self._record_plan(tracked)
             if tracked.namespace is None:  # found unkeyable on the way (an adapter it cannot read)
                 return 0
-        hit_tokens = min(len(tracked.plan.hits) * self.block_tokens, request.num_tokens - 1)
+        hit_tokens = self._hit_end(tracked)
+        blend = None
+        if self.fragments is not None and self.loaded_pages is not None:  # blended loads run inside the step
+            blend = self.fragments.for_request(tracked, exact=max(computed, hit_tokens))
+        if blend is not None and blend.end > computed:
+            tracked.hit_end = blend.end
+            tracked.local_tokens = computed
+            tracked.asynchronous = False  # assembled inside the step, before the forward pass
+            return blend.end - computed
         external = max(0, hit_tokens - computed)
         tracked.hit_end = hit_tokens
+        tracked.local_tokens = computed
         loaded = tracked.plan.hits[computed // self.block_tokens : -(-hit_tokens // self.block_tokens)]
-        tracked.asynchronous = external > 0 and any(hit.tier in self.async_tiers for hit in loaded)
+        tracked.asynchronous = external > 0 and (
+            self.loaded_pages is None or any(hit.tier in self.async_tiers for hit in loaded)
+        )
         return external
+
+    def _hit_end(self, tracked: Tracked) -> int:
+        """Where the tokens Strata can load end: its held blocks, short of the prompt's last token
+        (computed, to sample the next one)."""
+        assert tracked.plan is not None
+        return min(len(tracked.plan.hits) * self.block_tokens, tracked.request.num_tokens - 1)
 
     def asynchronous(self, request: Request) -> bool:
         """Whether the load `matched_tokens` just offered runs outside the engine step."""
         tracked = self.requests.get(request.request_id)
         return tracked is not None and tracked.asynchronous
-
-    def _start_lookup(self, tracked: Tracked) -> Future[Plan]:
-        """The lookup, here if it needs no round trip (the namespace's salt and the adapter's
-        digest are known and the node's own tiers answer for every block, or there is no
-        directory to ask: nothing remote, no shared namespace), else on a lookup thread."""
-        tokens = list(tracked.request.all_token_ids)
-        namespace = tracked.namespace
-        assert namespace is not None
-        manager = self.manager
-        if tracked.scope is None:
-            tracked.scope = scope_of(tracked.request, self.adapters, wait=False)
-        if tracked.scope is not None and manager.knows_salt(namespace):
-            fingerprints = manager.fingerprints(tokens, namespace, scope=tracked.scope)
-            found = manager.locate_local([fp.prefix_key for fp in fingerprints])
-            alone = REMOTE not in manager.store.names and manager.directory is None
-            if manager.first_miss(fingerprints, found) == len(fingerprints) or alone:
-                done: Future[Plan] = Future()
-                done.set_result(self._plan(tracked, fingerprints, found, time.perf_counter()))
-                return done
-        return self.lookups.submit(self._lookup, tracked, tokens, time.perf_counter())
-
-    def _lookup(self, tracked: Tracked, tokens: list[int], started: float) -> Plan:
-        namespace = tracked.namespace
-        assert namespace is not None
-        try:
-            if tracked.scope is None:
-                tracked.scope = scope_of(tracked.request, self.adapters, wait=True)
-            # The namespace's own chain, or a shared namespace's blocks leading the prompt; the
-            # blocks saved later continue whichever chain won (`_continue`).
-            fingerprints, held, _ = self.manager.find_prompt(tokens, namespace, scope=tracked.scope)
-        except AdapterUnreadable as exc:
-            log.warning("request %s runs without the cache: %s", tracked.request.request_id, exc)
-            self._uncached(tracked.trace, "adapter")
-            tracked.namespace = None
-            return Plan([], 0, [], Decision("no-hit"), time.perf_counter() - started)
-        except (DirectoryUnavailable, ValueError) as exc:  # the database is down; an unknown namespace
-            log.warning("request %s runs without the cache: %s", tracked.request.request_id, exc)
-            self.manager.counters.add("lookup_failures")
-            return Plan([], 0, [], Decision("no-hit"), time.perf_counter() - started)
-        except Exception:  # noqa: BLE001 - a lookup that fails is a miss, never an engine error
-            log.exception("request %s: lookup failed, recomputing", tracked.request.request_id)
-            self.manager.counters.add("lookup_failures")
-            return Plan([], 0, [], Decision("no-hit"), time.perf_counter() - started)
-        return self._decided(tracked, fingerprints, held, started)
-
-    def _plan(
-        self, tracked: Tracked, fingerprints: list[BlockFingerprint], found: dict[uuid.UUID, str], started: float
-    ) -> Plan:
-        return self._decided(tracked, fingerprints, self.manager.prefix_hits(fingerprints, found), started)
-
-    def _decided(self, tracked: Tracked, fingerprints: list[BlockFingerprint], held: list[Hit], started: float) -> Plan:
-        hits, decision = self.manager.decide(
-            list(held), prompt_tokens=tracked.request.num_tokens, request=tracked.request.request_id
-        )
-        return Plan(fingerprints, len(held), hits, decision, time.perf_counter() - started)
 
     def _record_plan(self, tracked: Tracked) -> None:
         plan = tracked.plan
@@ -321,23 +263,35 @@ class SchedulerHalf:
         tracked.trace.lookup_s = plan.lookup_s
         self.manager.counters.add("lookup_tokens", tracked.request.num_tokens)
 
+    def bind_prefix_cache(self, kv_cache_manager: KVCacheManager) -> None:
+        """vLLM's KV cache manager: from now on a load may run inside the engine step."""
+        self.loaded_pages = LoadedPages(kv_cache_manager, page_tokens=self.page_tokens)
+
     def allocated(self, request: Request, external: int, pages: Sequence[int] = ()) -> None:
-        """vLLM made room for the request's load: in its next step (`_step`), or, for an
-        asynchronous load, at once in the pages `pages` (the request waits meanwhile)."""
+        """vLLM made room for the request's load in its pages `pages`: an asynchronous load starts
+        at once (the request waits meanwhile); a synchronous one runs in the request's next step
+        (`_step`), and its pages leave vLLM's prefix cache until it is reported whole."""
         tracked = self.requests.get(request.request_id)
         if tracked is None:
             return
         tracked.load_tokens = external
-        if tracked.asynchronous and external > 0:
+        if external <= 0:
+            return
+        if tracked.asynchronous:
             tracked.pages = list(pages)
             self.async_ready.append(tracked)
+        else:
+            assert self.loaded_pages is not None
+            tracked.unshared = (tracked.local_tokens // self.page_tokens, list(pages))
+            tracked.blended = tracked.blend is not None and tracked.hit_end == tracked.blend.end
+            self.loaded_pages.unshare(pages, tracked.unshared[0])
 
     def hit_sources(self, request: Request, external: int) -> dict[CacheHitSource, int]:
         tracked = self.requests.get(request.request_id)
         if tracked is None or tracked.plan is None or external <= 0:
             return {}
         sources: collections.Counter[CacheHitSource] = collections.Counter()
-        end = min(len(tracked.plan.hits) * self.block_tokens, tracked.request.num_tokens - 1)
+        end = self._hit_end(tracked)
         start = end - external
         for hit in tracked.plan.hits:
             lo, hi = max(start, hit.index * self.block_tokens), min(end, (hit.index + 1) * self.block_tokens)
@@ -346,20 +300,33 @@ class SchedulerHalf:
         return dict(sources)
 
     # -- each step -------------------------------------------------------------------------------
+    def _numbered(self, output: SchedulerOutput) -> StrataMetadata:
+        """A new step's work, numbered, with the last step whose report this plan has read and the
+        requests whose asynchronous loads to give up."""
+        self.step += 1
+        aborted, self.aborted = self.aborted, []
+        return StrataMetadata(
+            scheduled_tokens=output.total_num_scheduled_tokens, step=self.step, reported=self.reported, aborted=aborted
+        )
+
     def build(self, output: SchedulerOutput) -> StrataMetadata:
-        meta = StrataMetadata(scheduled_tokens=output.total_num_scheduled_tokens)
+        meta = self._numbered(output)
         ready, self.async_ready = self.async_ready, []
         for waiting in ready:
-            try:
-                spec = self._load(waiting, waiting.hit_end)
-            except Exception as exc:  # noqa: BLE001 - the request waits for its load: always hand one over
-                log.exception(
-                    "request %s: its load could not be planned; vLLM recomputes it", waiting.request.request_id
-                )
-                spec = self._refused_load(waiting, waiting.hit_end, f"load not planned: {exc}")
+            if waiting.request.is_finished():
+                spec = self._refused_load(waiting, waiting.hit_end, "the request ended before its load started")
+            else:
+                try:
+                    spec = self._load(waiting, waiting.hit_end)
+                except Exception as exc:  # noqa: BLE001 - the request waits for its load: always hand one over
+                    log.exception(
+                        "request %s: its load could not be planned; vLLM recomputes it", waiting.request.request_id
+                    )
+                    spec = self._refused_load(waiting, waiting.hit_end, f"load not planned: {exc}")
             spec.asynchronous = True
             meta.loads.append(spec)
             waiting.load_tokens = 0
+            waiting.loading = True
         for new in output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is not None:
@@ -384,13 +351,14 @@ class SchedulerHalf:
     def refused(self, output: SchedulerOutput, reason: str) -> StrataMetadata:
         """The step's work when building it failed as a whole: every load promised to a request
         scheduled in it, refused, so that the worker reports their pages and vLLM recomputes them."""
-        meta = StrataMetadata(scheduled_tokens=output.total_num_scheduled_tokens)
+        meta = self._numbered(output)
         ready, self.async_ready = self.async_ready, []
         for waiting in ready:  # waiting for their loads: refused, so that the worker reports them ended
             spec = self._refused_load(waiting, waiting.hit_end, reason)
             spec.asynchronous = True
             meta.loads.append(spec)
             waiting.load_tokens = 0
+            waiting.loading = True
         scheduled = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
         cached = output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -434,6 +402,9 @@ class SchedulerHalf:
         if plan is None or namespace is None:
             raise RuntimeError("a load was promised for a request without a plan")
         start, end = computed - tracked.load_tokens, computed
+        if tracked.blended:
+            assert self.fragments is not None
+            return self.fragments.load(tracked, start, end)
         first, last = start // size, -(-end // size)
         hits = plan.hits[first:last]
         if len(hits) != last - first:
@@ -475,6 +446,8 @@ class SchedulerHalf:
         """The full blocks this step completes that are not stored yet."""
         request, size = tracked.request, self.block_tokens
         full = min(computed + scheduled, request.num_tokens) // size
+        if tracked.saves_until is not None:
+            full = min(full, tracked.saves_until)
         if tracked.namespace is None or full <= tracked.stored:
             return
         fingerprints = self._fingerprints(tracked, full)
@@ -491,6 +464,8 @@ class SchedulerHalf:
         )
         if self.events is not None:
             self.events.planned(request, blocks)
+        if self.fragments is not None:
+            self.fragments.remember(blocks)
         tracked.stored = full
 
     def _fingerprints(self, tracked: Tracked, blocks: int) -> list[BlockFingerprint] | None:
@@ -514,6 +489,7 @@ class SchedulerHalf:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, StrataWorkerMeta):
             return
+        self.reported = max(self.reported, meta.step)
         now = time.time()
         manager = self.manager
         for name, count in meta.counts.items():
@@ -529,6 +505,16 @@ class SchedulerHalf:
             if not report.failure:
                 self.stats.loaded(report.load_s, report.stalls)
             tracked = self.requests.get(request_id)
+            if tracked is not None:
+                tracked.loading = False
+                unshared, tracked.unshared = tracked.unshared, None
+                if (
+                    unshared is not None
+                    and not report.failure
+                    and not tracked.blended
+                    and self.loaded_pages is not None
+                ):
+                    self.loaded_pages.reshare(tracked.request, unshared[1], unshared[0])
             trace = tracked.trace if tracked is not None else self._finished_trace(request_id)
             if trace is None:
                 continue
@@ -574,6 +560,8 @@ class SchedulerHalf:
             return
         if tracked.pending is not None:
             tracked.pending.cancel()
+        if tracked.loading:  # vLLM frees its pages once the worker reports the load ended
+            self.aborted.append(request.request_id)
         trace = tracked.trace
         trace.output_tokens = request.num_output_tokens
         reason = request.get_finished_reason()

@@ -92,8 +92,9 @@ FAMILIES = (
     _family(
         "dropped_saves",
         "Blocks not saved, by reason: the write-back tier refused, was full or failed; a layer or a "
-        "rank's share was missing (incomplete); the step's saves could not be planned (unplanned).",
-        r"write_back\.(?:\w+\.)?(?P<reason>refused|full|failed|incomplete|unplanned)",
+        "rank's share was missing (incomplete); the step's saves could not be planned (unplanned); "
+        "the block was computed over pages a failed load left (poisoned).",
+        r"write_back\.(?:\w+\.)?(?P<reason>refused|full|failed|incomplete|unplanned|poisoned)",
     ),
     _family(
         "inline_saves",

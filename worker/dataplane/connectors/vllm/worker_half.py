@@ -8,8 +8,11 @@ must carry the checksum the scheduler half's directory lookup registered for it
 (`LoadSpec.checksums`).
 save_kv_layer / wait_for_save: the new full blocks are copied out of the pages inside the step
 and stored and registered outside it (`saving.BlockSaves`).
-A load that failed (a block corrupt or vanished) reports its pages
-(get_block_ids_with_load_errors): vLLM recomputes them.
+A load that failed (a block corrupt or vanished, a tier past its deadline, an error of ours)
+reports its pages (get_block_ids_with_load_errors): vLLM recomputes them. No block computed over
+such a page is stored (`failed_pages`). An error part-way through a step's loads fails every load
+of the step that is not known to be whole, the asynchronous ones included, so that no page
+promised to vLLM is left unfilled and unreported, and no request waits for a load forever.
 build_connector_worker_meta: what the step measured (stalls, tier speeds, prefill speed,
 counters) and, where vLLM publishes KV events, the copies stored and dropped since (`kv_events`),
 back to the scheduler half.
@@ -25,18 +28,21 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from worker.dataplane.connectors.pages import PagedKV, layout_of
+from worker.dataplane.connectors.pages import PagedKV
 from worker.dataplane.connectors.staging import LoadKeys, StagedLoads, slot_blocks
 from worker.dataplane.connectors.vllm.async_loads import AsyncLoads, scatter_piece
+from worker.dataplane.connectors.vllm.blend_load import BlendLoads, BlendUnavailable
+from worker.dataplane.connectors.vllm.failed_pages import FailedPages
 from worker.dataplane.connectors.vllm.kv_events import TierChanges
 from worker.dataplane.connectors.vllm.metadata import (
     LoadReport,
     LoadSpec,
+    SaveSpec,
     StrataMetadata,
     StrataWorkerMeta,
 )
 from worker.dataplane.connectors.vllm.runtime import Runtime
-from worker.dataplane.connectors.vllm.saving import BlockSaves
+from worker.dataplane.connectors.vllm.saving import BlockSaves, CudaStreams
 from worker.dataplane.connectors.vllm.sharding import Gather, Shard
 from worker.dataplane.layout import block_layout
 from worker.dataplane.prefix.cache import LoadFailed
@@ -67,6 +73,7 @@ class WorkerHalf:
         shard: Shard | None = None,
         gather: Gather | None = None,
         changes: TierChanges | None = None,
+        streams: CudaStreams | None = None,
     ) -> None:
         self.runtime = runtime
         self.layout = block_layout(runtime.profile)
@@ -91,6 +98,7 @@ class WorkerHalf:
             budget=runtime.config.save_staging_bytes,
             deadline_s=runtime.config.load_deadline_seconds,
             layerwise=layerwise_saves,
+            streams=streams,
         )
         self.paged: PagedKV | None = None
         self.layer_of: dict[str, int] = {}
@@ -108,28 +116,49 @@ class WorkerHalf:
             verify_remote=lambda: self.manager.verifies_remote,
         )
         self.refused_async: set[str] = set()
-        """Asynchronous loads refused by the scheduler: finished (failed) at once."""
+        """Asynchronous loads refused by the scheduler, or never started: finished (failed) at once."""
+        self.blends = BlendLoads(
+            self.manager.store, self.layout, self.manager.counters, verify=self.manager.verifies_remote
+        )
         self.invalid: set[int] = set()
+        self.failed: FailedPages | None = None
+        """The pages loads failed to fill, until a plan made after their report (once registered)."""
+        self.step = 0
+        """The step being run (`StrataMetadata.step`)."""
         self.report = StrataWorkerMeta()
         self.step_started = 0.0
         self._shipped_counts: dict[str, int] = {}
         self._shipped_events: dict[str, int] = {}
 
     def register(
-        self, kv_caches: Mapping[str, torch.Tensor], backends: Mapping[str, str], layer_index: Callable[[str], int]
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layouts: Mapping[str, str],
+        layer_index: Callable[[str], int],
+        *,
+        block_size: int | None = None,
     ) -> None:
+        """vLLM's KV tensors, by layer name, and each one's page layout (`pages.layout_of`).
+        `block_size`: the tokens of a page as vLLM's scheduler counts them (its cache config),
+        which the tensors' pages must hold: a page table read with another page size would put
+        every token in the wrong place."""
         names = sorted(kv_caches, key=layer_index)
         if [layer_index(name) for name in names] != list(self.layers):
             raise ValueError(
                 f"StrataConnector: this rank's KV caches are of layers {[layer_index(name) for name in names]}, "
                 f"its pipeline stage holds layers {self.layers.start}..{self.layers.stop - 1}"
             )
-        kinds = {layout_of(backends[name]) for name in names}
+        kinds = {layouts[name] for name in names}
         if len(kinds) != 1:
+            raise ValueError(f"StrataConnector: the layers' pages are laid out differently ({sorted(kinds)})")
+        paged = PagedKV([kv_caches[name] for name in names], kind=kinds.pop(), layout=self.share_layout)
+        if block_size is not None and paged.page_tokens != block_size:
             raise ValueError(
-                f"StrataConnector: the layers use different attention backends ({sorted(set(backends.values()))})"
+                f"StrataConnector: the registered KV tensors hold pages of {paged.page_tokens} tokens, vLLM's "
+                f"block_size is {block_size}: their pages must be the same size"
             )
-        self.paged = PagedKV([kv_caches[name] for name in names], kind=kinds.pop(), layout=self.share_layout)
+        self.paged = paged
+        self.failed = FailedPages(pages_per_block=paged.pages_per_block)
         self.layer_of = {name: layer_index(name) for name in names}
         self.saves.attach(self.paged)
         log.info(
@@ -148,46 +177,81 @@ class WorkerHalf:
 
     def bind(self, meta: StrataMetadata) -> None:
         self.meta = meta
+        self.step = meta.step
+        if self.failed is not None:
+            self.failed.acknowledged(meta.reported)
         self.saves.begin()
         self.step_started = time.perf_counter()
+        self.settled: set[str] = set()
+        """The step's loads whose outcome is reported (refused, failed or settled)."""
+        for request_id in meta.aborted:
+            if self.async_loads.give_up(request_id, "the request ended while its load ran"):
+                log.info("request %s ended while its load ran: the load is given up", request_id)
 
     def start_loads(self) -> None:
+        """Start the step's loads: the asynchronous ones on threads of their own, the others
+        staged layer by layer for `wait_layer`. Any error part-way fails every load of the step
+        not known to be whole (`abandon_loads`)."""
         meta, paged = self.meta, self.paged
         if meta is None or paged is None:
             return
+        try:
+            self._start(meta, paged)
+        except Exception as exc:  # noqa: BLE001 - never an engine error: the step's loads are recomputed
+            log.exception("this step's loads could not start; vLLM recomputes them")
+            self.abandon_loads(exc)
+
+    def _start(self, meta: StrataMetadata, paged: PagedKV) -> None:
         loads: list[LoadSpec] = []
         for spec in meta.loads:
             if spec.refused:
                 log.warning("request %s: load refused (%s); vLLM recomputes its pages", spec.request_id, spec.refused)
-                self._invalidate(spec)
-                self.manager.counters.add("load_failures")
-                self.report.loads[spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=spec.refused)
-                if spec.asynchronous:
-                    self.refused_async.add(spec.request_id)
+                self._report_failure(spec, spec.refused)
             elif spec.asynchronous:
                 self.async_loads.start(spec, paged)
+            elif spec.blend is not None:
+                self._blend(spec, paged)
             else:
                 loads.append(spec)
         if not loads:
             return
         self.deadline = time.perf_counter() + self.runtime.config.load_deadline_seconds
         verify = self.manager.verifies_remote
-        try:
-            self.staged = StagedLoads(
-                store=self.manager.store,
-                layout=self.layout,
-                loads=[LoadKeys(list(spec.keys), list(spec.checksums) if verify else None) for spec in loads],
-                budget=self.runtime.config.load_staging_bytes,
-                pin=paged.device.type == "cuda",
-                layers=self.layers,
-            ).start()
-        except Exception as exc:  # noqa: BLE001 - loads that cannot start are recomputed
-            log.exception("this step's loads could not start, recomputing them")
-            for spec in loads:
-                self._invalidate(spec)
-                self.report.loads[spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=str(exc))
-            return
+        self.staged = StagedLoads(
+            store=self.manager.store,
+            layout=self.layout,
+            loads=[LoadKeys(list(spec.keys), list(spec.checksums) if verify else None) for spec in loads],
+            budget=self.runtime.config.load_staging_bytes,
+            pin=paged.device.type == "cuda",
+            layers=self.layers,
+        ).start()
         self.loads = [ActiveLoad(spec, index, [0.0] * self.layout.layers) for index, spec in enumerate(loads)]
+
+    def _blend(self, spec: LoadSpec, paged: PagedKV) -> None:
+        """A blended load, whole, now (`blend_load`); any failure is reported and vLLM recomputes it."""
+        try:
+            if not self.shard.whole:
+                raise BlendUnavailable("fragment blending serves one rank; this worker is one of several")
+            done = self.blends.run(spec, paged)
+        except Exception as exc:  # noqa: BLE001 - never an engine error, never half-assembled pages
+            log.warning("request %s: blended load failed (%s); vLLM recomputes its tokens", spec.request_id, exc)
+            self.manager.counters.add("blend.failures")
+            self._report_failure(spec, f"blend: {exc}")
+            return
+        self.settled.add(spec.request_id)
+        self.report.loads[spec.request_id] = LoadReport([], [], done.load_s, [], done.blocks_by_tier)
+
+    def _report_failure(self, spec: LoadSpec, reason: str) -> None:
+        """A load of the step that is not read (refused, or given up before it started): its pages
+        are reported for vLLM to recompute, and an asynchronous one is reported finished."""
+        if spec.request_id in self.settled:
+            return
+        self.settled.add(spec.request_id)
+        self._invalidate(spec)
+        self.manager.counters.add("load_failures")
+        self.report.loads[spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=reason)
+        if spec.asynchronous:
+            self.refused_async.add(spec.request_id)
 
     def wait_layer(self, layer_name: str) -> None:
         """Scatter this layer of every load into the pages, piece by piece as the staging ring
@@ -247,38 +311,64 @@ class WorkerHalf:
         )
 
     def _invalidate(self, spec: LoadSpec) -> None:
-        """Every page the load was to fill: vLLM recomputes from the first of them."""
+        """Every page the load was to fill: vLLM recomputes from the first of them, and no block
+        computed over them is stored (`failed_pages`)."""
         assert self.paged is not None
         n = self.paged.page_tokens
-        self.invalid.update(spec.pages[spec.start // n : -(-spec.end // n)])
+        pages = spec.pages[spec.start // n : -(-spec.end // n)]
+        self.invalid.update(pages)
+        if self.failed is not None:
+            self.failed.failed(self.step, pages)
 
-    def abandon_loads(self) -> None:
-        """Give up every load of this step (their pages are recomputed), after an error the loads'
-        own handling did not catch."""
+    def abandon_loads(self, cause: BaseException | None = None) -> None:
+        """Give up every load of this step not known to be whole, after an error the loads' own
+        handling did not catch: the synchronous ones (started or not) have their pages
+        recomputed; the asynchronous ones are given up (started) or reported finished at once
+        (not started), so that no request waits for them."""
+        reason = f"the step's loads were given up: {cause}" if cause is not None else "the step's loads were given up"
         for load in self.loads:
             if load.failure is None:
-                load.failure = LoadFailed(0, 0, RuntimeError("the step's loads were given up"))
+                load.failure = LoadFailed(0, 0, RuntimeError(reason))
                 self._invalidate(load.spec)
                 self.manager.counters.add("load_failures")
+        if self.staged is not None:
+            self.staged.stop()
+        meta = self.meta
+        if meta is None:
+            return
+        active = {load.spec.request_id for load in self.loads}
+        for spec in meta.loads:
+            if spec.request_id in active or spec.refused:
+                continue
+            if spec.asynchronous and self.async_loads.give_up(spec.request_id, reason):
+                continue  # reported with its pages when it ends (`take_finished`)
+            self._report_failure(spec, reason)
 
     def finish_step(self) -> None:
-        """After the forward pass: settle the loads, then save the step's new full blocks. Under
-        tensor parallel the saves run whatever the loads did (every rank must reach the gather)."""
+        """After the forward pass: settle the loads, then save the step's new full blocks but those
+        computed over a page a failed load left. Under tensor parallel the saves run whatever the
+        loads did (every rank must reach the gather)."""
         meta = self.meta
         if meta is None:
             return
         try:
             self._settle_step()
+        except Exception as exc:  # noqa: BLE001 - loads not known to be whole are recomputed
+            log.exception("this step's loads could not be settled; vLLM recomputes them")
+            self.abandon_loads(exc)
+            self.loads, self.staged = [], None
         finally:
-            self.saves.finish(meta.saves)
+            self.saves.finish(meta.saves, self._poisoned)
         forward_s = time.perf_counter() - self.step_started
         if not meta.loads and meta.scheduled_tokens >= self.layout.block_tokens:
             self.report.prefill = (meta.scheduled_tokens, forward_s)
         self.report.prefills_done.extend(meta.prefills_done)
 
+    def _poisoned(self, spec: SaveSpec, index: int) -> bool:
+        return self.failed is not None and self.failed.poisons(spec.pages, index)
+
     def _settle_step(self) -> None:
-        loads, self.loads = self.loads, []
-        staged, self.staged = self.staged, None
+        loads, staged = self.loads, self.staged
         if staged is not None and not staged.join(timeout=max(0.0, self.deadline - time.perf_counter())):
             log.warning("a tier has not answered this step's loads by their deadline; their pages are recomputed")
         for load in loads:
@@ -287,9 +377,12 @@ class WorkerHalf:
                 self._settle(load, staged, first=load is loads[0])
             except Exception as exc:  # noqa: BLE001 - a load not known to be whole is recomputed
                 log.exception("request %s: its load could not be settled; vLLM recomputes it", load.spec.request_id)
+                load.failure = load.failure or LoadFailed(0, 0, exc)
                 self._invalidate(load.spec)
                 self.manager.counters.add("load_failures")
                 self.report.loads[load.spec.request_id] = LoadReport([], [], 0.0, [], {}, failure=str(exc))
+            self.settled.add(load.spec.request_id)
+        self.loads, self.staged = [], None
 
     def _settle(self, load: ActiveLoad, staged: StagedLoads, *, first: bool) -> None:
         spec = load.spec
@@ -323,7 +416,12 @@ class WorkerHalf:
         up at its deadline. The pages of a load that did not complete are recomputed (reported by
         `take_invalid` in the same step, which vLLM reads after this)."""
         ended, self.refused_async = self.refused_async, set()
-        for spec, report in self.async_loads.settle(self.manager, invalidate=self._invalidate):
+        try:
+            settled = self.async_loads.settle(self.manager, invalidate=self._invalidate)
+        except Exception as exc:  # noqa: BLE001 - no request may wait for a load forever
+            log.exception("the asynchronous loads could not be settled; vLLM recomputes every one of them")
+            settled = self.async_loads.give_up_all(self.manager, invalidate=self._invalidate, cause=exc)
+        for spec, report in settled:
             ended.add(spec.request_id)
             self.report.loads[spec.request_id] = report
         return ended
@@ -351,6 +449,7 @@ class WorkerHalf:
 
     def take_report(self) -> StrataWorkerMeta | None:
         report, self.report = self.report, StrataWorkerMeta()
+        report.step = self.step
         for request_id, count in self.saves.take_saved().items():  # stored since the last report, by either path
             report.saved[request_id] = report.saved.get(request_id, 0) + count
         report.counts = _delta(self.manager.counters.snapshot(), self._shipped_counts)
