@@ -236,11 +236,15 @@ def vllm_cpu_server(
     after: Server | None = None,
     port: int = 0,
     status_port: int = 0,
+    page_tokens: int | None = None,
+    tokenizer: bool = True,
 ) -> Server:
     """The server of one configuration of the `vllm` suites (benchmarks.suites.vllm names them) on
     vLLM's CPU backend. `after`: a stopped Strata server whose node (name, host pool, disk) this
     one serves as, to read what it stored; `port` and `status_port` (the connector's endpoints): 0
-    for a free one each."""
+    for a free one each; `page_tokens`: vLLM's page and Strata's block size (None: vLLM's default
+    page, Strata's default block); `tokenizer` False for a checkpoint that ships none (the prompts
+    and answers are token ids)."""
     port = port or free_port()
     status_port = status_port or free_port()
     pages = shape.floor_pages if config.startswith("floor") else shape.pages
@@ -253,6 +257,8 @@ def vllm_cpu_server(
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
         *(["--tensor-parallel-size", str(ranks)] if ranks > 1 else []),
+        *(["--block-size", str(page_tokens)] if page_tokens else []),
+        *([] if tokenizer else ["--skip-tokenizer-init"]),
     ]
     # vLLM's CPU backend keeps cores out of its compute for its scheduler process: one alone,
     # two with a KV connector, and where the machine has no more than that, none. Left to
@@ -264,6 +270,11 @@ def vllm_cpu_server(
     label = label or config
     if config.startswith("strata_"):
         tier = config.removeprefix("strata_").removesuffix("_tp2")
+        if tier == "blend":  # fragment reuse on a node writing back to the host tier
+            tier = "host"
+            added["STRATA_BLEND"] = "true"
+        if page_tokens:
+            added["STRATA_BLOCK_TOKENS"] = str(page_tokens)
         name = after.node if after is not None and after.node else f"bench-{config.replace('_', '-')}"
         pool = after.pool if after is not None and after.pool else f"strata-{name}-{os.getpid()}"
         admin_key = secrets.token_urlsafe(24)

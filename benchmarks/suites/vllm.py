@@ -25,10 +25,19 @@ each other; then a one-rank server of strata_host_tp2's node serves its 4-client
 sessions again (`strata_host_from_tp2`): every hit is a block two ranks wrote. `floor_tp2` is
 the floor at two ranks, the bound of `strata_host_tp2`'s ratios.
 
-STRATA_BENCH_VLLM_CONFIGS (default: all) runs some of vllm, strata_host, example, strata_disk, floor,
-vllm_tp2, strata_host_tp2, floor_tp2; STRATA_BENCH_VLLM_WORKLOADS (default: all) some of
-multiturn.c4, multiturn.c8, longdoc, nohit (strata_host_from_tp2 runs with multiturn.c4 only). The
-rows and ratios of what is left out are not reported.
+RAG (`rag`): vllm, strata_host (prefix reuse only) and strata_blend (fragment reuse,
+STRATA_BLEND) serve prompts of a 256-token header every prompt shares, then 16 passages of 256
+tokens drawn from a corpus of 48 in a new order each time, then a 16-token question; the corpus
+is read once in groups first, then 8 prompts are measured, each asked alone. Rows: TTFT, reused
+tokens, and the accuracy of a server of the same configuration on the blend suite's trained
+fixture (tests/fixtures/blend-model: its RAG task, 100 questions of 16 of 48 passages after a
+64-token header, 32-token pages and blocks); strata_blend against the other two. strata_blend
+runs the RAG workload only.
+
+STRATA_BENCH_VLLM_CONFIGS (default: all) runs some of vllm, strata_host, strata_blend, example,
+strata_disk, floor, vllm_tp2, strata_host_tp2, floor_tp2; STRATA_BENCH_VLLM_WORKLOADS (default: all)
+some of multiturn.c4, multiturn.c8, longdoc, nohit, rag (strata_host_from_tp2 runs with
+multiturn.c4 only). The rows and ratios of what is left out are not reported.
 
 Sizes at scale 1: multi-turn with 4 and with 8 clients, 10 conversations x 6 turns (60 requests),
 each a 1536-token private context, 160-token user turns and 32-token answers; long documents: 3 of
@@ -47,9 +56,20 @@ from benchmarks.harness import Context, Row
 from benchmarks.runtime.database import scratch_database
 from benchmarks.runtime.servers import Server, vllm_cpu_server
 from benchmarks.workloads.sessions import Shape
-from benchmarks.workloads.vllm_api import CONFIGS, SKIPPED, WORKLOADS, run_config
+from benchmarks.workloads.vllm_api import (
+    CONFIGS,
+    SKIPPED,
+    WORKLOADS,
+    FixtureShape,
+    rag_accuracy,
+    run_config,
+    serves,
+)
 
-DESCRIPTION = "vLLM + Strata (host, disk) vs vLLM alone and vs ExampleConnector: multi-turn, long docs, no reuse"
+DESCRIPTION = (
+    "vLLM + Strata (host, disk, fragment reuse) vs vLLM alone and vs ExampleConnector: multi-turn, long docs, "
+    "no reuse, RAG"
+)
 
 TARGETS = {
     "ttft_vs_vllm": "target <= 0.3 (mean TTFT)",
@@ -60,8 +80,22 @@ TARGETS = {
     "ttft_vs_example": "target <= 0.5",
     "nohit": "target <= 1.05",
     "floor": "vLLM alone with every session in its KV space: a bound no KV offload reaches (see the docstring)",
+    "rag.ttft_vs_vllm": "target <= 0.45 (>= 2.2x faster)",
+    "rag.ttft_vs_strata_host": "target <= 0.6 (prefix reuse only)",
+    "rag.reused_vs_strata_host": "target >= 5",
+    "rag.accuracy_delta_pts": "target <= 2 (vLLM alone's accuracy minus blend's, trained fixture)",
 }
-ORDER = ("vllm", "strata_host", "example", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2", "floor_tp2")
+ORDER = (
+    "vllm",
+    "strata_host",
+    "strata_blend",
+    "example",
+    "strata_disk",
+    "floor",
+    "vllm_tp2",
+    "strata_host_tp2",
+    "floor_tp2",
+)
 """The configurations in the order they run (alternating with and without Strata)."""
 FROM_TP2 = "strata_host_from_tp2"
 """After strata_host_tp2: a one-rank server of the same node serves its 4-client multi-turn
@@ -103,6 +137,10 @@ def expected_rows(ctx: Context) -> list[str]:
     return [row for row in _expected_rows() if _workload_of(row) in workloads]
 
 
+RAG_METRICS = ("ttft_mean_s", "reused_tokens", "accuracy_pct")
+"""The RAG workload's own rows of each configuration that runs it."""
+
+
 def _workload_of(row: str) -> str:
     """The workload of a row named `vllm.<workload>.<config>...` (a multi-turn one names its clients)."""
     parts = row.split(".")
@@ -111,9 +149,27 @@ def _workload_of(row: str) -> str:
 
 def _expected_rows() -> list[str]:
     chosen = chosen_configs()
-    patterns = [f"vllm.multiturn.c{clients}.{config}.ttft_mean_s" for config in chosen for clients in (4, 8)]
-    patterns += [f"vllm.longdoc.{config}.ttft_mean_s" for config in chosen if "longdoc" not in SKIPPED.get(config, {})]
-    patterns += [f"vllm.nohit.{config}.ttft_mean_s" for config in chosen]
+    patterns = [
+        f"vllm.multiturn.c{clients}.{config}.ttft_mean_s"
+        for config in chosen
+        for clients in (4, 8)
+        if serves(config, "multiturn.c4")
+    ]
+    patterns += [
+        f"vllm.longdoc.{config}.ttft_mean_s"
+        for config in chosen
+        if serves(config, "longdoc") and "longdoc" not in SKIPPED.get(config, {})
+    ]
+    patterns += [f"vllm.nohit.{config}.ttft_mean_s" for config in chosen if serves(config, "nohit")]
+    rag = [config for config in chosen if serves(config, "rag")]
+    patterns += [f"vllm.rag.{config}.{metric}" for config in rag for metric in RAG_METRICS]
+    if "strata_blend" in rag:
+        patterns += [
+            f"vllm.rag.strata_blend.{ratio}_{peer}"
+            for peer in ("vllm", "strata_host")
+            if peer in rag
+            for ratio in ("ttft_vs", "reused_vs", "accuracy_delta_pts_vs")
+        ]
     if "vllm" in chosen:
         for config in ("strata_host", "strata_disk", "floor"):
             if config in chosen:
@@ -212,6 +268,8 @@ def run(ctx: Context) -> list[Row]:
                         except Exception as exc:  # noqa: BLE001 - reported as its own failure
                             failures[FROM_TP2] = f"{type(exc).__name__}: {exc}"
                             ctx.log(f"[red]vllm: {FROM_TP2} failed ({failures[FROM_TP2]})")
+                if "rag" in results[config]:  # its accuracy, on a server of the same configuration
+                    results[config]["rag"].update(accuracy(config, shape, ctx, env, logs))
             except Exception as exc:  # noqa: BLE001 - reported below and in the results' params
                 failures[config] = f"{type(exc).__name__}: {exc}"
                 ctx.log(f"[red]vllm: {config} failed ({failures[config]}); its log: {logs / (config + '.log')}")
@@ -220,6 +278,26 @@ def run(ctx: Context) -> list[Row]:
     if not results:
         raise RuntimeError(f"every configuration failed: {failures}")
     return rows_of(results)
+
+
+def accuracy(config: str, shape: Shape, ctx: Context, env: dict[str, str], logs: Path) -> dict[str, float]:
+    """The RAG accuracy of `config`: its server on the blend suite's trained fixture."""
+    from benchmarks.models.blend import FIXTURE_DIRS
+
+    fixture = FixtureShape()
+    with vllm_cpu_server(
+        config,
+        label=f"{config}_accuracy",
+        checkpoint=FIXTURE_DIRS["lookup"],
+        shape=fixture,
+        scratch=ctx.scratch,
+        env=env,
+        logs=logs,
+        page_tokens=fixture.page_tokens,
+        tokenizer=False,
+    ) as served:
+        found = rag_accuracy(served, shape.rag_accuracy_questions, ctx.log)
+    return {"accuracy_pct": found["accuracy_pct"], "accuracy_reused_tokens": found["cached_tokens_mean"]}
 
 
 def from_tp2(
@@ -284,6 +362,7 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
             )
         )
 
+    rows += rag_rows(results)
     for config, peer in PEERS.items():
         for clients in (4, 8):
             workload = f"multiturn.c{clients}"
@@ -384,4 +463,67 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
             f"vllm.{workload}.strata_host_tp2.ttft_vs_floor_tp2",
             "1.0 = as fast as if vLLM's KV space held every session, at two ranks",
         )
+    return rows
+
+
+def rag_rows(results: dict[str, dict[str, dict[str, float]]]) -> list[Row]:
+    """The RAG workload's rows: each configuration's reused tokens and accuracy, and fragment reuse
+    against vLLM alone and against prefix reuse only (TTFT and reused tokens: ratios; accuracy:
+    points lost)."""
+    rows: list[Row] = []
+    rag = {config: workloads["rag"] for config, workloads in results.items() if "rag" in workloads}
+    for config, numbers in rag.items():
+        rows.append(
+            Row(
+                f"vllm.rag.{config}.reused_tokens",
+                numbers["cached_tokens_mean"],
+                "tok",
+                note="prompt tokens not computed, mean per measured prompt",
+            )
+        )
+        if "accuracy_pct" in numbers:
+            rows.append(
+                Row(
+                    f"vllm.rag.{config}.accuracy_pct",
+                    numbers["accuracy_pct"],
+                    "%",
+                    note=f"trained fixture, {numbers['accuracy_reused_tokens']:.0f} prompt tokens reused per question",
+                )
+            )
+    blend = rag.get("strata_blend")
+    if blend is None:
+        return rows
+    for peer in ("vllm", "strata_host"):
+        theirs = rag.get(peer)
+        if theirs is None:
+            continue
+        rows.append(
+            Row(
+                f"vllm.rag.strata_blend.ttft_vs_{peer}",
+                blend["ttft_mean_s"] / theirs["ttft_mean_s"],
+                "x",
+                baseline=f"vllm.rag.{peer}.ttft_mean_s",
+                note=TARGETS[f"rag.ttft_vs_{'vllm' if peer == 'vllm' else 'strata_host'}"],
+            )
+        )
+        reused = theirs["cached_tokens_mean"]
+        rows.append(
+            Row(
+                f"vllm.rag.strata_blend.reused_vs_{peer}",
+                blend["cached_tokens_mean"] / max(reused, 1.0),
+                "x",
+                baseline=f"vllm.rag.{peer}.reused_tokens",
+                note=TARGETS["rag.reused_vs_strata_host"] if peer == "strata_host" else "",
+            )
+        )
+        if "accuracy_pct" in blend and "accuracy_pct" in theirs:
+            rows.append(
+                Row(
+                    f"vllm.rag.strata_blend.accuracy_delta_pts_vs_{peer}",
+                    theirs["accuracy_pct"] - blend["accuracy_pct"],
+                    "pts",
+                    baseline=f"vllm.rag.{peer}.accuracy_pct",
+                    note=TARGETS["rag.accuracy_delta_pts"],
+                )
+            )
     return rows

@@ -8,6 +8,10 @@ and worker.workload.drive).
     longdoc       documents asked once, then asked again after the others pushed them out of
                   vLLM's KV space; the second asks are measured.
     nohit         unique prompts, nothing to reuse: what the connector costs.
+    rag           retrieval-augmented prompts: a system header every prompt shares, then passages
+                  drawn from a corpus in a new order each time, then a question. The corpus is read
+                  once in groups first (as earlier requests would have brought it); the prompts
+                  after it are measured, each asked alone. Prefix caching finds the header only.
 
 Every prompt is unique to its workload, so one server runs them all in turn.
 """
@@ -52,6 +56,15 @@ class Shape:
     nohit_requests: int = 48
     nohit_tokens: int = 1024
     nohit_answer_tokens: int = 16
+    rag_header_tokens: int = 256
+    rag_passages: int = 16
+    rag_passage_tokens: int = 256
+    rag_corpus: int = 48
+    rag_prompts: int = 8
+    rag_question_tokens: int = 16
+    rag_answer_tokens: int = 8
+    rag_accuracy_questions: int = 100
+    """Questions of the trained fixture's RAG task (benchmarks.workloads.vllm_api.rag_accuracy)."""
     preset: str = "bench"
     """The model preset served (saved as a checkpoint under var/checkpoints)."""
     dtype: str = "bfloat16"
@@ -74,6 +87,10 @@ class Shape:
             document_tokens=max(1024, int(10240 * scale)),
             nohit_requests=max(4, int(48 * scale)),
             nohit_tokens=max(256, int(1024 * scale)),
+            rag_passages=4,
+            rag_corpus=8,
+            rag_prompts=3,
+            rag_accuracy_questions=10,
         )
 
 
@@ -118,6 +135,25 @@ def nohit_sessions(shape: Shape, seed: int) -> list[list[TokenStep]]:
     return [one(i) for i in range(shape.nohit_requests)]
 
 
+def rag_sessions(shape: Shape, seed: int) -> tuple[list[list[TokenStep]], list[list[TokenStep]]]:
+    """The warm-up (the corpus read in groups of `rag_passages`, after the shared header) and the
+    measured prompts (the header, `rag_passages` passages drawn in a new order, a question), each a
+    single-step session."""
+    header = [1, *tokens(shape.rag_header_tokens - 1, seed=seed * 1000)]
+    corpus = [tokens(shape.rag_passage_tokens, seed=seed * 1000 + 1 + i) for i in range(shape.rag_corpus)]
+    rng = random.Random(seed)
+
+    def one(passages: Sequence[list[int]], question: int) -> list[TokenStep]:
+        prompt = [*header, *(t for passage in passages for t in passage)]
+        prompt += tokens(shape.rag_question_tokens, seed=seed * 1000 + 500 + question)
+        return [lambda _history: (prompt, shape.rag_answer_tokens)]
+
+    k = shape.rag_passages
+    warm = [one(corpus[first : first + k], first) for first in range(0, len(corpus), k)]
+    asked = [one(rng.sample(corpus, k), len(corpus) + i) for i in range(shape.rag_prompts)]
+    return warm, asked
+
+
 def summary(outcomes: Sequence[Outcome], wall: float) -> dict[str, float]:
     ttft = [o.ttft_s for o in outcomes]
     later = [o.ttft_s for o in outcomes if o.step > 0]
@@ -130,6 +166,7 @@ def summary(outcomes: Sequence[Outcome], wall: float) -> dict[str, float]:
         "throughput_tok_s": sum(o.output_tokens for o in outcomes) / wall,
         "requests_per_s": len(outcomes) / wall,
         "cached_share": sum(o.cached_tokens for o in outcomes) / max(1, sum(o.prompt_tokens for o in outcomes)),
+        "cached_tokens_mean": statistics.mean(o.cached_tokens for o in outcomes),
         "wall_s": wall,
         "requests": float(len(outcomes)),
     }

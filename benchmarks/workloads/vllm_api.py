@@ -11,13 +11,20 @@ Configurations, each a fresh server on the same checkpoint and KV space
     strata_disk   vLLM + StrataConnector writing back to the disk tier
     floor         vLLM alone with a KV space that holds every session (nothing is evicted, no
                   request waits for room): a bound no KV offload reaches on the same workloads
+    strata_blend  vLLM + StrataConnector (host) with fragment reuse on (STRATA_BLEND): the RAG workload only
     vllm_tp2, strata_host_tp2, floor_tp2
                   vLLM alone, vLLM + StrataConnector (host) and the floor at tensor parallel 2, one
                   core per rank (the other configurations compute on both cores in one rank)
+
+The RAG workload (`rag`) runs on vllm, strata_host (prefix reuse only) and strata_blend; its
+accuracy is measured on the trained fixture of tests/fixtures/blend-model served by a server of
+the same configuration (`rag_accuracy`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -29,13 +36,26 @@ from benchmarks.workloads.sessions import (
     longdoc_sessions,
     multiturn_sessions,
     nohit_sessions,
+    rag_sessions,
     summary,
     tokens,
 )
 from worker import workload
 from worker.workload import Outcome
 
-CONFIGS = ("vllm", "example", "strata_host", "strata_disk", "floor", "vllm_tp2", "strata_host_tp2", "floor_tp2")
+CONFIGS = (
+    "vllm",
+    "example",
+    "strata_host",
+    "strata_blend",
+    "strata_disk",
+    "floor",
+    "vllm_tp2",
+    "strata_host_tp2",
+    "floor_tp2",
+)
+RAG_CONFIGS = ("vllm", "strata_host", "strata_blend")
+"""The configurations that run the RAG workload: vLLM alone, prefix reuse only, fragment reuse."""
 
 
 def complete(
@@ -105,8 +125,21 @@ SKIPPED = {
 """Workloads a configuration cannot serve, and why."""
 
 
-WORKLOADS = ("multiturn.c4", "multiturn.c8", "longdoc", "nohit")
+WORKLOADS = ("multiturn.c4", "multiturn.c8", "longdoc", "nohit", "rag")
 """The workloads of a `vllm` suite configuration, in the order they run."""
+
+
+def serves(config: str, workload: str) -> bool:
+    """Whether `config` runs `workload`: the RAG workload runs on RAG_CONFIGS, strata_blend runs it
+    alone (on the other workloads it is strata_host: prompts that share prefixes only)."""
+    if workload == "rag":
+        return config in RAG_CONFIGS
+    return config != "strata_blend"
+
+
+SAVES_SETTLE_S = 2.0
+"""Time given to a Strata server's save queue (a thread outside the step) to store what the
+warm-up computed before the measured prompts ask for it."""
 
 
 def run_config(
@@ -141,6 +174,7 @@ def run_config(
             f"{shape.turns} turns"
         )
         results[f"multiturn.c{clients}"] = summary(*drive(server.base, server.model, sessions, clients))
+    workloads = [w for w in workloads if serves(server.config, w)]
     skipped = SKIPPED.get(server.config, {})
     if "longdoc" not in workloads:
         pass
@@ -158,7 +192,55 @@ def run_config(
     if "nohit" in workloads:
         progress(f"vllm: {server.label}: {shape.nohit_requests} prompts with nothing to reuse")
         results["nohit"] = summary(*drive(server.base, server.model, nohit_sessions(shape, seed=40), clients=4))
+    if "rag" in workloads:
+        warm, asked = rag_sessions(shape, seed=50)
+        progress(
+            f"vllm: {server.label}: RAG, the corpus of {shape.rag_corpus} passages read, then {len(asked)} prompts "
+            f"of {shape.rag_passages} passages in a new order"
+        )
+        drive(server.base, server.model, warm, clients=1)
+        time.sleep(SAVES_SETTLE_S)
+        results["rag"] = summary(*drive(server.base, server.model, asked, clients=1))
     kept = server.keep_traces()
     if kept is not None:
         progress(f"vllm: {server.label}: the connector's request timelines are in {kept}")
     return results
+
+
+@dataclasses.dataclass(frozen=True)
+class FixtureShape:
+    """The server size of the RAG accuracy fixture (32-token pages and blocks, float32)."""
+
+    max_model_len: int = 4096
+    pages: int = 256
+    floor_pages: int = 256
+    dtype: str = "float32"
+    page_tokens: int = 32
+
+
+def rag_accuracy(server: Server, questions: int, progress: Callable[[str], None]) -> dict[str, float]:
+    """The blend suite's RAG task on its trained fixture (tests/fixtures/blend-model), asked through
+    `server` (serving that fixture): the corpus read in groups first, then each question, a 64-token
+    header and 16 of the 48 passages in a new order, asked alone. Accuracy is the share of first
+    tokens that are the answer; the reused tokens are the server's cached prompt tokens."""
+    from openai import OpenAI
+
+    from benchmarks.models import blend as task
+
+    client = OpenAI(base_url=server.base + "/v1", api_key="unused", timeout=900, max_retries=0)
+    rng = random.Random(1)
+    corpus = task.make_corpus(48, seed=2)
+    header = task.words(rng, 63)
+    passages = 16
+    progress(f"vllm: {server.label}: RAG accuracy, {questions} questions of {passages} passages")
+    for first in range(0, len(corpus), passages):
+        group = [t for passage in corpus[first : first + passages] for t in passage.tokens]
+        complete(client, server.model, [task.BOS, *header, *group, task.QUERY], 1)
+    time.sleep(SAVES_SETTLE_S)
+    right, reused = 0, 0
+    for _ in range(questions):
+        q = task.make_question(rng, rng.sample(corpus, passages), header=header)
+        outcome, answer = complete(client, server.model, q.prompt, 1)
+        right += int(answer[:1] == [q.answer])
+        reused += outcome.cached_tokens
+    return {"accuracy_pct": 100 * right / questions, "cached_tokens_mean": reused / questions}

@@ -135,4 +135,87 @@ def test_the_vllm_suite_runs_the_workloads_chosen_and_refuses_an_unknown_one_by_
     with pytest.raises(ValueError, match=r"unknown workload\(s\) multiturn\.c9; expected some of multiturn\.c4"):
         suite.chosen_workloads()
     monkeypatch.delenv("STRATA_BENCH_VLLM_WORKLOADS")
-    assert suite.chosen_workloads() == ["multiturn.c4", "multiturn.c8", "longdoc", "nohit"]
+    assert suite.chosen_workloads() == ["multiturn.c4", "multiturn.c8", "longdoc", "nohit", "rag"]
+
+
+def test_the_rag_workload_runs_on_vllm_prefix_reuse_and_fragment_reuse_with_their_rows(monkeypatch) -> None:
+    from benchmarks.suites import vllm as suite
+
+    monkeypatch.setenv("STRATA_BENCH_VLLM_CONFIGS", "strata_blend,vllm,strata_disk")
+    monkeypatch.setenv("STRATA_BENCH_VLLM_WORKLOADS", "rag,nohit")
+    rows = suite.expected_rows(None)  # type: ignore[arg-type]
+    # strata_blend runs the RAG workload alone; strata_disk does not run it.
+    assert "vllm.nohit.strata_blend.ttft_mean_s" not in rows
+    assert "vllm.nohit.strata_disk.ttft_mean_s" in rows
+    assert not [row for row in rows if row.startswith("vllm.rag.strata_disk")]
+    assert [row for row in rows if row.startswith("vllm.rag.")] == [
+        "vllm.rag.vllm.ttft_mean_s",
+        "vllm.rag.vllm.reused_tokens",
+        "vllm.rag.vllm.accuracy_pct",
+        "vllm.rag.strata_blend.ttft_mean_s",
+        "vllm.rag.strata_blend.reused_tokens",
+        "vllm.rag.strata_blend.accuracy_pct",
+        "vllm.rag.strata_blend.ttft_vs_vllm",
+        "vllm.rag.strata_blend.reused_vs_vllm",
+        "vllm.rag.strata_blend.accuracy_delta_pts_vs_vllm",
+    ]
+
+
+def test_rag_prompts_share_the_header_and_draw_the_corpus_passages_in_new_orders() -> None:
+    from benchmarks.workloads.sessions import Shape, rag_sessions
+
+    shape = Shape()
+    warm, asked = rag_sessions(shape, seed=50)
+    prompts = [session[0](None)[0] for session in [*warm, *asked]]
+    header = prompts[0][: shape.rag_header_tokens]
+    size = shape.rag_passage_tokens
+    passages = set()
+    for prompt in prompts[: len(warm)]:
+        body = prompt[shape.rag_header_tokens : -shape.rag_question_tokens]
+        passages.update(tuple(body[i : i + size]) for i in range(0, len(body), size))
+    assert len(warm) == shape.rag_corpus // shape.rag_passages and len(passages) == shape.rag_corpus
+    assert len(asked) == shape.rag_prompts
+    orders = set()
+    for prompt in prompts:
+        assert prompt[: shape.rag_header_tokens] == header
+        assert len(prompt) == shape.rag_header_tokens + shape.rag_passages * size + shape.rag_question_tokens
+    for prompt in prompts[len(warm) :]:
+        body = prompt[shape.rag_header_tokens : -shape.rag_question_tokens]
+        drawn = [tuple(body[i : i + size]) for i in range(0, len(body), size)]
+        assert set(drawn) <= passages and len(set(drawn)) == shape.rag_passages  # every one read in the warm-up
+        orders.add(tuple(drawn))
+    assert len(orders) == len(asked)
+
+
+def test_rag_rows_compare_fragment_reuse_with_vllm_and_prefix_reuse() -> None:
+    from benchmarks.suites.vllm import rag_rows
+
+    def numbers(ttft: float, reused: float, accuracy: float) -> dict[str, dict[str, float]]:
+        return {
+            "rag": {
+                "ttft_mean_s": ttft,
+                "cached_tokens_mean": reused,
+                "accuracy_pct": accuracy,
+                "accuracy_reused_tokens": reused,
+            }
+        }
+
+    rows = {
+        row.name: row.value
+        for row in rag_rows(
+            {
+                "vllm": numbers(4.0, 0.0, 98.0),
+                "strata_host": numbers(4.2, 256.0, 98.0),
+                "strata_blend": numbers(1.8, 4352.0, 97.0),
+            }
+        )
+    }
+    assert rows["vllm.rag.strata_blend.ttft_vs_vllm"] == pytest.approx(0.45)
+    assert rows["vllm.rag.strata_blend.ttft_vs_strata_host"] == pytest.approx(1.8 / 4.2)
+    assert rows["vllm.rag.strata_blend.reused_vs_strata_host"] == pytest.approx(17.0)
+    assert rows["vllm.rag.strata_blend.reused_vs_vllm"] == pytest.approx(4352.0)  # nothing reused: divided by 1
+    assert rows["vllm.rag.strata_blend.accuracy_delta_pts_vs_vllm"] == pytest.approx(1.0)
+    assert rows["vllm.rag.vllm.accuracy_pct"] == 98.0
+    # Without strata_blend, only each configuration's own rows.
+    alone = rag_rows({"vllm": numbers(4.0, 0.0, 98.0)})
+    assert [row.name for row in alone] == ["vllm.rag.vllm.reused_tokens", "vllm.rag.vllm.accuracy_pct"]
