@@ -1,5 +1,6 @@
 """The Strata endpoints of a vLLM node: request timelines newest first, 50 unless a limit asks for
-more, a bad limit refused by name."""
+more, a bad limit refused by name; fragment reuse's report and operator controls behind the admin
+key, a bad body refused by name."""
 
 from __future__ import annotations
 
@@ -12,13 +13,24 @@ from typing import Any
 import pytest
 
 from tests.support import free_port
-from worker.dataplane.connectors.status import StatusServer
+from worker.dataplane.blend.options import BlendOptions
+from worker.dataplane.blend.tuner import BlendTuner
+from worker.dataplane.connectors.status import Blending, StatusServer
+from worker.dataplane.counters import Counters
 from worker.dataplane.node_http.timelines import RECENT
 from worker.dataplane.offload_records import RequestTrace
 
 
+class Offload:
+    def __init__(self) -> None:
+        self.counters = Counters()
+
+
 class Metrics:
-    """Stands in for the engine's metrics (only /metrics reads them)."""
+    """Stands in for the engine's metrics (/metrics renders them, /v1/strata/blend reads the counters)."""
+
+    def __init__(self) -> None:
+        self.offload = Offload()
 
     def render(self) -> bytes:
         return b"# no metrics\n"
@@ -72,3 +84,67 @@ def test_request_timelines_need_the_admin_key_and_metrics_do_not(server):
         assert status == 401 and "only with the node's admin key" in body["error"]["message"]
     with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=10) as answer:
         assert answer.status == 200
+
+
+def _send(
+    server: StatusServer, body: bytes, key: str = ADMIN, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        f"http://{server.address}/v1/strata/blend",
+        method="POST",
+        data=body,
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_fragment_reuse_is_reported_and_changed_with_the_admin_key_only(server):
+    assert _get(server, "/v1/strata/blend")[0] == 503  # the connector has not said yet
+    options = BlendOptions(recompute_percent=15.0)
+    server.blending = Blending(model="m", options=options)
+    status, report = _get(server, "/v1/strata/blend")
+    assert status == 200 and report["enabled"] is False and report["settings"]["recompute_percent"] == 15.0
+    status, body = _send(server, json.dumps({"namespace": "rag", "percent": 20}).encode())
+    assert status == 409 and "fragment reuse is off" in body["error"]["message"]
+
+    counters = Counters()
+    tuner = BlendTuner(options=options, full_prefill=None, counters=counters, model="m")
+    server.blending = Blending(model="m", options=options, tuner=tuner)
+    server.metrics.offload.counters.add("reused_tokens.fragment", 300)
+    server.metrics.offload.counters.add("blend.recomputed_tokens", 45)
+    for key in (None, "wrong"):
+        assert _get(server, "/v1/strata/blend", key=key)[0] == 401
+        assert _send(server, b"{}", key=key or "")[0] == 401
+    status, state = _send(server, json.dumps({"namespace": "rag", "percent": 30}).encode())
+    assert status == 200 and state["recompute_percent"] == 30 and state["mode"] == "blend" and state["node"] == "n0"
+    status, report = _get(server, "/v1/strata/blend")
+    assert report["enabled"] is True and report["namespaces"]["rag"]["recompute_percent"] == 30
+    assert report["recompute_ratio"] == pytest.approx(0.15)
+    status, state = _send(server, json.dumps({"namespace": "rag", "reset": True}).encode())
+    assert status == 200 and state["recompute_percent"] == 15.0
+    assert counters.snapshot()["blend.operator_changes"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        (b"not json", None, "not valid JSON"),
+        (b"[1]", None, "a JSON object"),
+        (b'{"namespace": "rag", "percent": 101}', "percent", "101"),
+        (b'{"namespace": "rag", "ratio": 5}', "ratio", "unknown field(s) ratio"),
+        (b'{"percent": 5}', "namespace", "namespace is required"),
+        (b'{"namespace": "rag", "percent": 5, "reset": true}', "reset", "not both"),
+        (b'{"namespace": "m/rag", "percent": 5}', "namespace", "without a model name"),
+    ],
+)
+def test_a_bad_blend_decision_is_refused_by_name_and_changes_nothing(server, body, param, words):
+    options = BlendOptions()
+    tuner = BlendTuner(options=options, full_prefill=None, counters=Counters(), model="m")
+    server.blending = Blending(model="m", options=options, tuner=tuner)
+    status, answer = _send(server, body)
+    assert status == 400 and answer["error"]["param"] == param and words in answer["error"]["message"]
+    assert tuner.snapshot() == {}

@@ -86,14 +86,15 @@ class BlendTuner:
     """Per namespace: the current r, the mode, the agreement window; plus the background checker.
 
     `full_prefill(prompt)` returns the logits of the last prompt position computed without any
-    cache; it runs on the checker thread (the engine serialises it with its requests). `clock`
-    (seconds, monotonic) times the re-probe after a fallback."""
+    cache; it runs on the checker thread (the engine serialises it with its requests). Without it
+    (None) samples are judged elsewhere and handed to `record` (a vLLM node judges them in vLLM's
+    worker). `clock` (seconds, monotonic) times the re-probe after a fallback."""
 
     def __init__(
         self,
         *,
         options: BlendOptions,
-        full_prefill: Callable[[Sequence[int]], torch.Tensor],
+        full_prefill: Callable[[Sequence[int]], torch.Tensor] | None,
         counters: Counters,
         model: str,
         seed: int = 0,
@@ -156,14 +157,19 @@ class BlendTuner:
             now = self.clock()
             return {name: self._state(name).as_dict(now) for name in sorted(self._states)}
 
-    # -- sampling ----------------------------------------------------------------------------
-    def offer(self, namespace: str, prompt: Sequence[int], blended_logits: torch.Tensor, percent: float) -> bool:
-        """Maybe queue a blended request for a background comparison; True if queued."""
+    def sampled(self) -> bool:
+        """Whether to sample the next blended request (drawn at `sample_rate`)."""
         if self.options.sample_rate <= 0:
             return False
         with self._lock:
-            chosen = self._random.random() < self.options.sample_rate
-        if not chosen:
+            return self._random.random() < self.options.sample_rate
+
+    # -- sampling ----------------------------------------------------------------------------
+    def offer(self, namespace: str, prompt: Sequence[int], blended_logits: torch.Tensor, percent: float) -> bool:
+        """Maybe queue a blended request for a background comparison; True if queued."""
+        if self.full_prefill is None:
+            raise RuntimeError("this tuner judges no samples itself: hand them to record()")
+        if not self.sampled():
             return False
         self._ensure_thread()
         try:
@@ -201,6 +207,7 @@ class BlendTuner:
             if sample is None:
                 return
             try:
+                assert self.full_prefill is not None  # offer() queues nothing without it
                 full = self.full_prefill(sample.prompt)
                 agree, kl = agreement(sample.blended_logits, full.float().cpu())
                 self.record(sample.namespace, agree=agree, kl=kl, percent=sample.percent)

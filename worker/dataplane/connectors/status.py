@@ -1,7 +1,9 @@
-"""The Strata endpoints of an engine Strata does not serve itself (vLLM): /metrics, /v1/strata/requests, /livez.
+"""The Strata endpoints of an engine Strata does not serve itself (vLLM): /metrics, /v1/strata/requests,
+/v1/strata/blend, /livez.
 
-/metrics and /livez answer anyone who reaches the node; the request timelines need the node's
-admin key (`access.timeline_reader`: vLLM's tenants have no Strata API key here).
+/metrics and /livez answer anyone who reaches the node; the request timelines and fragment reuse's
+report and controls need the node's admin key (`access`: vLLM's tenants have no Strata API key
+here).
 
 The control plane reads a node's request timelines and fragment-reuse figures from its address,
 and Prometheus scrapes it there, whichever engine serves the model; the engine's own server
@@ -10,6 +12,7 @@ and Prometheus scrapes it there, whichever engine serves the model; the engine's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -19,11 +22,28 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
+from worker.dataplane.blend.options import BlendOptions
+from worker.dataplane.blend.tuner import BlendTuner
 from worker.dataplane.engine_metrics import EngineMetrics
 from worker.dataplane.node_http import access, timelines
+from worker.dataplane.node_http import blend as blend_http
 from worker.dataplane.offload_records import RequestTrace
 
 log = logging.getLogger("strata.server")
+
+
+MAX_BODY_BYTES = 64 * 1024
+"""The largest operator request body read (a blend decision is a few dozen bytes)."""
+
+
+@dataclasses.dataclass
+class Blending:
+    """Fragment reuse as /v1/strata/blend reports and changes it: the model, its options, and the
+    tuner (None: fragment reuse is off on this node)."""
+
+    model: str
+    options: BlendOptions
+    tuner: BlendTuner | None = None
 
 
 class StatusServer:
@@ -43,6 +63,8 @@ class StatusServer:
         self.admin_key = admin_key
         self.traces = traces
         self.node = node
+        self.blending: Blending | None = None
+        """Set by the connector: None until then (/v1/strata/blend answers 503)."""
         handler = type("Handler", (_Handler,), {"app": self})
         try:
             self.httpd = ThreadingHTTPServer((host, port), handler)
@@ -62,7 +84,8 @@ class StatusServer:
     def start(self) -> StatusServer:
         self.thread.start()
         log.info(
-            "node %s: Strata metrics and request timelines at http://%s (/metrics, /v1/strata/requests)",
+            "node %s: Strata metrics, request timelines and fragment reuse at http://%s (/metrics, "
+            "/v1/strata/requests, /v1/strata/blend)",
             self.node,
             self.address,
         )
@@ -105,7 +128,80 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(
                 *timelines.requests_answer(url.query, node=self.app.node, traces=self.app.traces(), namespace=reader)
             )
+        elif path == blend_http.PATH:
+            blending = self._blending()
+            if blending is not None:
+                self._json(
+                    HTTPStatus.OK,
+                    blend_http.report(
+                        node=self.app.node,
+                        model=blending.model,
+                        tuner=blending.tuner,
+                        options=blending.options,
+                        counts=self.app.metrics.offload.counters.snapshot(),
+                    ),
+                )
         elif path == "/livez":
             self._json(HTTPStatus.OK, {"status": "ok"})
         else:
-            self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {path}", "type": "not_found_error"}})
+            self._not_found(path)
+
+    def do_POST(self) -> None:  # noqa: N802 - the base class's name
+        path = urllib.parse.urlsplit(self.path).path
+        if path != blend_http.PATH:
+            self._not_found(path)
+            return
+        blending = self._blending()
+        if blending is None:
+            return
+        body = self._body()
+        if body is None:
+            return
+        status, answer = blend_http.control(body, node=self.app.node, model=blending.model, tuner=blending.tuner)
+        if status == HTTPStatus.OK:
+            log.info(
+                "node %s namespace %s: blend %s by an operator",
+                self.app.node,
+                answer["namespace"],
+                "reset" if body.get("reset") else f"r set to {answer['recompute_percent']}%",
+            )
+        self._json(status, answer)
+
+    def _not_found(self, path: str) -> None:
+        self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {path}", "type": "not_found_error"}})
+
+    def _blending(self) -> Blending | None:
+        """Fragment reuse, for a request carrying the admin key; else None, the refusal answered."""
+        try:
+            access.require_admin(self.headers, admin_key=self.app.admin_key, what="fragment reuse")
+        except access.Denied as exc:
+            self._json(exc.status, exc.body)
+            return None
+        if self.app.blending is None:
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, "fragment reuse: the connector has not started yet", None)
+            return None
+        return self.app.blending
+
+    def _body(self) -> dict[str, Any] | None:
+        """The request's JSON object; None, the refusal answered, for anything else."""
+        length = self.headers.get("Content-Length", "")
+        if not (length.isascii() and length.isdigit()):
+            self._error(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required", None)
+            return None
+        if int(length) > MAX_BODY_BYTES:
+            self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes", None)
+            return None
+        try:
+            body = json.loads(self.rfile.read(int(length)))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self._error(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {exc}", None)
+            return None
+        if not isinstance(body, dict):
+            self._error(HTTPStatus.BAD_REQUEST, "the body must be a JSON object", None)
+            return None
+        return body
+
+    def _error(self, status: HTTPStatus, message: str, param: str | None) -> None:
+        self._json(
+            status, {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+        )

@@ -19,10 +19,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
-from worker.dataplane.blend.options import BlendError, check_namespace_key, check_percent
 from worker.dataplane.engine.engine import Engine, RequestTrace
 from worker.dataplane.engine_metrics import EngineMetrics
 from worker.dataplane.node_http import access, timelines
+from worker.dataplane.node_http import blend as blend_http
 from worker.dataplane.serving.fields import ApiError, check_unicode, float_field, int_field, stop_field
 
 log = logging.getLogger("strata.server")
@@ -138,100 +138,29 @@ class NodeServer:
         """Operator controls need the node's admin key; tenants' API keys do not open them."""
         access.require_admin(headers, admin_key=self.admin_key, what="operator controls")
 
-    def blend_control(self, body: Mapping[str, Any], headers: Message) -> dict[str, Any]:
-        """An operator's blend decision for one namespace: {namespace, percent} sets r and resumes
-        blending; {namespace, reset: true} returns it to the configured r, its history forgotten."""
+    def blend_control(self, body: Mapping[str, Any], headers: Message) -> tuple[HTTPStatus, dict[str, Any]]:
+        """An operator's blend decision for one namespace (`node_http.blend.control`)."""
         self.check_admin(headers)
-        unknown = sorted(set(body) - {"namespace", "percent", "reset"})
-        if unknown:
-            raise ApiError(
-                HTTPStatus.BAD_REQUEST,
-                f"unknown field(s) {', '.join(unknown)}; expected namespace and percent, or namespace and reset",
-                param=unknown[0],
+        status, answer = blend_http.control(body, node=self.node, model=self.engine.model.name, tuner=self.engine.tuner)
+        if status == HTTPStatus.OK:
+            log.info(
+                "node %s namespace %s: blend %s by an operator",
+                self.node,
+                answer["namespace"],
+                "reset" if body.get("reset") else f"r set to {answer['recompute_percent']}%",
             )
-        namespace = body.get("namespace")
-        if not isinstance(namespace, str):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "namespace is required (a namespace name)", param="namespace")
-        try:
-            check_namespace_key("namespace", namespace)
-        except BlendError as exc:
-            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), param="namespace") from exc
-        if "/" in namespace:
-            raise ApiError(
-                HTTPStatus.BAD_REQUEST,
-                "namespace: a namespace of this node's model, without a model name",
-                param="namespace",
-            )
-        reset = body.get("reset", False)
-        if not isinstance(reset, bool):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"reset must be true or false, got {reset!r}", param="reset")
-        if reset == ("percent" in body):
-            raise ApiError(
-                HTTPStatus.BAD_REQUEST,
-                "give either percent (the new r) or reset: true, not both or neither",
-                param="percent" if not reset else "reset",
-            )
-        tuner = self.engine.tuner
-        if tuner is None:
-            raise ApiError(HTTPStatus.CONFLICT, "fragment reuse is off on this node (STRATA_BLEND)", param="namespace")
-        if reset:
-            state = tuner.reset(namespace)
-        else:
-            try:
-                percent = check_percent("percent", body["percent"])
-            except BlendError as exc:
-                raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), param="percent") from exc
-            state = tuner.set_percent(namespace, percent)
-        log.info(
-            "node %s namespace %s: blend %s by an operator",
-            self.node,
-            namespace,
-            "reset" if reset else f"r set to {state['recompute_percent']}%",
-        )
-        return {"node": self.node, "model": self.engine.model.name, "namespace": namespace, **state}
+        return status, answer
 
     def blend_report(self) -> dict[str, Any]:
         """Fragment reuse of this node: settings, counters, and the state of every namespace."""
         engine = self.engine
-        counts = engine.counters.snapshot()
-        options = engine.blend_options
-        prefix = counts.get("reused_tokens.prefix", 0)
-        fragment = counts.get("reused_tokens.fragment", 0)
-        return {
-            "node": self.node,
-            "model": engine.model.name,
-            "enabled": engine.tuner is not None,
-            "default_recompute_percent": options.model_default(engine.model.name),
-            "settings": {
-                "recompute_percent": options.recompute_percent,
-                "namespace_percent": dict(options.namespace_percent),
-                "model_percent": dict(options.model_percent),
-                "selection": options.selection,
-                "check_layer": options.check_layer,
-                "sample_rate": options.sample_rate,
-                "agreement_threshold": options.agreement_threshold,
-                "max_kl": options.max_kl,
-                "min_samples": options.min_samples,
-                "raise_step_percent": options.raise_step_percent,
-                "max_percent": options.max_percent,
-                "min_fragment_blocks": options.min_fragment_blocks,
-                "reprobe_seconds": options.reprobe_seconds,
-            },
-            "reused_tokens": {"prefix": prefix, "fragment": fragment},
-            "recomputed_tokens": counts.get("blend.recomputed_tokens", 0),
-            "recompute_ratio": counts.get("blend.recomputed_tokens", 0) / fragment if fragment else 0.0,
-            "requests": counts.get("blend.requests", 0),
-            "quality_samples": {
-                result: counts.get(f"blend.samples_{result}", 0) for result in ("agreed", "disagreed", "dropped")
-            },
-            "adjustments": {
-                "raised": counts.get("blend.ratio_raised", 0),
-                "fallback": counts.get("blend.fallbacks", 0),
-                "reprobe": counts.get("blend.reprobes", 0),
-                "operator": counts.get("blend.operator_changes", 0),
-            },
-            "namespaces": engine.tuner.snapshot() if engine.tuner is not None else {},
-        }
+        return blend_http.report(
+            node=self.node,
+            model=engine.model.name,
+            tuner=engine.tuner,
+            options=engine.blend_options,
+            counts=engine.counters.snapshot(),
+        )
 
     def check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
@@ -438,7 +367,7 @@ class _Handler(BaseHTTPRequestHandler):
                 url.query, node=self.app.node, traces=list(self.app.engine.traces), namespace=reader
             )
             self._send_json(*answer)
-        elif self.path == "/v1/strata/blend":
+        elif self.path == blend_http.PATH:
             try:
                 access.require_admin(self.headers, admin_key=self.app.admin_key, what="the fragment-reuse report")
             except access.Denied as exc:
@@ -451,9 +380,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.NOT_FOUND, ApiError(HTTPStatus.NOT_FOUND, f"no route {self.path}").body)
 
     def do_POST(self) -> None:  # noqa: N802
-        if self.path == "/v1/strata/blend":
+        if self.path == blend_http.PATH:
             try:
-                self._send_json(HTTPStatus.OK, self.app.blend_control(self._read_json(), self.headers))
+                self._send_json(*self.app.blend_control(self._read_json(), self.headers))
             except (ApiError, access.Denied) as exc:
                 self._send_json(exc.status, exc.body)
             return

@@ -21,6 +21,7 @@ import torch
 
 from worker.dataplane.blend.fusion import BlendPlan, blend_prefill
 from worker.dataplane.connectors.pages import PagedKV
+from worker.dataplane.connectors.vllm.blend_checks import BlendChecks, Sample
 from worker.dataplane.connectors.vllm.blend_model import VllmBlendModel, blend_problem, loaded_model
 from worker.dataplane.connectors.vllm.metadata import BlendSpec, LoadSpec
 from worker.dataplane.counters import Counters
@@ -52,6 +53,8 @@ class BlendLoads:
         self.verify = verify
         """Copies read from the remote tier must carry the checksum the directory registered."""
         self._model: VllmBlendModel | None = None
+        self.checks = BlendChecks(counters)
+        """The sampled loads' quality checks (`blend_checks`), judged on a thread of their own."""
 
     def model(self) -> VllmBlendModel:
         if self._model is None:
@@ -100,6 +103,10 @@ class BlendLoads:
                 model, blend.tokens, plan, lambda layer: (prefix_on[layer], fragments_on[layer]), device=device
             )
             self._write(spec, blend, outcome.cache, paged)
+        if blend.sample_tokens is not None:
+            sample = Sample(spec.namespace, blend.percent, list(blend.sample_tokens), plan, prefix, fragments)
+            if self.checks.offer(model, device, sample):
+                self.counters.add("blend.samples_queued")
         tiers: dict[str, int] = {}
         for _, _, tier, _ in read:
             tiers[tier] = tiers.get(tier, 0) + 1

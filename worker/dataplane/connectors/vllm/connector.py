@@ -20,8 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from worker.dataplane.blend.options import BlendOptions
+from worker.dataplane.blend.tuner import BlendTuner
 from worker.dataplane.config import NodeConfig
 from worker.dataplane.connectors.pages import layout_of
+from worker.dataplane.connectors.status import Blending
 from worker.dataplane.connectors.vllm.blend_model import blend_start_problem
 from worker.dataplane.connectors.vllm.fragments import FragmentFinder
 from worker.dataplane.connectors.vllm.kv_events import BlockEvents, TierChanges
@@ -114,6 +116,9 @@ class StrataConnectorBase(KVConnectorBase_V1):
             )
         if config.blend and role == KVConnectorRole.SCHEDULER:
             self._start_blending(vllm_config, config, profile)
+        if self.scheduler is not None and self.scheduler.server is not None and self.scheduler.server.blending is None:
+            # Off (or refused): /v1/strata/blend reports it so, and refuses changes.
+            self.scheduler.server.blending = Blending(model=profile.model_id, options=BlendOptions.from_config(config))
         log.info(
             "StrataConnector (%s) for %s on node %s: tiers %s, write-back to %s, directory %s",
             role.name.lower(),
@@ -146,13 +151,20 @@ class StrataConnectorBase(KVConnectorBase_V1):
             return
         options = BlendOptions.from_config(config)
         assert self.scheduler is not None  # the scheduler's role built it
-        self.scheduler.fragments = FragmentFinder(self.runtime.manager, options, model=profile.model_id)
+        manager = self.runtime.manager
+        tuner = BlendTuner(options=options, full_prefill=None, counters=manager.counters, model=profile.model_id)
+        self.scheduler.fragments = FragmentFinder(manager, options, tuner, model=profile.model_id)
+        self.scheduler.metrics.tuner = tuner
+        if self.scheduler.server is not None:
+            self.scheduler.server.blending = Blending(model=profile.model_id, options=options, tuner=tuner)
         log.info(
-            "StrataConnector on node %s: fragment reuse on (r %g%%, %s selection, check layer %d)",
+            "StrataConnector on node %s: fragment reuse on (r %g%%, %s selection, check layer %d; %g%% of blended "
+            "requests checked against a full prefill)",
             config.node_name,
-            options.recompute_percent,
+            options.model_default(profile.model_id),
             options.selection,
             options.check_layer,
+            100 * options.sample_rate,
         )
 
     def _open(self, config: NodeConfig, profile: ModelProfile, role: KVConnectorRole) -> Runtime:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from worker.dataplane.blend.matching import ContentIndex, Fragment, choose, content_keys_at, gaps
 from worker.dataplane.blend.options import BlendOptions
+from worker.dataplane.blend.tuner import PREFIX_ONLY, BlendTuner
 from worker.dataplane.connectors.vllm.lookups import Blend, Tracked
 from worker.dataplane.connectors.vllm.metadata import BlendSpec, LoadSpec
 from worker.dataplane.hashing import BlockFingerprint
@@ -35,9 +36,14 @@ log = logging.getLogger("strata.vllm")
 class FragmentFinder:
     """Finds the fragments of a prompt among the blocks this node stored."""
 
-    def __init__(self, manager: OffloadManager, options: BlendOptions, *, model: str, entries: int = 1 << 20) -> None:
+    def __init__(
+        self, manager: OffloadManager, options: BlendOptions, tuner: BlendTuner, *, model: str, entries: int = 1 << 20
+    ) -> None:
         self.manager = manager
         self.options = options
+        self.tuner = tuner
+        """Each namespace's r and mode (blend, or prefix reuse after a fallback), moved by the
+        quality samples the worker judges (`blend_checks`) and by operators."""
         self.model = model
         self.block_tokens = manager.layout.block_tokens
         self.index = ContentIndex(entries)
@@ -49,8 +55,11 @@ class FragmentFinder:
 
     def blend(self, tokens: Sequence[int], namespace: str, *, exact: int) -> Blend | None:
         """The blended load of a prompt whose first `exact` tokens vLLM has or Strata loads exactly,
-        or None (no fragment, or fewer than `min_fragment_blocks`, or r is 100: prefix reuse only)."""
-        percent = self.options.percent_for(namespace, self.model)
+        or None (no fragment, or fewer than `min_fragment_blocks`, or r is 100, or the namespace fell
+        back to prefix reuse)."""
+        mode, percent = self.tuner.current(namespace)
+        if mode == PREFIX_ONLY:
+            return None
         size = self.block_tokens
         # Fragments end before the prompt's last two tokens: one past them is computed by the
         # selective recompute, the last by vLLM (whose logits sample the answer).
@@ -120,6 +129,7 @@ class FragmentFinder:
                 percent=blend.percent,
                 selection=self.options.selection,
                 check_layer=self.options.check_layer,
+                sample_tokens=list(tracked.request.prompt_token_ids or []) if self.tuner.sampled() else None,
             ),
         )
         trace = tracked.trace

@@ -29,6 +29,9 @@ class BlendSpec:
     percent: float
     selection: str
     check_layer: int
+    sample_tokens: list[int] | None = None
+    """The whole prompt, where this load is sampled for the quality check (`blend_checks`): its
+    blended answer is compared with a full prefill's, off the request's path."""
 
 
 @dataclasses.dataclass
@@ -116,6 +119,9 @@ class StrataWorkerMeta(KVConnectorWorkerMetadata):
     key); only where vLLM publishes KV events (`kv_events`)."""
     step: int = 0
     """The step this report ends (`StrataMetadata.step`)."""
+    blend_samples: list[tuple[str, float, bool, float]] = dataclasses.field(default_factory=list)
+    """Quality samples judged since the last report: (namespace, r it was blended at, whether the
+    blended answer agreed with the full prefill's, KL(full || blended))."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Fold another rank's report of the same step into this one. The ranks of a tensor-parallel
@@ -137,6 +143,7 @@ class StrataWorkerMeta(KVConnectorWorkerMetadata):
         self.prefills_done.extend(r for r in other.prefills_done if r not in self.prefills_done)
         self.prefill = self.prefill or other.prefill
         self.tier_changes.extend(change for change in other.tier_changes if change not in self.tier_changes)
+        self.blend_samples.extend(other.blend_samples)  # blending serves one rank: only it judges samples
         for mine_counts, theirs_counts in ((self.counts, other.counts), (self.store_events, other.store_events)):
             for name, count in theirs_counts.items():
                 mine_counts[name] = max(mine_counts.get(name, 0), count)

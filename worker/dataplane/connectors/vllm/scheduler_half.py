@@ -500,6 +500,9 @@ class SchedulerHalf:
             manager.observe_prefill(*meta.prefill)
         if self.events is not None:
             self.events.reported(meta.tier_changes)
+        if self.fragments is not None:
+            for namespace, percent, agreed, kl in meta.blend_samples:
+                self.fragments.tuner.record(namespace, agree=agreed, kl=kl, percent=percent)
         for request_id, report in meta.loads.items():
             manager.observe_load(TierLoad(tier, nbytes, seconds) for tier, nbytes, seconds in report.tier_loads)
             if not report.failure:

@@ -444,8 +444,10 @@ class WorkerHalf:
         return self.saves.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Store what the save queue still holds (up to `timeout`), then stop its thread."""
+        """Store what the save queue still holds (up to `timeout`), then stop its thread (and the
+        quality checks')."""
         self.saves.close(timeout)
+        self.blends.checks.close()
 
     def take_report(self) -> StrataWorkerMeta | None:
         report, self.report = self.report, StrataWorkerMeta()
@@ -456,6 +458,7 @@ class WorkerHalf:
         report.store_events = _delta(self.manager.store.stats(), self._shipped_events)
         if self.changes is not None:
             report.tier_changes = self.changes.take()
+        report.blend_samples = self.blends.checks.take()
         if not (
             report.loads
             or report.saved
@@ -464,6 +467,7 @@ class WorkerHalf:
             or report.counts
             or report.store_events
             or report.tier_changes
+            or report.blend_samples
         ):
             return None
         return report
