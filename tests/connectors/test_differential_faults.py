@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 import shutil
 import tempfile
@@ -154,6 +155,8 @@ def node() -> Iterator[Node]:
         "disk_path": str(work / "disk"),
         "disk_bytes": "128MiB",
         "load_deadline_seconds": 1.5,
+        # STRATA_TEST_BLEND=1: the same test with fragment reuse on (its prompts share prefixes only).
+        "blend": os.environ.get("STRATA_TEST_BLEND") == "1",
     }
     try:
         yield Node(name=name, work=work, extra=extra)

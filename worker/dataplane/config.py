@@ -372,8 +372,8 @@ OPTIONS: tuple[Option, ...] = (
         "status_port",
         parse_int,
         0,
-        "Port of a vLLM node's Strata endpoints (/metrics, /v1/strata/requests): the node's address for the control "
-        "plane; 0 = serve_port + 1000.",
+        "Port of a vLLM node's Strata endpoints (/metrics, /v1/strata/requests, /v1/strata/blend): the node's "
+        "address for the control plane; 0 = serve_port + 1000.",
         check_non_negative,
     ),
     Option(
