@@ -165,3 +165,20 @@ def test_the_shim_refuses_nothing_it_maps(multihop_vllm) -> None:
         return [type(layer.self_attn).__name__, type(shim.model.rotary_emb).__name__, str(len(shim.model.layers))]
 
     assert multihop_vllm.apply_model(layer_names) == [["_Attention", "_Rotary", "8"]]
+
+
+def test_the_mlp_runs_its_activation_eagerly_and_computes_what_vllms_does(multihop_vllm) -> None:
+    """The shim's MLP is vLLM's gate/up and down projections around the plain activation (vLLM's
+    own activation op compiles on its first call outside the model's graph: seconds inside a step)."""
+
+    def compare(model: Any) -> tuple[bool, float]:
+        import torch
+
+        shim = VllmBlendModel(model)
+        layer, theirs = shim.model.layers[3].mlp, model.model.layers[3].mlp
+        x = torch.randn(1, 37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            return layer.act is not None, float((layer(x) - theirs(x[0])).abs().max())
+
+    ((eager, gap),) = multihop_vllm.apply_model(compare)
+    assert eager and gap < 1e-5, gap

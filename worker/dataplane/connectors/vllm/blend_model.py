@@ -106,6 +106,26 @@ class _Rows:
         return _rows(self.module, x)
 
 
+class _Mlp:
+    """vLLM's gated MLP (`gate_up_proj`, `act_fn`, `down_proj`) with its activation run eagerly:
+    called outside the model's own compiled graph, vLLM's activation op compiles its native
+    forward on its first call (seconds on a CPU, inside the engine step of the first blended
+    request). The plain activation is what vLLM's MLP computes wherever no fused quantisation
+    applies, and what its down projection always accepts. Another MLP is called as it is."""
+
+    def __init__(self, mlp: Any) -> None:
+        self.mlp = mlp
+        parts = all(hasattr(mlp, name) for name in ("gate_up_proj", "act_fn", "down_proj"))
+        self.act = getattr(mlp.act_fn, "forward_native", None) if parts else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is None:
+            return _rows(self.mlp, x)
+        hidden, _ = self.mlp.gate_up_proj(x.reshape(-1, x.shape[-1]))
+        out, _ = self.mlp.down_proj(self.act(hidden))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class _Rotary:
     """vLLM's rotary table as transformers' `rotary_emb(x, position_ids) -> (cos, sin)`:
     `[1, tokens, head_dim]` each, in `x`'s dtype, for any integer position (negative ones too)."""
@@ -163,7 +183,7 @@ class _Layer:
         self.self_attn = _Attention(layer.self_attn)
         self.input_layernorm = _Rows(layer.input_layernorm)
         self.post_attention_layernorm = _Rows(layer.post_attention_layernorm)
-        self.mlp = _Rows(layer.mlp)
+        self.mlp = _Mlp(layer.mlp)
 
 
 class _Base:
