@@ -153,7 +153,9 @@ class StrataConnectorBase(KVConnectorBase_V1):
         assert self.scheduler is not None  # the scheduler's role built it
         manager = self.runtime.manager
         tuner = BlendTuner(options=options, full_prefill=None, counters=manager.counters, model=profile.model_id)
-        self.scheduler.fragments = FragmentFinder(manager, options, tuner, model=profile.model_id)
+        self.scheduler.fragments = FragmentFinder(
+            manager, options, tuner, model=profile.model_id, deadline_s=config.lookup_deadline_seconds
+        )
         self.scheduler.metrics.tuner = tuner
         if self.scheduler.server is not None:
             self.scheduler.server.blending = Blending(model=profile.model_id, options=options, tuner=tuner)

@@ -3,12 +3,19 @@ after its exact prefix (by content key, at any token offset), and where the load
 them ends.
 
 The blocks are found through the content keys of the blocks this node's saves stored
-(`ContentIndex`, filled as the saves are planned; a block no tier holds any more is not offered),
-the windows where stored blocks most likely start first (the block grid after the prefix), then
-every other offset of the stretches they leave uncovered, as the engine matches
-(`engine.Engine._match_fragments`). The load ends one token past the last fragment: that token
-is computed by the selective recompute (`blend_prefill` computes a prompt's last token), and vLLM
-computes the rest of the prompt over the assembled pages.
+(`ContentIndex`, filled as the saves are planned; a block none of its own tiers holds any more is
+not offered from there), then, where the node has a directory, through the directory's content
+index (blocks other nodes stored, and copies only L3 still holds, each with the checksum a copy
+read from L3 must carry). The windows where stored blocks most likely start go first (the block
+grid after the prefix), then every other offset of the stretches they leave uncovered, as the
+engine matches (`engine.Engine._match_fragments`). Where a directory is asked, the search runs on
+a thread of its own and the scheduler asks again next step (`for_request` answers WAIT), so
+vLLM's scheduler loop never waits on the database; an answer later than `lookup_deadline_seconds`
+is given up (the request reuses its prefix only, counted in `blend.lookup_deadlines`).
+
+The load ends one token past the last fragment: that token is computed by the selective recompute
+(`blend_prefill` computes a prompt's last token), and vLLM computes the rest of the prompt over
+the assembled pages.
 
 A blended request's pages from its load on are approximate: they stay out of vLLM's prefix cache
 (`shared_pages`; the first of them is never put back, so no later one can be reached) and its
@@ -19,27 +26,43 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from worker.dataplane.blend.matching import ContentIndex, Fragment, choose, content_keys_at, gaps
 from worker.dataplane.blend.options import BlendOptions
 from worker.dataplane.blend.tuner import PREFIX_ONLY, BlendTuner
 from worker.dataplane.connectors.vllm.lookups import Blend, Tracked
 from worker.dataplane.connectors.vllm.metadata import BlendSpec, LoadSpec
+from worker.dataplane.directory import MAX_BATCH
 from worker.dataplane.hashing import BlockFingerprint
 from worker.dataplane.offload import OffloadManager
 
 log = logging.getLogger("strata.vllm")
+
+WAIT = "wait"
+"""`for_request`'s answer while a request's fragments are being looked for: ask again next step."""
 
 
 class FragmentFinder:
     """Finds the fragments of a prompt among the blocks this node stored."""
 
     def __init__(
-        self, manager: OffloadManager, options: BlendOptions, tuner: BlendTuner, *, model: str, entries: int = 1 << 20
+        self,
+        manager: OffloadManager,
+        options: BlendOptions,
+        tuner: BlendTuner,
+        *,
+        model: str,
+        deadline_s: float = 2.0,
+        entries: int = 1 << 20,
     ) -> None:
         self.manager = manager
+        self.deadline_s = deadline_s
+        """How long a request waits for its fragment search (`lookup_deadline_seconds`)."""
+        self.threads = ThreadPoolExecutor(1, thread_name_prefix="strata-fragments") if manager.directory else None
         self.options = options
         self.tuner = tuner
         """Each namespace's r and mode (blend, or prefix reuse after a fallback), moved by the
@@ -82,20 +105,52 @@ class FragmentFinder:
             return None
         return Blend(prefix_len=exact // size * size, fragments=chosen, end=chosen[-1].end + 1, percent=percent)
 
-    def for_request(self, tracked: Tracked, *, exact: int) -> Blend | None:
+    def for_request(self, tracked: Tracked, *, exact: int) -> Blend | str | None:
         """A request's blended load, looked for once per plan: fragments after its exact prefix
         (`exact` tokens), where the request has no adapter or cache salt (their blocks are keyed
-        apart)."""
+        apart); WAIT while the search runs on its thread."""
         if tracked.scope or tracked.namespace is None:
             return None
-        if not tracked.blend_checked:
+        if tracked.blend_checked:
+            return tracked.blend
+        request_id = tracked.request.request_id
+        if self.threads is None:
             tracked.blend_checked = True
-            try:
-                tracked.blend = self.blend(list(tracked.request.prompt_token_ids or []), tracked.namespace, exact=exact)
-            except Exception:  # noqa: BLE001 - no fragment is a prefix hit only, never an engine error
-                log.exception("request %s: fragments not looked for", tracked.request.request_id)
-                tracked.blend = None
+            tracked.blend = self._search(tracked, exact)
+            return tracked.blend
+        if tracked.blend_search is None:
+            tracked.blend_search = self.threads.submit(self._search, tracked, exact)
+            tracked.blend_search_since = time.perf_counter()
+        search = tracked.blend_search
+        if not search.done():
+            if time.perf_counter() - tracked.blend_search_since < self.deadline_s:
+                return WAIT
+            log.warning("request %s: no fragment search answer within %g s; prefix reuse only", request_id,
+                        self.deadline_s)  # fmt: skip
+            self.manager.counters.add("blend.lookup_deadlines")
+            search.cancel()
+            found = None
+        else:
+            found = search.result()
+        tracked.blend_search, tracked.blend_checked = None, True
+        # vLLM's own prefix cache may have grown past the search's exact prefix meanwhile: its
+        # pages are exact, a blend would recompute over them; prefix reuse serves such a request.
+        tracked.blend = (
+            found if found is not None and found.prefix_len >= exact // self.block_tokens * self.block_tokens else None
+        )
         return tracked.blend
+
+    def _search(self, tracked: Tracked, exact: int) -> Blend | None:
+        assert tracked.namespace is not None
+        try:
+            return self.blend(list(tracked.request.prompt_token_ids or []), tracked.namespace, exact=exact)
+        except Exception:  # noqa: BLE001 - no fragment is a prefix hit only, never an engine error
+            log.exception("request %s: fragments not looked for", tracked.request.request_id)
+            return None
+
+    def close(self) -> None:
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
 
     def load(self, tracked: Tracked, start: int, end: int) -> LoadSpec:
         """The blended load of tokens [start, end) vLLM was promised: the prefix blocks vLLM's pages
@@ -147,11 +202,45 @@ class FragmentFinder:
             tokens, offsets, ns_salt=fingerprinter.ns_salt, model_key=fingerprinter.model_key, block_tokens=size
         )
         known = {offset: self.index[key] for offset, key in keys.items() if key in self.index}
-        if not known:
-            return {}
-        located = self.manager.locate_local(list({stored for stored, _ in known.values()}))
-        return {
+        located = self.manager.locate_local(list({stored for stored, _ in known.values()})) if known else {}
+        candidates = {
             offset: Fragment(start=offset, tokens=size, key=stored, source_position=position, tier=located[stored])
             for offset, (stored, position) in known.items()
             if stored in located
         }
+        rest = [offset for offset in keys if offset not in candidates]
+        if rest and self.manager.directory is not None:
+            candidates.update(self._in_directory(rest, keys, namespace, model_key=fingerprinter.model_key))
+        return candidates
+
+    def _in_directory(
+        self, offsets: Sequence[int], keys: dict[int, uuid.UUID], namespace: str, *, model_key: uuid.UUID
+    ) -> dict[int, Fragment]:
+        """The windows at `offsets` whose content key the directory knows, in a tier this node reads
+        (its own, or L3 with the checksum a copy read there must carry)."""
+        directory, size, found = self.manager.directory, self.block_tokens, {}
+        assert directory is not None
+        try:
+            for first in range(0, len(offsets), MAX_BATCH):
+                chunk = offsets[first : first + MAX_BATCH]
+                answer = directory.lookup(
+                    keys=[],
+                    node=self.manager.node,
+                    namespace=namespace,
+                    model_key=model_key,
+                    content_keys=[keys[o] for o in chunk],
+                )
+                for offset, location in zip(chunk, answer.content, strict=True):
+                    if location is not None and location.tier in self.manager.store.names and location.tokens == size:
+                        found[offset] = Fragment(
+                            start=offset,
+                            tokens=size,
+                            key=location.prefix_key,
+                            source_position=location.position,
+                            tier=location.tier,
+                            checksum=location.remote_checksum,
+                        )
+        except Exception as exc:  # noqa: BLE001 - an outage of the directory means fewer fragments
+            log.warning("fragment lookup failed, matching this node's own blocks only: %s", exc)
+            self.manager.counters.add("lookup_failures")
+        return found

@@ -93,6 +93,9 @@ class Tracked:
     """Its pages hold blended KV from its load on: never put back into vLLM's prefix cache."""
     saves_until: int | None = None
     """Blocks from this index on are never saved (computed over blended KV)."""
+    blend_search: Future[Blend | None] | None = None
+    """Its fragment search, while it runs on the finder's thread (`fragments`)."""
+    blend_search_since: float = 0.0
     unshared: tuple[int, list[int]] | None = None
     """Its synchronous load's pages out of vLLM's prefix cache until the load is reported: (the
     first of them, its page table), `shared_pages`."""

@@ -37,9 +37,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request as VllmRequest
 
 from worker.dataplane.connectors.status import StatusServer
-from worker.dataplane.connectors.vllm.fragments import FragmentFinder
+from worker.dataplane.connectors.vllm.fragments import WAIT, FragmentFinder
 from worker.dataplane.connectors.vllm.kv_events import BlockEvents
-from worker.dataplane.connectors.vllm.lookups import Lookups, Plan, Tracked
+from worker.dataplane.connectors.vllm.lookups import Blend, Lookups, Plan, Tracked
 from worker.dataplane.connectors.vllm.metadata import (
     LoadSpec,
     SaveSpec,
@@ -158,6 +158,8 @@ class SchedulerHalf:
         if self.server is not None:
             self.server.stop()
         self.lookups.close()
+        if self.fragments is not None:
+            self.fragments.close()
 
     # -- lookups ---------------------------------------------------------------------------------
     def _track(self, request: Request) -> Tracked:
@@ -203,7 +205,7 @@ class SchedulerHalf:
         if tracked.scheduled:
             # Preempted and back: its pages are gone and its tokens grew; look it up anew.
             tracked.plan, tracked.scheduled, tracked.load, tracked.load_tokens = None, False, None, 0
-            tracked.blend, tracked.blend_checked = None, False
+            tracked.blend, tracked.blend_checked, tracked.blend_search = None, False, None
         if tracked.plan is None:
             if tracked.pending is None:
                 tracked.pending_since = time.perf_counter()
@@ -228,7 +230,10 @@ class SchedulerHalf:
         hit_tokens = self._hit_end(tracked)
         blend = None
         if self.fragments is not None and self.loaded_pages is not None:  # blended loads run inside the step
-            blend = self.fragments.for_request(tracked, exact=max(computed, hit_tokens))
+            found = self.fragments.for_request(tracked, exact=max(computed, hit_tokens))
+            if found == WAIT:  # its fragments are being looked for in the directory
+                return None
+            blend = found if isinstance(found, Blend) else None
         if blend is not None and blend.end > computed:
             tracked.hit_end = blend.end
             tracked.local_tokens = computed
@@ -563,6 +568,8 @@ class SchedulerHalf:
             return
         if tracked.pending is not None:
             tracked.pending.cancel()
+        if tracked.blend_search is not None:
+            tracked.blend_search.cancel()
         if tracked.loading:  # vLLM frees its pages once the worker reports the load ended
             self.aborted.append(request.request_id)
         trace = tracked.trace
