@@ -24,6 +24,8 @@ the same CPU capacity, --cpu-gib):
     offloading  vLLM's OffloadingConnector: CPU offload (cpu_bytes_to_use)
     lmcache     LMCacheConnectorV1 with LMCache's local CPU backend (LMCACHE_* variables)
     strata      StrataConnectorBase writing back to Strata's host tier (no directory, no database)
+    strata_blend  the same with fragment reuse on: the RAG workload only (vllm and strata run it
+                too, first): the blended loads' CUDA path, the recompute eager before the forward
 
 The checkpoint is the `bench` preset (hidden 1024, 8 layers, 4 kv heads, bf16, random weights, a
 byte-level tokenizer: nothing downloaded), 8 KiB of KV per token, on FLASH_ATTN. vLLM's KV space
@@ -31,6 +33,7 @@ holds as many tokens as the CPU suite's (benchmarks.workloads.sessions.Shape.pag
 tokens there), in pages of 16, so that the sessions overflow it as a full HBM does; `plan` prints
 it. The workloads are benchmarks/workloads/sessions.py's at scale 1, sent by the `vllm` suite's
 driver (benchmarks.workloads.vllm_api.drive): a warm-up of untimed prompts no workload shares,
+RAG (vllm, strata and strata_blend: the corpus read, then the prompts asked alone, measured),
 multi-turn (Shape's conversations and turns, 4 clients), then the long documents asked once and
 again after the others pushed them out of the KV space, the second asks measured.
 
@@ -60,18 +63,29 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.runtime.servers import REPO_ROOT, Server, ServerSpec, StartFailed, error_line, free_port, tail
-from benchmarks.workloads.sessions import Shape, TokenStep, longdoc_sessions, multiturn_sessions, summary, tokens
+from benchmarks.workloads.sessions import (
+    Shape,
+    TokenStep,
+    longdoc_sessions,
+    multiturn_sessions,
+    rag_sessions,
+    summary,
+    tokens,
+)
 from benchmarks.workloads.vllm_api import drive
 
 MODULE = "benchmarks.scripts.gpu_side_by_side"
 """How the script runs: `python3 -m` this, from the repository root."""
-CONFIGS = ("vllm", "offloading", "lmcache", "strata")
+CONFIGS = ("vllm", "offloading", "lmcache", "strata", "strata_blend")
 DESCRIPTIONS = {
     "vllm": "vLLM alone (prefix caching on)",
     "offloading": "vLLM's OffloadingConnector (CPU offload)",
     "lmcache": "LMCacheConnectorV1 (LMCache, local CPU backend)",
     "strata": "StrataConnectorBase (Strata's host tier, no directory)",
+    "strata_blend": "StrataConnectorBase with fragment reuse (STRATA_BLEND): the RAG workload only",
 }
+RAG_CONFIGS = ("vllm", "strata", "strata_blend")
+"""The configurations that run the RAG workload (benchmarks.workloads.sessions.rag_sessions)."""
 VLLM_VERSION = "0.32.0"
 LMCACHE_VERSION = "0.5.6"
 """The LMCache release installed: its vLLM adapter's imports all exist in vLLM 0.32 (checked by
@@ -215,7 +229,7 @@ def server_spec(
             LMCACHE_MAX_LOCAL_CPU_SIZE=f"{cpu_bytes / 2**30:g}",
             LMCACHE_TRACK_USAGE="false",
         )
-    elif config == "strata":
+    elif config in ("strata", "strata_blend"):
         transfer = {
             "kv_connector": "StrataConnectorBase",
             "kv_connector_module_path": "worker.dataplane.connectors.vllm",
@@ -227,6 +241,7 @@ def server_spec(
                 "host_bytes": cpu_bytes,
                 "host_pool_name": pool_name,
                 "status_port": status_port,
+                "blend": config == "strata_blend",
             },
         }
         leftovers = (f"{pool_name}*",)
@@ -302,7 +317,15 @@ def measure(server: Server, model: str, log: Log) -> dict[str, dict[str, float]]
 
     warm = [single([1, *tokens(n, seed=900 + i)], 8) for i, n in enumerate(WARM_PROMPT_TOKENS)]
     workload("warm-up", warm, clients=2)
-    results = {
+    results: dict[str, dict[str, float]] = {}
+    if name in RAG_CONFIGS:
+        corpus, asked = rag_sessions(SHAPE, seed=50)
+        workload(f"RAG, the corpus of {SHAPE.rag_corpus} passages read", corpus, clients=1)
+        time.sleep(2.0)  # Strata's save queue stores the corpus's blocks outside the step
+        results["rag"] = summary(*workload(f"RAG, {len(asked)} prompts asked alone (measured)", asked, clients=1))
+    if name == "strata_blend":
+        return results
+    results |= {
         "multiturn.c4": summary(
             *workload(
                 f"multi-turn, {SHAPE.conversations} conversations x {SHAPE.turns} turns",
@@ -433,7 +456,9 @@ def ratios(rows: dict[str, dict[str, Any]]) -> None:
             continue
         row["ratios"] = {}
         for workload, got in row["workloads"].items():
-            ref = base[workload]
+            ref = base.get(workload)
+            if ref is None:  # vLLM alone did not run it
+                continue
             row["ratios"][workload] = {
                 key: (got[key] / ref[key] if ref[key] else None)
                 for key in ("ttft_mean_s", "tpot_ms", "throughput_tok_s")

@@ -19,7 +19,7 @@ from worker.dataplane.config import OPTIONS, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "benchmarks.scripts.gpu_side_by_side"
-CONFIGS = ("vllm", "offloading", "lmcache", "strata")
+CONFIGS = ("vllm", "offloading", "lmcache", "strata", "strata_blend")
 
 
 def script(*args: str) -> subprocess.CompletedProcess[str]:
@@ -117,10 +117,12 @@ def test_strata_connector_options_are_node_options(plan):
     assert transfer["kv_role"] == "kv_both"
     assert transfer["kv_load_failure_policy"] == "recompute"
     extra = transfer["kv_connector_extra_config"]
-    assert set(extra) == {"node_name", "tiers", "host_bytes", "host_pool_name", "status_port"}
+    assert set(extra) == {"node_name", "tiers", "host_bytes", "host_pool_name", "status_port", "blend"}
     assert set(extra) <= {option.name for option in OPTIONS}
     config = load_config(overrides={**extra, "host_pool_name": "strata-gpu-bench-1"}, environ={})
-    assert config.tiers == ("host",)
+    assert config.tiers == ("host",) and config.blend is False
+    blending = plan["strata_blend"]["transfer"]["kv_connector_extra_config"]
+    assert load_config(overrides={**blending, "host_pool_name": "strata-gpu-bench-1"}, environ={}).blend is True
     assert config.host_bytes == 8 * 2**30
     assert config.node_status_port == extra["status_port"]
 
