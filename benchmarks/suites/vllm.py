@@ -28,7 +28,8 @@ the floor at two ranks, the bound of `strata_host_tp2`'s ratios.
 RAG (`rag`): vllm, strata_host (prefix reuse only) and strata_blend (fragment reuse,
 STRATA_BLEND) serve prompts of a 256-token header every prompt shares, then 16 passages of 256
 tokens drawn from a corpus of 48 in a new order each time, then a 16-token question; the corpus
-is read once in groups first, then 8 prompts are measured, each asked alone. Rows: TTFT, reused
+is read once in groups first, then 2 prompts drawn as the measured ones are go untimed (every
+server meets the measured shapes once first), then 8 prompts are measured, each asked alone. Rows: TTFT, reused
 tokens, and the accuracy of a server of the same configuration on the blend suite's trained
 fixture (tests/fixtures/blend-model: its RAG task, 100 questions of 16 of 48 passages after a
 64-token header, 32-token pages and blocks); strata_blend against the other two. strata_blend

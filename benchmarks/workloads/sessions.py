@@ -61,6 +61,7 @@ class Shape:
     rag_passage_tokens: int = 256
     rag_corpus: int = 48
     rag_prompts: int = 8
+    rag_untimed: int = 2
     rag_question_tokens: int = 16
     rag_answer_tokens: int = 8
     rag_accuracy_questions: int = 100
@@ -136,9 +137,12 @@ def nohit_sessions(shape: Shape, seed: int) -> list[list[TokenStep]]:
 
 
 def rag_sessions(shape: Shape, seed: int) -> tuple[list[list[TokenStep]], list[list[TokenStep]]]:
-    """The warm-up (the corpus read in groups of `rag_passages`, after the shared header) and the
-    measured prompts (the header, `rag_passages` passages drawn in a new order, a question), each a
-    single-step session."""
+    """The warm-up (the corpus read in groups of `rag_passages` after the shared header, then
+    `rag_untimed` prompts as the measured ones are) and the measured prompts (the header,
+    `rag_passages` passages drawn in a new order, a question), each a single-step session. The
+    untimed prompts let every configuration meet the measured shapes once first (a fresh server
+    builds its kernels for the shapes it meets: vLLM's own for a full prefill, the selective
+    recompute's for a blended one)."""
     header = [1, *tokens(shape.rag_header_tokens - 1, seed=seed * 1000)]
     corpus = [tokens(shape.rag_passage_tokens, seed=seed * 1000 + 1 + i) for i in range(shape.rag_corpus)]
     rng = random.Random(seed)
@@ -150,8 +154,8 @@ def rag_sessions(shape: Shape, seed: int) -> tuple[list[list[TokenStep]], list[l
 
     k = shape.rag_passages
     warm = [one(corpus[first : first + k], first) for first in range(0, len(corpus), k)]
-    asked = [one(rng.sample(corpus, k), len(corpus) + i) for i in range(shape.rag_prompts)]
-    return warm, asked
+    drawn = [one(rng.sample(corpus, k), len(corpus) + i) for i in range(shape.rag_untimed + shape.rag_prompts)]
+    return warm + drawn[: shape.rag_untimed], drawn[shape.rag_untimed :]
 
 
 def summary(outcomes: Sequence[Outcome], wall: float) -> dict[str, float]:
