@@ -102,6 +102,12 @@ def test_the_tap_gives_what_grew_since_vllm_last_asked():
         ("write_back.inline", "vllm:strata_inline_saves", ()),
         ("eviction.disk.ttl", "vllm:strata_evictions", ("disk", "ttl")),
         ("uncached.field.kv_hints", "vllm:strata_uncached_requests", ("field.kv_hints",)),
+        ("reused_tokens.fragment", "vllm:strata_reused_tokens", ("fragment",)),
+        ("blend.requests", "vllm:strata_blend_requests", ()),
+        ("blend.recomputed_tokens", "vllm:strata_blend_recomputed_tokens", ()),
+        ("blend.failures", "vllm:strata_blend_failures", ()),
+        ("blend.samples_disagreed", "vllm:strata_blend_quality_samples", ("disagreed",)),
+        ("blend.fallbacks", "vllm:strata_blend_adjustments", ("fallbacks",)),
     ],
 )
 def test_each_counter_lands_in_its_family(counter, family, labels):
@@ -109,7 +115,9 @@ def test_each_counter_lands_in_its_family(counter, family, labels):
     assert found is not None and (found[0].name, found[1]) == (family, labels)
 
 
-@pytest.mark.parametrize("counter", ["decision.load", "store.hits.host", "eviction.unreported", "hit_tokens_x"])
+@pytest.mark.parametrize(
+    "counter", ["decision.load", "store.hits.host", "eviction.unreported", "hit_tokens_x", "blend.samples_queued"]
+)
 def test_other_counters_stay_off_vllm_s_metrics(counter):
     assert exported(counter) is None
 

@@ -107,6 +107,28 @@ FAMILIES = (
         r"eviction\.(?P<tier>\w+)\.(?P<reason>\w+)",
     ),
     _family(
+        "reused_tokens",
+        "Prompt positions whose KV came from Strata, by kind (prefix: exact leading blocks; fragment: blocks "
+        "matched elsewhere in the prompt, recomputed positions included).",
+        r"reused_tokens\.(?P<kind>prefix|fragment)",
+    ),
+    _family("blend_requests", "Requests whose load was blended from fragments.", r"blend\.requests"),
+    _family(
+        "blend_recomputed_tokens", "Fragment tokens recomputed by selective recompute.", r"blend\.recomputed_tokens"
+    ),
+    _family("blend_failures", "Blended loads that failed and that vLLM recomputed whole.", r"blend\.failures"),
+    _family(
+        "blend_quality_samples",
+        "Blended requests compared with a full prefill, by result (dropped: the checker was busy).",
+        r"blend\.samples_(?P<result>agreed|disagreed|dropped)",
+    ),
+    _family(
+        "blend_adjustments",
+        "The quality guard's and operators' changes: r raised, fallen back to prefix reuse, probed again, set "
+        "by an operator.",
+        r"blend\.(?P<action>ratio_raised|fallbacks|reprobes|operator_changes)",
+    ),
+    _family(
         "uncached_requests",
         "Requests served without the cache, by reason (what Strata cannot key, or a namespace claim refused).",
         r"uncached\.(?P<reason>[\w.]+)",
