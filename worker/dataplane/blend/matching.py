@@ -64,6 +64,10 @@ class ContentIndex:
     def __len__(self) -> int:
         return len(self._stored)
 
+    def get(self, content_key: uuid.UUID) -> tuple[uuid.UUID, int] | None:
+        """What `content_key` names, or None: one step, safe beside another thread's `remember`."""
+        return self._stored.get(content_key)
+
     def touch(self, content_key: uuid.UUID) -> None:
         self._stored.move_to_end(content_key)
 

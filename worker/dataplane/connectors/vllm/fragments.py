@@ -201,7 +201,8 @@ class FragmentFinder:
         keys = content_keys_at(
             tokens, offsets, ns_salt=fingerprinter.ns_salt, model_key=fingerprinter.model_key, block_tokens=size
         )
-        known = {offset: self.index[key] for offset, key in keys.items() if key in self.index}
+        # The search may run on the finder's thread while the scheduler's saves remember blocks.
+        known = {offset: found for offset, key in keys.items() if (found := self.index.get(key)) is not None}
         located = self.manager.locate_local(list({stored for stored, _ in known.values()})) if known else {}
         candidates = {
             offset: Fragment(start=offset, tokens=size, key=stored, source_position=position, tier=located[stored])
