@@ -11,10 +11,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import logging
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
 from worker.dataplane.blend.options import BlendError
+from worker.dataplane.counters import Counters
+from worker.dataplane.directory import MAX_BATCH
 from worker.dataplane.hashing import _content_key_raw, encode_tokens
 from worker.dataplane.tier_names import TIER_ORDER
 
@@ -76,6 +80,46 @@ class ContentIndex:
         self._stored.move_to_end(content_key)
         while len(self._stored) > self.entries:
             self._stored.popitem(last=False)
+
+
+log = logging.getLogger("strata.blend")
+
+
+def directory_fragments(
+    directory: Any,
+    keys: dict[int, uuid.UUID],
+    *,
+    node: str,
+    namespace: str,
+    model_key: uuid.UUID,
+    tiers: Collection[str],
+    block_tokens: int,
+    counters: Counters,
+) -> dict[int, Fragment]:
+    """The windows (offset -> content key) whose content the directory knows in a tier `node`
+    reads (its own, or L3 with the checksum a copy read there must carry), in batches of
+    MAX_BATCH. An outage of the directory means fewer fragments, counted in `lookup_failures`."""
+    offsets, found = list(keys), {}
+    try:
+        for first in range(0, len(offsets), MAX_BATCH):
+            chunk = offsets[first : first + MAX_BATCH]
+            answer = directory.lookup(
+                keys=[], node=node, namespace=namespace, model_key=model_key, content_keys=[keys[o] for o in chunk]
+            )
+            for offset, location in zip(chunk, answer.content, strict=True):
+                if location is not None and location.tier in tiers and location.tokens == block_tokens:
+                    found[offset] = Fragment(
+                        start=offset,
+                        tokens=block_tokens,
+                        key=location.prefix_key,
+                        source_position=location.position,
+                        tier=location.tier,
+                        checksum=location.remote_checksum,
+                    )
+    except Exception as exc:  # noqa: BLE001 - an outage of the directory means fewer fragments
+        log.warning("fragment lookup failed, matching this node's own blocks only: %s", exc)
+        counters.add("lookup_failures")
+    return found
 
 
 def content_keys_at(

@@ -27,6 +27,7 @@ from worker.dataplane.blend.matching import (
     check_segments,
     choose,
     content_keys_at,
+    directory_fragments,
     gaps,
     segment_windows,
 )
@@ -35,7 +36,6 @@ from worker.dataplane.blend.rope import rope_problem
 from worker.dataplane.blend.tuner import BLEND, BlendTuner
 from worker.dataplane.counters import Counters
 from worker.dataplane.directory import (
-    MAX_BATCH,
     REMOTE,
     Directory,
     DirectoryUnavailable,
@@ -557,29 +557,18 @@ class Engine:
                     )
         rest = [offset for offset in keys if offset not in candidates]
         if rest and self.directory is not None:
-            try:
-                for first in range(0, len(rest), MAX_BATCH):
-                    chunk = rest[first : first + MAX_BATCH]
-                    answer = self.directory.lookup(
-                        keys=[],
-                        node=self.node,
-                        namespace=namespace,
-                        model_key=self.model_key,
-                        content_keys=[keys[o] for o in chunk],
-                    )
-                    for offset, location in zip(chunk, answer.content, strict=True):
-                        if location is not None and location.tier in self.store.names and location.tokens == size:
-                            candidates[offset] = Fragment(
-                                start=offset,
-                                tokens=size,
-                                key=location.prefix_key,
-                                source_position=location.position,
-                                tier=location.tier,
-                                checksum=location.remote_checksum,
-                            )
-            except Exception as exc:  # noqa: BLE001 - an outage of the directory means fewer fragments
-                log.warning("fragment lookup failed, matching this node's own blocks only: %s", exc)
-                self.counters.add("lookup_failures")
+            candidates.update(
+                directory_fragments(
+                    self.directory,
+                    {offset: keys[offset] for offset in rest},
+                    node=self.node,
+                    namespace=namespace,
+                    model_key=self.model_key,
+                    tiers=self.store.names,
+                    block_tokens=size,
+                    counters=self.counters,
+                )
+            )
         return candidates
 
     def _blend_prefill(

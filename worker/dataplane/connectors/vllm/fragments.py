@@ -31,12 +31,18 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from worker.dataplane.blend.matching import ContentIndex, Fragment, choose, content_keys_at, gaps
+from worker.dataplane.blend.matching import (
+    ContentIndex,
+    Fragment,
+    choose,
+    content_keys_at,
+    directory_fragments,
+    gaps,
+)
 from worker.dataplane.blend.options import BlendOptions
 from worker.dataplane.blend.tuner import PREFIX_ONLY, BlendTuner
 from worker.dataplane.connectors.vllm.lookups import Blend, Tracked
 from worker.dataplane.connectors.vllm.metadata import BlendSpec, LoadSpec
-from worker.dataplane.directory import MAX_BATCH
 from worker.dataplane.hashing import BlockFingerprint
 from worker.dataplane.offload import OffloadManager
 
@@ -211,37 +217,16 @@ class FragmentFinder:
         }
         rest = [offset for offset in keys if offset not in candidates]
         if rest and self.manager.directory is not None:
-            candidates.update(self._in_directory(rest, keys, namespace, model_key=fingerprinter.model_key))
-        return candidates
-
-    def _in_directory(
-        self, offsets: Sequence[int], keys: dict[int, uuid.UUID], namespace: str, *, model_key: uuid.UUID
-    ) -> dict[int, Fragment]:
-        """The windows at `offsets` whose content key the directory knows, in a tier this node reads
-        (its own, or L3 with the checksum a copy read there must carry)."""
-        directory, size, found = self.manager.directory, self.block_tokens, {}
-        assert directory is not None
-        try:
-            for first in range(0, len(offsets), MAX_BATCH):
-                chunk = offsets[first : first + MAX_BATCH]
-                answer = directory.lookup(
-                    keys=[],
+            candidates.update(
+                directory_fragments(
+                    self.manager.directory,
+                    {offset: keys[offset] for offset in rest},
                     node=self.manager.node,
                     namespace=namespace,
-                    model_key=model_key,
-                    content_keys=[keys[o] for o in chunk],
+                    model_key=fingerprinter.model_key,
+                    tiers=self.manager.store.names,
+                    block_tokens=size,
+                    counters=self.manager.counters,
                 )
-                for offset, location in zip(chunk, answer.content, strict=True):
-                    if location is not None and location.tier in self.manager.store.names and location.tokens == size:
-                        found[offset] = Fragment(
-                            start=offset,
-                            tokens=size,
-                            key=location.prefix_key,
-                            source_position=location.position,
-                            tier=location.tier,
-                            checksum=location.remote_checksum,
-                        )
-        except Exception as exc:  # noqa: BLE001 - an outage of the directory means fewer fragments
-            log.warning("fragment lookup failed, matching this node's own blocks only: %s", exc)
-            self.manager.counters.add("lookup_failures")
-        return found
+            )
+        return candidates
