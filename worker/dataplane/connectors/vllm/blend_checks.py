@@ -1,21 +1,23 @@
 """The quality guard of fragment reuse on a vLLM node, the worker half's part: a sampled blended load
-is judged off the requests' path, on a thread of the worker, by computing the whole prompt twice
-over vLLM's model (`blend_model`): by a full prefill, and blended from the same fragments at the
-same r (the load's tokens selectively recomputed, the rest computed in full, as vLLM computes it
-over the assembled pages). Whether the two choose the same first token, and their KL, go back in
-the step reports to the scheduler half, whose tuner raises r or falls back to prefix reuse
-(`blend.tuner`).
+is judged by computing the whole prompt twice over vLLM's model (`blend_model`): by a full
+prefill, and blended from the same fragments at the same r (the load's tokens selectively
+recomputed, the rest computed in full, as vLLM computes it over the assembled pages). Whether the
+two choose the same first token, and their KL, go back in the step reports to the scheduler
+half, whose tuner raises r or falls back to prefix reuse (`blend.tuner`).
 
-At most `depth` samples wait; one offered past that is dropped and counted
-(`blend.samples_dropped`), so a busy node never queues work without bound.
+A sample is judged on the worker's own thread at the start of a later step, one per step, before
+that step's loads (`judge_pending`), never beside it: vLLM's CPU kernels (its oneDNN matmuls)
+abort the process when two threads run them at once, and vLLM's forward pass runs them too. The
+cost is that step's: two prefills of the sampled prompt, as on the engine, which serialises its
+checks with its requests. At most `depth` samples wait; one offered past that is dropped and
+counted (`blend.samples_dropped`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-import queue
-import threading
 
 import torch
 
@@ -42,69 +44,37 @@ class Sample:
 
 
 class BlendChecks:
-    """Judges sampled blended loads on a thread of their own; `take` hands over the verdicts."""
+    """Sampled blended loads waiting to be judged, and the verdicts not yet reported."""
 
     def __init__(self, counters: Counters, *, depth: int = 2) -> None:
         self.counters = counters
-        self._queue: queue.Queue[tuple[VllmBlendModel, torch.device, Sample] | None] = queue.Queue(maxsize=depth)
-        self._lock = threading.Lock()
+        self.depth = depth
+        self._waiting: collections.deque[tuple[VllmBlendModel, torch.device, Sample]] = collections.deque()
         self._judged: list[tuple[str, float, bool, float]] = []
-        self._busy = 0
-        self._idle = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
 
     def offer(self, model: VllmBlendModel, device: torch.device, sample: Sample) -> bool:
-        """Queue `sample` to be judged; False (and counted) when `depth` samples already wait."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="strata-blend-check", daemon=True)
-                self._thread.start()
-            self._busy += 1
-        try:
-            self._queue.put_nowait((model, device, sample))
-        except queue.Full:
-            with self._idle:
-                self._busy -= 1
-                self._idle.notify_all()
+        """Keep `sample` to be judged; False (and counted) when `depth` samples already wait."""
+        if len(self._waiting) >= self.depth:
             self.counters.add("blend.samples_dropped")
             return False
+        self._waiting.append((model, device, sample))
         return True
+
+    def judge_pending(self) -> None:
+        """Judge the oldest waiting sample, if any (see the module: on the worker's thread)."""
+        if not self._waiting:
+            return
+        model, device, sample = self._waiting.popleft()
+        try:
+            self._judged.append(judge(model, sample, device=device))
+        except Exception:  # noqa: BLE001 - a failed check must not fail the step, nor later checks
+            log.exception("blend quality check failed")
+            self.counters.add("blend.check_failures")
 
     def take(self) -> list[tuple[str, float, bool, float]]:
         """The verdicts since the last call: (namespace, r, agreed, KL)."""
-        with self._lock:
-            judged, self._judged = self._judged, []
+        judged, self._judged = self._judged, []
         return judged
-
-    def drain(self, timeout: float = 60.0) -> bool:
-        """Wait until every queued sample is judged; False if `timeout` passed first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._busy == 0, timeout=timeout)
-
-    def close(self) -> None:
-        thread = self._thread
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(timeout=30)
-            self._thread = None
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            model, device, sample = item
-            try:
-                verdict = judge(model, sample, device=device)
-                with self._lock:
-                    self._judged.append(verdict)
-            except Exception:  # noqa: BLE001 - a failed check must not stop later ones, nor the engine
-                log.exception("blend quality check failed")
-                self.counters.add("blend.check_failures")
-            finally:
-                with self._idle:
-                    self._busy -= 1
-                    self._idle.notify_all()
 
 
 def judge(model: VllmBlendModel, sample: Sample, *, device: torch.device) -> tuple[str, float, bool, float]:

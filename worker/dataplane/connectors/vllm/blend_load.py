@@ -54,7 +54,7 @@ class BlendLoads:
         """Copies read from the remote tier must carry the checksum the directory registered."""
         self._model: VllmBlendModel | None = None
         self.checks = BlendChecks(counters)
-        """The sampled loads' quality checks (`blend_checks`), judged on a thread of their own."""
+        """The sampled loads' quality checks (`blend_checks`), judged at the start of later steps."""
 
     def model(self) -> VllmBlendModel:
         if self._model is None:

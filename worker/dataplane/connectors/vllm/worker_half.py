@@ -195,6 +195,7 @@ class WorkerHalf:
         meta, paged = self.meta, self.paged
         if meta is None or paged is None:
             return
+        self.blends.checks.judge_pending()  # a sampled blended load of an earlier step, before this one's
         try:
             self._start(meta, paged)
         except Exception as exc:  # noqa: BLE001 - never an engine error: the step's loads are recomputed
@@ -444,10 +445,8 @@ class WorkerHalf:
         return self.saves.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Store what the save queue still holds (up to `timeout`), then stop its thread (and the
-        quality checks')."""
+        """Store what the save queue still holds (up to `timeout`), then stop its thread."""
         self.saves.close(timeout)
-        self.blends.checks.close()
 
     def take_report(self) -> StrataWorkerMeta | None:
         report, self.report = self.report, StrataWorkerMeta()
